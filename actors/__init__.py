@@ -1,0 +1,1 @@
+"""Actors: one per file, each owning one resource and speaking typed messages."""

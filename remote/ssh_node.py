@@ -1,0 +1,220 @@
+"""A container node reached over SSH (asyncssh), with a cap on channels per connection.
+
+sshd limits sessions per connection (MaxSessions, default 10) and every live sandbox holds one channel
+(its exec agent's pipe), so the node keeps a small pool of connections and opens another when all are
+full, up to ``max_connections``; beyond that, callers wait for a free channel (bounded by their own
+cancel scope). Host keys are verified against ``known_hosts`` unless the config says
+``insecure-accept-any``.
+
+A dropped connection (sshd killed, network gone: keepalives notice it) marks the node not ``alive``;
+channels on it see end of stream. ``connect()`` reconnects. asyncssh errors are translated here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Sequence
+
+import anyio
+import asyncssh
+
+from swectl.config import SshNodeConfig
+from swectl.errors import NodeConnectError, NodeLostError
+from swectl.schema import CommandOutput
+
+
+class _Client(asyncssh.SSHClient):
+    def __init__(self) -> None:
+        self.lost = False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+
+class _Connection:
+    def __init__(self, conn: asyncssh.SSHClientConnection, client: _Client) -> None:
+        self.conn = conn
+        self.client = client
+        self.channels = 0
+
+    @property
+    def usable(self) -> bool:
+        return not self.client.lost and not self.conn.is_closed()
+
+
+class SshProcess:
+    """A remote process on one channel; holds its channel slot until closed."""
+
+    def __init__(self, node: SshNode, slot: _Connection, process: asyncssh.SSHClientProcess) -> None:
+        self._node = node
+        self._slot = slot
+        self._process = process
+        self._closed = False
+
+    async def send(self, data: bytes) -> None:
+        try:
+            self._process.stdin.write(data)
+            await self._process.stdin.drain()
+        except (asyncssh.Error, OSError, BrokenPipeError) as exc:
+            raise BrokenPipeError(f"ssh channel to {self._node.name} closed") from exc
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        try:
+            return await self._process.stdout.read(max_bytes)
+        except (asyncssh.Error, OSError):
+            return b""
+
+    async def close_input(self) -> None:
+        try:
+            self._process.stdin.write_eof()
+        except (asyncssh.Error, OSError):
+            pass
+
+    async def wait(self) -> int:
+        completed = await self._process.wait(check=False)
+        return completed.exit_status if completed.exit_status is not None else -1
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            self._process.close()
+            with anyio.move_on_after(2):
+                await self._process.wait_closed()
+            self._node._release(self._slot)
+
+
+class SshNode:
+    def __init__(self, config: SshNodeConfig) -> None:
+        self.name = config.name
+        self._config = config
+        self._connections: list[_Connection] = []
+        self._opening = anyio.Lock()
+        self._slot_freed = anyio.Event()
+
+    @property
+    def alive(self) -> bool:
+        return any(c.usable for c in self._connections)
+
+    def statistics(self) -> dict[str, int]:
+        return {
+            "connections": sum(c.usable for c in self._connections),
+            "channels": sum(c.channels for c in self._connections if c.usable),
+        }
+
+    async def connect(self) -> None:
+        """Make sure at least one working connection exists (reconnects after a loss)."""
+        self._connections = [c for c in self._connections if c.usable or c.channels]
+        if not any(c.usable for c in self._connections):
+            async with self._opening:
+                if not any(c.usable for c in self._connections):
+                    self._connections.append(await self._open())
+
+    async def _open(self) -> _Connection:
+        cfg = self._config
+        if cfg.known_hosts == "insecure-accept-any":
+            known_hosts = None
+        else:
+            known_hosts = os.path.expanduser(cfg.known_hosts)
+            if not os.path.exists(known_hosts):
+                raise NodeConnectError(
+                    self.name,
+                    f"known_hosts file {known_hosts} does not exist -- hint: add the host key with "
+                    f"`ssh-keyscan -p {cfg.port} {cfg.host} >> {known_hosts}` after checking it, or set "
+                    f'nodes.known_hosts = "insecure-accept-any" (not recommended)',
+                )
+        identity = os.path.expanduser(cfg.identity_file)
+        client = _Client()
+        try:
+            with anyio.fail_after(cfg.connect_timeout_s):
+                conn = await asyncssh.connect(
+                    cfg.host,
+                    port=cfg.port,
+                    username=cfg.user,
+                    client_keys=[identity],
+                    known_hosts=known_hosts,
+                    client_factory=lambda: client,
+                    keepalive_interval=cfg.keepalive_interval_s,
+                    keepalive_count_max=cfg.keepalive_count_max,
+                    agent_path=None,
+                    config=[],
+                )
+        except TimeoutError as exc:
+            raise NodeConnectError(
+                self.name, f"connecting to {cfg.host}:{cfg.port} timed out after {cfg.connect_timeout_s}s"
+            ) from exc
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise NodeConnectError(
+                self.name,
+                f"host key of {cfg.host}:{cfg.port} is not in {known_hosts} ({exc.reason}) -- hint: "
+                "verify the key and add it to known_hosts",
+            ) from exc
+        except asyncssh.PermissionDenied as exc:
+            raise NodeConnectError(
+                self.name, f"permission denied for {cfg.user}@{cfg.host} with key {identity}"
+            ) from exc
+        except (OSError, asyncssh.Error) as exc:
+            raise NodeConnectError(self.name, f"cannot connect to {cfg.host}:{cfg.port}: {exc}") from exc
+        return _Connection(conn, client)
+
+    async def _acquire(self) -> _Connection:
+        while True:
+            self._connections = [c for c in self._connections if c.usable or c.channels]
+            for c in self._connections:
+                if c.usable and c.channels < self._config.max_channels_per_connection:
+                    c.channels += 1
+                    return c
+            usable = [c for c in self._connections if c.usable]
+            if len(usable) < self._config.max_connections:
+                async with self._opening:
+                    if len([c for c in self._connections if c.usable]) < self._config.max_connections:
+                        self._connections.append(await self._open())
+                continue
+            freed = self._slot_freed
+            await freed.wait()
+
+    def _release(self, slot: _Connection) -> None:
+        slot.channels -= 1
+        self._slot_freed.set()
+        self._slot_freed = anyio.Event()
+
+    async def run(self, argv: Sequence[str], *, input: bytes | None = None) -> CommandOutput:
+        slot = await self._acquire()
+        try:
+            done = await slot.conn.run(shlex.join(argv), input=input, encoding=None, check=False)
+        except (asyncssh.Error, OSError) as exc:
+            raise NodeLostError(self.name, f"connection failed during `{shlex.join(argv)[:200]}`: {exc}") from exc
+        finally:
+            self._release(slot)
+        stdout = done.stdout if isinstance(done.stdout, bytes) else b""
+        stderr = done.stderr if isinstance(done.stderr, bytes) else b""
+        if done.exit_status is None:
+            exit_code = 128 + (15 if done.exit_signal else 1)
+        else:
+            exit_code = done.exit_status
+        return CommandOutput(exit_code=exit_code, stdout=stdout, stderr=stderr)
+
+    async def spawn(self, argv: Sequence[str]) -> SshProcess:
+        slot = await self._acquire()
+        try:
+            process = await slot.conn.create_process(
+                shlex.join(argv), encoding=None, stderr=asyncssh.DEVNULL
+            )
+        except (asyncssh.Error, OSError) as exc:
+            self._release(slot)
+            raise NodeLostError(self.name, f"cannot open a channel: {exc}") from exc
+        except BaseException:
+            self._release(slot)
+            raise
+        return SshProcess(self, slot, process)
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for c in self._connections:
+                c.conn.close()
+            with anyio.move_on_after(5):
+                for c in self._connections:
+                    await c.conn.wait_closed()
+            self._connections = []

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Set up swectl on a fresh Debian 12 machine (idempotent; safe to re-run).
+#   1. system packages: podman, runc, catatonit, debootstrap, uidmap, openssh-server, iproute2, git
+#   2. a virtualenv in .venv with swectl installed editable (extras from $SWECTL_EXTRAS, default "dev")
+#   3. the offline base image localhost/swectl-base:bookworm (debootstrap + podman import)
+# Podman is configured through CONTAINERS_CONF=remote/containers.conf for swectl's own calls only;
+# the user's /etc/containers configuration is never modified.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+EXTRAS=${SWECTL_EXTRAS:-dev}
+BASE_IMAGE=${SWECTL_BASE_IMAGE:-localhost/swectl-base:bookworm}
+export CONTAINERS_CONF="$ROOT/remote/containers.conf"
+
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+need_root() { [ "$(id -u)" = 0 ] || { echo "setup: $1 needs root (run with sudo)" >&2; exit 1; }; }
+
+# --- 1. system packages -------------------------------------------------------------------------
+PKGS=(podman runc catatonit conmon debootstrap uidmap openssh-server iproute2 git patch python3-venv)
+missing=()
+for p in "${PKGS[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+    need_root "installing ${missing[*]}"
+    say "installing system packages: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# --- 2. python environment ----------------------------------------------------------------------
+if [ ! -x .venv/bin/python ]; then
+    say "creating .venv"
+    python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import swectl, msgspec, anyio, asyncssh" 2>/dev/null || [ pyproject.toml -nt .venv/.swectl-installed ]; then
+    say "installing swectl[$EXTRAS] into .venv"
+    .venv/bin/pip install -q --upgrade pip 2>&1 | grep -v '^WARNING' || true
+    .venv/bin/pip install -q -e ".[$EXTRAS]" 2>&1 | grep -v -e '^WARNING' -e '^ *!!' || true
+    .venv/bin/python -c "import swectl, msgspec, anyio, asyncssh" 
+    touch .venv/.swectl-installed
+fi
+
+# --- 3. base image --------------------------------------------------------------------------------
+if ! podman image exists "$BASE_IMAGE"; then
+    need_root "building the base image"
+    mirror=$( (cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null || true) | grep -oE "^(URIs:|deb) +https?://[^ ]+" | grep -v security | awk "NR==1 {print \$2}")
+    mirror=${mirror:-http://deb.debian.org/debian}
+    rootfs=$(mktemp -d /var/tmp/swectl-rootfs.XXXXXX)
+    trap 'rm -rf "$rootfs"' EXIT
+    say "building $BASE_IMAGE with debootstrap from $mirror (about a minute)"
+    debootstrap --variant=minbase --include=python3,git,patch,procps bookworm "$rootfs" "$mirror" >/var/tmp/swectl-debootstrap.log 2>&1 \
+        || { echo "setup: debootstrap failed, see /var/tmp/swectl-debootstrap.log" >&2; exit 1; }
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+    tar -C "$rootfs" -c . | podman import --quiet - "$BASE_IMAGE" >/dev/null
+    rm -rf "$rootfs"; trap - EXIT
+fi
+say "ready: $(podman --version), image $BASE_IMAGE, $(.venv/bin/python --version)"

@@ -1,0 +1,258 @@
+"""The cluster configuration: TOML decoded into frozen msgspec Structs.
+
+Each component receives only its own section. Decoding forbids unknown fields; errors carry the path
+(``at $.nodes[1].max_running``) and a hint (the closest valid name for a typo). Cross-field checks name
+the knob to change. ``--set section.key=value`` overrides are applied to the TOML document before
+decoding, so they are validated exactly like the file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from swectl.errors import ConfigError
+
+DEFAULT_IMAGE = "localhost/swectl-base:bookworm"
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+Count = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+NodeName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class LocalNodeConfig(_Section, tag="local", tag_field="kind"):
+    """This machine, driven through the local podman CLI."""
+
+    name: NodeName = "local"
+    max_running: Count = 128
+    max_starting: Count = 8
+    # "bundled": swectl's containers.conf (remote/containers.conf); "system": the node's own config;
+    # anything else: a path on the node.
+    containers_conf: str = "bundled"
+
+
+class SshNodeConfig(_Section, tag="ssh", tag_field="kind"):
+    """A container node reached over SSH (key auth; host keys verified against known_hosts)."""
+
+    name: NodeName
+    host: str
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 22
+    user: str = "root"
+    identity_file: str = "~/.ssh/id_ed25519"
+    # Host keys are verified by default. "insecure-accept-any" turns verification off, loudly.
+    known_hosts: str = "~/.ssh/known_hosts"
+    max_running: Count = 128
+    max_starting: Count = 8
+    # sshd's MaxSessions (default 10) caps channels per connection; each live sandbox holds one.
+    max_channels_per_connection: Count = 10
+    max_connections: Count = 32
+    connect_timeout_s: Positive = 10.0
+    keepalive_interval_s: Positive = 5.0
+    keepalive_count_max: Count = 3
+    containers_conf: str = "bundled"
+
+
+NodeConfig = LocalNodeConfig | SshNodeConfig
+
+
+class SandboxConfig(_Section):
+    backend: Literal["podman"] = "podman"
+    image: str = DEFAULT_IMAGE
+    workdir: str = "/"
+    network: bool = False
+    memory: str = "2g"
+    pids_limit: Count = 512
+    cpus: Positive = 1.0
+    output_head_bytes: NonNegative = 10_000
+    output_tail_bytes: NonNegative = 10_000
+    # How long past a command's in-sandbox timeout the controller waits before declaring the sandbox
+    # broken. Ordering (DESIGN 4.3): command timeout < episode < grading < this guard.
+    exec_grace_s: Positive = 10.0
+    start_timeout_s: Positive = 120.0
+    destroy_timeout_s: Positive = 30.0
+
+
+class EnvPoolConfig(_Section):
+    nodes: list[NodeName] = []  # node names that host sandboxes; empty = all nodes
+    warm: NonNegative = 4  # sandboxes kept started ahead of demand (for sandbox.image)
+    lease_ttl_s: Positive = 300.0
+    health_interval_s: Positive = 5.0
+    health_timeout_s: Positive = 15.0
+    start_retries: NonNegative = 2
+
+
+class ClusterConfig(_Section):
+    run_id: str = ""  # empty: a fresh id per run
+    out_dir: str = "runs"
+    nodes: list[NodeConfig] = msgspec.field(default_factory=lambda: [LocalNodeConfig()])
+    sandbox: SandboxConfig = msgspec.field(default_factory=SandboxConfig)
+    env_pool: EnvPoolConfig = msgspec.field(default_factory=EnvPoolConfig)
+
+    def node(self, name: str) -> NodeConfig:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+    def sandbox_nodes(self) -> list[NodeConfig]:
+        if not self.env_pool.nodes:
+            return list(self.nodes)
+        return [self.node(name) for name in self.env_pool.nodes]
+
+
+_SECTIONS: tuple[type[msgspec.Struct], ...] = (
+    LocalNodeConfig,
+    SshNodeConfig,
+    SandboxConfig,
+    EnvPoolConfig,
+    ClusterConfig,
+)
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: list[str] = ()) -> ClusterConfig:
+    """Read, override, decode and check a cluster config. ``None`` gives the embedded default."""
+    if path is None:
+        document: dict[str, Any] = {}
+        source = "<embedded default>"
+    else:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read config: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{source}: config is not UTF-8 text ({exc})") from exc
+        try:
+            document = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
+    for override in overrides:
+        apply_override(document, override)
+    return decode_config(document, source)
+
+
+def decode_config(document: dict[str, Any], source: str = "<config>") -> ClusterConfig:
+    try:
+        config = msgspec.convert(document, ClusterConfig, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}{_hint_for(str(exc))}") from exc
+    problems = check_config(config)
+    if problems:
+        raise ConfigError(f"{source}: " + "\n  ".join(problems))
+    return config
+
+
+def check_config(config: ClusterConfig) -> list[str]:
+    """Cross-field checks; each message names the knob to change."""
+    problems: list[str] = []
+    names = [node.name for node in config.nodes]
+    if not names:
+        problems.append("nodes: at least one [[nodes]] table is needed (kind = \"local\" or \"ssh\")")
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            problems.append(f"nodes[{i}].name: duplicate node name {name!r}; node names must be unique")
+    for i, name in enumerate(config.env_pool.nodes):
+        if name not in names:
+            problems.append(
+                f"env_pool.nodes[{i}]: unknown node {name!r}; defined nodes: {', '.join(names) or 'none'}"
+                + _suggest(name, names)
+            )
+    for i, node in enumerate(config.nodes):
+        if node.max_starting > node.max_running:
+            problems.append(
+                f"nodes[{i}].max_starting ({node.max_starting}) exceeds nodes[{i}].max_running "
+                f"({node.max_running}); lower max_starting"
+            )
+        if isinstance(node, SshNodeConfig) and not node.host.strip():
+            problems.append(f"nodes[{i}].host: an ssh node needs a host name or address")
+    if config.sandbox.output_head_bytes + config.sandbox.output_tail_bytes == 0:
+        problems.append("sandbox.output_head_bytes + sandbox.output_tail_bytes must be > 0")
+    if not re.fullmatch(r"\d+[bkmg]?", config.sandbox.memory.lower()):
+        problems.append(f"sandbox.memory: {config.sandbox.memory!r} is not a size like \"512m\" or \"2g\"")
+    if config.run_id and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", config.run_id):
+        problems.append("run_id: use 1-64 characters from A-Z a-z 0-9 _ . -")
+    return problems
+
+
+def apply_override(document: dict[str, Any], override: str) -> None:
+    """Apply one ``--set a.b.c=value`` to a TOML document. Values parse as TOML, else as a string.
+
+    List items are addressed by index: ``nodes.0.max_running=64``.
+    """
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {override!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    parts = key.strip().split(".")
+    target: Any = document
+    for depth, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: depth + 1])
+        if isinstance(target, list):
+            target = _list_item(target, part, where, override)
+        else:
+            target = target.setdefault(part, {})
+        if not isinstance(target, dict | list):
+            raise ConfigError(f"--set {override!r}: {where} is a value, not a section")
+    last = parts[-1]
+    if isinstance(target, list):
+        index = _index(last, len(target), override)
+        target[index] = value
+    else:
+        target[last] = value
+
+
+def _list_item(items: list[Any], part: str, where: str, override: str) -> Any:
+    if not items and part == "0":
+        items.append({})
+    return items[_index(part, len(items), override)]
+
+
+def _index(part: str, length: int, override: str) -> int:
+    if not part.isdigit() or int(part) >= length:
+        raise ConfigError(f"--set {override!r}: {part!r} is not an index into a list of {length}")
+    return int(part)
+
+
+def _all_field_names() -> list[str]:
+    names = {"kind"}
+    for struct in _SECTIONS:
+        names.update(struct.__struct_fields__)
+    return sorted(names)
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _hint_for(message: str) -> str:
+    unknown = re.search(r"unknown field `([^`]+)`", message)
+    if unknown:
+        suggestion = _suggest(unknown.group(1), _all_field_names())
+        return "\n  hint: remove or rename it" + (suggestion or "; see examples/local.toml for valid keys")
+    if "Invalid value" in message and "kind" in message:
+        return '\n  hint: a node\'s kind is "local" or "ssh"'
+    if "missing required field `kind`" in message:
+        return '\n  hint: every [[nodes]] table needs kind = "local" or kind = "ssh"'
+    if "Expected" in message:
+        return "\n  hint: check the value's type (strings need quotes, numbers must not have them)"
+    return ""
+
+
+def resolved_json(config: ClusterConfig) -> bytes:
+    """The resolved config (defaults filled in) as indented JSON, for `swectl check-config`."""
+    return msgspec.json.format(msgspec.json.encode(config), indent=2)

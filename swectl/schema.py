@@ -1,0 +1,168 @@
+"""Every message and record type of swectl, as frozen msgspec Structs.
+
+Narrow types per stage. Wire types of the in-sandbox exec agent (remote/exec_agent.py) are tagged unions:
+requests carry ``op``, replies carry ``kind``. The agent speaks msgpack maps, so fields are matched by
+name; new optional fields may be added with defaults (msgspec schema evolution), never renamed.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# ---------------------------------------------------------------- exec agent wire protocol (version 1)
+
+
+class ExecRequest(msgspec.Struct, frozen=True, tag="exec", tag_field="op"):
+    id: int
+    command: str
+    timeout: float
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    head: int = 10_000
+    tail: int = 10_000
+
+
+class WriteRequest(msgspec.Struct, frozen=True, tag="write", tag_field="op"):
+    id: int
+    path: str
+    data: bytes
+    append: bool = False
+    mode: int | None = None
+
+
+class ReadRequest(msgspec.Struct, frozen=True, tag="read", tag_field="op"):
+    id: int
+    path: str
+    offset: int
+    length: int
+
+
+class PingRequest(msgspec.Struct, frozen=True, tag="ping", tag_field="op"):
+    id: int
+
+
+AgentRequest = ExecRequest | WriteRequest | ReadRequest | PingRequest
+
+
+class AgentHello(msgspec.Struct, frozen=True, tag="hello", tag_field="kind"):
+    pid: int
+    python: str
+    protocol: int
+
+
+class ExecReply(msgspec.Struct, frozen=True, tag="exec", tag_field="kind"):
+    id: int
+    exit_code: int
+    timed_out: bool
+    output: bytes
+    elided: int
+    duration_s: float
+
+
+class WriteReply(msgspec.Struct, frozen=True, tag="write", tag_field="kind"):
+    id: int
+    size: int
+
+
+class ReadReply(msgspec.Struct, frozen=True, tag="read", tag_field="kind"):
+    id: int
+    data: bytes
+    size: int
+
+
+class PongReply(msgspec.Struct, frozen=True, tag="pong", tag_field="kind"):
+    id: int
+
+
+class ErrorReply(msgspec.Struct, frozen=True, tag="error", tag_field="kind"):
+    id: int
+    error: str
+    errno: int | None = None
+
+
+AgentReply = AgentHello | ExecReply | WriteReply | ReadReply | PongReply | ErrorReply
+
+# ---------------------------------------------------------------- nodes and sandboxes
+
+
+class CommandOutput(msgspec.Struct, frozen=True):
+    """A host-side command run on a node (podman CLI, health checks)."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+
+
+class ExecResult(msgspec.Struct, frozen=True):
+    """What one command in a sandbox produced. A timeout is a result, not an error."""
+
+    output: str  # merged stdout+stderr, decoded with errors="replace", head+tail with an elision marker
+    exit_code: int
+    timed_out: bool
+    elided_bytes: int = 0
+    duration_s: float = 0.0
+
+
+class SandboxSpec(msgspec.Struct, frozen=True):
+    """How to create one sandbox. Limits come from the [sandbox] config section."""
+
+    image: str
+    workdir: str = "/"
+    network: bool = False
+    memory: str = "2g"
+    pids_limit: int = 512
+    cpus: float = 1.0
+    labels: dict[str, str] = {}
+    env: dict[str, str] = {}
+
+
+class SandboxInfo(msgspec.Struct, frozen=True):
+    """A container swectl created, as listed on a node."""
+
+    id: str
+    name: str
+    node: str
+    image: str
+    state: str
+    labels: dict[str, str]
+
+
+# ---------------------------------------------------------------- nodes and the env pool
+
+
+class NodeReport(msgspec.Struct, frozen=True):
+    """Result of `swectl nodes check` for one node."""
+
+    node: str
+    ok: bool
+    podman_version: str = ""
+    images: list[str] = []
+    free_disk_gb: float | None = None
+    swectl_containers: int = 0
+    exec_ok: bool = False
+    problems: list[str] = []  # each "<problem> -- hint: <what to do>"
+
+
+class NodeStatistics(msgspec.Struct, frozen=True):
+    name: str
+    healthy: bool
+    leased: int
+    warm: int
+    starting: int
+    max_running: int
+    max_starting: int
+    failures: int
+
+
+class PoolStatistics(msgspec.Struct, frozen=True):
+    nodes: list[NodeStatistics]
+    leased: int
+    warm: int
+    starting: int
+    leases_granted: int
+    warm_hits: int
+    cold_starts: int
+    leases_expired: int
+    leases_failed: int
+    start_failures: int
+    orphans_reaped: int
