@@ -1,32 +1,29 @@
-"""Command agent that runs inside a sandbox container and executes shell commands for the controller.
+"""Command agent: runs inside a sandbox container and executes shell commands for the controller.
 
-The controller starts it with ``python3 -u -c BOOTSTRAP`` inside the container and streams this very file
-over stdin (``b"%d\\n" % len(src) + src``), so the image needs nothing but a stock ``python3``. The agent
-uses the standard library only and carries its own minimal msgpack codec. On the controller the module
-is importable as ``swectl.remote.exec_agent`` (importing it has no side effects) for ``BOOTSTRAP``,
-``HeadTail`` and the codec.
+The controller runs ``python3 -u -c BOOTSTRAP`` in the container and streams this very file over stdin
+(``b"%d\n" % len(src) + src``), so the image needs nothing but python3. Standard library only, with its
+own minimal msgpack codec. The controller imports ``BOOTSTRAP``, ``HeadTail`` and the codec from here.
 
-Protocol (version 1): each frame is a 4-byte big-endian length followed by a msgpack map with str keys.
-The agent first sends ``{"kind": "hello", "pid", "python", "protocol"}``, then serves requests one at a
-time, one reply each. A nil field means "use the default".
+Protocol 1: each frame is a 4-byte big-endian length and a msgpack map with str keys. The agent sends
+``{"kind": "hello", pid, python, protocol}``, then serves requests one at a time, one reply each; a nil
+field takes its default. A failure replies ``{"kind": "error", id, error, errno}`` and serving goes on.
+- ``exec`` (id, command, timeout=600, cwd="/", env, head=32K, tail=32K) runs ``/bin/bash -c command``
+  (or ``/bin/sh``) in a new session, stdin /dev/null, stderr merged into stdout, and replies
+  ``{"kind": "exec", id, exit_code, timed_out, output, elided, duration_s}``: output keeps the first
+  ``head`` and last ``tail`` bytes, elided counts the rest; a signal N gives exit_code 128+N.
+- ``write`` (id, path, data, append, mode) -> ``{"kind": "write", id, size}``.
+- ``read`` (id, path, offset=0, length=to the end) -> ``{"kind": "read", id, data, size}``.
+- ``ping`` (id) -> ``{"kind": "pong", id}``. EOF on stdin kills a running command and exits 0.
 
-- ``exec`` (id, command, timeout, cwd, env, head, tail) runs ``/bin/bash -c command`` (``/bin/sh`` when
-  there is no bash) in its own session with stdin from /dev/null and stderr merged into stdout, and
-  replies ``{"kind": "exec", id, exit_code, timed_out, output, elided, duration_s}``. Only the first
-  ``head`` and the last ``tail`` bytes of output are kept; ``exit_code`` is 128+N for a signal N.
-- ``write`` (id, path, data, append, mode) replies ``{"kind": "write", id, size}``.
-- ``read`` (id, path, offset, length) replies ``{"kind": "read", id, data, size}``.
-- ``ping`` (id) replies ``{"kind": "pong", id}``.
-- Any failure replies ``{"kind": "error", id, error, errno}`` and the agent keeps serving. EOF on stdin
-  kills a running command's process group and exits 0.
-
-Security scope: the agent confines nothing. Commands run with the agent's own uid, filesystem and network;
-isolation and resource limits (pids, memory, cpu) are the container's job. Output is bounded in memory and
-every command is bounded in time, but only by process group: a process that calls setsid() or setpgid()
-escapes the group kill and may outlive its command. Orphaned processes are reaped by the container's init,
-not by the agent. Requests are trusted to come from the controller; paths are not restricted.
+Security scope: it confines nothing. Commands run with the agent's uid, filesystem and network; isolation
+and limits (pids, memory, cpu) are the container's job, and requests are trusted. It bounds the memory a
+command's output takes, and its time, by SIGKILL to the command's process group at the deadline.
+Background children still holding the output pipe when the shell exits get 0.5 s, then the group is
+killed; ones that redirected their output survive (servers). A process that calls setsid() or setpgid()
+escapes the group kill. Orphans are reaped by the container's init, not here.
 """
 
+import contextlib
 import os
 import platform
 import selectors
@@ -49,7 +46,7 @@ BOOTSTRAP = (
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_HEAD = DEFAULT_TAIL = 32 * 1024
 CHUNK = 64 * 1024  # the default Linux pipe capacity: one read empties a full pipe
-DRAIN_GRACE = 0.5  # how long background children holding the pipe may keep writing after the shell exits
+DRAIN_GRACE = 0.5
 KILL_ROUNDS = 5
 
 
@@ -57,48 +54,36 @@ class HeadTail:
     """Keeps the first `head` and the last `tail` bytes of a stream and counts what falls in between."""
 
     def __init__(self, head: int, tail: int) -> None:
-        self._head_limit = max(0, head)
-        self._tail_limit = max(0, tail)
-        self._head = bytearray()
-        self._tail = bytearray()
-        self._total = 0
+        self._head_limit, self._tail_limit = max(0, head), max(0, tail)
+        self._head, self._tail = bytearray(), bytearray()
+        self.total = 0
 
     def feed(self, data: bytes) -> None:
-        self._total += len(data)
+        self.total += len(data)
         room = self._head_limit - len(self._head)
         if room > 0:
             self._head += data[:room]
             data = data[room:]
         if not data or not self._tail_limit:
             return
-        if len(data) >= self._tail_limit:
-            self._tail = bytearray(data[-self._tail_limit :])
-        else:
-            self._tail += data
-            # bytearray drops a prefix in place, so trimming per chunk stays cheap
-            del self._tail[: len(self._tail) - self._tail_limit]
-
-    @property
-    def total(self) -> int:
-        return self._total
+        # Appending at most `tail` bytes bounds memory; bytearray drops a prefix without moving the rest.
+        self._tail += data[-self._tail_limit :]
+        del self._tail[: -self._tail_limit]
 
     @property
     def elided(self) -> int:
-        return self._total - len(self._head) - len(self._tail)
+        return self.total - len(self._head) - len(self._tail)
 
     def output(self) -> bytes:
         return bytes(self._head + self._tail)
 
-
-# ---- msgpack ---------------------------------------------------------------------------------------
 
 _UINTS = ((0xCC, ">BB", 1 << 8), (0xCD, ">BH", 1 << 16), (0xCE, ">BI", 1 << 32), (0xCF, ">BQ", 1 << 64))
 _SINTS = ((0xD0, ">Bb", 1 << 7), (0xD1, ">Bh", 1 << 15), (0xD2, ">Bi", 1 << 31), (0xD3, ">Bq", 1 << 63))
 _CONSTS = {0xC0: None, 0xC2: False, 0xC3: True}
 _SCALAR_FORMATS = ">f >d >B >H >I >Q >b >h >i >q".split()  # type bytes 0xca..0xd3 in order
 _SCALARS = {op: struct.Struct(fmt) for op, fmt in zip(range(0xCA, 0xD4), _SCALAR_FORMATS, strict=True)}
-# type byte -> (length field, kind); the fix* forms carry their length in the type byte itself
-_SIZED = {
+_SIZED = {  # type byte -> (length field, kind)
     0xC4: (">B", "bin"), 0xC5: (">H", "bin"), 0xC6: (">I", "bin"),
     0xD9: (">B", "str"), 0xDA: (">H", "str"), 0xDB: (">I", "str"),
     0xDC: (">H", "array"), 0xDD: (">I", "array"), 0xDE: (">H", "map"), 0xDF: (">I", "map"),
@@ -123,22 +108,20 @@ def _header(n: int, fix: int | None, fix_limit: int, op8: int | None, op16: int,
     raise ValueError(f"msgpack: object of length {n} is too large")
 
 
-def _encode_int(n: int) -> bytes:
-    if -32 <= n < 128:
-        return bytes([n & 0xFF])
-    for op, fmt, limit in _UINTS if n >= 0 else _SINTS:
-        if (n < limit) if n >= 0 else (n >= -limit):
-            return struct.pack(fmt, op, n)
-    raise ValueError(f"msgpack: integer {n} does not fit in 64 bits")
-
-
 def _encode(obj: object, out: list[bytes]) -> None:
     if obj is None:
         out.append(b"\xc0")
     elif obj is True or obj is False:
         out.append(b"\xc3" if obj else b"\xc2")
     elif isinstance(obj, int):
-        out.append(_encode_int(obj))
+        if -32 <= obj < 128:
+            out.append(bytes([obj & 0xFF]))
+            return
+        for op, fmt, limit in _UINTS if obj >= 0 else _SINTS:
+            if -limit <= obj < limit:
+                out.append(struct.pack(fmt, op, obj))
+                return
+        raise ValueError(f"msgpack: integer {obj} does not fit in 64 bits")
     elif isinstance(obj, float):
         out.append(struct.pack(">Bd", 0xCB, obj))
     elif isinstance(obj, str):
@@ -175,46 +158,37 @@ def _span(data: bytes, pos: int, n: int) -> int:
 
 
 def _decode(data: bytes, pos: int) -> tuple[object, int]:
-    _span(data, pos, 1)
-    op = data[pos]
-    pos += 1
+    pos = _span(data, pos, 1)
+    op = data[pos - 1]
     if op <= 0x7F or op >= 0xE0:
         return (op if op <= 0x7F else op - 0x100), pos
-    if op <= 0xBF:  # fixmap, fixarray, fixstr
-        kind, n = ("map", op & 0x0F) if op <= 0x8F else ("array", op & 0x0F) if op <= 0x9F else ("str", op & 0x1F)
-        return _decode_body(data, pos, kind, n)
-    if op in _CONSTS:
+    if op <= 0xBF:  # the fix* forms carry their length in the type byte
+        kind = "map" if op <= 0x8F else "array" if op <= 0x9F else "str"
+        n = op & (0x1F if kind == "str" else 0x0F)
+    elif op in _CONSTS:
         return _CONSTS[op], pos
-    if op in _SCALARS:
+    elif op in _SCALARS:
         scalar = _SCALARS[op]
-        return scalar.unpack_from(data, pos)[0], _span(data, pos, scalar.size)
-    if op not in _SIZED:
+        _span(data, pos, scalar.size)
+        return scalar.unpack_from(data, pos)[0], pos + scalar.size
+    elif op in _SIZED:
+        fmt, kind = _SIZED[op]
+        end = _span(data, pos, struct.calcsize(fmt))
+        (n,), pos = struct.unpack_from(fmt, data, pos), end
+    else:
         raise ValueError(f"msgpack: unsupported type byte 0x{op:02x}")
-    fmt, kind = _SIZED[op]
-    end = _span(data, pos, struct.calcsize(fmt))
-    return _decode_body(data, end, kind, struct.unpack_from(fmt, data, pos)[0])
-
-
-def _decode_body(data: bytes, pos: int, kind: str, n: int) -> tuple[object, int]:
-    if kind == "str" or kind == "bin":
+    if kind in ("str", "bin"):
         end = _span(data, pos, n)
         return (data[pos:end].decode("utf-8") if kind == "str" else data[pos:end]), end
+    items = []
+    for _ in range(n * 2 if kind == "map" else n):
+        item, pos = _decode(data, pos)
+        items.append(item)
     if kind == "array":
-        items = []
-        for _ in range(n):
-            item, pos = _decode(data, pos)
-            items.append(item)
         return items, pos
-    result = {}
-    for _ in range(n):
-        key, pos = _decode(data, pos)
-        if isinstance(key, list | dict):
-            raise ValueError("msgpack: unhashable map key")
-        result[key], pos = _decode(data, pos)
-    return result, pos
-
-
-# ---- requests --------------------------------------------------------------------------------------
+    if any(isinstance(key, list | dict) for key in items[::2]):
+        raise ValueError("msgpack: unhashable map key")
+    return dict(zip(items[::2], items[1::2], strict=True)), pos
 
 
 def _field(req: dict, name: str, default):
@@ -224,14 +198,12 @@ def _field(req: dict, name: str, default):
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the command's process group and reap the shell."""
-    try:
+    with contextlib.suppress(OSError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
     proc.kill()  # the shell itself may have left the group
     proc.wait()
-    # Members forked while the first signal was in flight survive it; the reaped shell's zombie no longer
-    # keeps the group alive, but orphans' zombies do until init reaps them, hence the bounded retry.
+    # Children forked while the first signal was in flight survive it (a fork bomb). Zombie orphans keep
+    # the group alive until init reaps them, so the retry is bounded rather than waiting for ESRCH.
     for _ in range(KILL_ROUNDS):
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -241,27 +213,29 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _pump(proc: subprocess.Popen, deadline: float, out: HeadTail, stdin) -> bool:
-    """Collect output until the shell exits and the pipe closes; return whether the deadline hit."""
+    """Collect output until the shell has exited and the pipe is closed; return whether the deadline hit."""
     fd = proc.stdout.fileno()
     sel = selectors.DefaultSelector()
     sel.register(fd, selectors.EVENT_READ)
     # Watching stdin lets a controller that goes away stop a runaway command instead of orphaning it.
-    sel.register(stdin.fileno(), selectors.EVENT_READ)
-    pipe_open, grace_end, poll_wait = True, None, 0.0005
+    with contextlib.suppress(OSError, ValueError):  # a regular file cannot be polled; then don't watch
+        sel.register(stdin.fileno(), selectors.EVENT_READ)
+    pipe_open, exited, killed, timed_out = True, False, False, False
+    end, poll_wait = deadline, 0.0005
     try:
-        while True:
+        while pipe_open or not exited:
             now = time.monotonic()
-            if grace_end is None and proc.poll() is not None:
-                if not pipe_open:
-                    return False
-                grace_end = min(now + DRAIN_GRACE, deadline)
-            end = deadline if grace_end is None else grace_end
+            if not exited and proc.poll() is not None:
+                exited = True
+                end = min(end, now + DRAIN_GRACE)  # only matters if background children hold the pipe
+                continue
             if now >= end:
+                if killed:  # writers that escaped the kill could hold the pipe forever
+                    break
+                timed_out, killed = not exited, True
                 _kill_group(proc)
-                if pipe_open:
-                    _drain_now(sel, fd, out)
-                return grace_end is None
-            # Nothing signals the shell's exit, so poll it, fast right after output and backing off after.
+                end = now + 0.1  # to collect what the killed processes already wrote
+            # Nothing wakes us when the shell exits, so poll it: fast right after output, backing off after.
             events = sel.select(min(end - now, poll_wait))
             poll_wait = 0.0005 if events else min(poll_wait * 2, 0.05)
             for key, _ in events:
@@ -269,39 +243,24 @@ def _pump(proc: subprocess.Popen, deadline: float, out: HeadTail, stdin) -> bool
                     if not stdin.peek(1):
                         raise SystemExit(0)
                     sel.unregister(key.fd)  # a pipelined request: it stays buffered for the main loop
-                    continue
-                chunk = os.read(fd, CHUNK)
-                if chunk:
+                elif chunk := os.read(fd, CHUNK):
                     out.feed(chunk)
                 else:
                     pipe_open = False
                     sel.unregister(fd)
     finally:
         sel.close()
-
-
-def _drain_now(sel: selectors.BaseSelector, fd: int, out: HeadTail) -> None:
-    """Take what the killed processes already wrote, without waiting on writers that escaped the kill."""
-    stop = time.monotonic() + 0.1
-    while time.monotonic() < stop and any(key.fd == fd for key, _ in sel.select(0)):
-        chunk = os.read(fd, CHUNK)
-        if not chunk:
-            return
-        out.feed(chunk)
+    return timed_out
 
 
 def _exec(req: dict, stdin) -> dict:
-    command = req["command"]
-    if not isinstance(command, str):
-        raise TypeError("command must be a str")
     timeout = float(_field(req, "timeout", DEFAULT_TIMEOUT))
-    env = dict(os.environ)
-    env.update(_field(req, "env", {}))
+    env = {**os.environ, **_field(req, "env", {})}
     out = HeadTail(_field(req, "head", DEFAULT_HEAD), _field(req, "tail", DEFAULT_TAIL))
     shell = "/bin/bash" if os.access("/bin/bash", os.X_OK) else "/bin/sh"
     start = time.monotonic()
     proc = subprocess.Popen(
-        [shell, "-c", command],
+        [shell, "-c", req["command"]],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -327,11 +286,9 @@ def _exec(req: dict, stdin) -> dict:
     }
 
 
-def _write(req: dict) -> dict:
+def _write(req: dict, stdin) -> dict:
     path = req["path"]
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "ab" if _field(req, "append", False) else "wb") as f:
         f.write(_field(req, "data", b""))
         f.flush()
@@ -341,13 +298,19 @@ def _write(req: dict) -> dict:
     return {"kind": "write", "id": req["id"], "size": size}
 
 
-def _read(req: dict) -> dict:
+def _read(req: dict, stdin) -> dict:
     with open(req["path"], "rb") as f:
         size = os.fstat(f.fileno()).st_size
         f.seek(_field(req, "offset", 0))
-        length = req.get("length")
-        data = f.read() if length is None else f.read(length)
+        data = f.read(_field(req, "length", -1))
     return {"kind": "read", "id": req["id"], "data": data, "size": size}
+
+
+def _ping(req: dict, stdin) -> dict:
+    return {"kind": "pong", "id": req["id"]}
+
+
+_HANDLERS = {"exec": _exec, "write": _write, "read": _read, "ping": _ping}
 
 
 def _handle(body: bytes, stdin) -> dict:
@@ -356,25 +319,14 @@ def _handle(body: bytes, stdin) -> dict:
         req = msgpack_decode(body)
         if not isinstance(req, dict):
             raise ValueError("request must be a map")
-        req_id = req.get("id") if isinstance(req.get("id"), int) else 0
-        op = req.get("op")
-        if op == "exec":
-            return _exec(req, stdin)
-        if op == "write":
-            return _write(req)
-        if op == "read":
-            return _read(req)
-        if op == "ping":
-            return {"kind": "pong", "id": req["id"]}
-        raise ValueError(f"unknown op {op!r}")
+        req_id = req["id"] if isinstance(req.get("id"), int) else 0
+        if req.get("op") not in _HANDLERS:
+            raise ValueError(f"unknown op {req.get('op')!r}")
+        return _HANDLERS[req["op"]](req, stdin)
     except Exception as exc:
         errno = getattr(exc, "errno", None)
-        return {
-            "kind": "error",
-            "id": req_id,
-            "error": f"{type(exc).__name__}: {exc}",
-            "errno": errno if isinstance(errno, int) else None,
-        }
+        errno = errno if isinstance(errno, int) else None
+        return {"kind": "error", "id": req_id, "error": f"{type(exc).__name__}: {exc}", "errno": errno}
 
 
 def _send(obj: dict) -> None:
@@ -388,11 +340,9 @@ def _send(obj: dict) -> None:
 def main() -> None:
     # The bootstrap already read through this buffered reader, so frames must come from it too.
     stdin = sys.stdin.buffer
-    _send({"kind": "hello", "pid": os.getpid(), "python": platform.python_version(), "protocol": PROTOCOL_VERSION})
-    while True:
-        header = stdin.read(4)
-        if len(header) < 4:
-            return
+    version = platform.python_version()
+    _send({"kind": "hello", "pid": os.getpid(), "python": version, "protocol": PROTOCOL_VERSION})
+    while len(header := stdin.read(4)) == 4:
         (length,) = struct.unpack(">I", header)
         body = stdin.read(length)
         if len(body) < length:

@@ -1,0 +1,99 @@
+"""The `swectl` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import anyio
+
+from swectl.config import load_config, resolved_json
+from swectl.errors import ConfigError, InfraError
+
+EPILOG = """\
+examples:
+  swectl up                              run the embedded default (one local node)
+  swectl up examples/two-nodes.toml --set env_pool.warm=8
+  swectl check-config cluster.toml       print the resolved config as JSON
+  swectl nodes check cluster.toml        connect to every node and report problems
+"""
+
+
+def _config_args(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    parser.add_argument(
+        "config", nargs=None if required else "?", metavar="FILE",
+        help="cluster config (TOML)" + ("" if required else "; default: the embedded default, one local node"),
+    )
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config value, e.g. --set env_pool.warm=8 or --set nodes.0.max_running=64 "
+        "(values parse as TOML; repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swectl", description="Train and evaluate software-engineering agents with RL.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run the main job on a cluster (today: the sandbox layer end to end)")
+    _config_args(up)
+    up.add_argument("--episodes", type=int, default=8, help="scripted episodes to run (default 8)")
+    up.add_argument("--concurrency", type=int, default=4, help="episodes at once (default 4)")
+
+    check = sub.add_parser("check-config", help="validate a config and print it resolved, as JSON")
+    _config_args(check)
+
+    nodes = sub.add_parser("nodes", help="inspect and clean container nodes")
+    nodes_sub = nodes.add_subparsers(dest="nodes_command", required=True, metavar="ACTION")
+    nodes_check = nodes_sub.add_parser(
+        "check", help="connect to every node; report podman version, images, disk, swectl containers, problems"
+    )
+    _config_args(nodes_check)
+    nodes_check.add_argument("--json", action="store_true", help="print the reports as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        match args.command:
+            case "check-config":
+                sys.stdout.write(resolved_json(config).decode() + "\n")
+                return 0
+            case "up":
+                from swectl.up import run_up
+
+                return anyio.run(lambda: run_up(config, episodes=args.episodes, concurrency=args.concurrency))
+            case "nodes":
+                return _nodes(args, config)
+    except ConfigError as exc:
+        print(f"swectl: config error: {exc}", file=sys.stderr)
+        return 2
+    except InfraError as exc:
+        print(f"swectl: infrastructure error: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("swectl: interrupted; containers of this run were removed", file=sys.stderr)
+        return 130
+    return 1
+
+
+def _nodes(args: argparse.Namespace, config) -> int:
+    import msgspec
+
+    from swectl.nodes_check import check_nodes, format_reports
+
+    reports = anyio.run(check_nodes, config)
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(reports)).decode() + "\n")
+    else:
+        print(format_reports(reports))
+    return 0 if all(r.ok for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
