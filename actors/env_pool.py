@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
+from swectl.remote.podman import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN
+from swectl.remote.podman_sandbox import PodmanBackend, PodmanSandbox
 
 from swectl.config import EnvPoolConfig, NodeConfig, SandboxConfig
 from swectl.errors import InfraError, LeaseExpiredError, NodeLostError, PoolClosedError, SandboxError
-from swectl.remote.podman import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN
-from swectl.remote.podman_sandbox import PodmanBackend, PodmanSandbox
 from swectl.schema import ExecResult, NodeStatistics, PoolStatistics, SandboxSpec
 
 SHUTDOWN_TIMEOUT_S = 60.0

@@ -12,10 +12,10 @@ from importlib import resources
 
 import anyio
 import msgspec
-
-from swectl.errors import AgentProtocolError, SandboxLostError
 from swectl.remote.exec_agent import BOOTSTRAP
 from swectl.remote.node import NodeProcess
+
+from swectl.errors import AgentProtocolError, SandboxLostError
 from swectl.schema import AgentHello, AgentReply, AgentRequest, ErrorReply
 
 _HEADER = struct.Struct(">I")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from swectl.config import ClusterConfig, LocalNodeConfig, NodeConfig, SshNodeConfig
 from swectl.remote.node import LocalNode, Node
 from swectl.remote.podman_sandbox import PodmanBackend
 from swectl.remote.ssh_node import SshNode
+
+from swectl.config import ClusterConfig, LocalNodeConfig, NodeConfig, SshNodeConfig
 
 BACKENDS = ("podman",)
 

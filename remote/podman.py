@@ -15,6 +15,7 @@ import json
 from importlib import resources
 
 from swectl.remote.node import Node
+
 from swectl.errors import CommandError
 from swectl.schema import CommandOutput, SandboxInfo, SandboxSpec
 

@@ -18,13 +18,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import anyio
-
-from swectl.config import SandboxConfig
-from swectl.errors import InfraError, NodeLostError, SandboxError, SandboxLostError
 from swectl.remote.agent_client import AgentClient, agent_command
 from swectl.remote.exec_agent import HeadTail
 from swectl.remote.node import Node
 from swectl.remote.podman import PodmanCli
+
+from swectl.config import SandboxConfig
+from swectl.errors import InfraError, NodeLostError, SandboxError, SandboxLostError
 from swectl.sandbox import DIFF_FILE, diff_command, format_output
 from swectl.schema import (
     ErrorReply,

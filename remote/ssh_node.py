@@ -90,6 +90,7 @@ class SshNode:
     def __init__(self, config: SshNodeConfig) -> None:
         self.name = config.name
         self._config = config
+        self._identity = os.path.expanduser(config.identity_file)
         self._connections: list[_Connection] = []
         self._opening = anyio.Lock()
         self._slot_freed = anyio.Event()
@@ -112,20 +113,24 @@ class SshNode:
                 if not any(c.usable for c in self._connections):
                     self._connections.append(await self._open())
 
-    async def _open(self) -> _Connection:
+    def _known_hosts(self) -> str | None:
         cfg = self._config
         if cfg.known_hosts == "insecure-accept-any":
-            known_hosts = None
-        else:
-            known_hosts = os.path.expanduser(cfg.known_hosts)
-            if not os.path.exists(known_hosts):
-                raise NodeConnectError(
-                    self.name,
-                    f"known_hosts file {known_hosts} does not exist -- hint: add the host key with "
-                    f"`ssh-keyscan -p {cfg.port} {cfg.host} >> {known_hosts}` after checking it, or set "
-                    f'nodes.known_hosts = "insecure-accept-any" (not recommended)',
-                )
-        identity = os.path.expanduser(cfg.identity_file)
+            return None
+        known_hosts = os.path.expanduser(cfg.known_hosts)
+        if not os.path.exists(known_hosts):
+            raise NodeConnectError(
+                self.name,
+                f"known_hosts file {known_hosts} does not exist -- hint: add the host key with "
+                f"`ssh-keyscan -p {cfg.port} {cfg.host} >> {known_hosts}` after checking it, or set "
+                f'nodes.known_hosts = "insecure-accept-any" (not recommended)',
+            )
+        return known_hosts
+
+    async def _open(self) -> _Connection:
+        cfg = self._config
+        known_hosts = self._known_hosts()
+        identity = self._identity
         client = _Client()
         try:
             with anyio.fail_after(cfg.connect_timeout_s):

@@ -1,0 +1,36 @@
+# swectl tasks. `just --list` shows them. Run `bash scripts/setup.sh` (or `just setup`) first.
+set positional-arguments
+set shell := ["bash", "-cu"]
+
+venv := justfile_directory() / ".venv/bin"
+
+# list recipes
+default:
+    @just --list
+
+# install system packages, the venv and the base image (idempotent)
+setup:
+    bash scripts/setup.sh
+
+# run the main job on a cluster config (default: the embedded one-local-node default)
+up *args:
+    {{venv}}/swectl up "$@"
+
+# run the tests (unit + integration: real podman, sshd in network namespaces)
+test *args:
+    {{venv}}/python -m pytest "$@"
+
+# ruff
+lint:
+    {{venv}}/ruff check .
+
+# benchmarks: `just bench env`, `just bench env --quick`; results in benchmarks/results/
+bench suite *args:
+    {{venv}}/python benchmarks/{{suite}}.py "${@:2}"
+
+# two sshd test nodes in network namespaces (for examples/two-nodes.toml); `just nodes-down` removes them
+nodes-up count="2":
+    {{venv}}/python -m swectl.testnodes up --count {{count}}
+
+nodes-down:
+    {{venv}}/python -m swectl.testnodes down

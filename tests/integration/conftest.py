@@ -1,0 +1,149 @@
+"""Fixtures for integration tests against real podman containers on this machine.
+
+Every container a test creates carries the label ``swectl.test=<session id>``; a session-scoped finalizer
+force-removes every container with that label, so nothing is left behind even when a test fails.
+The whole directory is skipped (with the reason) when podman or the base image is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from swectl.config import DEFAULT_IMAGE, SandboxConfig
+from swectl.remote.node import LocalNode
+from swectl.remote.podman_sandbox import PodmanBackend, PodmanSandbox
+from swectl.schema import SandboxSpec
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[1]
+CONTAINERS_CONF = REPO_ROOT / "remote" / "containers.conf"
+BASE_IMAGE = DEFAULT_IMAGE
+NOPY_IMAGE = "localhost/swectl-test-nopy:latest"
+TEST_LABEL = "swectl.test"
+SESSION_ID = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+SPEC_WORKDIR = "/work/space"
+SPEC_ENV = {"SWECTL_SPEC_VAR": "from the spec"}
+
+
+def podman(*args: str, input: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess[bytes]:
+    """The podman CLI with swectl's containers.conf (runc fails on rlimits without it here)."""
+    env = {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
+    return subprocess.run(
+        ["podman", *args], input=input, capture_output=True, env=env, timeout=timeout, check=False
+    )
+
+
+def _unavailable() -> str | None:
+    setup = "run `bash scripts/setup.sh` to install podman and build the base image"
+    if shutil.which("podman") is None:
+        return f"podman is not installed; {setup}"
+    try:
+        out = podman("image", "exists", BASE_IMAGE, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"podman does not work ({exc}); {setup}"
+    if out.returncode != 0:
+        return f"base image {BASE_IMAGE} is missing; {setup}"
+    return None
+
+
+UNAVAILABLE = _unavailable()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every test of this directory, with the reason, when podman or the base image is missing."""
+    if UNAVAILABLE is None:
+        return
+    skip = pytest.mark.skip(reason=UNAVAILABLE)
+    for item in items:
+        if HERE in Path(str(item.path)).resolve().parents:
+            item.add_marker(skip)
+
+
+def session_labels(**extra: str) -> dict[str, str]:
+    """Labels for a container of this test session (the cleanup finalizer removes it)."""
+    return {TEST_LABEL: SESSION_ID, **extra}
+
+
+def make_spec(image: str = BASE_IMAGE, **kwargs: object) -> SandboxSpec:
+    """A SandboxSpec that always carries this session's cleanup label."""
+    labels = session_labels(**kwargs.pop("labels", {}))  # type: ignore[arg-type]
+    return SandboxSpec(image=image, labels=labels, **kwargs)  # type: ignore[arg-type]
+
+
+async def apodman(*args: str) -> subprocess.CompletedProcess[bytes]:
+    """`podman(...)` for async tests."""
+    env = {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
+    with anyio.fail_after(120):
+        return await anyio.run_process(["podman", *args], env=env, check=False)
+
+
+def session_containers() -> list[str]:
+    out = podman("ps", "-a", "-q", "--no-trunc", "--filter", f"label={TEST_LABEL}={SESSION_ID}")
+    return out.stdout.decode().split()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_session_containers() -> Iterator[None]:
+    yield
+    if UNAVAILABLE is not None:
+        return
+    ids = session_containers()
+    if ids:
+        podman("rm", "-f", "-t", "0", *ids)
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def nopython_image() -> str:
+    """An image like the base image but without python3 (exercises the `podman exec` fallback)."""
+    if podman("image", "exists", NOPY_IMAGE).returncode == 0:
+        return NOPY_IMAGE
+    with tempfile.TemporaryDirectory(prefix="swectl-nopy-") as context:
+        (Path(context) / "Containerfile").write_text(f"FROM {BASE_IMAGE}\nRUN rm -f /usr/bin/python3*\n")
+        out = podman("build", "--network", "none", "-t", NOPY_IMAGE, context, timeout=300)
+    if out.returncode != 0:
+        pytest.fail(f"building {NOPY_IMAGE} failed: {out.stderr.decode(errors='replace')}")
+    return NOPY_IMAGE
+
+
+@pytest.fixture(params=["agent", "plain"])
+def image(request: pytest.FixtureRequest) -> str:
+    """The base image (exec agent path) and the no-python image (`podman exec` fallback path)."""
+    if request.param == "agent":
+        return BASE_IMAGE
+    return request.getfixturevalue("nopython_image")
+
+
+async def new_backend(config: SandboxConfig | None = None) -> PodmanBackend:
+    backend = PodmanBackend(LocalNode(), config or SandboxConfig(), containers_conf="bundled")
+    await backend.prepare()
+    return backend
+
+
+@pytest.fixture
+async def backend() -> PodmanBackend:
+    return await new_backend()
+
+
+@pytest.fixture
+async def sandbox(backend: PodmanBackend, image: str) -> AsyncIterator[PodmanSandbox]:
+    """A fresh sandbox per test (both exec paths), with a workdir and env from the spec."""
+    box = await backend.create(make_spec(image, workdir=SPEC_WORKDIR, env=SPEC_ENV))
+    try:
+        assert box.uses_agent == (image == BASE_IMAGE)
+        yield box
+    finally:
+        await box.destroy()

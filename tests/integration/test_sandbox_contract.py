@@ -1,0 +1,428 @@
+"""The sandbox contract (swectl/sandbox.py), checked against real podman containers.
+
+Most tests run twice through the ``image`` parameter: ``agent`` (the base image; commands go through the
+in-sandbox exec agent) and ``plain`` (an image without python3; one ``podman exec`` per command).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import anyio
+import pytest
+
+from swectl.config import SandboxConfig
+from swectl.errors import CommandError, InfraError, SandboxLostError
+from swectl.remote.podman_sandbox import PodmanBackend, PodmanSandbox
+from swectl.sandbox import ELISION
+from swectl.schema import ExecResult
+
+from .conftest import (
+    BASE_IMAGE,
+    SESSION_ID,
+    SPEC_ENV,
+    SPEC_WORKDIR,
+    TEST_LABEL,
+    apodman,
+    make_spec,
+    new_backend,
+)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
+
+# Every wait in these tests is bounded: a hung sandbox fails the test instead of hanging the run.
+BOUND_S = 30.0
+
+
+async def run(box: PodmanSandbox, command: str, timeout: float = 20, **kwargs: object) -> ExecResult:
+    with anyio.fail_after(timeout + BOUND_S):
+        return await box.exec(command, timeout, **kwargs)  # type: ignore[arg-type]
+
+
+async def ok(box: PodmanSandbox, command: str, timeout: float = 20, **kwargs: object) -> str:
+    """Run a helper command that must succeed; return its output."""
+    result = await run(box, command, timeout, **kwargs)
+    assert result.exit_code == 0 and not result.timed_out, (command, result)
+    return result.output
+
+
+async def processes(box: PodmanSandbox) -> list[str]:
+    """Command lines of the processes alive in the sandbox (zombies excluded)."""
+    out = await ok(box, "ps -e -o stat= -o args=")
+    rows = [line.strip().split(None, 1) for line in out.splitlines() if line.strip()]
+    return [row[1] if len(row) > 1 else "" for row in rows if not row[0].startswith("Z")]
+
+
+# ---------------------------------------------------------------------------------------------- exec
+
+
+async def test_exec_merges_stdout_and_stderr_and_returns_exit_code(sandbox: PodmanSandbox) -> None:
+    result = await run(sandbox, "echo out; echo err >&2; echo out2; exit 3")
+    assert result.output == "out\nerr\nout2\n"
+    assert result.exit_code == 3
+    assert not result.timed_out
+    assert result.elided_bytes == 0
+
+    assert (await run(sandbox, "true")).exit_code == 0
+    assert (await run(sandbox, "false")).exit_code == 1
+    killed = await run(sandbox, "echo before; kill -TERM $$; echo after")
+    assert (killed.output, killed.exit_code, killed.timed_out) == ("before\n", 128 + 15, False)
+    with anyio.fail_after(BOUND_S):
+        await sandbox.ping()
+
+
+async def test_exec_runs_bash(sandbox: PodmanSandbox) -> None:
+    """Sandbox.exec documents "Run ``command`` with bash": bash syntax must work on both paths."""
+    if not sandbox.uses_agent:
+        pytest.xfail(
+            "remote/podman_sandbox.py _plain_exec runs `sh -c` (dash in Debian images) instead of bash, "
+            "contrary to the Sandbox.exec contract"
+        )
+    result = await run(sandbox, 'if [[ -n "$BASH_VERSION" ]]; then echo bash; fi; arr=(a b); echo ${arr[1]}')
+    assert (result.output, result.exit_code) == ("bash\nb\n", 0)
+
+
+async def test_cwd_and_env_are_honored(sandbox: PodmanSandbox) -> None:
+    assert await ok(sandbox, "pwd", cwd="/tmp") == "/tmp\n"
+    assert await ok(sandbox, "pwd", cwd="/usr/share") == "/usr/share\n"
+
+    tricky = "two words; $(touch /tmp/pwned) 'quoted' \"dq\" \\ *"
+    env = {"FOO": "bar baz", "TRICKY": tricky}
+    out = await ok(sandbox, 'printf "%s|%s|%s" "$FOO" "$TRICKY" "$SWECTL_SPEC_VAR"', env=env)
+    assert out == f"bar baz|{tricky}|{SPEC_ENV['SWECTL_SPEC_VAR']}"
+    assert await ok(sandbox, "test -e /tmp/pwned && echo injected || echo clean") == "clean\n"
+    # The environment of one call does not leak into the next.
+    assert await ok(sandbox, 'printf "%s" "${FOO-unset}"') == "unset"
+
+
+async def test_spec_workdir_is_the_default_cwd(sandbox: PodmanSandbox) -> None:
+    assert await ok(sandbox, "pwd") == f"{SPEC_WORKDIR}\n"
+    await ok(sandbox, "touch here.txt")
+    assert await ok(sandbox, f"ls {SPEC_WORKDIR}") == "here.txt\n"
+
+
+@pytest.mark.parametrize(
+    "command", ["sleep 60", "sleep 60 & (sleep 60; true) & wait"], ids=["single", "with-children"]
+)
+async def test_timeout_kills_the_command_inside_the_sandbox(sandbox: PodmanSandbox, command: str) -> None:
+    started = anyio.current_time()
+    with anyio.fail_after(1 + 8):
+        result = await sandbox.exec(f"echo started; {command}", 1)
+    assert result.timed_out
+    assert result.exit_code != 0
+    assert result.output == "started\n"
+    assert anyio.current_time() - started >= 1
+
+    assert "sleep 60" not in await processes(sandbox)
+    # The same sandbox keeps working, and no output of the killed command bleeds into the next one.
+    assert await ok(sandbox, "echo alive") == "alive\n"
+
+
+async def test_endless_output_returns_promptly_truncated(sandbox: PodmanSandbox) -> None:
+    head = tail = SandboxConfig().output_head_bytes
+    with anyio.fail_after(1 + 8):
+        result = await sandbox.exec("yes", 1)
+    assert result.timed_out
+    assert result.elided_bytes > 0
+    marker = ELISION.format(n=result.elided_bytes)
+    assert result.output.startswith("y\n" * (head // 2) + marker)
+    rest = result.output[len("y\n" * (head // 2) + marker) :]
+    assert len(rest) == tail
+    assert set(rest) <= {"y", "\n"}
+    assert "yes" not in await processes(sandbox)
+    assert await ok(sandbox, "echo alive") == "alive\n"
+
+
+async def test_huge_output_is_cut_to_head_and_tail(sandbox: PodmanSandbox) -> None:
+    config = SandboxConfig()
+    head, tail = config.output_head_bytes, config.output_tail_bytes
+    size = 50_000_000
+    result = await run(sandbox, f"printf HEAD; head -c {size} /dev/zero | tr '\\0' a; printf TAIL", 60)
+    assert result.exit_code == 0 and not result.timed_out
+    total = size + 8
+    assert result.elided_bytes == total - head - tail
+    expected = "HEAD" + "a" * (head - 4) + ELISION.format(n=total - head - tail) + "a" * (tail - 4) + "TAIL"
+    assert result.output == expected
+
+
+@pytest.fixture
+async def small_output_sandbox(image: str):  # type: ignore[no-untyped-def]
+    backend = await new_backend(SandboxConfig(output_head_bytes=100, output_tail_bytes=40))
+    box = await backend.create(make_spec(image))
+    try:
+        yield box
+    finally:
+        await box.destroy()
+
+
+async def test_output_limits_follow_the_config(small_output_sandbox: PodmanSandbox) -> None:
+    data = "".join(f"{i}\n" for i in range(1, 20_001))
+    result = await run(small_output_sandbox, "seq 1 20000")
+    elided = len(data) - 140
+    assert result.elided_bytes == elided
+    assert result.output == data[:100] + ELISION.format(n=elided) + data[-40:]
+    # Output that fits is returned whole, without a marker.
+    fits = await run(small_output_sandbox, "seq 1 30")
+    assert (fits.output, fits.elided_bytes) == ("".join(f"{i}\n" for i in range(1, 31)), 0)
+
+
+async def test_non_utf8_output_is_decoded_with_replacement(sandbox: PodmanSandbox) -> None:
+    result = await run(sandbox, r"printf 'ok\377\376\200end\n'")
+    assert result.output == "ok\ufffd\ufffd\ufffdend\n"
+    noise = await run(sandbox, "head -c 200000 /dev/urandom")
+    assert noise.exit_code == 0
+    assert noise.elided_bytes == 200_000 - 20_000
+    assert ELISION.format(n=noise.elided_bytes) in noise.output
+
+
+# --------------------------------------------------------------------------------------------- files
+
+
+async def test_write_and_read_a_20mb_file(sandbox: PodmanSandbox) -> None:
+    """20 MiB is ten times ARG_MAX: this only works if file data never travels in argv."""
+    data = os.urandom(20 * 1024 * 1024)
+    with anyio.fail_after(60):
+        await sandbox.write_file("/tmp/big.bin", data)
+    assert await ok(sandbox, "sha256sum < /tmp/big.bin") == f"{hashlib.sha256(data).hexdigest()}  -\n"
+    with anyio.fail_after(60):
+        assert await sandbox.read_file("/tmp/big.bin") == data
+
+
+async def test_write_file_creates_directories_and_applies_mode(sandbox: PodmanSandbox) -> None:
+    path = f"{SPEC_WORKDIR}/new/nested/dir/script.sh"
+    with anyio.fail_after(BOUND_S):
+        await sandbox.write_file(path, b"#!/bin/sh\necho hi from script\n", mode=0o755)
+        assert await sandbox.read_file(path) == b"#!/bin/sh\necho hi from script\n"
+    assert await ok(sandbox, f"stat -c %a {path}") == "755\n"
+    assert await ok(sandbox, "./new/nested/dir/script.sh") == "hi from script\n"
+
+    with anyio.fail_after(BOUND_S):
+        await sandbox.write_file("/tmp/secret", b"s3cret", mode=0o600)
+        # Overwriting with shorter data truncates; without a mode the existing mode stays.
+        await sandbox.write_file(path, b"#!/bin/sh\n")
+        assert await sandbox.read_file(path) == b"#!/bin/sh\n"
+        await sandbox.write_file("/tmp/empty", b"")
+        assert await sandbox.read_file("/tmp/empty") == b""
+    assert await ok(sandbox, f"stat -c %a /tmp/secret {path}") == "600\n755\n"
+    assert await ok(sandbox, "stat -c %s /tmp/empty") == "0\n"
+
+
+async def test_write_file_mode_zero_is_applied(sandbox: PodmanSandbox) -> None:
+    if not sandbox.uses_agent:
+        pytest.xfail(
+            "remote/podman_sandbox.py _plain_write tests `if mode` instead of `if mode is not None`, "
+            "so mode=0 is silently ignored on the no-python path"
+        )
+    with anyio.fail_after(BOUND_S):
+        await sandbox.write_file("/tmp/locked", b"x", mode=0)
+    assert await ok(sandbox, "stat -c %a /tmp/locked") == "0\n"
+
+
+async def test_file_paths_are_not_interpreted_by_a_shell(sandbox: PodmanSandbox) -> None:
+    path = "/tmp/we ird $(touch /tmp/pwned)/it's; a `file`.txt"
+    with anyio.fail_after(BOUND_S):
+        await sandbox.write_file(path, b"payload")
+        assert await sandbox.read_file(path) == b"payload"
+    assert await ok(sandbox, "test -e /tmp/pwned && echo injected || echo clean") == "clean\n"
+    assert await ok(sandbox, "cat /tmp/we\\ ird*/*.txt") == "payload"
+
+
+# ---------------------------------------------------------------------------------------------- diff
+
+REPO_SETUP = """set -e
+git init -q .
+printf 'line1\\nline2\\n' > keep.txt
+printf 'to be modified\\n' > mod.txt
+printf 'to be deleted\\n' > del.txt
+printf '#!/bin/sh\\necho run\\n' > run.sh
+mkdir sub && printf 'nested\\n' > sub/nested.txt
+git add -A
+git -c user.name=Test -c user.email=test@example.com commit -q -m initial
+"""
+
+REPO_CHANGES = """set -e
+printf 'modified line\\n' >> mod.txt
+rm del.txt
+printf 'brand new\\n' > untracked.txt
+mkdir -p 'new dir/deeper' && printf 'spaced\\n' > 'new dir/deeper/with space.txt'
+chmod +x run.sh
+"""
+
+
+async def test_diff_captures_all_changes_and_applies_to_a_fresh_clone(sandbox: PodmanSandbox) -> None:
+    await ok(sandbox, REPO_SETUP)
+    with anyio.fail_after(60):
+        assert await sandbox.diff() == b""  # a clean repository has no changes
+
+    await ok(sandbox, REPO_CHANGES)
+    blob = bytes(range(256)) * 8 + os.urandom(4096) + b"\0\0\xff"
+    with anyio.fail_after(BOUND_S):
+        await sandbox.write_file(f"{SPEC_WORKDIR}/data/blob.bin", blob)
+    status_before = await ok(sandbox, "git status --porcelain --untracked-files=all")
+    assert "?? untracked.txt" in status_before
+
+    with anyio.fail_after(60):
+        patch = await sandbox.diff()
+
+    for expected in (
+        b"diff --git a/mod.txt b/mod.txt",
+        b"+modified line",
+        b"diff --git a/del.txt b/del.txt\ndeleted file mode 100644",
+        b"diff --git a/untracked.txt b/untracked.txt\nnew file mode 100644",
+        b"new dir/deeper/with space.txt",
+        b"diff --git a/data/blob.bin b/data/blob.bin\nnew file mode 100644",
+        b"GIT binary patch",
+        b"diff --git a/run.sh b/run.sh\nold mode 100644\nnew mode 100755",
+    ):
+        assert expected in patch, expected
+    assert b"keep.txt" not in patch and b"nested.txt" not in patch
+
+    # The repository's own index and worktree are untouched.
+    assert await ok(sandbox, "git status --porcelain --untracked-files=all") == status_before
+    assert await ok(sandbox, "git diff --cached --name-only") == ""
+
+    # The patch applies cleanly to a fresh clone of the original commit and reproduces the tree.
+    await ok(sandbox, f"git clone -q {SPEC_WORKDIR} /tmp/clone")
+    with anyio.fail_after(BOUND_S):
+        await sandbox.write_file("/tmp/changes.patch", patch)
+    await ok(sandbox, "git apply --check /tmp/changes.patch && git apply /tmp/changes.patch", cwd="/tmp/clone")
+    assert await ok(sandbox, f"diff -r -x .git {SPEC_WORKDIR} /tmp/clone && echo same") == "same\n"
+    tree = "export GIT_INDEX_FILE=$(mktemp -u) && git add -A && git write-tree && rm -f $GIT_INDEX_FILE"
+    assert await ok(sandbox, tree) == await ok(sandbox, tree, cwd="/tmp/clone")
+    assert await ok(sandbox, "git status --porcelain --untracked-files=all") == status_before
+
+
+# ----------------------------------------------------------------------------------------- lifecycle
+
+
+async def test_destroy_is_idempotent_and_removes_the_container(
+    backend: PodmanBackend, sandbox: PodmanSandbox
+) -> None:
+    assert (await apodman("ps", "-a", "-q", "--filter", f"id={sandbox.id}")).stdout.strip()
+    with anyio.fail_after(BOUND_S):
+        await sandbox.destroy()
+        await sandbox.destroy()
+    assert (await apodman("ps", "-a", "-q", "--filter", f"id={sandbox.id}")).stdout.strip() == b""
+    with anyio.fail_after(BOUND_S):
+        assert sandbox.id not in [info.id for info in await backend.list({TEST_LABEL: SESSION_ID})]
+        with pytest.raises(SandboxLostError):
+            await sandbox.exec("echo hi", 5)
+
+
+async def test_labels_from_the_spec_are_on_the_container(backend: PodmanBackend) -> None:
+    run_label = f"contract-{SESSION_ID}"
+    with anyio.fail_after(BOUND_S):
+        box = await backend.create(make_spec(labels={"swectl.run": run_label, "team": "contract"}))
+    try:
+        with anyio.fail_after(BOUND_S):
+            listed = await backend.list({"swectl.run": run_label})
+            assert await backend.list({"swectl.run": run_label + "-other"}) == []
+        assert [info.id for info in listed] == [box.id]
+        info = listed[0]
+        assert info.labels.items() >= {"swectl.run": run_label, "team": "contract", TEST_LABEL: SESSION_ID}.items()
+        assert info.name == box.name
+        assert info.state == "running"
+    finally:
+        await box.destroy()
+
+
+# ---------------------------------------------------------------------------------- isolation, limits
+
+
+async def test_no_network_by_default(sandbox: PodmanSandbox) -> None:
+    assert await ok(sandbox, "ls /sys/class/net") == "lo\n"
+    assert await ok(sandbox, "cat /sys/class/net/*/operstate") in ("unknown\n", "up\n")
+    assert await ok(sandbox, "tail -n +2 /proc/net/route | wc -l") == "0\n"
+    tcp = await run(sandbox, "timeout 5 bash -c 'exec 3<>/dev/tcp/10.0.2.2/80' && echo connected")
+    assert tcp.exit_code != 0 and "connected" not in tcp.output
+    if sandbox.uses_agent:
+        py = "import socket; socket.create_connection(('10.0.2.2', 80), timeout=2)"
+        result = await run(sandbox, f'python3 -c "{py}"')
+        assert result.exit_code != 0
+        assert "Network is unreachable" in result.output or "Error" in result.output
+
+
+async def test_fork_bomb_is_held_by_the_pids_limit(backend: PodmanBackend, image: str) -> None:
+    with anyio.fail_after(BOUND_S):
+        box = await backend.create(make_spec(image, pids_limit=64))
+    try:
+        assert await ok(box, "cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max") == "64\n"
+        with anyio.fail_after(3 + 15):
+            result = await box.exec("bash -c ':(){ :|:& };:'", 3)
+        assert result.timed_out or result.exit_code != 0 or "Resource temporarily unavailable" in result.output
+        assert await ok(box, "echo alive") == "alive\n"
+        # Nothing of the bomb survives the command.
+        assert [p for p in await processes(box) if "bash" in p] == []
+    finally:
+        await box.destroy()
+
+
+async def test_memory_and_cpu_limits_from_the_spec_are_applied(backend: PodmanBackend) -> None:
+    with anyio.fail_after(BOUND_S):
+        box = await backend.create(make_spec(memory="300m", cpus=0.5))
+    try:
+        memory = await run(
+            box, "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max"
+        )
+        if memory.exit_code == 0:
+            assert memory.output == f"{300 * 1024 * 1024}\n"
+        else:  # the cgroup is not visible inside this container: ask podman
+            inspect = await apodman("inspect", "--format", "{{.HostConfig.Memory}}", box.id)
+            assert inspect.stdout.decode().strip() == str(300 * 1024 * 1024)
+        cpu = await run(box, "cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu/cpu.cfs_period_us")
+        if cpu.exit_code == 0:
+            quota, period = map(int, cpu.output.split())
+            assert quota / period == pytest.approx(0.5)
+    finally:
+        await box.destroy()
+
+
+# -------------------------------------------------------------------------------------------- faults
+
+
+async def test_killed_container_raises_sandbox_lost(sandbox: PodmanSandbox) -> None:
+    assert await ok(sandbox, "echo alive") == "alive\n"
+    killed = await apodman("kill", sandbox.id)
+    assert killed.returncode == 0, killed.stderr
+    with anyio.fail_after(10), pytest.raises(SandboxLostError):
+        await sandbox.exec("echo hi", 30)
+
+
+async def test_every_operation_on_a_killed_container_raises_sandbox_lost(sandbox: PodmanSandbox) -> None:
+    await ok(sandbox, "echo x > /tmp/f")
+    killed = await apodman("kill", sandbox.id)
+    assert killed.returncode == 0, killed.stderr
+    with anyio.fail_after(10):
+        with pytest.raises(SandboxLostError):
+            await sandbox.ping()
+        with pytest.raises(SandboxLostError):
+            await sandbox.read_file("/tmp/f")
+        with pytest.raises(SandboxLostError):
+            await sandbox.write_file("/tmp/g", b"data")
+        with pytest.raises(SandboxLostError):
+            await sandbox.exec("echo hi", 30)
+
+
+async def test_container_killed_during_a_command_raises_sandbox_lost(sandbox: PodmanSandbox) -> None:
+    async def kill_soon() -> None:
+        await anyio.sleep(1)
+        await apodman("kill", sandbox.id)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kill_soon)
+            with pytest.raises(SandboxLostError):
+                await sandbox.exec("sleep 30", 60)
+
+
+async def test_missing_image_raises_command_error(backend: PodmanBackend) -> None:
+    image = f"localhost/swectl-test-missing-{SESSION_ID}:latest"
+    run_label = f"missing-{SESSION_ID}"
+    with anyio.fail_after(60), pytest.raises(CommandError) as caught:
+        await backend.create(make_spec(image, labels={"swectl.run": run_label}))
+    assert isinstance(caught.value, InfraError)
+    assert image in str(caught.value)
+    with anyio.fail_after(BOUND_S):
+        assert await backend.list({"swectl.run": run_label}) == []
+
