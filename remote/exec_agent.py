@@ -1,12 +1,13 @@
 """Command agent: runs inside a sandbox container and executes shell commands for the controller.
 
 The controller runs ``python3 -u -c BOOTSTRAP`` in the container and streams this very file over stdin
-(``b"%d\n" % len(src) + src``), so the image needs nothing but python3. Standard library only, with its
+(``b"%d\\n" % len(src) + src``), so the image needs nothing but python3. Standard library only, with its
 own minimal msgpack codec. The controller imports ``BOOTSTRAP``, ``HeadTail`` and the codec from here.
 
 Protocol 1: each frame is a 4-byte big-endian length and a msgpack map with str keys. The agent sends
 ``{"kind": "hello", pid, python, protocol}``, then serves requests one at a time, one reply each; a nil
 field takes its default. A failure replies ``{"kind": "error", id, error, errno}`` and serving goes on.
+
 - ``exec`` (id, command, timeout=600, cwd="/", env, head=32K, tail=32K) runs ``/bin/bash -c command``
   (or ``/bin/sh``) in a new session, stdin /dev/null, stderr merged into stdout, and replies
   ``{"kind": "exec", id, exit_code, timed_out, output, elided, duration_s}``: output keeps the first
