@@ -78,6 +78,11 @@ class Lease:
         self._slot = slot
         self.last_heartbeat = anyio.current_time()
         self.failure: InfraError | None = None
+        self.busy = 0  # calls in flight: a lease running a long command is not idle
+
+    @property
+    def idle(self) -> bool:
+        return self.busy == 0
 
     def heartbeat(self) -> None:
         self.last_heartbeat = anyio.current_time()
@@ -90,6 +95,7 @@ class Lease:
     @asynccontextmanager
     async def _use(self) -> AsyncIterator[None]:
         self._check()
+        self.busy += 1
         try:
             yield
         except InfraError as exc:
@@ -97,6 +103,7 @@ class Lease:
                 raise self.failure from exc
             raise
         finally:
+            self.busy -= 1
             self.heartbeat()
 
     async def exec(
@@ -292,6 +299,9 @@ class EnvPool:
             except (InfraError, TimeoutError):
                 await sandbox.destroy()
                 continue
+            except BaseException:
+                await sandbox.destroy()  # caller cancelled: the popped sandbox must not leak
+                raise
             return self._grant(slot, sandbox)
 
     async def _warm_loop(self) -> None:
@@ -333,8 +343,8 @@ class EnvPool:
         problem = ""
         with anyio.move_on_after(self._config.health_timeout_s) as scope:
             try:
-                if initial:
-                    await slot.backend.prepare()
+                if initial or not slot.healthy:
+                    await slot.backend.prepare()  # (re)connect and (re)install podman settings
                 else:
                     await slot.backend.node.connect()
                 await slot.backend.podman.version()
@@ -348,9 +358,11 @@ class EnvPool:
                 await self._fail_node(slot, problem)
             return
         if not slot.healthy:
+            # Reap before taking the node back, so nothing started on it meanwhile can be mistaken
+            # for an orphan.
+            await self._reap(slot, initial=initial)
             slot.healthy = True
             slot.last_problem = ""
-            await self._reap(slot, initial=initial)
             self._notify()
 
     async def _fail_node(self, slot: _NodeSlot, reason: str) -> None:
@@ -375,7 +387,7 @@ class EnvPool:
             await anyio.sleep(min(ttl / 4, 5.0))
             now = anyio.current_time()
             for slot in self._slots:
-                for lease in [x for x in slot.leases if now - x.last_heartbeat > ttl]:
+                for lease in [x for x in slot.leases if x.idle and now - x.last_heartbeat > ttl]:
                     lease.failure = LeaseExpiredError(
                         f"lease {lease.id} on {lease.node} expired: no use or heartbeat for {ttl}s"
                     )
@@ -418,10 +430,11 @@ class EnvPool:
                 slot.warm.clear()
         async with anyio.create_task_group() as tg:
             for slot in self._slots:
-                if slot.healthy:
-                    tg.start_soon(self._remove_run, slot)
+                tg.start_soon(self._remove_run, slot)  # unreachable nodes fail fast or time out
 
     async def _remove_run(self, slot: _NodeSlot) -> None:
+        if not slot.backend.podman.ready:
+            return  # never reached: nothing of ours can be there
         try:
             found = await slot.backend.list({LABEL_RUN: self.run_id, LABEL_NODE: slot.config.name})
             await slot.backend.remove([info.id for info in found])

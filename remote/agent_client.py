@@ -25,7 +25,11 @@ NO_PYTHON = b"NOPY"
 
 # Runs inside the sandbox: the agent needs only python3; without it we answer NOPY and the caller falls
 # back to one `podman exec` per command.
-START_SCRIPT = 'command -v python3 >/dev/null 2>&1 || { printf NOPY; exit 0; }; exec python3 -u -c "$0"'
+# Without python3 the script still drains stdin (the agent source being sent) so that podman never
+# drops the NOPY answer when its input side breaks.
+START_SCRIPT = (
+    'command -v python3 >/dev/null 2>&1 || { printf NOPY; exec cat >/dev/null; }; exec python3 -u -c "$0"'
+)
 
 
 def agent_command() -> list[str]:

@@ -51,6 +51,10 @@ class PodmanCli:
             raise CommandError(self.node.name, argv, out.exit_code, out.stderr.decode(errors="replace"))
         self._prefix = ["env", f"CONTAINERS_CONF={out.stdout.decode()}"]
 
+    @property
+    def ready(self) -> bool:
+        return self._prefix is not None
+
     def argv(self, *args: str) -> list[str]:
         assert self._prefix is not None, "PodmanCli.prepare() must run first"
         return [*self._prefix, "podman", *args]

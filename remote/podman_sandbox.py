@@ -42,6 +42,18 @@ from swectl.schema import (
 )
 
 CHUNK = 8 * 1024 * 1024
+# podman's own failures (125-127), a container killed under a command (137), a stopped container (255)
+PODMAN_FAILURE_CODES = (125, 126, 127, 137, 255)
+# The no-python path: `timeout` leads its own process group; once it returns, whatever the command left
+# running in that group (background jobs, a fork bomb) is killed too, as the exec agent does.
+PLAIN_EXEC_SCRIPT = """exec 2>&1
+if [ -x /bin/bash ]; then shell=/bin/bash; else shell=/bin/sh; fi
+timeout -k 2 "$1s" "$shell" -c "$2" </dev/null &
+pid=$!
+wait "$pid" 2>/dev/null; rc=$?
+for _ in 1 2 3 4 5; do kill -9 -- "-$pid" 2>/dev/null || break; done
+exit "$rc"
+"""
 DIFF_TIMEOUT_S = 300.0
 
 
@@ -175,7 +187,10 @@ class PodmanSandbox:
         self._check_alive()
         with self._guard(5, "ping"):
             if self._agent is None:
-                await self._plain_exec("true", 5, None, None)
+                result = await self._plain_exec("true", 5, None, None)
+                if result.exit_code != 0:
+                    await self._raise_if_gone("ping failed")
+                    raise SandboxError(f"sandbox {self.name}: ping failed: {result.output[-500:]}")
                 return
             reply = await self._agent.call(PingRequest(id=self._agent.new_id()))
         if not isinstance(reply, PongReply):
@@ -227,7 +242,7 @@ class PodmanSandbox:
         args = ["exec", "-w", cwd or self.spec.workdir]
         for key, value in sorted((env or {}).items()):
             args += ["-e", f"{key}={value}"]
-        args += [self.id, "timeout", "-k", "2", f"{timeout}s", "sh", "-c", "exec 2>&1\n" + command]
+        args += [self.id, "sh", "-c", PLAIN_EXEC_SCRIPT, "sh", f"{timeout}", command]
         head, tail = self._config.output_head_bytes, self._config.output_tail_bytes
         buffer = HeadTail(head, tail)
         started = anyio.current_time()
@@ -241,8 +256,8 @@ class PodmanSandbox:
             await process.aclose()
         elapsed = anyio.current_time() - started
         timed_out = code in (124, 137) and elapsed >= timeout
-        if code in (125, 126) and buffer.total == 0:
-            raise SandboxLostError(f"sandbox {self.name}: podman exec failed with {code}")
+        if not timed_out and code in PODMAN_FAILURE_CODES:
+            await self._raise_if_gone(f"podman exec exited {code}")
         return ExecResult(
             output=format_output(buffer.output(), buffer.elided, head),
             exit_code=137 if timed_out else code,
@@ -252,18 +267,28 @@ class PodmanSandbox:
         )
 
     async def _plain_write(self, path: str, data: bytes, mode: int | None) -> None:
-        script = 'mkdir -p "$(dirname "$1")" && cat > "$1"' + (f' && chmod {mode:o} "$1"' if mode else "")
+        script = 'mkdir -p "$(dirname "$1")" && cat > "$1"' + (f' && chmod {mode:o} "$1"' if mode is not None else "")
         out = await self._backend.podman.run(
             "exec", "-i", self.id, "sh", "-c", script, "sh", path, input=data, check=False
         )
         if out.exit_code != 0:
+            await self._raise_if_gone(f"writing {path} failed")
             raise SandboxError(f"sandbox {self.name}: writing {path} failed: {out.stderr.decode(errors='replace')}")
 
     async def _plain_read(self, path: str) -> bytes:
         out = await self._backend.podman.run("exec", self.id, "cat", path, check=False)
         if out.exit_code != 0:
+            await self._raise_if_gone(f"reading {path} failed")
             raise SandboxError(f"sandbox {self.name}: reading {path} failed: {out.stderr.decode(errors='replace')}")
         return out.stdout
+
+    async def _raise_if_gone(self, what: str) -> None:
+        """On the plain path podman's exit code cannot tell a dead container from a failing command."""
+        out = await self._backend.podman.run(
+            "container", "inspect", "--format", "{{.State.Running}}", self.id, check=False
+        )
+        if out.stdout.strip() != b"true":
+            raise SandboxLostError(f"sandbox {self.name}: container is gone ({what})")
 
 
 @contextmanager

@@ -137,6 +137,9 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] = ()) 
             document = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
+    if overrides and "nodes" not in document:
+        # `--set nodes.0.x=...` must reach the default node, so write the default list out first.
+        document["nodes"] = msgspec.to_builtins(ClusterConfig().nodes)
     for override in overrides:
         apply_override(document, override)
     return decode_config(document, source)

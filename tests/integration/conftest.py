@@ -17,10 +17,10 @@ from pathlib import Path
 
 import anyio
 import pytest
-
-from swectl.config import DEFAULT_IMAGE, SandboxConfig
 from swectl.remote.node import LocalNode
 from swectl.remote.podman_sandbox import PodmanBackend, PodmanSandbox
+
+from swectl.config import DEFAULT_IMAGE, SandboxConfig
 from swectl.schema import SandboxSpec
 
 HERE = Path(__file__).resolve().parent
@@ -30,16 +30,14 @@ BASE_IMAGE = DEFAULT_IMAGE
 NOPY_IMAGE = "localhost/swectl-test-nopy:latest"
 TEST_LABEL = "swectl.test"
 SESSION_ID = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-SPEC_WORKDIR = "/work/space"
+SPEC_WORKDIR = "/srv"  # exists in the image: podman does not create a --workdir that is missing
 SPEC_ENV = {"SWECTL_SPEC_VAR": "from the spec"}
 
 
-def podman(*args: str, input: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess[bytes]:
+def podman(*args: str, input: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """The podman CLI with swectl's containers.conf (runc fails on rlimits without it here)."""
     env = {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
-    return subprocess.run(
-        ["podman", *args], input=input, capture_output=True, env=env, timeout=timeout, check=False
-    )
+    return subprocess.run(["podman", *args], input=input, capture_output=True, env=env, timeout=timeout, check=False)
 
 
 def _unavailable() -> str | None:
@@ -133,6 +131,11 @@ async def new_backend(config: SandboxConfig | None = None) -> PodmanBackend:
     return backend
 
 
+async def create_sandbox(backend: PodmanBackend, spec: SandboxSpec) -> PodmanSandbox:
+    with anyio.fail_after(60):
+        return await backend.create(spec)
+
+
 @pytest.fixture
 async def backend() -> PodmanBackend:
     return await new_backend()
@@ -141,7 +144,7 @@ async def backend() -> PodmanBackend:
 @pytest.fixture
 async def sandbox(backend: PodmanBackend, image: str) -> AsyncIterator[PodmanSandbox]:
     """A fresh sandbox per test (both exec paths), with a workdir and env from the spec."""
-    box = await backend.create(make_spec(image, workdir=SPEC_WORKDIR, env=SPEC_ENV))
+    box = await create_sandbox(backend, make_spec(image, workdir=SPEC_WORKDIR, env=SPEC_ENV))
     try:
         assert box.uses_agent == (image == BASE_IMAGE)
         yield box
