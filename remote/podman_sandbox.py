@@ -51,7 +51,7 @@ if [ -x /bin/bash ]; then shell=/bin/bash; else shell=/bin/sh; fi
 timeout -k 2 "$1s" "$shell" -c "$2" </dev/null &
 pid=$!
 wait "$pid" 2>/dev/null; rc=$?
-for _ in 1 2 3 4 5; do kill -9 -- "-$pid" 2>/dev/null || break; done
+for _ in 1 2 3 4 5; do kill -9 "-$pid" 2>/dev/null || break; done
 exit "$rc"
 """
 DIFF_TIMEOUT_S = 300.0

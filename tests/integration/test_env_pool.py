@@ -22,7 +22,7 @@ from swectl.remote.backends import close_backends, make_backends
 from swectl.remote.podman import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN
 
 from swectl.config import DEFAULT_IMAGE, ClusterConfig, decode_config, load_config
-from swectl.errors import ConfigError, InfraError, LeaseExpiredError, PoolClosedError, SandboxLostError
+from swectl.errors import InfraError, LeaseExpiredError, PoolClosedError, SandboxLostError
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
