@@ -1,0 +1,714 @@
+"""`just bench env`: the sandbox layer against mini-swe-agent's way, side by side in one run.
+
+Measures on this machine (and, with ``--ssh``, on a throwaway sshd node in a network namespace):
+
+* exec of ``true`` through swectl's exec agent vs one ``podman exec CID true`` process per command
+  (subprocess.run of the CLI, as mini-swe-agent does it), against the same container;
+* the agent's ping round trip, and what spawning bash costs inside the sandbox (for context);
+* a lease served from the EnvPool's warm pool vs a cold start (``podman run`` + agent + first exec)
+  and the plain ``podman run --rm IMAGE true``;
+* how many sandboxes one node holds at once with every exec succeeding, and the host memory they take;
+* over SSH: exec through the agent vs ``ssh ... podman exec`` per command, next to the ssh round trip.
+
+Goals come from DESIGN.md section 6. Results: a table on stdout and ``benchmarks/results/env.json``.
+Every container it creates carries ``swectl.bench=<id>``, except the EnvPool's, which the pool labels
+itself (``swectl.run=<bench run id>``); both kinds are removed at the end, also on error or Ctrl-C.
+
+Run: ``.venv/bin/python benchmarks/env.py [--quick] [--ssh]`` (``--quick``: under a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import asyncssh
+import msgspec
+from common import (
+    Goal,
+    Progress,
+    host_meta,
+    loadavg,
+    mem_used_mib,
+    ms_since,
+    percentile,
+    result_table,
+    summarize,
+    write_results,
+)
+from swectl.actors.env_pool import EnvPool
+from swectl.remote.backends import close_backends, make_backends
+from swectl.remote.node import LocalNode
+from swectl.remote.podman import LABEL_RUN
+from swectl.remote.podman_sandbox import PodmanBackend, PodmanSandbox
+
+from swectl.config import DEFAULT_IMAGE, SandboxConfig, decode_config, load_config
+from swectl.errors import InfraError
+from swectl.schema import ExecResult, SandboxSpec
+from swectl.testnodes import TestNodes, start_test_nodes, stop_test_nodes
+
+SUITE = "env"
+REPO = Path(__file__).resolve().parents[1]
+CONTAINERS_CONF = REPO / "remote" / "containers.conf"
+IMAGE = DEFAULT_IMAGE
+BENCH_LABEL = "swectl.bench"
+WARMUP = 20  # calls before any timed exec / ping / rtt loop
+WARM_K = 4  # env_pool.warm for the warm-lease phase (the config default)
+CREATE_CONCURRENCY = 8  # sandboxes started at once in the concurrency phase (a node's max_starting)
+SSH_PREFIX, SSH_INDEX = "swb", 220  # test node swb220 at 10.200.220.2
+CLEANUP_TIMEOUT_S = 120.0
+
+# Spawns bash N times inside the sandbox and prints each time in microseconds: what a command costs
+# at the very least, whatever carries it there.
+BASH_SPAWN_SCRIPT = """
+import subprocess, sys, time
+out = []
+for _ in range(int(sys.argv[1])):
+    t = time.perf_counter_ns()
+    subprocess.run(["/bin/bash", "-c", "true"], stdin=subprocess.DEVNULL)
+    out.append((time.perf_counter_ns() - t) // 1000)
+print(" ".join(map(str, out)))
+"""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Samples per measurement."""
+
+    exec: int
+    ping: int
+    podman_exec: int
+    bash_spawn: int
+    warm_lease: int
+    cold_run: int
+    podman_run: int
+    concurrent: int
+    ssh_exec: int
+    ssh_rtt: int
+    ssh_podman_exec: int
+
+
+FULL = Sizes(
+    exec=1000, ping=1000, podman_exec=200, bash_spawn=500, warm_lease=50, cold_run=20, podman_run=10,
+    concurrent=128, ssh_exec=500, ssh_rtt=500, ssh_podman_exec=50,
+)
+QUICK = Sizes(
+    exec=200, ping=200, podman_exec=50, bash_spawn=100, warm_lease=15, cold_run=5, podman_run=3,
+    concurrent=32, ssh_exec=100, ssh_rtt=100, ssh_podman_exec=10,
+)
+
+# Table and JSON order; every key is present (null when its phase failed).
+METRICS = (
+    "exec_p50_ms", "exec_p99_ms", "podman_exec_p50_ms", "exec_speedup", "ping_p50_ms", "bash_spawn_p50_ms",
+    "warm_lease_p50_ms", "warm_hits", "cold_run_p50_ms", "podman_run_p50_ms",
+    "concurrent_ok", "concurrent_tried", "concurrent_create_s", "concurrent_mem_mib",
+)  # fmt: skip
+SSH_METRICS = ("ssh_exec_p50_ms", "ssh_podman_exec_p50_ms", "ssh_exec_speedup", "ssh_rtt_ms")
+
+
+class EnvBench:
+    def __init__(self, *, quick: bool, ssh: bool) -> None:
+        self.quick = quick
+        self.ssh = ssh
+        self.sizes = QUICK if quick else FULL
+        self.bench_id = uuid.uuid4().hex[:12]
+        self.run_id = f"bench-{self.bench_id}"  # the EnvPool labels its containers swectl.run=<this>
+        self.labels = {BENCH_LABEL: self.bench_id}
+        self.progress = Progress(SUITE)
+        self.metrics: dict[str, Any] = dict.fromkeys(METRICS + (SSH_METRICS if ssh else ()))
+        self.summaries: dict[str, dict[str, float]] = {}
+        self.details: dict[str, Any] = {}
+        self.errors: dict[str, str] = {}
+        self.test_nodes: TestNodes | None = None
+        self.interrupted = ""  # the signal's name once Ctrl-C / SIGTERM arrived
+        self._gc_runs = 0
+
+    # ------------------------------------------------------------------ driver
+
+    async def run(self) -> None:
+        """All phases; Ctrl-C cancels them through anyio, so shielded cleanup finishes its work."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_interrupt, tg.cancel_scope, name="Ctrl-C watcher")
+            await self._phases()
+            tg.cancel_scope.cancel("all phases done")
+
+    async def _watch_interrupt(self, scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                self.interrupted = signal.Signals(signum).name
+                self.progress(f"{self.interrupted}: cleaning up (Ctrl-C again aborts the cleanup)")
+                scope.cancel(f"benchmark interrupted by {self.interrupted}")
+                break
+        # Leaving the receiver restores Python's handler: a second Ctrl-C raises KeyboardInterrupt.
+
+    async def _phases(self) -> None:
+        phases: list[tuple[str, Callable[[], Any]]] = [
+            ("exec", self.phase_exec),
+            ("warm_lease", self.phase_warm_lease),
+            ("cold_run", self.phase_cold_run),
+            ("concurrent", self.phase_concurrent),
+        ]
+        if self.ssh:
+            phases.append(("ssh", self.phase_ssh))
+        gc.callbacks.append(self._on_gc)
+        try:
+            for name, phase in phases:
+                load = loadavg()
+                try:
+                    await phase()
+                except Exception as exc:  # a broken phase is reported; the others still run
+                    self.errors[name] = f"{type(exc).__name__}: {exc}"
+                    self.progress(f"{name}: FAILED: {self.errors[name]}")
+                self.details.setdefault("loadavg_at_phase_start", {})[name] = load
+        finally:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_runs += 1
+
+    def spec(self) -> SandboxSpec:
+        return SandboxSpec(image=IMAGE, labels=self.labels)
+
+    async def local_backend(self) -> PodmanBackend:
+        backend = PodmanBackend(LocalNode(), SandboxConfig())
+        await backend.prepare()
+        return backend
+
+    def summary(self, name: str, samples: list[float]) -> dict[str, float]:
+        self.summaries[name] = summarize(samples)
+        return self.summaries[name]
+
+    # ------------------------------------------------------------------ phases
+
+    async def phase_exec(self) -> None:
+        n = self.sizes
+        self.progress(
+            f"exec: {n.exec} x exec('true') through the agent, {n.ping} pings, {n.podman_exec} x "
+            f"`podman exec CID true`, {n.bash_spawn} bash spawns inside (after {WARMUP} warm-up calls)"
+        )
+        backend = await self.local_backend()
+        sandbox = await backend.create(self.spec())
+        try:
+            for _ in range(WARMUP):
+                await _exec_true(sandbox)
+            totals, inside, gc_hit = [], [], []
+            for _ in range(n.exec):
+                gc_before = self._gc_runs
+                start = time.perf_counter_ns()
+                result = await _exec_true(sandbox)
+                totals.append(ms_since(start))
+                inside.append(result.duration_s * 1000)
+                gc_hit.append(self._gc_runs != gc_before)
+            exec_stats = self.summary("exec_ms", totals)
+            self.summary("exec_inside_agent_ms", inside)
+            self.summary("exec_outside_agent_ms", [t - i for t, i in zip(totals, inside, strict=True)])
+            self.details["exec_outliers"] = _outliers(totals, inside, gc_hit)
+
+            for _ in range(WARMUP):
+                await sandbox.ping()
+            pings = []
+            for _ in range(n.ping):
+                start = time.perf_counter_ns()
+                await sandbox.ping()
+                pings.append(ms_since(start))
+            ping_stats = self.summary("ping_ms", pings)
+
+            argv = ["podman", "exec", sandbox.id, "true"]
+            podman_stats = self.summary("podman_exec_ms", await _time_cli(argv, n.podman_exec, _podman_env()))
+
+            result = await sandbox.exec(f"python3 -c {shlex.quote(BASH_SPAWN_SCRIPT)} {n.bash_spawn}", 300)
+            if result.exit_code != 0:
+                raise RuntimeError(f"bash spawn probe failed ({result.exit_code}): {result.output[-500:]}")
+            spawn_stats = self.summary("bash_spawn_ms", [int(x) / 1000 for x in result.output.split()])
+        finally:
+            await sandbox.destroy()
+        self.metrics.update(
+            exec_p50_ms=exec_stats["p50"],
+            exec_p99_ms=exec_stats["p99"],
+            podman_exec_p50_ms=podman_stats["p50"],
+            exec_speedup=round(podman_stats["p50"] / exec_stats["p50"], 1),
+            ping_p50_ms=ping_stats["p50"],
+            bash_spawn_p50_ms=spawn_stats["p50"],
+        )
+
+    async def phase_warm_lease(self) -> None:
+        n = self.sizes.warm_lease
+        self.progress(f"warm_lease: EnvPool with env_pool.warm={WARM_K}; {n} x acquire from the warm pool")
+        cfg = load_config(None, [f"env_pool.warm={WARM_K}"])
+        backends = make_backends(cfg)
+        pool = EnvPool(cfg.env_pool, cfg.sandbox, backends, run_id=self.run_id)
+        leases, pings, refills = [], [], []
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(pool.run, name="env_pool")
+                try:
+                    with anyio.fail_after(180):
+                        await pool.wait_warm(WARM_K)
+                    for _ in range(n):
+                        with anyio.fail_after(60):
+                            start = time.perf_counter_ns()
+                            lease = await pool.acquire()
+                            leases.append(ms_since(start))
+                            # The same round trip once the refill the acquire triggered has been spawned:
+                            # tells the ping inside acquire() apart from the rest of its cost.
+                            start = time.perf_counter_ns()
+                            await lease.ping()
+                            pings.append(ms_since(start))
+                        start = time.perf_counter_ns()
+                        await pool.release(lease)  # destroys the sandbox; the warm loop starts another
+                        with anyio.fail_after(120):
+                            await pool.wait_warm(WARM_K)
+                        refills.append(ms_since(start))
+                    stats = pool.statistics()
+                finally:
+                    tg.cancel_scope.cancel("benchmark phase done")
+        finally:
+            await close_backends(backends)
+        self.details["warm_pool_statistics"] = msgspec.to_builtins(stats)
+        self.summary("release_and_refill_ms", refills)
+        self.summary("warm_lease_ping_after_acquire_ms", pings)
+        self.metrics.update(warm_lease_p50_ms=self.summary("warm_lease_ms", leases)["p50"], warm_hits=stats.warm_hits)
+        if stats.warm_hits != n:
+            raise RuntimeError(f"only {stats.warm_hits} of {n} leases came from the warm pool "
+                               f"({stats.cold_starts} cold starts)")
+
+    async def phase_cold_run(self) -> None:
+        n = self.sizes
+        self.progress(f"cold_run: {n.cold_run} x create + first exec; {n.podman_run} x `podman run --rm IMAGE true`")
+        backend = await self.local_backend()
+        totals, creates = [], []
+        for _ in range(n.cold_run):
+            sandbox = None
+            try:
+                start = time.perf_counter_ns()
+                sandbox = await backend.create(self.spec())
+                creates.append(ms_since(start))
+                await _exec_true(sandbox)
+                totals.append(ms_since(start))
+            finally:
+                if sandbox is not None:
+                    await sandbox.destroy()
+        self.summary("cold_create_ms", creates)
+        label = f"{BENCH_LABEL}={self.bench_id}"
+        argv = ["podman", "run", "--rm", "--network", "none", "--label", label, IMAGE, "true"]
+        podman_run = self.summary("podman_run_ms", await _time_cli(argv, n.podman_run, _podman_env()))
+        self.metrics.update(
+            cold_run_p50_ms=self.summary("cold_run_ms", totals)["p50"], podman_run_p50_ms=podman_run["p50"]
+        )
+
+    async def phase_concurrent(self) -> None:
+        tried = self.sizes.concurrent
+        self.progress(f"concurrent: {tried} sandboxes ({CREATE_CONCURRENCY} started at once), then one exec in each")
+        backend = await self.local_backend()
+        sandboxes: list[PodmanSandbox] = []
+        problems: list[str] = []
+        limiter = anyio.CapacityLimiter(CREATE_CONCURRENCY)
+
+        async def create() -> None:
+            async with limiter:
+                try:
+                    with anyio.fail_after(300):
+                        sandboxes.append(await backend.create(self.spec()))
+                except (InfraError, TimeoutError) as exc:
+                    problems.append(f"create: {type(exc).__name__}: {exc}")
+
+        exec_ok = 0
+
+        async def exec_echo(sandbox: PodmanSandbox) -> None:
+            nonlocal exec_ok
+            try:
+                result = await sandbox.exec("echo ok", 60)
+            except InfraError as exc:
+                problems.append(f"exec in {sandbox.name}: {type(exc).__name__}: {exc}")
+                return
+            if result.exit_code == 0 and result.output == "ok\n":
+                exec_ok += 1
+            else:
+                problems.append(f"exec in {sandbox.name}: exit {result.exit_code}, output {result.output[:200]!r}")
+
+        async def destroy(sandbox: PodmanSandbox) -> None:
+            async with limiter:
+                await sandbox.destroy()
+
+        mem_before = mem_used_mib()
+        try:
+            start = time.perf_counter_ns()
+            async with anyio.create_task_group() as tg:
+                for i in range(tried):
+                    tg.start_soon(create, name=f"create sandbox {i}")
+            create_s = ms_since(start) / 1000
+            self.progress(f"concurrent: {len(sandboxes)} created in {create_s:.1f}s; exec('echo ok') in all at once")
+            start = time.perf_counter_ns()
+            async with anyio.create_task_group() as tg:
+                for sandbox in sandboxes:
+                    tg.start_soon(exec_echo, sandbox, name=f"exec in {sandbox.name}")
+            exec_s = ms_since(start) / 1000
+            mem_after = mem_used_mib()
+            attach_pss = _children_pss_mib()
+        finally:
+            self.progress(f"concurrent: destroying {len(sandboxes)} sandboxes")
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_S):
+                start = time.perf_counter_ns()
+                async with anyio.create_task_group() as tg:
+                    for sandbox in sandboxes:
+                        tg.start_soon(destroy, sandbox, name=f"destroy {sandbox.name}")
+                self.details["concurrent_destroy_s"] = round(ms_since(start) / 1000, 2)
+        mem = mem_after - mem_before
+        self.details.update(
+            concurrent_created=len(sandboxes),
+            concurrent_exec_ok=exec_ok,
+            concurrent_exec_s=round(exec_s, 3),
+            concurrent_mem_before_mib=round(mem_before, 1),
+            concurrent_mem_after_mib=round(mem_after, 1),
+            concurrent_mem_per_sandbox_mib=round(mem / max(len(sandboxes), 1), 2),
+            concurrent_host_attach_pss_mib=round(attach_pss, 1),
+            concurrent_problems=problems[:10],
+        )
+        self.metrics.update(
+            concurrent_ok=exec_ok if exec_ok == tried else 0,
+            concurrent_tried=tried,
+            concurrent_create_s=round(create_s, 2),
+            concurrent_mem_mib=round(mem, 1),
+        )
+
+    async def phase_ssh(self) -> None:
+        self.progress(f"ssh: starting test node {SSH_PREFIX}{SSH_INDEX} (sshd in a network namespace)")
+
+        def start_nodes() -> TestNodes:
+            # Stored from the thread: if we are cancelled meanwhile, the caller still finds and stops them.
+            self.test_nodes = start_test_nodes(1, prefix=SSH_PREFIX, base_index=SSH_INDEX)
+            return self.test_nodes
+
+        try:
+            nodes = await anyio.to_thread.run_sync(start_nodes)
+            await self._ssh_measure(nodes)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.stop_test_nodes)
+
+    def stop_test_nodes(self) -> None:
+        if self.test_nodes is not None:
+            nodes, self.test_nodes = self.test_nodes, None
+            stop_test_nodes(nodes)
+
+    async def _ssh_measure(self, nodes: TestNodes) -> None:
+        n = self.sizes
+        node = nodes.nodes[0]
+        cfg = decode_config(tomllib.loads(nodes.cluster_toml()), "<test node>")
+        backends = make_backends(cfg)
+        backend = backends[0][1]
+        try:
+            await backend.prepare()
+            sandbox = await backend.create(self.spec())
+            try:
+                self.progress(
+                    f"ssh: {n.ssh_exec} x exec('true') over ssh, {n.ssh_rtt} ssh echo round trips, "
+                    f"{n.ssh_podman_exec} x `ssh ... podman exec CID true`"
+                )
+                for _ in range(WARMUP):
+                    await _exec_true(sandbox)
+                totals, inside = [], []
+                for _ in range(n.ssh_exec):
+                    start = time.perf_counter_ns()
+                    result = await _exec_true(sandbox)
+                    totals.append(ms_since(start))
+                    inside.append(result.duration_s * 1000)
+                ssh_exec = self.summary("ssh_exec_ms", totals)
+                self.summary("ssh_exec_inside_agent_ms", inside)
+                pings = []
+                for _ in range(n.ssh_exec):
+                    start = time.perf_counter_ns()
+                    await sandbox.ping()
+                    pings.append(ms_since(start))
+                self.summary("ssh_ping_ms", pings)
+                rtt = self.summary("ssh_rtt_ms", await _ssh_echo_rtt(nodes, n.ssh_rtt))
+                argv = [
+                    "ssh", "-i", nodes.key_path, "-o", f"UserKnownHostsFile={nodes.known_hosts_path}",
+                    "-o", "BatchMode=yes", "-p", str(node.port), f"root@{node.host}",
+                    "env", f"CONTAINERS_CONF={CONTAINERS_CONF}", "podman", "exec", sandbox.id, "true",
+                ]  # fmt: skip
+                baseline = self.summary("ssh_podman_exec_ms", await _time_cli(argv, n.ssh_podman_exec, None))
+            finally:
+                await sandbox.destroy()
+        finally:
+            await close_backends(backends)
+        self.metrics.update(
+            ssh_exec_p50_ms=ssh_exec["p50"],
+            ssh_podman_exec_p50_ms=baseline["p50"],
+            ssh_rtt_ms=rtt["p50"],
+            ssh_exec_speedup=round(baseline["p50"] / ssh_exec["p50"], 1),
+        )
+
+    # ------------------------------------------------------------------ report
+
+    def goals(self) -> list[Goal]:
+        goals = [
+            Goal("exec_p50_ms", "<=", 2.0),
+            Goal("exec_speedup", ">=", 10.0),
+            Goal("warm_lease_p50_ms", "<=", 5.0),
+            Goal(
+                "concurrent_ok", ">=", 128,
+                not_applicable=f"--quick tries {self.sizes.concurrent}" if self.sizes.concurrent < 128 else "",
+            ),
+        ]  # fmt: skip
+        if self.ssh:
+            rtt = self.metrics.get("ssh_rtt_ms")
+            goals.append(
+                Goal(
+                    "ssh_exec_p50_ms", "<=", round((rtt or 0.0) + 2.0, 3), text="<= ssh_rtt_ms + 2",
+                    not_applicable="" if rtt is not None else "no ssh_rtt_ms",
+                )
+            )  # fmt: skip
+        return goals
+
+    def notes(self) -> list[str]:
+        """Context for reading the table: where time goes, what the machine was doing."""
+        d, s = self.details, self.summaries
+
+        def exec_note() -> str:
+            o = d["exec_outliers"]
+            return (
+                f"exec: p50 {s['exec_ms']['p50']} ms = {s['exec_inside_agent_ms']['p50']} ms inside the agent "
+                f"(bash spawn alone: {s['bash_spawn_ms']['p50']} ms) + {s['exec_outside_agent_ms']['p50']} ms "
+                f"transport; the {o['count']} samples >= p99 ({o['threshold_ms']} ms) spent "
+                f"{o['inside_agent_share']:.0%} of their time inside the agent, {o['with_controller_gc']} "
+                f"overlapped a controller GC; bash spawn p99 inside: {s['bash_spawn_ms']['p99']} ms"
+            )
+
+        def warm_note() -> str:
+            return (
+                f"warm lease: acquire p50 {s['warm_lease_ms']['p50']} ms / p99 {s['warm_lease_ms']['p99']} ms; "
+                f"a ping right after it {s['warm_lease_ping_after_acquire_ms']['p50']} ms; release + refill "
+                f"p50 {s['release_and_refill_ms']['p50']} ms"
+            )
+
+        def concurrent_note() -> str:
+            created = d["concurrent_created"]
+            return (
+                f"concurrent: {created} created, {d['concurrent_exec_ok']} execs ok in {d['concurrent_exec_s']} s, "
+                f"{d['concurrent_mem_per_sandbox_mib']} MiB host memory per sandbox (host-side `podman exec -i` "
+                f"attach processes: {d['concurrent_host_attach_pss_mib'] / max(created, 1):.1f} MiB PSS each), "
+                f"destroyed in {d['concurrent_destroy_s']} s"
+            )
+
+        def ssh_note() -> str:
+            return (
+                f"ssh: exec p50 {s['ssh_exec_ms']['p50']} ms, agent ping {s['ssh_ping_ms']['p50']} ms, echo rtt "
+                f"{s['ssh_rtt_ms']['p50']} ms, `ssh ... podman exec` p50 {s['ssh_podman_exec_ms']['p50']} ms"
+            )
+
+        def load_note() -> str:
+            loads = d["loadavg_at_phase_start"]
+            return "load average (1 min) at phase start: " + ", ".join(f"{k} {v[0]}" for k, v in loads.items() if v)
+
+        out = []
+        for note in (exec_note, warm_note, concurrent_note, ssh_note, load_note):
+            try:
+                out.append(note())
+            except KeyError:
+                continue  # that phase did not run or failed
+        return out
+
+    def meta(self, host: dict[str, Any], podman_version: str, leftovers: int) -> dict[str, Any]:
+        goals = self.goals()
+        return {
+            **host,
+            "loadavg_end": loadavg(),
+            "podman_version": podman_version,
+            "quick": self.quick,
+            "ssh": self.ssh,
+            "image": IMAGE,
+            "bench_id": self.bench_id,
+            "pool_run_id": self.run_id,
+            "n": {**asdict(self.sizes), "warmup": WARMUP},
+            "warm_pool_size": WARM_K,
+            "create_concurrency": CREATE_CONCURRENCY,
+            "sandbox_config": msgspec.to_builtins(SandboxConfig()),
+            "goals": [goal.record(self.metrics) for goal in goals],
+            # Goals this run cannot test (concurrency in --quick) neither pass nor fail it.
+            "all_goals_met": all(goal.met(self.metrics.get(goal.metric)) is not False for goal in goals),
+            "notes": self.notes(),
+            "distributions_ms": self.summaries,
+            "details": self.details,
+            "errors": self.errors,
+            "leftover_containers_removed_at_exit": leftovers,
+            "wall_s": round(self.progress.elapsed_s(), 1),
+        }
+
+
+# ---------------------------------------------------------------- measurement helpers
+
+
+async def _exec_true(sandbox: PodmanSandbox) -> ExecResult:
+    result = await sandbox.exec("true", 10)
+    if result.exit_code != 0 or result.timed_out:
+        raise RuntimeError(f"exec('true') in {sandbox.name} gave {result.exit_code}: {result.output[:200]}")
+    return result
+
+
+def _podman_env() -> dict[str, str]:
+    return {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
+
+
+def _run_cli_once(argv: list[str], env: dict[str, str] | None) -> float:
+    """One blocking subprocess.run, output captured like mini-swe-agent does; returns milliseconds."""
+    start = time.perf_counter_ns()
+    done = subprocess.run(
+        argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        timeout=120, check=False,
+    )  # fmt: skip
+    elapsed = ms_since(start)
+    if done.returncode != 0:
+        output = done.stdout.decode(errors="replace")[-500:]
+        raise RuntimeError(f"`{shlex.join(argv)}` exited {done.returncode}: {output}")
+    return elapsed
+
+
+async def _time_cli(argv: list[str], n: int, env: dict[str, str] | None) -> list[float]:
+    """n timed runs of a CLI, each in a worker thread (the event loop stays free; Ctrl-C waits one run)."""
+    return [await anyio.to_thread.run_sync(_run_cli_once, argv, env) for _ in range(n)]
+
+
+async def _ssh_echo_rtt(nodes: TestNodes, n: int) -> list[float]:
+    """Round trips of a few bytes through a persistent remote `cat` (no shell startup per sample)."""
+    node = nodes.nodes[0]
+    payload = b"swectl-rtt\n"
+    with anyio.fail_after(60):
+        conn = await asyncssh.connect(
+            node.host, port=node.port, username="root", client_keys=[nodes.key_path],
+            known_hosts=nodes.known_hosts_path, agent_path=None, config=[],
+        )  # fmt: skip
+    samples = []
+    async with conn:
+        process = await conn.create_process("cat", encoding=None)
+        try:
+            for i in range(WARMUP + n):
+                with anyio.fail_after(10):
+                    start = time.perf_counter_ns()
+                    process.stdin.write(payload)
+                    await process.stdin.drain()
+                    echoed = b""
+                    while len(echoed) < len(payload):
+                        chunk = await process.stdout.read(len(payload) - len(echoed))
+                        if not chunk:
+                            raise RuntimeError("remote cat closed its output")
+                        echoed += chunk
+                    if i >= WARMUP:
+                        samples.append(ms_since(start))
+        finally:
+            process.close()
+    return samples
+
+
+def _outliers(totals: list[float], inside: list[float], gc_hit: list[bool]) -> dict[str, Any]:
+    """Where the slowest 1% of exec round trips spent their time: in the sandbox or on the way."""
+    threshold = percentile(sorted(totals), 99)
+    slow = [i for i, t in enumerate(totals) if t >= threshold]
+    worst = sorted(slow, key=lambda i: totals[i], reverse=True)[:5]
+    return {
+        "threshold_ms": round(threshold, 3),
+        "count": len(slow),
+        "inside_agent_share": round(sum(inside[i] for i in slow) / sum(totals[i] for i in slow), 3),
+        "with_controller_gc": sum(gc_hit[i] for i in slow),
+        "worst": [
+            {"index": i, "total_ms": round(totals[i], 3), "inside_agent_ms": round(inside[i], 3)} for i in worst
+        ],
+    }
+
+
+def _children_pss_mib() -> float:
+    """Proportional memory of this process's children: the host-side `podman exec -i` attach processes."""
+    me, total_kib = str(os.getpid()), 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if stat.rsplit(")", 1)[1].split()[1] != me:
+                continue
+            for row in (entry / "smaps_rollup").read_text().splitlines():
+                if row.startswith("Pss:"):
+                    total_kib += int(row.split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+    return total_kib / 1024
+
+
+def _podman_version() -> str:
+    out = subprocess.run(
+        ["podman", "version", "--format", "{{.Client.Version}}"], env=_podman_env(), capture_output=True,
+        text=True, timeout=60, check=False,
+    )  # fmt: skip
+    return out.stdout.strip() or f"unknown ({out.stderr.strip()[:200]})"
+
+
+def remove_leftovers(bench: EnvBench) -> int:
+    """Last line of defence (runs outside the event loop, also after Ctrl-C): remove every container of
+    this run that is still there; returns how many were found."""
+    ids: set[str] = set()
+    for label in (f"{BENCH_LABEL}={bench.bench_id}", f"{LABEL_RUN}={bench.run_id}"):
+        out = subprocess.run(
+            ["podman", "ps", "-a", "-q", "--no-trunc", "--filter", f"label={label}"],
+            env=_podman_env(), capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        ids.update(out.stdout.split())
+    if ids:
+        subprocess.run(
+            ["podman", "rm", "--force", "--ignore", "--time", "0", *sorted(ids)],
+            env=_podman_env(), capture_output=True, timeout=300, check=False,
+        )  # fmt: skip
+    return len(ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples: finishes within a minute")
+    parser.add_argument("--ssh", action="store_true", help="also measure exec over ssh to a test node")
+    args = parser.parse_args(argv)
+
+    bench = EnvBench(quick=args.quick, ssh=args.ssh)
+    host = host_meta()
+    version = _podman_version()
+    bench.progress(
+        f"{'quick' if args.quick else 'full'} run, bench id {bench.bench_id}, podman {version}, "
+        f"{host['cpu_count']} cpus, load {host['loadavg_start']}"
+    )
+    try:
+        anyio.run(bench.run, backend="asyncio")
+    except KeyboardInterrupt:  # before the watcher started, or a second Ctrl-C during cleanup
+        bench.interrupted = "SIGINT"
+    finally:
+        bench.stop_test_nodes()  # only does something if the ssh phase was cut short
+        leftovers = remove_leftovers(bench)
+        if leftovers:
+            bench.progress(f"removed {leftovers} leftover containers of this run")
+    if bench.interrupted:
+        bench.progress("interrupted: no results written; everything this run created is removed")
+        return 130
+
+    meta = bench.meta(host, version, leftovers)
+    path = write_results(SUITE, bench.metrics, meta)
+    print(result_table(bench.metrics, bench.goals()))
+    print("\n".join(["", *meta["notes"]]))
+    for name, error in bench.errors.items():
+        print(f"phase {name} failed: {error}")
+    print(f"\nwrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+    return 1 if bench.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
