@@ -120,6 +120,8 @@ SSH_METRICS = ("ssh_exec_p50_ms", "ssh_podman_exec_p50_ms", "ssh_exec_speedup", 
 
 
 class EnvBench:
+    """One run of the suite: phases fill ``metrics`` (the table), ``summaries`` and ``details`` (meta)."""
+
     def __init__(self, *, quick: bool, ssh: bool) -> None:
         self.quick = quick
         self.ssh = ssh

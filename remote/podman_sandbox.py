@@ -72,8 +72,17 @@ class PodmanBackend:
 
     async def create(self, spec: SandboxSpec) -> PodmanSandbox:
         name = f"swectl-{secrets.token_hex(6)}"
-        with _translate(self.node, f"creating a sandbox from {spec.image}"):
-            cid = await self.podman.create(spec, name)
+        try:
+            with _translate(self.node, f"creating a sandbox from {spec.image}"):
+                cid = await self.podman.create(spec, name)
+        except BaseException:
+            # Cancelled or failed mid-`podman run`: the container may exist without our knowing its id.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.config.destroy_timeout_s):
+                try:
+                    await self.podman.remove([name])
+                except InfraError:
+                    pass
+            raise
         sandbox = PodmanSandbox(self, cid, name, spec)
         try:
             with _translate(self.node, f"starting the exec agent in {name}"):
