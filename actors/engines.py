@@ -1,174 +1,354 @@
-"""The Engines actor: launches and supervises inference servers that speak SGLang's HTTP API, and routes
-requests to them with session affinity (every turn of one episode goes to the same server, so its prefix
-stays in that server's cache).
+"""The Engines actor: launches and supervises inference servers that speak SGLang's HTTP API, on this machine
+or on nodes over SSH, and routes requests to them with session affinity (every turn of one episode goes to
+the same server, so its prefix stays in that server's cache).
 
 Kinds of server:
 - ``cpu``: swectl's CPU engine (``python -m swectl.remote.cpu_engine``), for machines without a GPU;
-- ``sglang``: ``python -m sglang.launch_server`` on a GPU node (same flags SGLang documents: --model-path,
-  --host, --port); not exercised here (no GPU in this session);
-- ``external``: a URL someone else runs; only health-checked, never restarted.
+- ``sglang``: ``python -m sglang.launch_server`` on GPU nodes (flags as SGLang documents them:
+  --model-path, --host, --port, --api-key);
+- external: a URL someone else runs (``Engines(config, url=...)``); only health-checked, never restarted.
 
-A server whose health check fails ``max_failures`` times in a row is restarted (``cpu``/``sglang``); while it
-is down its sessions move to another healthy server (their next turn re-prefills there).
+Every server runs under a small ``sh`` supervisor (SUPERVISOR below) started through the node's
+``spawn`` (a child process here, an SSH channel on an ssh node). The supervisor merges the server's
+stdout and stderr into the pipe the controller reads (copied to ``<log_dir>/engine<i>.log`` on the
+controller, last lines quoted in errors), reports the server's pid and exit code, and kills the server
+when its stdin closes: when the controller stops it, dies, or loses the SSH connection, nothing is left
+running on the node. Servers on ssh nodes bind 0.0.0.0 and get a random API key per Engines instance,
+sent over the channel's stdin (it never appears on the SSH command line).
+
+Ports: the CPU engine binds port 0 and prints the port it got. SGLang needs a port on its command line:
+one is picked free on the node, and if the server still loses the race ("address already in use") the
+launch is retried with a new port (3 tries).
+
+A server whose health check fails ``max_failures`` times in a row, or whose process exits, is restarted;
+while it is down its sessions move to another healthy server (their next turn re-prefills there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import os
-import subprocess
+import re
+import secrets
 import sys
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import anyio
 import anyio.abc
-import msgspec
+from swectl.remote.backends import make_node
+from swectl.remote.node import LocalNode, Node, NodeProcess
 
+from swectl.config import ClusterConfig, EngineConfig, LocalNodeConfig
 from swectl.engine_client import SglangClient
 from swectl.engine_errors import EngineUnavailableError
+from swectl.errors import NodeError
 from swectl.schema_engine import GenerateRequest, GenerateResult
 
-EngineKind = Literal["cpu", "sglang", "external"]
+API_KEY_PLACEHOLDER = "@SWECTL_ENGINE_API_KEY@"
+START_TRIES = 3
+STOP_GRACE_S = 10  # TERM, then KILL this long after (in the supervisor)
+TAIL_LINES = 30
+
+# argv: the server's command line. stdin: first line the API key (may be empty), then held open; EOF = stop.
+SUPERVISOR = r"""
+exec 2>&1
+IFS= read -r key || key=""
+if [ -n "$key" ]; then export SWECTL_ENGINE_API_KEY="$key"; fi
+for arg in "$@"; do
+  shift
+  if [ "$arg" = "@SWECTL_ENGINE_API_KEY@" ]; then arg="$key"; fi
+  set -- "$@" "$arg"
+done
+export PYTHONUNBUFFERED=1
+exec 3<&0
+"$@" </dev/null 3<&- &
+pid=$!
+echo "swectl-engine pid $pid"
+( cat <&3 >/dev/null; kill -TERM "$pid" 2>/dev/null; sleep GRACE; kill -KILL "$pid" 2>/dev/null ) >/dev/null 2>&1 &
+watcher=$!
+exec 3<&-
+wait "$pid"
+code=$?
+echo "swectl-engine exit $code"
+kill "$watcher" 2>/dev/null
+exit "$code"
+""".replace("GRACE", str(STOP_GRACE_S))
+
+FREE_PORT = "import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])"
+
+_READY = re.compile(r"^ready on https?://\S+:(\d+)\s*$")
+_PORT_TAKEN = re.compile(r"address already in use|errno 98", re.IGNORECASE)
 
 
-class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
-    kind: EngineKind = "cpu"
-    model: str = ""  # local HF folder (cpu, sglang)
-    url: str = ""  # external
-    replicas: int = 1
-    host: str = "127.0.0.1"
-    threads: int = 1
-    max_batch: int = 8
-    start_timeout_s: float = 300.0
-    health_interval_s: float = 5.0
-    max_failures: int = 3
-    request_timeout_s: float = 600.0
+@dataclass(frozen=True)
+class EngineHost:
+    """A node that runs servers, and the address the controller reaches them at."""
+
+    node: Node
+    address: str
+    remote: bool  # servers bind 0.0.0.0 and require an API key
+
+    @staticmethod
+    def local() -> EngineHost:
+        return EngineHost(LocalNode(), "127.0.0.1", remote=False)
+
+
+@contextlib.asynccontextmanager
+async def engine_hosts(config: ClusterConfig) -> AsyncIterator[list[EngineHost]]:
+    """The hosts of ``config.engine.nodes`` (default: the first node), connected; closed on exit."""
+    hosts = []
+    for node_config in config.engine_nodes():
+        node = make_node(node_config)
+        if isinstance(node_config, LocalNodeConfig):
+            hosts.append(EngineHost(node, "127.0.0.1", remote=False))
+        else:
+            hosts.append(EngineHost(node, node_config.host, remote=True))
+    try:
+        for host in hosts:
+            await host.node.connect()
+        yield hosts
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+            for host in hosts:
+                await host.node.aclose()
 
 
 class _Server:
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, host: EngineHost) -> None:
         self.index = index
+        self.host = host
         self.url = ""
-        self.proc: anyio.abc.Process | None = None
+        self.proc: NodeProcess | None = None
         self.client: SglangClient | None = None
         self.healthy = False
         self.failures = 0
         self.restarts = 0
+        self.last_error = ""
+        self._reset()
+
+    def _reset(self) -> None:
+        self.pid: int | None = None  # the server's pid on its node
+        self.port: int | None = None
+        self.exit_code: int | None = None  # set when the server exited (-1: its channel closed first)
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.changed = anyio.Event()
+
+    @property
+    def name(self) -> str:
+        return f"engine {self.index} on {self.host.node.name}"
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    def last_output(self) -> str:
+        lines = [line for line in self.tail if line.strip()]
+        return "\n    ".join(lines[-12:]) or "(no output)"
 
 
 class Engines:
-    """Start with ``await tg.start(engines.run)``; then ``route(session_key)`` gives an Engine for a session."""
+    """Start with ``await tg.start(engines.run)``; then ``route(session_key)`` gives an Engine for a session.
 
-    def __init__(self, spec: EngineSpec, log_dir: Path | None = None) -> None:
-        if spec.kind == "external" and not spec.url:
-            raise ValueError("an external engine needs a url")
-        if spec.kind != "external" and not spec.model:
-            raise ValueError(f"a {spec.kind} engine needs a model folder")
-        self._spec = spec
+    ``url``: one external server (health-checked only). Otherwise ``model`` (a folder on every host) is
+    served by ``config.replicas`` servers per host (default: one local host).
+    """
+
+    def __init__(self, config: EngineConfig, *, model: str = "", url: str = "",
+                 hosts: Sequence[EngineHost] = (), log_dir: Path | None = None, api_key: str | None = None) -> None:
+        if not url and not model:
+            raise ValueError("Engines needs a model folder to launch, or the url of a running server")
+        self._config = config
+        self._model = model
+        self._external = bool(url)
         self._log_dir = log_dir
-        self._servers = [_Server(i) for i in range(1 if spec.kind == "external" else spec.replicas)]
+        hosts = list(hosts) or [EngineHost.local()]
+        if url:
+            server = _Server(0, hosts[0])
+            server.url = url.rstrip("/")
+            self._servers = [server]
+        else:
+            self._servers = [_Server(i, host) for i, (host, _) in
+                             enumerate((h, r) for h in hosts for r in range(config.replicas))]
+        if api_key is None and not url and any(h.remote for h in hosts):
+            api_key = secrets.token_urlsafe(24)
+        self._api_key = api_key
 
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                for s in self._servers:
-                    await tg.start(self._start, s)
-                for s in self._servers:
-                    tg.start_soon(self._supervise, s)
-                task_status.started()
-        finally:
-            with anyio.CancelScope(shield=True):
-                for s in self._servers:
-                    await self._stop(s)
+        """Start every server (failing if one cannot start), then supervise them until cancelled."""
+        async with anyio.create_task_group() as tg:
+            for s in self._servers:
+                await tg.start(self._serve, s)
+            task_status.started()
 
-    def _argv(self, port: int) -> list[str]:
-        spec = self._spec
-        if spec.kind == "cpu":
-            return [sys.executable, "-m", "swectl.remote.cpu_engine", "--model", spec.model, "--host", spec.host,
-                    "--port", str(port), "--threads", str(spec.threads), "--max-batch", str(spec.max_batch)]
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model, "--host", spec.host,
-                "--port", str(port)]
-
-    async def _start(self, s: _Server, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    async def _serve(self, s: _Server, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                      ) -> None:
-        spec = self._spec
-        if spec.kind == "external":
-            s.url = spec.url
-        else:
-            # The CPU engine binds port 0 and prints the port it got (no race); SGLang needs one picked here.
-            port = 0 if spec.kind == "cpu" else _free_port(spec.host)
-            log_path = None
-            if self._log_dir is not None:
-                self._log_dir.mkdir(parents=True, exist_ok=True)
-                log_path = self._log_dir / f"engine{s.index}.log"
-            log = log_path.open("ab") if log_path else subprocess.DEVNULL
+        """One server's life: launch, watch, relaunch. A failure of the first launch is raised."""
+        started = False
+        while True:
+            failure: Exception | None = None
             try:
-                s.proc = await anyio.open_process(
-                    self._argv(port), stdout=subprocess.PIPE if spec.kind == "cpu" else log, stderr=log,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                async with anyio.create_task_group() as tg:  # owns this incarnation's output reader
+                    try:
+                        await self._launch(s, tg)
+                    except (EngineUnavailableError, NodeError, OSError) as exc:
+                        failure = exc
+                    else:
+                        if not started:
+                            started = True
+                            task_status.started()
+                        s.last_error = await self._watch(s)
+                    tg.cancel_scope.cancel()
             finally:
-                if log_path:
-                    log.close()  # the child holds its own descriptor
-            s.url = f"http://{spec.host}:{port}"
-        with anyio.fail_after(spec.start_timeout_s):
-            if spec.kind == "cpu":
-                s.url = await self._ready_url(s)
-            s.client = SglangClient(s.url, timeout_s=spec.request_timeout_s)
-            while not await s.client.health():
-                if s.proc is not None and s.proc.returncode is not None:
-                    raise EngineUnavailableError(s.url, f"exited with {s.proc.returncode} while starting "
-                                                 f"(log: {self._log_dir})")
-                await anyio.sleep(0.2)
-        s.healthy, s.failures = True, 0
-        task_status.started()
+                with anyio.CancelScope(shield=True):
+                    await self._stop(s)
+            if failure is not None:
+                if not started:
+                    raise failure
+                s.last_error = str(failure)
+            s.restarts += 1
+            await anyio.sleep(self._config.health_interval_s)
 
-    async def _ready_url(self, s: _Server) -> str:
-        """The URL from the engine's ``ready on http://HOST:PORT`` line on stdout."""
-        assert s.proc is not None and s.proc.stdout is not None
-        buf = b""
-        while b"\n" not in buf:
-            try:
-                buf += await s.proc.stdout.receive()
-            except (anyio.EndOfStream, anyio.ClosedResourceError):
-                raise EngineUnavailableError(f"engine {s.index}", f"exited before it was ready (log: {self._log_dir})"
-                                             ) from None
-        line = buf.split(b"\n", 1)[0].decode(errors="replace").strip()
-        if not line.startswith("ready on "):
-            raise EngineUnavailableError(f"engine {s.index}", f"unexpected first line {line!r}")
-        return line.split()[-1]
+    def _argv(self, s: _Server, bind: str, port: int) -> list[str]:
+        cfg = self._config
+        python = cfg.python or sys.executable
+        if cfg.kind == "cpu":
+            argv = [python, "-m", "swectl.remote.cpu_engine", "--model", self._model, "--host", bind,
+                    "--port", str(port), "--threads", str(cfg.threads), "--max-batch", str(cfg.max_batch)]
+        else:
+            argv = [python, "-m", "sglang.launch_server", "--model-path", self._model, "--host", bind,
+                    "--port", str(port)]
+            if self._api_key:
+                argv += ["--api-key", API_KEY_PLACEHOLDER]
+        return argv + list(cfg.extra_args)
+
+    async def _launch(self, s: _Server, tg: anyio.abc.TaskGroup) -> None:
+        cfg = self._config
+        if self._external:
+            s.client = SglangClient(s.url, timeout_s=cfg.request_timeout_s, api_key=self._api_key)
+            with anyio.fail_after(cfg.start_timeout_s):
+                while not await s.client.health():  # noqa: ASYNC110 (polling a remote server)
+                    await anyio.sleep(0.5)
+            s.healthy, s.failures = True, 0
+            return
+        bind = cfg.host or ("0.0.0.0" if s.host.remote else "127.0.0.1")
+        for attempt in range(1, START_TRIES + 1):
+            port = cfg.port if cfg.port or cfg.kind == "cpu" else await self._free_port(s, bind)
+            s._reset()
+            s.proc = await s.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-engine", *self._argv(s, bind, port)])
+            await s.proc.send(f"{self._api_key or ''}\n".encode())
+            tg.start_soon(self._read_output, s, s.proc)
+            if await self._until_healthy(s, port):
+                s.healthy, s.failures = True, 0
+                return
+            output = s.last_output()
+            await self._stop(s)
+            if attempt < START_TRIES and not cfg.port and _PORT_TAKEN.search(output):
+                continue
+            raise EngineUnavailableError(s.name, f"exited with {s.exit_code} while starting (log: "
+                                         f"{self._log_path(s) or 'none'}); last output:\n    {output}")
+        raise AssertionError("unreachable")
+
+    async def _free_port(self, s: _Server, bind: str) -> int:
+        with anyio.fail_after(60):
+            out = await s.host.node.run([self._config.python or sys.executable, "-c", FREE_PORT, bind])
+        text = out.stdout.decode(errors="replace").strip()
+        if out.exit_code != 0 or not text.isdigit():
+            raise EngineUnavailableError(s.name, f"cannot pick a free port on {s.host.node.name}: "
+                                         f"{out.stderr.decode(errors='replace').strip()[:300]}")
+        return int(text)
+
+    async def _until_healthy(self, s: _Server, port: int) -> bool:
+        """True once the server answers /health; False when it exited first. Bounded by start_timeout_s."""
+        cfg = self._config
+        try:
+            with anyio.fail_after(cfg.start_timeout_s):
+                while s.exit_code is None:
+                    if cfg.kind == "sglang" or s.port is not None:
+                        if s.client is None:
+                            s.url = f"http://{s.host.address}:{s.port or port}"
+                            s.client = SglangClient(s.url, timeout_s=cfg.request_timeout_s, api_key=self._api_key)
+                        if await s.client.health(timeout_s=5):
+                            return True
+                    with anyio.move_on_after(0.5):
+                        await s.changed.wait()
+        except TimeoutError:
+            raise EngineUnavailableError(s.name, f"not healthy after {cfg.start_timeout_s:.0f} s (engine."
+                                         f"start_timeout_s); last output:\n    {s.last_output()}") from None
+        return False
+
+    def _log_path(self, s: _Server) -> Path | None:
+        return self._log_dir / f"engine{s.index}.log" if self._log_dir is not None else None
+
+    async def _read_output(self, s: _Server, proc: NodeProcess) -> None:
+        """Copy the supervisor's output to the log, keep its last lines, and pick out pid, port and exit."""
+        log_path = self._log_path(s)
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") if log_path is not None else contextlib.nullcontext() as log:
+            pending = b""
+            while chunk := await proc.receive():
+                if log is not None:
+                    log.write(chunk)
+                    log.flush()
+                *lines, pending = (pending + chunk).split(b"\n")
+                pending = pending[-65536:]  # a line that never ends does not grow without bound
+                if s.proc is not proc:  # stopped: the rest only goes to the log
+                    continue
+                for raw in lines:
+                    self._on_line(s, raw.decode(errors="replace").rstrip("\r"))
+        if s.proc is proc and s.exit_code is None:
+            s.exit_code = -1
+            s.notify()
+
+    def _on_line(self, s: _Server, line: str) -> None:
+        if line.startswith("swectl-engine pid "):
+            s.pid = int(line.split()[-1])
+        elif line.startswith("swectl-engine exit "):
+            s.exit_code = int(line.split()[-1])
+        else:
+            s.tail.append(line)
+            ready = _READY.match(line)
+            if ready:
+                s.port = int(ready.group(1))
+            else:
+                return
+        s.notify()
+
+    async def _watch(self, s: _Server) -> str:
+        """Health-check until the server must be restarted; returns why."""
+        cfg = self._config
+        assert s.client is not None
+        while True:
+            with anyio.move_on_after(cfg.health_interval_s):
+                while s.exit_code is None:
+                    await s.changed.wait()
+            if s.exit_code is not None and not self._external:
+                return f"exited with {s.exit_code}; last output:\n    {s.last_output()}"
+            ok = await s.client.health()
+            s.failures = 0 if ok else s.failures + 1
+            s.healthy = ok or (s.failures < cfg.max_failures and s.healthy)
+            if s.failures >= cfg.max_failures and not self._external:
+                return f"{s.failures} failed health checks in a row"
 
     async def _stop(self, s: _Server) -> None:
+        """Close the server's stdin (the supervisor stops it: TERM, then KILL), wait, close the channel."""
         s.healthy = False
         if s.client is not None:
             await s.client.aclose()
             s.client = None
-        if s.proc is not None and s.proc.returncode is None:
-            s.proc.terminate()
-            with anyio.move_on_after(10):
-                await s.proc.wait()
-            if s.proc.returncode is None:
-                s.proc.kill()
-                with anyio.move_on_after(5):
-                    await s.proc.wait()
-        s.proc = None
-
-    async def _supervise(self, s: _Server) -> None:
-        spec = self._spec
-        while True:
-            await anyio.sleep(spec.health_interval_s)
-            ok = s.client is not None and await s.client.health()
-            s.failures = 0 if ok else s.failures + 1
-            s.healthy = ok or (s.failures < spec.max_failures and s.healthy)
-            if not ok and s.failures >= spec.max_failures and spec.kind != "external":
-                await self._stop(s)
-                s.restarts += 1
-                try:
-                    await self._start(s)
-                except (EngineUnavailableError, TimeoutError):
-                    s.healthy = False
+        proc, s.proc = s.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(BrokenPipeError, OSError):
+            await proc.close_input()
+        with anyio.move_on_after(STOP_GRACE_S + 5):
+            await proc.wait()
+        await proc.aclose()
 
     # ------------------------------------------------------------------ routing
 
@@ -176,7 +356,8 @@ class Engines:
         return [s.url for s in self._servers]
 
     def statistics(self) -> dict[str, list]:
-        return {"healthy": [s.healthy for s in self._servers], "restarts": [s.restarts for s in self._servers]}
+        return {"healthy": [s.healthy for s in self._servers], "restarts": [s.restarts for s in self._servers],
+                "last_error": [s.last_error for s in self._servers]}
 
     def _pick(self, key: str) -> _Server:
         order = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
@@ -202,11 +383,3 @@ class _Session:
         server = self._engines._pick(self._key)
         assert server.client is not None
         return await server.client.generate(request)
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]

@@ -33,6 +33,7 @@ logprobs. Ignored: sampling parameters beyond swectl.schema_engine.SamplingParam
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import socket
 import sys
@@ -785,7 +786,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=os.environ.get("SWECTL_ENGINE_API_KEY") or None,
+                        help="require Authorization: Bearer KEY (default: $SWECTL_ENGINE_API_KEY, which keeps "
+                        "the key out of the process list)")
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)

@@ -75,38 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        match args.command:
-            case "image":
-                from swectl.cli_tasks import run_image_command
-
-                return run_image_command(args)
-            case "data":
-                from swectl.data_prepare import run_data_command
-
-                return run_data_command(args)
-            case "model":
-                from swectl.model_init import run_model_command
-
-                return run_model_command(args)
-        config = load_config(args.config, args.overrides)
-        match args.command:
-            case "tasks":
-                from swectl.cli_tasks import run_tasks_command
-
-                return run_tasks_command(args, config)
-            case "eval":
-                from swectl.cli_tasks import run_eval_command
-
-                return run_eval_command(args, config)
-            case "check-config":
-                sys.stdout.write(resolved_json(config).decode() + "\n")
-                return 0
-            case "up":
-                from swectl.up import run_up
-
-                return anyio.run(lambda: run_up(config, episodes=args.episodes, concurrency=args.concurrency))
-            case "nodes":
-                return _nodes(args, config)
+        try:
+            return _run(args)
+        except BaseExceptionGroup as group:  # a task group's failure: report the error inside it
+            leaf = _first_swectl_error(group)
+            if leaf is None:
+                raise
+            raise leaf from group
     except ConfigError as exc:
         print(f"swectl: config error: {exc}", file=sys.stderr)
         return 2
@@ -122,6 +97,57 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("swectl: interrupted; containers of this run were removed", file=sys.stderr)
         return 130
+
+
+def _first_swectl_error(group: BaseExceptionGroup) -> SwectlError | None:
+    """The first SwectlError among the group's leaves, when every leaf is one (or a cancellation)."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            pending[:0] = list(exc.exceptions)
+        else:
+            leaves.append(exc)
+    errors = [leaf for leaf in leaves if isinstance(leaf, SwectlError)]
+    if not errors or any(not isinstance(leaf, SwectlError | KeyboardInterrupt) for leaf in leaves):
+        return None
+    return errors[0]
+
+
+def _run(args: argparse.Namespace) -> int:
+    match args.command:
+        case "image":
+            from swectl.cli_tasks import run_image_command
+
+            return run_image_command(args)
+        case "data":
+            from swectl.data_prepare import run_data_command
+
+            return run_data_command(args)
+        case "model":
+            from swectl.model_init import run_model_command
+
+            return run_model_command(args)
+    config = load_config(args.config, args.overrides)
+    match args.command:
+        case "tasks":
+            from swectl.cli_tasks import run_tasks_command
+
+            return run_tasks_command(args, config)
+        case "eval":
+            from swectl.cli_tasks import run_eval_command
+
+            return run_eval_command(args, config)
+        case "check-config":
+            sys.stdout.write(resolved_json(config).decode() + "\n")
+            return 0
+        case "up":
+            from swectl.up import run_up
+
+            return anyio.run(lambda: run_up(config, episodes=args.episodes, concurrency=args.concurrency))
+        case "nodes":
+            return _nodes(args, config)
     return 1
 
 

@@ -159,8 +159,9 @@ def add_eval_command(sub: argparse._SubParsersAction, config_args) -> None:
     what.add_argument("--predictions", type=Path, metavar="FILE",
                       help="SWE-bench predictions ({instance_id, model_name_or_path, model_patch}; JSON or JSONL)")
     what.add_argument("--model", metavar="DIR",
-                      help="run the agent with this local HF model folder on swectl's CPU engine (launched here), "
-                      "e.g. the output of `swectl model init`")
+                      help="run the agent with this HF model folder (e.g. from `swectl model init`) on servers "
+                      "swectl launches: the CPU engine on this machine by default; the config's [engine] section "
+                      "picks the kind (cpu, sglang) and the nodes (the folder must exist there)")
     what.add_argument("--endpoint", metavar="URL",
                       help="run the agent against a running SGLang-API server (token-in/token-out; needs --tokenizer)")
     what.add_argument("--openai-url", metavar="URL",
@@ -174,7 +175,9 @@ def add_eval_command(sub: argparse._SubParsersAction, config_args) -> None:
     agent.add_argument("--max-tokens", type=int, default=512, help="max new tokens per turn (default 512)")
     agent.add_argument("--context", type=int, default=8192, help="context budget in tokens (default 8192)")
     agent.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    agent.add_argument("--engines", type=int, default=1, help="CPU engine replicas to launch (default 1)")
+    agent.add_argument("--engines", type=int, default=None, metavar="N",
+                       help="servers to launch per engine node with --model (default: engine.replicas of the "
+                       "config, 1). Which nodes, which kind (cpu or sglang) and how: the [engine] section")
     agent.add_argument("--manage-context", action="store_true",
                        help="head+tail context management when a conversation outgrows --context (keeps system, "
                        "problem, the earliest ~30%% and latest ~70%% of turns)")
@@ -196,7 +199,6 @@ def _eval_agent(args: argparse.Namespace, config: ClusterConfig, tasks: list[Tas
     import os
     import time
 
-    from swectl.actors.engines import EngineSpec
     from swectl.actors.rollout import RolloutConfig
     from swectl.agent.loop import EpisodeConfig
     from swectl.agent.protocol import AgentLimits
@@ -211,12 +213,10 @@ def _eval_agent(args: argparse.Namespace, config: ClusterConfig, tasks: list[Tas
         if not args.openai_model:
             raise SystemExit("swectl: --openai-url needs --openai-model NAME")
         chat = OpenAIChatClient(args.openai_url, args.openai_model, api_key=os.environ.get("OPENAI_API_KEY"))
-        engine = None
     elif not tokenizer:
         raise SystemExit("swectl: --endpoint needs --tokenizer DIR (token-in/token-out needs the model's tokenizer)")
-    else:
-        engine = (EngineSpec(kind="cpu", model=args.model, replicas=args.engines) if args.model
-                  else EngineSpec(kind="external", url=args.endpoint))
+    if args.engines is not None:
+        config = msgspec.structs.replace(config, engine=msgspec.structs.replace(config.engine, replicas=args.engines))
     rollout = RolloutConfig(concurrency=args.concurrency, samples_per_task=args.samples, episode=EpisodeConfig(
         manage_context=args.manage_context,
         limits=AgentLimits(step_limit=args.step_limit, max_context_tokens=args.context),
@@ -227,9 +227,9 @@ def _eval_agent(args: argparse.Namespace, config: ClusterConfig, tasks: list[Tas
     config = msgspec.structs.replace(config, env_pool=msgspec.structs.replace(config.env_pool, warm=0))
     _say(f"{len(tasks)} tasks x {args.samples} samples, concurrency {args.concurrency}, output {out}")
     resolver = ImageResolver.from_options(args.image_template, args.image_map)
-    summary = anyio.run(lambda: eval_model(config, tasks, out, engine=engine, tokenizer_path=tokenizer,
-                                           model_name=name, rollout=rollout, grade_timeout_s=args.timeout,
-                                           resolver=resolver, chat=chat))
+    summary = anyio.run(lambda: eval_model(config, tasks, out, model=args.model or "", endpoint=args.endpoint or "",
+                                           chat=chat, tokenizer_path=tokenizer, model_name=name, rollout=rollout,
+                                           grade_timeout_s=args.timeout, resolver=resolver))
     print(msgspec.json.format(msgspec.json.encode(summary)).decode())
     _say(f"wrote {out / 'summary.json'}, results.jsonl, preds.jsonl")
     return 0

@@ -92,12 +92,36 @@ class EnvPoolConfig(_Section):
     start_retries: NonNegative = 2
 
 
+class EngineConfig(_Section):
+    """Inference servers swectl launches itself (``swectl eval --model``): where and how.
+
+    ``cpu`` is swectl's CPU engine (remote/cpu_engine.py); ``sglang`` is ``python -m sglang.launch_server``
+    on GPU nodes. Servers on an ssh node bind ``0.0.0.0`` and are reached at the node's ``host``, with a
+    fresh API key per run; the model folder and ``python`` must exist on that node.
+    """
+
+    kind: Literal["cpu", "sglang"] = "cpu"
+    nodes: list[NodeName] = []  # nodes that run servers; empty = the first node
+    replicas: Count = 1  # servers per node
+    python: str = ""  # the node's interpreter with swectl[cpu] or sglang; "" = this controller's
+    host: str = ""  # address servers bind; "" = 127.0.0.1 on a local node, 0.0.0.0 on an ssh node
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0 = a free port (one server per node otherwise)
+    threads: Count = 1  # cpu: torch threads per server
+    max_batch: Count = 8  # cpu: sequences decoded together
+    extra_args: list[str] = []  # appended to the server's command line (e.g. ["--tp", "2"] for sglang)
+    start_timeout_s: Positive = 600.0
+    health_interval_s: Positive = 5.0
+    max_failures: Count = 3  # failed health checks in a row before a restart
+    request_timeout_s: Positive = 600.0
+
+
 class ClusterConfig(_Section):
     run_id: str = ""  # empty: a fresh id per run
     out_dir: str = "runs"
     nodes: list[NodeConfig] = msgspec.field(default_factory=lambda: [LocalNodeConfig()])
     sandbox: SandboxConfig = msgspec.field(default_factory=SandboxConfig)
     env_pool: EnvPoolConfig = msgspec.field(default_factory=EnvPoolConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
 
     def node(self, name: str) -> NodeConfig:
         for node in self.nodes:
@@ -110,12 +134,18 @@ class ClusterConfig(_Section):
             return list(self.nodes)
         return [self.node(name) for name in self.env_pool.nodes]
 
+    def engine_nodes(self) -> list[NodeConfig]:
+        if not self.engine.nodes:
+            return list(self.nodes[:1])
+        return [self.node(name) for name in self.engine.nodes]
+
 
 _SECTIONS: tuple[type[msgspec.Struct], ...] = (
     LocalNodeConfig,
     SshNodeConfig,
     SandboxConfig,
     EnvPoolConfig,
+    EngineConfig,
     ClusterConfig,
 )
 
@@ -171,6 +201,15 @@ def check_config(config: ClusterConfig) -> list[str]:
                 f"env_pool.nodes[{i}]: unknown node {name!r}; defined nodes: {', '.join(names) or 'none'}"
                 + _suggest(name, names)
             )
+    for i, name in enumerate(config.engine.nodes):
+        if name not in names:
+            problems.append(
+                f"engine.nodes[{i}]: unknown node {name!r}; defined nodes: {', '.join(names) or 'none'}"
+                + _suggest(name, names)
+            )
+    if config.engine.port and config.engine.replicas > 1:
+        problems.append(f"engine.port = {config.engine.port} with engine.replicas = {config.engine.replicas}: "
+                        "servers on one node need different ports; set engine.port = 0 (free ports)")
     for i, node in enumerate(config.nodes):
         if node.max_starting > node.max_running:
             problems.append(

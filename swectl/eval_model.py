@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from swectl.actors.engines import Engines, EngineSpec
+from swectl.actors.engines import Engines, engine_hosts
 from swectl.actors.grader import Grader
 from swectl.actors.rollout import EpisodeResult, Rollout, RolloutConfig
 from swectl.agent.metrics import agent_metrics
@@ -67,14 +67,17 @@ def summarize(model: str, total: int, results: list[EpisodeResult], elapsed: flo
 
 
 async def eval_model(
-    config: ClusterConfig, tasks: list[Task], out: Path, *, engine: EngineSpec | None, tokenizer_path: str,
-    model_name: str, rollout: RolloutConfig, grade_timeout_s: float = 1800.0,
-    resolver: ImageResolver | None = None, progress: bool = True, chat: OpenAIChatClient | None = None,
+    config: ClusterConfig, tasks: list[Task], out: Path, *, tokenizer_path: str, model_name: str,
+    rollout: RolloutConfig, model: str = "", endpoint: str = "", chat: OpenAIChatClient | None = None,
+    grade_timeout_s: float = 1800.0, resolver: ImageResolver | None = None, progress: bool = True,
 ) -> EvalSummary:
-    """With ``engine``: token-in/token-out episodes on SGLang-API servers. With ``chat``: messages-only
-    episodes on an OpenAI-compatible endpoint (evaluation only)."""
+    """With ``model``: token-in/token-out episodes on servers launched per ``config.engine`` on its nodes.
+    With ``endpoint``: the same against a running SGLang-API server. With ``chat``: messages-only episodes
+    on an OpenAI-compatible endpoint (evaluation only)."""
+    if sum(map(bool, (model, endpoint, chat))) != 1:
+        raise ValueError("eval_model needs exactly one of model, endpoint, chat")
     tokenizer = None
-    if engine is not None:
+    if chat is None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
@@ -100,9 +103,11 @@ async def eval_model(
             if bar:
                 bar.advance(_label(r))
 
-        async with running_pool(config) as pool, anyio.create_task_group() as tg:
-            if engine is not None:
-                engines = Engines(engine, log_dir=out / "engine-logs")
+        async with (running_pool(config) as pool, engine_hosts(config) as hosts,
+                    anyio.create_task_group() as tg):
+            if chat is None:
+                engines = Engines(config.engine, model=model, url=endpoint, hosts=hosts,
+                                  log_dir=out / "engine-logs")
                 await tg.start(engines.run)
 
                 def engine_for(t: Task, n: int):

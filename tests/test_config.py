@@ -91,6 +91,20 @@ def test_broken_configs_give_clear_errors(tmp_path, text, expected):
     assert expected in str(err.value)
 
 
+def test_engine_section_defaults_and_checks():
+    config = load_config(None)
+    assert config.engine.kind == "cpu" and [n.name for n in config.engine_nodes()] == ["local"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["engine.nodes=['locl']"])
+    assert "engine.nodes[0]: unknown node 'locl'" in str(err.value) and "did you mean 'local'" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["engine.port=30000", "engine.replicas=2"])
+    assert "set engine.port = 0" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["engine.kind='vllm'"])
+    assert "engine.kind" in str(err.value)
+
+
 def test_missing_and_non_utf8_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "nope.toml")

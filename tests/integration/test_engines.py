@@ -1,8 +1,16 @@
-"""The Engines actor with real CPU engine processes: routing with session affinity, and a killed engine is
-restarted and serves again."""
+"""The Engines actor with real engine processes: routing with session affinity, a killed engine is restarted,
+servers launched on an ssh node (a real sshd in a network namespace) are reached over the node's address with
+an API key and die with their channel, a failed start quotes the server's output, and the SGLang launch path
+(free port on the node, --api-key, retry when the port is taken) against a stand-in that takes SGLang's flags."""
 
 from __future__ import annotations
 
+import os
+import signal
+import stat
+import sys
+import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -11,12 +19,19 @@ import pytest
 pytest.importorskip("transformers", reason="needs the cpu extra (pip install 'swectl[cpu]')")
 pytest.importorskip("uvicorn", reason="needs the cpu extra (pip install 'swectl[cpu]')")
 
-from swectl.actors.engines import Engines, EngineSpec
+from swectl.actors.engines import EngineHost, Engines, engine_hosts
 
+from swectl import testnodes
 from swectl.cli import main
+from swectl.config import EngineConfig, decode_config
+from swectl.engine_client import SglangClient
+from swectl.engine_errors import EngineRejectedError, EngineUnavailableError
 from swectl.schema_engine import GenerateRequest, SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+FAST = {"health_interval_s": 0.3, "max_failures": 2, "start_timeout_s": 120.0}
+REQUEST = GenerateRequest(input_ids=[5, 6, 7, 8], sampling_params=SamplingParams(max_new_tokens=4, temperature=0))
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +42,31 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def node() -> Iterator[tuple[testnodes.TestNodes, testnodes.TestNode]]:
+    reason = testnodes.can_run_test_nodes()
+    if reason is not None:
+        pytest.skip(reason)
+    with testnodes.test_nodes(1, prefix="swe", base_index=240) as tn:
+        yield tn, tn.nodes[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    with anyio.fail_after(timeout):
+        while not predicate():  # noqa: ASYNC110 (polling the actor's state is the point)
+            await anyio.sleep(0.1)
+
+
 async def test_affinity_and_restart(model: Path, tmp_path: Path) -> None:
-    spec = EngineSpec(kind="cpu", model=str(model), replicas=2, health_interval_s=0.3, max_failures=2)
-    engines = Engines(spec, log_dir=tmp_path)
-    request = GenerateRequest(input_ids=[5, 6, 7, 8], sampling_params=SamplingParams(max_new_tokens=4,
-                                                                                     temperature=0))
+    engines = Engines(EngineConfig(replicas=2, **FAST), model=str(model), log_dir=tmp_path)
     async with anyio.create_task_group() as tg:
         with anyio.fail_after(120):
             await tg.start(engines.run)
@@ -40,21 +75,117 @@ async def test_affinity_and_restart(model: Path, tmp_path: Path) -> None:
         picks = {k: engines._pick(k).index for k in (f"task{i}#0" for i in range(20))}
         assert set(picks.values()) == {0, 1}
         assert all(engines._pick(k).index == v for k, v in picks.items())
-        first = await engines.route("task0#0").generate(request)
+        first = await engines.route("task0#0").generate(REQUEST)
         assert len(first.output_ids) == 4
 
         victim = engines._servers[picks["task0#0"]]
-        assert victim.proc is not None
-        victim.proc.kill()
+        assert victim.pid is not None and alive(victim.pid)
+        old_pid = victim.pid
+        os.kill(old_pid, signal.SIGKILL)
         # While it is down, its sessions are served by the other engine.
-        with anyio.fail_after(60):
-            while victim.healthy:  # noqa: ASYNC110 (polling the actor's state is the point)
-                await anyio.sleep(0.1)
-        assert (await engines.route("task0#0").generate(request)).output_ids == first.output_ids
-        with anyio.fail_after(120):
-            while not (victim.healthy and victim.restarts == 1):  # noqa: ASYNC110
-                await anyio.sleep(0.2)
-        assert engines._pick("task0#0") is victim
-        assert (await engines.route("task0#0").generate(request)).output_ids == first.output_ids
+        await until(lambda: not victim.healthy, 60, "the killed engine is noticed")
+        assert "exited with" in victim.last_error
+        assert (await engines.route("task0#0").generate(REQUEST)).output_ids == first.output_ids
+        await until(lambda: victim.healthy and victim.restarts == 1, 120, "the engine restarts")
+        assert engines._pick("task0#0") is victim and victim.pid != old_pid
+        assert (await engines.route("task0#0").generate(REQUEST)).output_ids == first.output_ids
+        pids = [s.pid for s in engines._servers]
         tg.cancel_scope.cancel()
     assert all(s.proc is None for s in engines._servers)
+    assert not any(alive(p) for p in pids if p is not None)
+    log = (tmp_path / "engine0.log").read_text()
+    assert "swectl-engine pid" in log and "ready on" in log
+
+
+async def test_failed_start_quotes_the_server_output(tmp_path: Path) -> None:
+    engines = Engines(EngineConfig(**FAST), model=str(tmp_path / "no-such-model"), log_dir=tmp_path)
+    with pytest.raises(BaseException) as caught:  # an ExceptionGroup around the error
+        async with anyio.create_task_group() as tg:
+            with anyio.fail_after(120):
+                await tg.start(engines.run)
+    error = caught.value.exceptions[0] if isinstance(caught.value, BaseExceptionGroup) else caught.value
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, EngineUnavailableError), repr(error)
+    assert "while starting" in str(error) and "no-such-model" in str(error), str(error)
+    assert (tmp_path / "engine0.log").exists()
+
+
+async def test_engine_on_ssh_node(model: Path, node, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    tn, test_node = node
+    doc = tomllib.loads(tn.cluster_toml(extra_node_fields="connect_timeout_s = 5\nkeepalive_interval_s = 1"))
+    doc["engine"] = {"nodes": [test_node.name], **FAST}
+    config = decode_config(doc)
+    netns_inode = os.stat(f"/run/netns/{test_node.netns}").st_ino
+    async with engine_hosts(config) as hosts, anyio.create_task_group() as tg:
+        engines = Engines(config.engine, model=str(model), hosts=hosts, log_dir=tmp_path)
+        with anyio.fail_after(150):
+            await tg.start(engines.run)
+        (server,) = engines._servers
+        assert server.url.startswith(f"http://{test_node.host}:"), server.url
+        assert server.pid is not None and os.stat(f"/proc/{server.pid}/ns/net").st_ino == netns_inode
+        result = await engines.route("t#0").generate(REQUEST)
+        assert len(result.output_ids) == 4
+        # Bound to 0.0.0.0 on the node, so it takes a key: a client without it is turned away.
+        async with SglangClient(server.url, timeout_s=10) as stranger:
+            with pytest.raises(EngineRejectedError) as rejected:
+                await stranger.generate(REQUEST)
+        assert rejected.value.status == 401
+
+        # The SSH connection drops (as when the controller dies): the server on the node goes with it,
+        # and the actor brings a new one up over a fresh connection.
+        first_pid = server.pid
+        await hosts[0].node.aclose()
+        await until(lambda: not alive(first_pid), 30, "the server dies with its channel")
+        await until(lambda: server.healthy and server.restarts >= 1, 150, "a new server on the node")
+        assert server.pid != first_pid and alive(server.pid)
+        assert (await engines.route("t#0").generate(REQUEST)).output_ids == result.output_ids
+        last_pid = server.pid
+        tg.cancel_scope.cancel()
+    await until(lambda: not alive(last_pid), 30, "the server stops with the actor")
+
+
+def stand_in_sglang(tmp_path: Path) -> Path:
+    """A ``python`` for engine.python under which ``-m sglang.launch_server`` is a stand-in taking SGLang's
+    flags (--model-path, --host, --port, --api-key) and serving with swectl's CPU engine. The first launch
+    fails the way a lost port race does."""
+    package = tmp_path / "standin" / "sglang"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    marker = tmp_path / "standin" / "first-launch-done"
+    (package / "launch_server.py").write_text(f"""
+import argparse, pathlib, sys
+from swectl.remote import cpu_engine
+p = argparse.ArgumentParser()
+p.add_argument("--model-path", required=True)
+p.add_argument("--host", required=True)
+p.add_argument("--port", type=int, required=True)
+p.add_argument("--api-key", default=None)
+a = p.parse_args()
+marker = pathlib.Path({str(marker)!r})
+if not marker.exists():
+    marker.write_text("")
+    print("OSError: [Errno 98] error while attempting to bind on address: address already in use", flush=True)
+    sys.exit(1)
+argv = ["--model", a.model_path, "--host", a.host, "--port", str(a.port)]
+cpu_engine.main(argv + (["--api-key", a.api_key] if a.api_key else []))
+""")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={package.parent} exec {sys.executable} "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return python
+
+
+async def test_sglang_launch_path(model: Path, tmp_path: Path) -> None:
+    config = EngineConfig(kind="sglang", python=str(stand_in_sglang(tmp_path)), **FAST)
+    engines = Engines(config, model=str(model), hosts=[EngineHost.local()], log_dir=tmp_path, api_key="k3y")
+    async with anyio.create_task_group() as tg:
+        with anyio.fail_after(120):
+            await tg.start(engines.run)
+        assert len((await engines.route("s#0").generate(REQUEST)).output_ids) == 4
+        log = (tmp_path / "engine0.log").read_text()
+        assert "address already in use" in log and log.count("swectl-engine pid") == 2, log
+        async with SglangClient(engines.urls()[0], timeout_s=10) as stranger:
+            with pytest.raises(EngineRejectedError):
+                await stranger.generate(REQUEST)
+        tg.cancel_scope.cancel()
