@@ -64,13 +64,13 @@ def test_output_cut_at_max_tokens_gets_the_end_token_from_the_template(tok) -> N
     assert b.traj.token_ids[i] == end and b.traj.loss_mask[i] == 0  # not emitted by the engine: not trained
 
 
-def test_history_rewriting_template_is_realigned(tok) -> None:
+def test_history_rewriting_template_is_realigned(tok, monkeypatch) -> None:
     # A template that hides earlier assistant turns (like reasoning-stripping templates): not append-only.
-    tok.chat_template = (
+    monkeypatch.setattr(tok, "chat_template", (
         "{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}<|im_start|>assistant\n"
         "(earlier turn)<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
+    ))
     b = TrajectoryBuilder(tok)
     b.start("s", "u")
     first, lp1 = engine_output(tok, "THOUGHT: one\n```bash\nls\n```")
@@ -83,3 +83,20 @@ def test_history_rewriting_template_is_realigned(tok) -> None:
     b.add_output(second, lp2, "v1")
     assert b.traj.token_ids[-len(second):] == second and sum(b.traj.loss_mask) == len(second)
     b.traj.check()
+
+
+def test_output_cut_inside_a_character_gives_the_same_tokens_as_a_whole_decode(tok) -> None:
+    """Each step decodes only its new tokens; turns cut inside a UTF-8 character must still line up with
+    the template's rendering (no realignment, every engine token kept)."""
+    whole_ids = tok.encode("THOUGHT: 日本語 ü€ done", add_special_tokens=False)
+    cut = next(i for i in range(1, len(whole_ids)) if "\ufffd" in tok.decode(whole_ids[:i]))
+    b = TrajectoryBuilder(tok)
+    b.start("s", "u")
+    for turn in range(3):
+        b.add_output(whole_ids[:cut], [0.0] * cut, f"v{turn}")
+        b.add_observation(f"obs {turn} ü")
+    assert b.traj.realignments == 0
+    t = b.traj
+    conv = [{"role": m.role, "content": m.content} for m in t.messages]
+    assert tok.decode(t.token_ids) == tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert sum(t.loss_mask) == 3 * cut

@@ -59,6 +59,18 @@ class TrajectoryBuilder:
     def __init__(self, tokenizer: ChatTokenizer) -> None:
         self._tok = tokenizer
         self.traj = Trajectory()
+        # decode(token_ids[:_decoded_n]), extended as tokens are appended, so a step decodes only its new tokens
+        self._decoded_n = 0
+        self._decoded = ""
+
+    def _emitted_text(self, *, incremental: bool = True) -> str:
+        ids = self.traj.token_ids
+        if not incremental or self._decoded_n > len(ids):
+            self._decoded_n, self._decoded = 0, ""
+        if self._decoded_n < len(ids):
+            self._decoded += self._tok.decode(ids[self._decoded_n:], skip_special_tokens=False)
+            self._decoded_n = len(ids)
+        return self._decoded
 
     def _render_text(self, messages: list[Message], *, generation_prompt: bool) -> str:
         conv = [{"role": m.role, "content": m.content} for m in messages]
@@ -102,7 +114,10 @@ class TrajectoryBuilder:
             # Append-only: the new tokens are the rendering of the suffix. Our tokens so far stand for
             # `before` minus whatever the template adds after an assistant message (e.g. "\n" after the
             # end-of-turn token), which the engine did not emit: take it from the suffix.
-            emitted = self._tok.decode(t.token_ids, skip_special_tokens=False)
+            emitted = self._emitted_text()
+            if not before.startswith(emitted):
+                # Decoding piecewise can differ from decoding whole where a piece ends inside a character.
+                emitted = self._emitted_text(incremental=False)
             if before.startswith(emitted):
                 suffix = after[len(emitted):]
                 new = self._tok.encode(suffix, add_special_tokens=False)
@@ -127,3 +142,4 @@ class TrajectoryBuilder:
         t.logprobs = t.logprobs[:keep] + [0.0] * (len(full) - keep)
         t.messages = messages
         t.realignments += 1
+        self._decoded_n, self._decoded = 0, ""
