@@ -3,7 +3,11 @@ grader, with every artifact; a rerun resumes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,12 @@ import pytest
 pytest.importorskip("transformers", reason="needs the cpu extra (pip install 'swectl[cpu]')")
 pytest.importorskip("uvicorn", reason="needs the cpu extra (pip install 'swectl[cpu]')")
 
+from swectl.agent.protocol import AgentLimits, AgentTemplates, Renderer
+from swectl.agent.replay import gold_replies
 from swectl.cli import main
+from swectl.project_images import BUNDLED_TASKS
+from swectl.task_sources import load_tasks
+from swectl.tasks import TESTBED
 
 pytestmark = [pytest.mark.integration]
 
@@ -49,36 +58,74 @@ def test_eval_with_the_tiny_model(model: Path, tmp_path: Path) -> None:
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
 
 
-def test_replayed_gold_resolves_everything_through_http(model: Path, tmp_path: Path) -> None:
-    """The whole path: `swectl eval --endpoint` -> engine client (HTTP, SGLang API) -> replay server ->
-    agent loop -> real sandboxes -> grader. Every bundled task must resolve."""
-    import subprocess
-    import sys
-
-    from swectl.agent.replay import gold_replies
-    from swectl.project_images import BUNDLED_TASKS
-    from swectl.task_sources import load_tasks
-
-    tasks = load_tasks(BUNDLED_TASKS, strict=True).tasks
-    replies = tmp_path / "replies.json"
-    replies.write_text(json.dumps({t.instance_id: gold_replies(t.patch) for t in tasks}))
-    server = subprocess.Popen([sys.executable, "-m", "swectl.remote.replay_server", "--replies", str(replies),
+@contextlib.contextmanager
+def replay_server(model: Path, replies: dict[str, list[str]], tmp_path: Path) -> Iterator[str]:
+    """remote/replay_server.py answering with ``replies`` per instance; yields its URL."""
+    path = tmp_path / "replies.json"
+    path.write_text(json.dumps(replies))
+    server = subprocess.Popen([sys.executable, "-m", "swectl.remote.replay_server", "--replies", str(path),
                                "--tokenizer", str(model), "--port", "0"], stdout=subprocess.PIPE, text=True)
     try:
         line = server.stdout.readline()
         assert line.startswith("ready on "), line
-        url = line.split()[-1]
-        out = tmp_path / "run"
-        assert main(["eval", "--endpoint", url, "--tokenizer", str(model), "--concurrency", "4", "--step-limit", "5",
-                     "--max-tokens", "4096", "--context", "16384", "--out", str(out)]) == 0
+        yield line.split()[-1]
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_replayed_gold_resolves_everything_through_http(model: Path, tmp_path: Path) -> None:
+    """The whole path: `swectl eval --endpoint` -> engine client (HTTP, SGLang API) -> replay server ->
+    agent loop -> real sandboxes -> grader. Every bundled task must resolve."""
+    tasks = load_tasks(BUNDLED_TASKS, strict=True).tasks
+    out = tmp_path / "run"
+    with replay_server(model, {t.instance_id: gold_replies(t.patch) for t in tasks}, tmp_path) as url:
+        assert main(["eval", "--endpoint", url, "--tokenizer", str(model), "--concurrency", "4", "--step-limit", "5",
+                     "--max-tokens", "4096", "--context", "16384", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["total"] == len(tasks) and summary["resolved"] == len(tasks), summary
     assert summary["resolve_rate"] == 1.0 and summary["exit_status"] == {"Submitted": len(tasks)}
     preds = [json.loads(line) for line in (out / "preds.jsonl").read_text().splitlines()]
     assert len(preds) == len(tasks) and all(p["model_patch"].startswith("diff --git") for p in preds)
+
+
+def test_managed_context_over_http_with_real_sandboxes(model: Path, tmp_path: Path) -> None:
+    """Episodes that outgrow --context with --manage-context: every step's prompt fits the budget, later steps
+    omit middle turns (the marker is in what the engine saw), each step is a sample, and the fix applied at
+    the end still resolves."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    tasks = load_tasks(BUNDLED_TASKS, strict=True).tasks[:2]
+    explore = "THOUGHT: looking around first.\n\n```bash\nls -la /usr/lib/python3*/ | head -30\n```"
+    replies = {t.instance_id: [explore] * 8 + gold_replies(t.patch) for t in tasks}
+    renderer = Renderer(AgentTemplates(), AgentLimits())
+
+    def prompt_tokens(task) -> int:  # type: ignore[no-untyped-def]
+        conv = [{"role": "system", "content": renderer.system()},
+                {"role": "user", "content": renderer.instance(task.problem_statement, TESTBED)}]
+        return len(tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)["input_ids"])
+
+    max_new = max(len(tok.encode(r, add_special_tokens=False)) for rs in replies.values() for r in rs) + 16
+    budget = max(prompt_tokens(t) for t in tasks) + max_new + 3000  # room for a few turns, not for 8
+    out = tmp_path / "run"
+    with replay_server(model, replies, tmp_path) as url:
+        assert main(["eval", "--endpoint", url, "--tokenizer", str(model), "--step-limit", "12", "--concurrency", "2",
+                     "--max-tokens", str(max_new), "--context", str(budget), "--manage-context",
+                     "--instances", *replies, "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resolved"] == 2 and summary["exit_status"] == {"Submitted": 2}, summary
+    for r in (json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()):
+        ep = json.loads((Path(r["artifacts"]) / "traj.json").read_text())["episode"]
+        samples = ep["samples"]
+        assert len(samples) == len(ep["steps"]) == 10
+        assert all(len(s["prompt_ids"]) + max_new <= budget for s in samples)
+        assert len(ep["trajectory"]["token_ids"]) > budget  # the whole conversation did not fit
+        assert samples[0]["omitted_turns"] == 0 and samples[-1]["omitted_turns"] > 0
+        assert "omitted to fit the context window" in tok.decode(samples[-1]["prompt_ids"])
+        # Each sample's output is exactly what the trajectory recorded for that turn.
+        emitted = [t for t, m in zip(ep["trajectory"]["token_ids"], ep["trajectory"]["loss_mask"], strict=True) if m]
+        assert [t for s in samples for t in s["output_ids"]] == emitted
 
 
 def test_ctrl_c_leaves_no_containers(model: Path, tmp_path: Path) -> None:
