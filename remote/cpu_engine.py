@@ -1,6 +1,6 @@
 """A CPU inference server that speaks the subset of SGLang's HTTP API swectl uses (DESIGN 4.12).
 
-    python -m swectl.remote.cpu_engine --model DIR [--host 127.0.0.1] [--port 30000] [--max-batch 8]
+    python -m swectl.remote.cpu_engine --model DIR [--host 127.0.0.1] [--port 30000] [--max-batch 8] [--device cpu]
         [--batch-wait-ms 5] [--threads 1] [--weight-version default] [--api-key KEY]
 
 Loads any local Hugging Face causal-LM folder with transformers (torch, CPU, float32) and serves
@@ -128,26 +128,27 @@ def _eos_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     return frozenset(found)
 
 
-def _load_causal_lm(path: Path, attn_implementation: str) -> Any:
+def _load_causal_lm(path: Path, attn_implementation: str, device: torch.device) -> Any:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
-    return model.eval()
+    return model.to(device).eval()
 
 
 class Model:
     """The model and its tokenizer. Used by the scheduler's worker thread only, one call at a time."""
 
-    def __init__(self, path: Path, *, attn_implementation: str) -> None:
+    def __init__(self, path: Path, *, attn_implementation: str, device: str = "cpu") -> None:
         self.path = path
         self.attn_implementation = attn_implementation
+        self.device = torch.device(device)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
-        self.net = _load_causal_lm(path, attn_implementation)
+        self.net = _load_causal_lm(path, attn_implementation, self.device)
         self.eos_ids = _eos_ids(self.net, self.tokenizer)
         self.vocab_size: int = self.net.get_input_embeddings().num_embeddings
         self.context_length: int = int(getattr(self.net.config, "max_position_embeddings", 0) or 1 << 30)
 
     def load_weights(self, path: Path) -> None:
         """Copy the weights of another folder of the same architecture in (SGLang's update_weights_from_disk)."""
-        fresh = _load_causal_lm(path, self.attn_implementation)
+        fresh = _load_causal_lm(path, self.attn_implementation, torch.device("cpu"))
         if type(fresh) is not type(self.net):
             raise ValueError(f"{path} holds a {type(fresh).__name__}, the engine serves a {type(self.net).__name__}")
         self.net.load_state_dict(fresh.state_dict(), strict=True)
@@ -195,6 +196,7 @@ def prefill(model: Model, seqs: Sequence[Seq]) -> Batch:
     for row, context in enumerate(contexts):
         ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
         mask[row, width - len(context) :] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.net.config)
     out = model.net(
@@ -205,8 +207,9 @@ def prefill(model: Model, seqs: Sequence[Seq]) -> Batch:
         use_cache=True,
         logits_to_keep=1,
     )
-    lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long)
-    return Batch(list(seqs), out.past_key_values, mask, lengths, out.logits[:, -1, :].float())
+    lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=model.device)
+    # Sampling runs on the CPU (per-request CPU generators), so logits come back to it.
+    return Batch(list(seqs), out.past_key_values, mask, lengths, out.logits[:, -1, :].float().cpu())
 
 
 def _truncate(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -265,16 +268,16 @@ def step(model: Model, batch: Batch) -> list[Seq]:
         else:
             finished.append(seq)
     if len(keep) < len(batch.seqs):
-        index = torch.tensor(keep, dtype=torch.long)
+        index = torch.tensor(keep, dtype=torch.long, device=model.device)
         batch.seqs = [batch.seqs[row] for row in keep]
         if not keep:
             return finished
         batch.cache.batch_select_indices(index)
         batch.mask = batch.mask[index]
         batch.next_pos = batch.next_pos[index]
-    batch.mask = torch.cat([batch.mask, torch.ones((len(keep), 1), dtype=torch.long)], dim=1)
+    batch.mask = torch.cat([batch.mask, torch.ones((len(keep), 1), dtype=torch.long, device=model.device)], dim=1)
     out = model.net(
-        input_ids=torch.tensor([[tokens[row]] for row in keep], dtype=torch.long),
+        input_ids=torch.tensor([[tokens[row]] for row in keep], dtype=torch.long, device=model.device),
         attention_mask=batch.mask,
         position_ids=batch.next_pos[:, None],
         past_key_values=batch.cache,
@@ -282,7 +285,7 @@ def step(model: Model, batch: Batch) -> list[Seq]:
         logits_to_keep=1,
     )
     batch.cache = out.past_key_values
-    batch.logits = out.logits[:, -1, :].float()
+    batch.logits = out.logits[:, -1, :].float().cpu()
     batch.next_pos = batch.next_pos + 1
     return finished
 
@@ -791,6 +794,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "the key out of the process list)")
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device for the model, e.g. cuda:0 (float32; sampling stays on the CPU)")
     args = parser.parse_args(argv)
     if args.max_batch < 1 or args.batch_wait_ms < 0 or args.threads < 1:
         parser.error("--max-batch and --threads must be >= 1, --batch-wait-ms >= 0")
@@ -836,7 +841,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()  # weight updates would print a progress bar each
     transformers.logging.disable_progress_bar()
     started = time.perf_counter()
-    model = Model(args.model, attn_implementation=args.attn_implementation)
+    model = Model(args.model, attn_implementation=args.attn_implementation, device=args.device)
     print(f"loaded {args.model} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     sock = socket.create_server((args.host, args.port))
     anyio.run(serve, args, model, sock, backend="asyncio")
