@@ -44,7 +44,7 @@ from swectl.remote.node import LocalNode, Node, NodeProcess
 from swectl.config import ClusterConfig, EngineConfig, LocalNodeConfig
 from swectl.engine_client import SglangClient
 from swectl.engine_errors import EngineUnavailableError
-from swectl.errors import NodeError
+from swectl.errors import ConfigError, NodeError
 from swectl.schema_engine import GenerateRequest, GenerateResult
 
 API_KEY_PLACEHOLDER = "@SWECTL_ENGINE_API_KEY@"
@@ -138,7 +138,7 @@ class _Server:
 
     @property
     def name(self) -> str:
-        return f"engine {self.index} on {self.host.node.name}"
+        return f"{self.index} on {self.host.node.name}"
 
     def notify(self) -> None:
         self.changed.set()
@@ -236,6 +236,7 @@ class Engines:
             s.healthy, s.failures = True, 0
             return
         bind = cfg.host or ("0.0.0.0" if s.host.remote else "127.0.0.1")
+        await self._check_model(s)
         for attempt in range(1, START_TRIES + 1):
             port = cfg.port if cfg.port or cfg.kind == "cpu" else await self._free_port(s, bind)
             s._reset()
@@ -252,6 +253,16 @@ class Engines:
             raise EngineUnavailableError(s.name, f"exited with {s.exit_code} while starting (log: "
                                          f"{self._log_path(s) or 'none'}); last output:\n    {output}")
         raise AssertionError("unreachable")
+
+    async def _check_model(self, s: _Server) -> None:
+        """A model given as a path must be a model folder on the node (SGLang also takes hub names)."""
+        if self._config.kind != "cpu" and not self._model.startswith(("/", ".", "~")):
+            return
+        with anyio.fail_after(60):
+            out = await s.host.node.run(["test", "-f", f"{self._model}/config.json"])
+        if out.exit_code != 0:
+            raise ConfigError(f"model folder {self._model} is not on node {s.host.node.name} (no config.json "
+                              "there); give a Hugging Face model folder that exists on every engine node")
 
     async def _free_port(self, s: _Server, bind: str) -> int:
         with anyio.fail_after(60):

@@ -26,6 +26,7 @@ from swectl.cli import main
 from swectl.config import EngineConfig, decode_config
 from swectl.engine_client import SglangClient
 from swectl.engine_errors import EngineRejectedError, EngineUnavailableError
+from swectl.errors import ConfigError
 from swectl.schema_engine import GenerateRequest, SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -97,17 +98,35 @@ async def test_affinity_and_restart(model: Path, tmp_path: Path) -> None:
     assert "swectl-engine pid" in log and "ready on" in log
 
 
-async def test_failed_start_quotes_the_server_output(tmp_path: Path) -> None:
+def first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def test_missing_model_folder_is_a_clear_error(tmp_path: Path) -> None:
     engines = Engines(EngineConfig(**FAST), model=str(tmp_path / "no-such-model"), log_dir=tmp_path)
+    with pytest.raises(BaseException) as caught:  # an ExceptionGroup around the error
+        async with anyio.create_task_group() as tg:
+            with anyio.fail_after(60):
+                await tg.start(engines.run)
+    error = first_leaf(caught.value)
+    assert isinstance(error, ConfigError) and "no-such-model is not on node local" in str(error), repr(error)
+
+
+async def test_failed_start_quotes_the_server_output(tmp_path: Path) -> None:
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    engines = Engines(EngineConfig(**FAST), model=str(broken), log_dir=tmp_path)
     with pytest.raises(BaseException) as caught:  # an ExceptionGroup around the error
         async with anyio.create_task_group() as tg:
             with anyio.fail_after(120):
                 await tg.start(engines.run)
-    error = caught.value.exceptions[0] if isinstance(caught.value, BaseExceptionGroup) else caught.value
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
+    error = first_leaf(caught.value)
     assert isinstance(error, EngineUnavailableError), repr(error)
-    assert "while starting" in str(error) and "no-such-model" in str(error), str(error)
+    assert "0 on local: exited with 1 while starting" in str(error), str(error)
+    assert "broken-model" in str(error), str(error)  # the server's own complaint, quoted
     assert (tmp_path / "engine0.log").exists()
 
 
