@@ -9,6 +9,7 @@ finished episodes. Ctrl-C cancels the episodes; the env pool removes every conta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -103,8 +104,8 @@ async def eval_model(
             if bar:
                 bar.advance(_label(r))
 
-        async with (running_pool(config) as pool, engine_hosts(config) as hosts,
-                    anyio.create_task_group() as tg):
+        launching = engine_hosts(config) if model else contextlib.nullcontext([])  # only --model uses nodes
+        async with running_pool(config) as pool, launching as hosts, anyio.create_task_group() as tg:
             if chat is None:
                 engines = Engines(config.engine, model=model, url=endpoint, hosts=hosts,
                                   log_dir=out / "engine-logs")
