@@ -48,6 +48,7 @@ from swectl.errors import ConfigError, NodeError
 from swectl.schema_engine import GenerateRequest, GenerateResult
 
 API_KEY_PLACEHOLDER = "@SWECTL_ENGINE_API_KEY@"
+LOOPBACK = "127.0.0.1"
 START_TRIES = 3
 STOP_GRACE_S = 10  # TERM, then KILL this long after (in the supervisor)
 TAIL_LINES = 30
@@ -93,7 +94,7 @@ class EngineHost:
 
     @staticmethod
     def local() -> EngineHost:
-        return EngineHost(LocalNode(), "127.0.0.1", remote=False)
+        return EngineHost(LocalNode(), LOOPBACK, remote=False)
 
 
 @contextlib.asynccontextmanager
@@ -103,7 +104,7 @@ async def engine_hosts(config: ClusterConfig) -> AsyncIterator[list[EngineHost]]
     for node_config in config.engine_nodes():
         node = make_node(node_config)
         if isinstance(node_config, LocalNodeConfig):
-            hosts.append(EngineHost(node, "127.0.0.1", remote=False))
+            hosts.append(EngineHost(node, LOOPBACK, remote=False))
         else:
             hosts.append(EngineHost(node, node_config.host, remote=True))
     try:
@@ -170,8 +171,8 @@ class Engines:
             server.url = url.rstrip("/")
             self._servers = [server]
         else:
-            self._servers = [_Server(i, host) for i, (host, _) in
-                             enumerate((h, r) for h in hosts for r in range(config.replicas))]
+            self._servers = [_Server(i, host) for i, host in
+                             enumerate(h for h in hosts for _ in range(config.replicas))]
         if api_key is None and not url and any(h.remote for h in hosts):
             api_key = secrets.token_urlsafe(24)
         self._api_key = api_key
@@ -213,9 +214,13 @@ class Engines:
             s.restarts += 1
             await anyio.sleep(self._config.health_interval_s)
 
-    def _argv(self, s: _Server, bind: str, port: int) -> list[str]:
+    @property
+    def _python(self) -> str:
+        return self._config.python or sys.executable
+
+    def _argv(self, bind: str, port: int) -> list[str]:
         cfg = self._config
-        python = cfg.python or sys.executable
+        python = self._python
         if cfg.kind == "cpu":
             argv = [python, "-m", "swectl.remote.cpu_engine", "--model", self._model, "--host", bind,
                     "--port", str(port), "--threads", str(cfg.threads), "--max-batch", str(cfg.max_batch)]
@@ -235,12 +240,12 @@ class Engines:
                     await anyio.sleep(0.5)
             s.healthy, s.failures = True, 0
             return
-        bind = cfg.host or ("0.0.0.0" if s.host.remote else "127.0.0.1")
+        bind = cfg.host or ("0.0.0.0" if s.host.remote else LOOPBACK)
         await self._check_model(s)
         for attempt in range(1, START_TRIES + 1):
             port = cfg.port if cfg.port or cfg.kind == "cpu" else await self._free_port(s, bind)
             s._reset()
-            s.proc = await s.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-engine", *self._argv(s, bind, port)])
+            s.proc = await s.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-engine", *self._argv(bind, port)])
             await s.proc.send(f"{self._api_key or ''}\n".encode())
             tg.start_soon(self._read_output, s, s.proc)
             if await self._until_healthy(s, port):
@@ -266,7 +271,7 @@ class Engines:
 
     async def _free_port(self, s: _Server, bind: str) -> int:
         with anyio.fail_after(60):
-            out = await s.host.node.run([self._config.python or sys.executable, "-c", FREE_PORT, bind])
+            out = await s.host.node.run([self._python, "-c", FREE_PORT, bind])
         text = out.stdout.decode(errors="replace").strip()
         if out.exit_code != 0 or not text.isdigit():
             raise EngineUnavailableError(s.name, f"cannot pick a free port on {s.host.node.name}: "
