@@ -34,7 +34,7 @@ import random
 import re
 from collections.abc import Iterator
 from itertools import pairwise
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import msgspec
 
@@ -47,15 +47,7 @@ MutationKind = Literal[
     "change_constant",
     "flip_operator",
 ]
-KINDS: tuple[MutationKind, ...] = (
-    "flip_comparison",
-    "flip_boolean",
-    "off_by_one",
-    "swap_arguments",
-    "remove_statement",
-    "change_constant",
-    "flip_operator",
-)
+KINDS: tuple[MutationKind, ...] = get_args(MutationKind)
 _KIND_ORDER = {kind: i for i, kind in enumerate(KINDS)}
 
 
