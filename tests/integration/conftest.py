@@ -105,6 +105,17 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="session")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny policy folder from `swectl model init` (2 layers, hidden 64, vocab 600), made once per session."""
+    from swectl.cli import main
+
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    assert main(["model", "init", "--out", str(out), "--vocab", "600", "--layers", "2", "--hidden", "64",
+                 "--corpus-max-bytes", "300000"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def nopython_image() -> str:
     """An image like the base image but without python3 (exercises the `podman exec` fallback)."""
     if podman("image", "exists", NOPY_IMAGE).returncode == 0:

@@ -22,7 +22,6 @@ pytest.importorskip("uvicorn", reason="needs the cpu extra (pip install 'swectl[
 from swectl.actors.engines import EngineHost, Engines, engine_hosts
 
 from swectl import testnodes
-from swectl.cli import main
 from swectl.config import EngineConfig, decode_config
 from swectl.engine_client import SglangClient
 from swectl.engine_errors import EngineRejectedError, EngineUnavailableError
@@ -33,14 +32,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 FAST = {"health_interval_s": 0.3, "max_failures": 2, "start_timeout_s": 120.0}
 REQUEST = GenerateRequest(input_ids=[5, 6, 7, 8], sampling_params=SamplingParams(max_new_tokens=4, temperature=0))
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    assert main(["model", "init", "--out", str(out), "--vocab", "600", "--layers", "2", "--hidden", "64",
-                 "--corpus-max-bytes", "300000"]) == 0
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -25,14 +25,6 @@ from swectl.tasks import TESTBED
 pytestmark = [pytest.mark.integration]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    assert main(["model", "init", "--out", str(out), "--vocab", "600", "--layers", "2", "--hidden", "64",
-                 "--corpus-max-bytes", "300000"]) == 0
-    return out
-
-
 def test_eval_with_the_tiny_model(model: Path, tmp_path: Path) -> None:
     args = ["eval", "--model", str(model), "--slice", "0:2", "--step-limit", "2", "--max-tokens", "24",
             "--concurrency", "2", "--out", str(tmp_path)]
