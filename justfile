@@ -30,7 +30,7 @@ bench suite *args:
 
 # two sshd test nodes in network namespaces (for examples/two-nodes.toml); `just nodes-down` removes them
 nodes-up count="2":
-    {{venv}}/python -m swectl.testnodes up --count {{count}}
+    {{venv}}/python -m swectl.testing.nodes up --count {{count}}
 
 nodes-down:
-    {{venv}}/python -m swectl.testnodes down
+    {{venv}}/python -m swectl.testing.nodes down

@@ -3,7 +3,7 @@ or on nodes over SSH, and routes requests to them with session affinity (every t
 the same server, so its prefix stays in that server's cache).
 
 Kinds of server:
-- ``cpu``: swectl's CPU engine (``python -m swectl.remote.cpu_engine``), for machines without a GPU;
+- ``cpu``: swectl's CPU engine (``python -m swectl.remote.programs.cpu_engine``), for machines without a GPU;
 - ``sglang``: ``python -m sglang.launch_server`` on GPU nodes (flags as SGLang documents them:
   --model-path, --host, --port, --api-key);
 - external: a URL someone else runs (``Engines(config, url=...)``); only health-checked, never restarted.
@@ -38,14 +38,14 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
-from swectl.remote.backends import make_node
-from swectl.remote.node import LocalNode, Node, NodeProcess
 
 from swectl.config import ClusterConfig, EngineConfig, LocalNodeConfig
-from swectl.engine_client import SglangClient
-from swectl.engine_errors import EngineUnavailableError
+from swectl.engine.client import SglangClient
+from swectl.engine.errors import EngineUnavailableError
+from swectl.engine.wire import GenerateRequest, GenerateResult
 from swectl.errors import ConfigError, NodeError
-from swectl.schema_engine import GenerateRequest, GenerateResult
+from swectl.remote.nodes.backends import make_node
+from swectl.remote.nodes.node import LocalNode, Node, NodeProcess
 
 API_KEY_PLACEHOLDER = "@SWECTL_ENGINE_API_KEY@"
 LOOPBACK = "127.0.0.1"
@@ -222,7 +222,7 @@ class Engines:
         cfg = self._config
         python = self._python
         if cfg.kind == "cpu":
-            argv = [python, "-m", "swectl.remote.cpu_engine", "--model", self._model, "--host", bind,
+            argv = [python, "-m", "swectl.remote.programs.cpu_engine", "--model", self._model, "--host", bind,
                     "--port", str(port), "--threads", str(cfg.threads), "--max-batch", str(cfg.max_batch)]
         else:
             argv = [python, "-m", "sglang.launch_server", "--model-path", self._model, "--host", bind,

@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
-from swectl.remote.podman import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN
-from swectl.remote.podman_sandbox import PodmanBackend, PodmanSandbox
 
-from swectl.config import EnvPoolConfig, NodeConfig, SandboxConfig
+from swectl.config import ClusterConfig, EnvPoolConfig, NodeConfig, SandboxConfig
 from swectl.errors import InfraError, LeaseExpiredError, NodeLostError, PoolClosedError, SandboxError
+from swectl.remote.nodes.backends import close_backends, make_backends
+from swectl.remote.nodes.podman import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN
+from swectl.remote.nodes.podman_sandbox import PodmanBackend, PodmanSandbox
 from swectl.schema import ExecResult, NodeStatistics, PoolStatistics, SandboxSpec
 
 SHUTDOWN_TIMEOUT_S = 60.0
@@ -457,3 +458,24 @@ def _controller_is_dead(controller: str) -> bool:
     except PermissionError:
         return False
     return False
+
+
+@asynccontextmanager
+async def running_pool(config: ClusterConfig, run_id: str | None = None) -> AsyncIterator[EnvPool]:
+    """An EnvPool started on every sandbox node; on exit (or Ctrl-C) every container of the run is removed."""
+    backends = make_backends(config)
+    pool = EnvPool(config.env_pool, config.sandbox, backends, run_id=run_id or config.run_id or new_run_id())
+    failure: Exception | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(pool.run, name="env_pool")
+            try:
+                yield pool
+            except Exception as exc:  # re-raised as itself, not inside the task group's ExceptionGroup
+                failure = exc
+            tg.cancel_scope.cancel("block done")
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(60):
+            await close_backends(backends)
+    if failure is not None:
+        raise failure

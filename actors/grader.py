@@ -5,7 +5,7 @@ carry their bug there); drop the patch's edits to test files; apply the patch fr
 ``git apply`` -> ``git apply --3way`` -> ``patch --fuzz`` (a patch whose reverse applies counts as already
 applied, like the official harness); run the eval script (exit code recorded) under
 the grading timeout, its log written to a file inside the sandbox and read back whole; parse with swebench's
-parser and judge by F2P/P2P (swectl.grading).
+parser and judge by F2P/P2P (swectl.grading.rules).
 
 A failure of the infrastructure (sandbox or node lost, lease expired, no test output) is an ``error`` with
 ``infra=True``: never a reward. A patch that does not apply or an eval that times out is an ``error`` with
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import anyio
 import msgspec
-from swectl.actors.env_pool import EnvPool, Lease
 
+from swectl.actors.env_pool import EnvPool, Lease
 from swectl.errors import InfraError, NodeLostError, SandboxLostError
-from swectl.eval_script import eval_script_for, log_parser_for, test_files_of, with_exit_code
-from swectl.grading import INFRA_REASONS, GradeStatus, TestVerdict, drop_test_edits, grade_log
-from swectl.images import ImageResolver
-from swectl.project_images import GIT_IDENTITY
-from swectl.tasks import TESTBED, Task
+from swectl.grading.eval_script import eval_script_for, log_parser_for, test_files_of, with_exit_code
+from swectl.grading.rules import INFRA_REASONS, GradeStatus, TestVerdict, drop_test_edits, grade_log
+from swectl.images.names import ImageResolver
+from swectl.images.project import GIT_IDENTITY
+from swectl.tasks.record import TESTBED, Task
 
 PATCH_FILE = "/tmp/swectl-patch.diff"
 SETUP_FILE = "/tmp/swectl-setup.diff"
@@ -147,7 +147,7 @@ class Grader:
 
     @staticmethod
     def _fill(result: GradeResult, verdict: TestVerdict, task: Task, log: str) -> None:
-        from swectl.grading import test_exit_code
+        from swectl.grading.rules import test_exit_code
 
         result.status = "resolved" if verdict.resolved else "unresolved"
         result.detail = verdict.rejected

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import anyio
 import msgspec
+
 from swectl.actors.env_pool import EnvPool
 from swectl.actors.grader import Grader, GradeResult, prepare_task
-
 from swectl.agent.loop import ChatEngine, Engine, Episode, EpisodeConfig, run_chat_episode, run_episode
 from swectl.agent.trajectory import ChatTokenizer
 from swectl.errors import InfraError
-from swectl.images import ImageResolver
-from swectl.tasks import Task
+from swectl.images.names import ImageResolver
+from swectl.tasks.record import Task
 
 
 class EpisodeResult(msgspec.Struct, kw_only=True):

@@ -49,20 +49,20 @@ from common import (
     summarize,
     write_results,
 )
-from swectl.actors.env_pool import EnvPool
-from swectl.remote.backends import close_backends, make_backends
-from swectl.remote.node import LocalNode
-from swectl.remote.podman import LABEL_RUN
-from swectl.remote.podman_sandbox import PodmanBackend, PodmanSandbox
 
+from swectl.actors.env_pool import EnvPool
 from swectl.config import DEFAULT_IMAGE, SandboxConfig, decode_config, load_config
 from swectl.errors import InfraError
+from swectl.remote.nodes.backends import close_backends, make_backends
+from swectl.remote.nodes.node import LocalNode
+from swectl.remote.nodes.podman import LABEL_RUN, bundled_containers_conf
+from swectl.remote.nodes.podman_sandbox import PodmanBackend, PodmanSandbox
 from swectl.schema import ExecResult, SandboxSpec
-from swectl.testnodes import TestNodes, start_test_nodes, stop_test_nodes
+from swectl.testing.nodes import TestNodes, start_test_nodes, stop_test_nodes
 
 SUITE = "env"
 REPO = Path(__file__).resolve().parents[1]
-CONTAINERS_CONF = REPO / "remote" / "containers.conf"
+CONTAINERS_CONF = bundled_containers_conf()
 IMAGE = DEFAULT_IMAGE
 BENCH_LABEL = "swectl.bench"
 WARMUP = 20  # calls before any timed exec / ping / rtt loop

@@ -19,14 +19,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import Goal, host_meta, percentile, report, summarize  # noqa: E402
-from swectl.actors.grader import Grader  # noqa: E402
 
+from swectl.actors.env_pool import running_pool  # noqa: E402
+from swectl.actors.grader import Grader  # noqa: E402
 from swectl.config import load_config  # noqa: E402
-from swectl.official_harness import grade_official, task_image  # noqa: E402
-from swectl.project_images import BUNDLED_TASKS  # noqa: E402
-from swectl.runtime import running_pool  # noqa: E402
-from swectl.task_sources import load_tasks  # noqa: E402
-from swectl.tasks import Task  # noqa: E402
+from swectl.grading.official_harness import grade_official, task_image  # noqa: E402
+from swectl.images.project import BUNDLED_TASKS  # noqa: E402
+from swectl.tasks.record import Task  # noqa: E402
+from swectl.tasks.sources import load_tasks  # noqa: E402
 
 SUITE = "grade"
 

@@ -26,19 +26,19 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import Goal, host_meta, percentile, report, summarize  # noqa: E402
-from swectl.actors.grader import prepare_task  # noqa: E402
 
+from swectl.actors.env_pool import running_pool  # noqa: E402
+from swectl.actors.grader import prepare_task  # noqa: E402
 from swectl.agent.loop import EpisodeConfig, run_episode  # noqa: E402
 from swectl.agent.protocol import AgentLimits  # noqa: E402
-from swectl.agent.replay import SUBMIT_REPLY, ReplayEngine, gold_replies  # noqa: E402
 from swectl.config import load_config  # noqa: E402
-from swectl.model_init import ModelInitConfig, hf_tokenizer, train_tokenizer  # noqa: E402
-from swectl.project_images import BUNDLED_TASKS  # noqa: E402
-from swectl.runtime import running_pool  # noqa: E402
+from swectl.engine.wire import GenerateRequest, GenerateResult  # noqa: E402
+from swectl.images.project import BUNDLED_TASKS  # noqa: E402
+from swectl.model.tiny import ModelInitConfig, hf_tokenizer, train_tokenizer  # noqa: E402
 from swectl.schema import ExecResult  # noqa: E402
-from swectl.schema_engine import GenerateRequest, GenerateResult  # noqa: E402
-from swectl.task_sources import load_tasks  # noqa: E402
-from swectl.tasks import Task  # noqa: E402
+from swectl.tasks.record import Task  # noqa: E402
+from swectl.tasks.sources import load_tasks  # noqa: E402
+from swectl.testing.replay import SUBMIT_REPLY, ReplayEngine, gold_replies  # noqa: E402
 
 SUITE = "rollout"
 

@@ -3,14 +3,14 @@
 #   1. system packages: podman, runc, catatonit, debootstrap, uidmap, openssh-server, iproute2, git
 #   2. a virtualenv in .venv with swectl installed editable (extras from $SWECTL_EXTRAS, default "dev,cpu")
 #   3. the offline base image localhost/swectl-base:bookworm (debootstrap + podman import)
-# Podman is configured through CONTAINERS_CONF=remote/containers.conf for swectl's own calls only;
+# Podman is configured through CONTAINERS_CONF=remote/nodes/containers.conf for swectl's own calls only;
 # the user's /etc/containers configuration is never modified.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 EXTRAS=${SWECTL_EXTRAS:-dev,cpu}
 BASE_IMAGE=${SWECTL_BASE_IMAGE:-localhost/swectl-base:bookworm}
-export CONTAINERS_CONF="$ROOT/remote/containers.conf"
+export CONTAINERS_CONF="$ROOT/remote/nodes/containers.conf"
 
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 need_root() { [ "$(id -u)" = 0 ] || { echo "setup: $1 needs root (run with sudo)" >&2; exit 1; }; }
@@ -31,7 +31,7 @@ if [ ! -x .venv/bin/python ]; then
     say "creating .venv"
     python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import swectl, msgspec, anyio, asyncssh" 2>/dev/null || [ pyproject.toml -nt .venv/.swectl-installed ]; then
+if ! .venv/bin/python -c "import swectl, msgspec, anyio, asyncssh" 2>/dev/null || [ pyproject.toml -nt .venv/.swectl-installed ] || [ setup.py -nt .venv/.swectl-installed ]; then
     say "installing swectl[$EXTRAS] into .venv"
     .venv/bin/pip install -q --upgrade pip 2>&1 | grep -v '^WARNING' || true
     .venv/bin/pip install -q -e ".[$EXTRAS]" 2>&1 | grep -v -e '^WARNING' -e '^ *!!' || true

@@ -37,7 +37,7 @@ class LocalNodeConfig(_Section, tag="local", tag_field="kind"):
     name: NodeName = "local"
     max_running: Count = 128
     max_starting: Count = 8
-    # "bundled": swectl's containers.conf (remote/containers.conf); "system": the node's own config;
+    # "bundled": swectl's containers.conf (remote/nodes/containers.conf); "system": the node's own config;
     # anything else: a path on the node.
     containers_conf: str = "bundled"
 
@@ -95,7 +95,7 @@ class EnvPoolConfig(_Section):
 class EngineConfig(_Section):
     """Inference servers swectl launches itself (``swectl eval --model``): where and how.
 
-    ``cpu`` is swectl's CPU engine (remote/cpu_engine.py); ``sglang`` is ``python -m sglang.launch_server``
+    ``cpu`` is swectl's CPU engine (remote/programs/cpu_engine.py); ``sglang`` is ``python -m sglang.launch_server``
     on GPU nodes. Servers on an ssh node bind ``0.0.0.0`` and are reached at the node's ``host``, with a
     fresh API key per run; the model folder and ``python`` must exist on that node.
     """

@@ -1,6 +1,6 @@
 """Every message and record type of swectl, as frozen msgspec Structs.
 
-Narrow types per stage. Wire types of the in-sandbox exec agent (remote/exec_agent.py) are tagged unions:
+Narrow types per stage. Wire types of the in-sandbox exec agent (remote/programs/exec_agent.py) are tagged unions:
 requests carry ``op``, replies carry ``kind``. The agent speaks msgpack maps, so fields are matched by
 name; new optional fields may be added with defaults (msgspec schema evolution), never renamed.
 """

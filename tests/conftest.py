@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from swectl import swebench_specs as specs_mod
-from swectl.swebench_specs import SpecTable, load_specs
+from swectl.tasks import specs as specs_mod
+from swectl.tasks.specs import SpecTable, load_specs
 
 FETCH = Path(__file__).resolve().parents[1] / "scripts" / "fetch_swebench_specs.sh"
 

@@ -56,11 +56,11 @@ def test_episode_with_managed_context_stays_in_budget() -> None:
     pytest.importorskip("transformers", reason="needs the cpu extra")
     from swectl.agent.loop import EpisodeConfig, run_episode
     from swectl.agent.protocol import AgentLimits
-    from swectl.agent.replay import ReplayEngine
-    from swectl.model_init import ModelInitConfig, hf_tokenizer, train_tokenizer
+    from swectl.engine.wire import SamplingParams
+    from swectl.model.tiny import ModelInitConfig, hf_tokenizer, train_tokenizer
     from swectl.schema import ExecResult
-    from swectl.schema_engine import SamplingParams
-    from swectl.tasks import Task
+    from swectl.tasks.record import Task
+    from swectl.testing.replay import ReplayEngine
 
     cfg = ModelInitConfig(vocab_size=400)
     tok = hf_tokenizer(train_tokenizer(cfg, ["ls -la\nfile.py\n```bash\n"] * 50), cfg)

@@ -12,7 +12,7 @@ pytest.importorskip("transformers", reason="needs the cpu extra (pip install 'sw
 pytest.importorskip("tokenizers", reason="needs the cpu extra (pip install 'swectl[cpu]')")
 
 from swectl.agent.trajectory import TrajectoryBuilder
-from swectl.model_init import ModelInitConfig, hf_tokenizer, train_tokenizer
+from swectl.model.tiny import ModelInitConfig, hf_tokenizer, train_tokenizer
 
 CORPUS = ["def f(x):\n    return x + 1\n", "THOUGHT: list the files\n```bash\nls -la\n```\n"] * 50
 

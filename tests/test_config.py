@@ -135,7 +135,7 @@ def test_override_into_a_list_item():
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "swectl.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+        [sys.executable, "-m", "swectl.cli.main", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
 
 

@@ -1,4 +1,4 @@
-"""swectl.data_prepare: the prompt file format, images.txt, problems.jsonl, the CLI and the eval-set guard."""
+"""swectl.cli.data: the prompt file format, images.txt, problems.jsonl, the CLI and the eval-set guard."""
 
 from __future__ import annotations
 
@@ -10,17 +10,11 @@ from typing import Any
 
 import pytest
 
-from swectl.data_prepare import (
-    EvalSetError,
-    add_data_commands,
-    check_not_eval_set,
-    is_eval_set,
-    prepare,
-    run_data_command,
-)
-from swectl.images import ImageResolver
-from swectl.task_sources import RowProblem
-from swectl.tasks import Task
+from swectl.cli import data as data_cli
+from swectl.data.prepare import EvalSetError, check_not_eval_set, is_eval_set, prepare
+from swectl.images.names import ImageResolver
+from swectl.tasks.record import Task
+from swectl.tasks.sources import RowProblem
 
 VERIFIED = Path("/work/shared/data/swe_bench_verified.jsonl")
 
@@ -133,8 +127,8 @@ def test_eval_set_guard_follows_links_and_data_source(tmp_path: Path) -> None:
 
 def _run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="swectl")
-    add_data_commands(parser.add_subparsers(dest="command"))
-    return run_data_command(parser.parse_args(["data", "prepare", *argv]))
+    data_cli.add_parser(parser.add_subparsers(dest="command"))
+    return data_cli.run(parser.parse_args(["data", "prepare", *argv]))
 
 
 def _jsonl(path: Path, rows: list[Any]) -> Path:

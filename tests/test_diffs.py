@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from swectl.diffs import DiffError, reverse_diff
+from swectl.tasks.diffs import DiffError, reverse_diff
 
 VERIFIED = Path("/work/shared/data/swe_bench_verified.jsonl")
 

@@ -27,16 +27,16 @@ import msgspec
 import pytest
 from anyio.abc import SocketAttribute, SocketStream
 
-from swectl.engine_client import OpenAIChatClient, SglangClient, chat_path
-from swectl.engine_errors import (
+from swectl.engine.client import OpenAIChatClient, SglangClient, chat_path
+from swectl.engine.errors import (
     EngineError,
     EngineRejectedError,
     EngineResponseError,
     EngineTimeoutError,
     EngineUnavailableError,
 )
+from swectl.engine.wire import ChatMessage, GenerateRequest, GenerateResult, SamplingParams, decode_generate_response
 from swectl.errors import InfraError
-from swectl.schema_engine import ChatMessage, GenerateRequest, GenerateResult, SamplingParams, decode_generate_response
 
 torch = pytest.importorskip("torch", reason="the engine tests need torch (pip install torch==2.13.0)")
 transformers = pytest.importorskip("transformers", reason="the engine tests need transformers")
@@ -207,8 +207,8 @@ class Engine:
 
 
 def start_engine(model: Path, log: Path, *args: str) -> Engine:
-    """``python -m swectl.remote.cpu_engine --port 0``; the URL comes from its ``ready on`` line."""
-    argv = [sys.executable, "-m", "swectl.remote.cpu_engine", "--model", str(model), "--port", "0", *args]
+    """``python -m swectl.remote.programs.cpu_engine --port 0``; the URL comes from its ``ready on`` line."""
+    argv = [sys.executable, "-m", "swectl.remote.programs.cpu_engine", "--model", str(model), "--port", "0", *args]
     with log.open("wb") as sink:
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO)
     deadline = time.monotonic() + START_TIMEOUT_S

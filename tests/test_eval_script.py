@@ -1,4 +1,4 @@
-"""swectl.eval_script: patch parsing, test directives, classic eval scripts for every SWE-bench Verified row,
+"""swectl.grading.eval_script: patch parsing, test directives, classic eval scripts for every SWE-bench Verified row,
 and the exit-code recording transform (checked against swebench 5.x's own)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from swectl import eval_script as es
 from swectl.errors import SpecError
-from swectl.swebench_specs import SpecTable
-from swectl.tasks import Task
+from swectl.grading import eval_script as es
+from swectl.tasks.record import Task
+from swectl.tasks.specs import SpecTable
 
 ROOT = Path(__file__).resolve().parents[1]
 VERIFIED = Path("/work/shared/data/swe_bench_verified.jsonl")

@@ -10,8 +10,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from swectl.remote import func_coverage
 
+from swectl.remote import func_coverage
 from swectl.synth.mutate import find_functions
 
 SCRIPT = Path(func_coverage.__file__)

@@ -1,4 +1,4 @@
-"""swectl.images: official names per project, templates, mapping files."""
+"""swectl.images.names: official names per project, templates, mapping files."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from swectl.errors import ConfigError, TaskDataError
-from swectl.images import ImageResolver, check_template, docker_id, load_image_map, official_image
-from swectl.tasks import Task
+from swectl.images.names import ImageResolver, check_template, docker_id, load_image_map, official_image
+from swectl.tasks.record import Task
 
 
 def _task(instance_id: str = "django__django-11099", **fields: Any) -> Task:
@@ -131,7 +131,7 @@ def test_missing_mapping_file(tmp_path: Path) -> None:
 
 
 def test_short_names_are_qualified_like_docker() -> None:
-    from swectl.remote.podman import qualify_image
+    from swectl.remote.nodes.podman import qualify_image
 
     assert qualify_image("swebench/sweb.eval.x86_64.django_1776_django-11099:latest") == (
         "docker.io/swebench/sweb.eval.x86_64.django_1776_django-11099:latest")

@@ -19,8 +19,9 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from swectl.cli import model as model_cli  # noqa: E402
 from swectl.errors import ConfigError  # noqa: E402
-from swectl.model_init import (  # noqa: E402
+from swectl.model.tiny import (  # noqa: E402
     CHAT_TEMPLATE,
     ENDOFTEXT,
     IM_END,
@@ -29,13 +30,11 @@ from swectl.model_init import (  # noqa: E402
     ModelInitConfig,
     ModelInitError,
     ModelProvenance,
-    add_model_commands,
     build_model,
     count_parameters,
     init_model,
     load_provenance,
     read_corpus,
-    run_model_command,
 )
 
 SMALL = ModelInitConfig(vocab_size=1024, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -276,7 +275,7 @@ def test_corpus_is_sorted_capped_and_utf8_only(tmp_path: Path) -> None:
 
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser(prog="swectl")
-    add_model_commands(parser.add_subparsers(dest="command", required=True))
+    model_cli.add_parser(parser.add_subparsers(dest="command", required=True))
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["model", "init", "--help"])
     assert exc.value.code == 0
@@ -288,11 +287,11 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cli-model"
     args = parser.parse_args(["model", "init", "--out", str(out), "--layers", "1", "--hidden", "32", "--vocab", "300",
                               "--seed", "5", "--corpus", str(corpus / "*.py"), "--json"])
-    assert run_model_command(args) == 0
+    assert model_cli.run(args) == 0
     printed = json.loads(capsys.readouterr().out)
     prov = msgspec.json.decode((out / PROVENANCE_FILE).read_bytes(), type=ModelProvenance)
     assert printed["parameters"] == prov.parameters == expected_parameters(prov.config)
     assert (prov.config.num_hidden_layers, prov.config.hidden_size, prov.config.intermediate_size) == (1, 32, 96)
     assert (prov.config.vocab_size, prov.config.seed, prov.corpus.files) == (300, 5, 1)
     with pytest.raises(ModelInitError):
-        run_model_command(args)
+        model_cli.run(args)

@@ -1,4 +1,4 @@
-"""swectl.swebench_specs: loading SWE-bench 4.1.0's spec table, lookups, errors, the repo -> log parser map."""
+"""swectl.tasks.specs: loading SWE-bench 4.1.0's spec table, lookups, errors, the repo -> log parser map."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from swectl import swebench_specs as specs_mod
 from swectl.errors import SpecError, SwectlError
-from swectl.swebench_specs import REPO_LOG_PARSERS, RepoSpec, SpecTable, load_specs, log_parser_name
+from swectl.tasks import specs as specs_mod
+from swectl.tasks.specs import REPO_LOG_PARSERS, RepoSpec, SpecTable, load_specs, log_parser_name
 
 ROOT = Path(__file__).resolve().parents[1]
 VERIFIED = Path("/work/shared/data/swe_bench_verified.jsonl")

@@ -1,4 +1,4 @@
-"""swectl.task_sources: file formats, row styles, problems with locations, strict mode, the Hub path."""
+"""swectl.tasks.sources: file formats, row styles, problems with locations, strict mode, the Hub path."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from swectl import task_sources
-from swectl.diffs import reverse_diff
 from swectl.errors import TaskDataError
-from swectl.task_sources import ROW, RowProblem, RowProblemError, detect_source, load_tasks, normalise_row
-from swectl.tasks import Task
+from swectl.tasks import sources as task_sources
+from swectl.tasks.diffs import reverse_diff
+from swectl.tasks.record import Task
+from swectl.tasks.sources import ROW, RowProblem, RowProblemError, detect_source, load_tasks, normalise_row
 
 VERIFIED = Path("/work/shared/data/swe_bench_verified.jsonl")
 needs_verified = pytest.mark.skipif(not VERIFIED.exists(), reason="SWE-bench Verified rows not present")

@@ -1,4 +1,4 @@
-"""Real sshd test nodes (swectl.testnodes) reached with the real asyncssh client."""
+"""Real sshd test nodes (swectl.testing.nodes) reached with the real asyncssh client."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from swectl import testnodes as tn
+from swectl.remote.nodes.podman import bundled_containers_conf
+from swectl.testing import nodes as tn
 
 pytestmark = pytest.mark.integration
 _reason = tn.can_run_test_nodes()
@@ -23,7 +24,7 @@ if _reason is not None:
 # Indexes far from the default (1..) so that a run of this file never collides with other users of test nodes.
 PREFIX = "swtt"
 BASE = 241
-CONTAINERS_CONF = Path(__file__).resolve().parents[1] / "remote" / "containers.conf"
+CONTAINERS_CONF = bundled_containers_conf()
 
 
 @pytest.fixture(scope="module")

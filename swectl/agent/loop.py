@@ -25,10 +25,10 @@ from swectl.agent.protocol import (
     submission,
 )
 from swectl.agent.trajectory import ChatTokenizer, Message, Trajectory, TrajectoryBuilder
+from swectl.engine.wire import ChatMessage, ChatResult, GenerateRequest, GenerateResult, SamplingParams
 from swectl.errors import InfraError
 from swectl.schema import ExecResult
-from swectl.schema_engine import ChatMessage, ChatResult, GenerateRequest, GenerateResult, SamplingParams
-from swectl.tasks import TESTBED, Task
+from swectl.tasks.record import TESTBED, Task
 
 FORMAT_VERSION = 1
 Outcome = Literal["COMPLETED", "TRUNCATED", "ABORTED"]

@@ -14,25 +14,23 @@ import hashlib
 import json
 import shlex
 from collections.abc import Callable
-from pathlib import Path
+from importlib import resources
 
 import anyio
 import msgspec
 
 from swectl.actors.env_pool import EnvPool, Lease
-from swectl.grading import PASSING, parse_status_map
-from swectl.project_images import VENV, BuiltImage, Project
+from swectl.grading.rules import PASSING, parse_status_map
+from swectl.images.project import VENV, BuiltImage, Project
 from swectl.synth.mutate import Mutant, changed_lines, sample_mutants, unified_diff
 from swectl.synth.statement import failures_from_pytest_log, leaks, write_problem_statement
-from swectl.tasks import TESTBED, Task
+from swectl.tasks.record import TESTBED, Task
 
 LOG_PARSER = "parse_log_pytest"
 
 
 def _coverage_script() -> bytes:
-    from swectl import remote
-
-    return (Path(remote.__file__).parent / "func_coverage.py").read_bytes()
+    return resources.files("swectl.remote.programs").joinpath("func_coverage.py").read_bytes()
 
 
 class SynthConfig(msgspec.Struct, frozen=True, kw_only=True):

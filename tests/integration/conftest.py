@@ -17,15 +17,16 @@ from pathlib import Path
 
 import anyio
 import pytest
-from swectl.remote.node import LocalNode
-from swectl.remote.podman_sandbox import PodmanBackend, PodmanSandbox
 
 from swectl.config import DEFAULT_IMAGE, SandboxConfig
+from swectl.remote.nodes.node import LocalNode
+from swectl.remote.nodes.podman import bundled_containers_conf
+from swectl.remote.nodes.podman_sandbox import PodmanBackend, PodmanSandbox
 from swectl.schema import SandboxSpec
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
-CONTAINERS_CONF = REPO_ROOT / "remote" / "containers.conf"
+CONTAINERS_CONF = bundled_containers_conf()
 BASE_IMAGE = DEFAULT_IMAGE
 NOPY_IMAGE = "localhost/swectl-test-nopy:latest"
 TEST_LABEL = "swectl.test"
@@ -107,7 +108,7 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="session")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny policy folder from `swectl model init` (2 layers, hidden 64, vocab 600), made once per session."""
-    from swectl.cli import main
+    from swectl.cli.main import main
 
     out = tmp_path_factory.mktemp("model") / "tiny"
     assert main(["model", "init", "--out", str(out), "--vocab", "600", "--layers", "2", "--hidden", "64",

@@ -1,5 +1,5 @@
 """A started EnvPool for the integration tests, with strict bounds: the pool must start within
-START_TIMEOUT_S and its backends close within CLOSE_TIMEOUT_S, or the test fails (swectl.runtime's
+START_TIMEOUT_S and its backends close within CLOSE_TIMEOUT_S, or the test fails (swectl.actors.env_pool's
 running_pool, for commands, cleans up best-effort instead)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
-from swectl.actors.env_pool import EnvPool
-from swectl.remote.backends import close_backends, make_backends
-from swectl.remote.podman_sandbox import PodmanBackend
 
+from swectl.actors.env_pool import EnvPool
 from swectl.config import ClusterConfig, NodeConfig
+from swectl.remote.nodes.backends import close_backends, make_backends
+from swectl.remote.nodes.podman_sandbox import PodmanBackend
 
 START_TIMEOUT_S = 60.0  # pool start: connect, prepare, reap
 CLOSE_TIMEOUT_S = 30.0

@@ -20,13 +20,12 @@ pytest.importorskip("transformers", reason="needs the cpu extra (pip install 'sw
 pytest.importorskip("uvicorn", reason="needs the cpu extra (pip install 'swectl[cpu]')")
 
 from swectl.actors.engines import EngineHost, Engines, engine_hosts
-
-from swectl import testnodes
 from swectl.config import EngineConfig, decode_config
-from swectl.engine_client import SglangClient
-from swectl.engine_errors import EngineRejectedError, EngineUnavailableError
+from swectl.engine.client import SglangClient
+from swectl.engine.errors import EngineRejectedError, EngineUnavailableError
+from swectl.engine.wire import GenerateRequest, SamplingParams
 from swectl.errors import ConfigError
-from swectl.schema_engine import GenerateRequest, SamplingParams
+from swectl.testing import nodes as testnodes
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

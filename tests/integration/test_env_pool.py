@@ -16,18 +16,18 @@ from pathlib import Path
 
 import anyio
 import pytest
-from swectl.actors.env_pool import EnvPool
-from swectl.remote.podman import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN
 
+from swectl.actors.env_pool import EnvPool
 from swectl.config import DEFAULT_IMAGE, ClusterConfig, decode_config, load_config
 from swectl.errors import InfraError, LeaseExpiredError, PoolClosedError, SandboxLostError
+from swectl.remote.nodes.podman import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN, bundled_containers_conf
 
 from .pools import running_pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONTAINERS_CONF = REPO_ROOT / "remote" / "containers.conf"
+CONTAINERS_CONF = bundled_containers_conf()
 CREATE_TIMEOUT_S = 60.0  # one cold sandbox start, with room for a busy machine
 
 

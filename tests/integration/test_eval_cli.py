@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from swectl.cli import main
-from swectl.project_images import BUNDLED_TASKS
-from swectl.task_sources import load_tasks
+from swectl.cli.main import main
+from swectl.images.project import BUNDLED_TASKS
+from swectl.tasks.sources import load_tasks
 
 pytestmark = [pytest.mark.integration]
 

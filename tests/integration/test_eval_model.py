@@ -16,11 +16,11 @@ pytest.importorskip("transformers", reason="needs the cpu extra (pip install 'sw
 pytest.importorskip("uvicorn", reason="needs the cpu extra (pip install 'swectl[cpu]')")
 
 from swectl.agent.protocol import AgentLimits, AgentTemplates, Renderer
-from swectl.agent.replay import gold_replies
-from swectl.cli import main
-from swectl.project_images import BUNDLED_TASKS
-from swectl.task_sources import load_tasks
-from swectl.tasks import TESTBED
+from swectl.cli.main import main
+from swectl.images.project import BUNDLED_TASKS
+from swectl.tasks.record import TESTBED
+from swectl.tasks.sources import load_tasks
+from swectl.testing.replay import gold_replies
 
 pytestmark = [pytest.mark.integration]
 
@@ -55,7 +55,7 @@ def replay_server(model: Path, replies: dict[str, list[str]], tmp_path: Path) ->
     """remote/replay_server.py answering with ``replies`` per instance; yields its URL."""
     path = tmp_path / "replies.json"
     path.write_text(json.dumps(replies))
-    server = subprocess.Popen([sys.executable, "-m", "swectl.remote.replay_server", "--replies", str(path),
+    server = subprocess.Popen([sys.executable, "-m", "swectl.remote.programs.replay_server", "--replies", str(path),
                                "--tokenizer", str(model), "--port", "0"], stdout=subprocess.PIPE, text=True)
     try:
         line = server.stdout.readline()
@@ -129,18 +129,18 @@ def test_ctrl_c_leaves_no_containers(model: Path, tmp_path: Path) -> None:
     import sys
     import time
 
-    from swectl.project_images import BUNDLED_TASKS, podman_env
-    from swectl.task_sources import load_tasks
+    from swectl.images.project import BUNDLED_TASKS, podman_env
+    from swectl.tasks.sources import load_tasks
 
     tasks = load_tasks(BUNDLED_TASKS, strict=True).tasks[:4]
     slow = ["THOUGHT: wait\n```bash\nsleep 20\n```"] * 5
     replies = tmp_path / "replies.json"
     replies.write_text(json.dumps({t.instance_id: slow for t in tasks}))
-    server = subprocess.Popen([sys.executable, "-m", "swectl.remote.replay_server", "--replies", str(replies),
+    server = subprocess.Popen([sys.executable, "-m", "swectl.remote.programs.replay_server", "--replies", str(replies),
                                "--tokenizer", str(model), "--port", "0"], stdout=subprocess.PIPE, text=True)
     try:
         url = server.stdout.readline().split()[-1]
-        run = subprocess.Popen([sys.executable, "-m", "swectl.cli", "eval", "--endpoint", url, "--tokenizer",
+        run = subprocess.Popen([sys.executable, "-m", "swectl.cli.main", "eval", "--endpoint", url, "--tokenizer",
                                 str(model), "--instances", *[t.instance_id for t in tasks], "--concurrency", "4",
                                 "--out", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         label = f"label=swectl.controller={socket.gethostname()}:{run.pid}"
@@ -168,8 +168,8 @@ def test_eval_against_an_openai_compatible_endpoint(model: Path, tmp_path: Path)
     import subprocess
     import sys
 
-    server = subprocess.Popen([sys.executable, "-m", "swectl.remote.cpu_engine", "--model", str(model), "--port", "0",
-                               "--served-model-name", "tiny"], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, "-m", "swectl.remote.programs.cpu_engine", "--model", str(model),
+                               "--port", "0", "--served-model-name", "tiny"], stdout=subprocess.PIPE, text=True)
     try:
         line = server.stdout.readline()
         assert line.startswith("ready on "), line

@@ -10,19 +10,19 @@ from pathlib import Path
 
 import anyio
 import pytest
-from swectl.actors.grader import Grader, GradeResult
-from swectl.remote.podman import LABEL_RUN
 
+from swectl.actors.env_pool import running_pool
+from swectl.actors.grader import Grader, GradeResult
 from swectl.config import load_config
-from swectl.project_images import BUNDLED_TASKS
-from swectl.runtime import running_pool
-from swectl.task_sources import load_tasks
-from swectl.tasks import Task
+from swectl.images.project import BUNDLED_TASKS
+from swectl.remote.nodes.podman import LABEL_RUN, bundled_containers_conf
+from swectl.tasks.record import Task
+from swectl.tasks.sources import load_tasks
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONTAINERS_CONF = REPO_ROOT / "remote" / "containers.conf"
+CONTAINERS_CONF = bundled_containers_conf()
 
 
 def podman(*args: str) -> subprocess.CompletedProcess[str]:
@@ -221,8 +221,8 @@ async def test_node_lost_mid_grading_is_infra(task: Task, run_id: str) -> None:
     """An sshd test node (network namespace) dies while its sandbox runs the eval script."""
     import tomllib
 
-    from swectl import testnodes
     from swectl.config import decode_config
+    from swectl.testing import nodes as testnodes
 
     reason = testnodes.can_run_test_nodes()
     if reason is not None:

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from swectl.actors.grader import Grader
 
+from swectl.actors.env_pool import running_pool
+from swectl.actors.grader import Grader
 from swectl.config import load_config
-from swectl.images import ImageResolver
-from swectl.instance_images import build_instance_image as _build_instance_image
-from swectl.instance_images import build_instance_images as _build_instance_images
-from swectl.instance_images import (
+from swectl.images.instance import build_instance_image as _build_instance_image
+from swectl.images.instance import build_instance_images as _build_instance_images
+from swectl.images.instance import (
     environment_yml,
     find_clone,
     instance_image_name,
@@ -29,10 +29,10 @@ from swectl.instance_images import (
     requirements_file,
     write_image_map,
 )
-from swectl.project_images import BuiltImage, ImageBuildError, image_label, podman_env
-from swectl.runtime import running_pool
-from swectl.swebench_specs import load_specs
-from swectl.tasks import Task
+from swectl.images.names import ImageResolver
+from swectl.images.project import BuiltImage, ImageBuildError, image_label, podman_env
+from swectl.tasks.record import Task
+from swectl.tasks.specs import load_specs
 
 pytestmark = [pytest.mark.integration]
 

@@ -8,14 +8,14 @@ import uuid
 
 import anyio
 import pytest
-from swectl.actors.grader import Grader
 
+from swectl.actors.env_pool import running_pool
+from swectl.actors.grader import Grader
 from swectl.config import load_config
-from swectl.official_harness import grade_official
-from swectl.project_images import BUNDLED_TASKS
-from swectl.runtime import running_pool
-from swectl.task_sources import load_tasks
-from swectl.tasks import Task
+from swectl.grading.official_harness import grade_official
+from swectl.images.project import BUNDLED_TASKS
+from swectl.tasks.record import Task
+from swectl.tasks.sources import load_tasks
 
 pytestmark = [pytest.mark.integration]
 

@@ -12,19 +12,18 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs the cpu extra (pip install 'swectl[cpu]')")
 
+from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader
 from swectl.actors.rollout import Rollout, RolloutConfig
-
 from swectl.agent.loop import EpisodeConfig
 from swectl.agent.metrics import agent_metrics
 from swectl.agent.protocol import AgentLimits
-from swectl.agent.replay import ReplayEngine, gold_replies
 from swectl.config import load_config
-from swectl.model_init import ModelInitConfig, hf_tokenizer, train_tokenizer
-from swectl.project_images import BUNDLED_TASKS
-from swectl.runtime import running_pool
-from swectl.task_sources import load_tasks
-from swectl.tasks import Task
+from swectl.images.project import BUNDLED_TASKS
+from swectl.model.tiny import ModelInitConfig, hf_tokenizer, train_tokenizer
+from swectl.tasks.record import Task
+from swectl.tasks.sources import load_tasks
+from swectl.testing.replay import ReplayEngine, gold_replies
 
 pytestmark = [pytest.mark.integration]
 
@@ -89,7 +88,7 @@ class DyingEngine(ReplayEngine):
 
     async def generate(self, request):
         if self.calls >= 1:
-            from swectl.engine_errors import EngineUnavailableError
+            from swectl.engine.errors import EngineUnavailableError
 
             raise EngineUnavailableError("http://127.0.0.1:1", "connection refused (engine died)")
         return await super().generate(request)

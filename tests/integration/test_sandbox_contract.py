@@ -12,10 +12,10 @@ import shlex
 
 import anyio
 import pytest
-from swectl.remote.podman_sandbox import PodmanBackend, PodmanSandbox
 
 from swectl.config import SandboxConfig
 from swectl.errors import CommandError, InfraError, SandboxLostError
+from swectl.remote.nodes.podman_sandbox import PodmanBackend, PodmanSandbox
 from swectl.sandbox import ELISION
 from swectl.schema import ExecResult
 

@@ -21,21 +21,21 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
-from swectl.actors.env_pool import EnvPool, Lease
-from swectl.remote.backends import close_backends, make_backends
-from swectl.remote.podman import LABEL_NODE, LABEL_RUN
-from swectl.remote.ssh_node import SshNode
 
-from swectl import testnodes
+from swectl.actors.env_pool import EnvPool, Lease
 from swectl.config import ClusterConfig, SshNodeConfig, decode_config
 from swectl.errors import InfraError, NodeConnectError, NodeLostError
+from swectl.remote.nodes.backends import close_backends, make_backends
+from swectl.remote.nodes.podman import LABEL_NODE, LABEL_RUN, bundled_containers_conf
+from swectl.remote.nodes.ssh import SshNode
+from swectl.testing import nodes as testnodes
 
 from .pools import START_TIMEOUT_S, running_pool_and_backends
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONTAINERS_CONF = REPO_ROOT / "remote" / "containers.conf"
+CONTAINERS_CONF = bundled_containers_conf()
 PREFIX = "swp"
 BASE_INDEX = 200  # 10.200.200.0/24 and up: away from other users of test nodes
 CREATE_TIMEOUT_S = 60.0
@@ -433,7 +433,7 @@ async def test_network_cut_fails_inflight_exec(nodes: testnodes.TestNodes, run_i
 
 def swectl_cli(*args: str) -> subprocess.CompletedProcess[str]:
     exe = REPO_ROOT / ".venv" / "bin" / "swectl"
-    argv = [str(exe)] if exe.exists() else [sys.executable, "-m", "swectl.cli"]
+    argv = [str(exe)] if exe.exists() else [sys.executable, "-m", "swectl.cli.main"]
     return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=240, check=False, cwd=REPO_ROOT)
 
 

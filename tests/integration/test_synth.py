@@ -8,11 +8,11 @@ import uuid
 import anyio
 import pytest
 
+from swectl.actors.env_pool import running_pool
 from swectl.config import load_config
-from swectl.project_images import build_project_image, load_projects
-from swectl.runtime import running_pool
+from swectl.images.project import build_project_image, load_projects
 from swectl.synth.factory import SynthConfig, synth_project
-from swectl.tasks import Task
+from swectl.tasks.record import Task
 
 pytestmark = [pytest.mark.integration]
 
@@ -97,8 +97,7 @@ def test_synth_from_a_git_checkout(tmp_path) -> None:
     import subprocess
 
     from swectl.actors.grader import Grader
-
-    from swectl.project_images import Project, podman_env
+    from swectl.images.project import Project, podman_env
 
     repo = tmp_path / "calc"
     repo.mkdir()

@@ -1,0 +1,108 @@
+"""How the controller runs programs on a node: the Node protocol and the local implementation.
+
+A node runs short commands (``run``: collect exit code, stdout, stderr) and long-lived processes
+(``spawn``: a byte pipe to stdin/stdout, used for in-sandbox exec agents). The SSH implementation lives
+in remote/nodes/ssh.py. Callers bound every wait with their own cancel scope; cancelling ``run`` kills
+the command.
+
+Errors: connection problems raise NodeConnectError / NodeLostError. A spawned process whose pipe broke
+raises BrokenPipeError from ``send``; ``receive`` returns b"" at end of stream.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Sequence
+from typing import Protocol
+
+import anyio
+import anyio.abc
+
+from swectl.schema import CommandOutput
+
+
+class NodeProcess(Protocol):
+    async def send(self, data: bytes) -> None: ...
+    async def receive(self, max_bytes: int = 65536) -> bytes: ...
+    async def close_input(self) -> None: ...
+    async def wait(self) -> int: ...
+    async def aclose(self) -> None: ...
+
+
+class Node(Protocol):
+    name: str
+
+    @property
+    def alive(self) -> bool:
+        """False once the node's transport is known to be gone (an SSH connection dropped)."""
+        ...
+
+    async def connect(self) -> None: ...
+    async def run(self, argv: Sequence[str], *, input: bytes | None = None) -> CommandOutput: ...
+    async def spawn(self, argv: Sequence[str]) -> NodeProcess: ...
+    async def aclose(self) -> None: ...
+
+
+class LocalProcess:
+    """A child process of the controller with piped stdin/stdout (stderr discarded)."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        self._process = process
+
+    async def send(self, data: bytes) -> None:
+        assert self._process.stdin is not None
+        try:
+            await self._process.stdin.send(data)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            raise BrokenPipeError("process input is closed") from exc
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        assert self._process.stdout is not None
+        try:
+            return await self._process.stdout.receive(max_bytes)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return b""
+
+    async def close_input(self) -> None:
+        if self._process.stdin is not None:
+            await self._process.stdin.aclose()
+
+    async def wait(self) -> int:
+        return await self._process.wait()
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            if self._process.returncode is None:
+                self._process.kill()
+            with anyio.move_on_after(5):
+                await self._process.aclose()
+
+
+class LocalNode:
+    """This machine. Commands run as child processes of the controller."""
+
+    def __init__(self, name: str = "local") -> None:
+        self.name = name
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+    async def connect(self) -> None:
+        return None
+
+    async def run(self, argv: Sequence[str], *, input: bytes | None = None) -> CommandOutput:
+        try:
+            done = await anyio.run_process(list(argv), input=input, check=False)
+        except FileNotFoundError as exc:
+            return CommandOutput(exit_code=127, stdout=b"", stderr=f"{argv[0]}: not found ({exc})".encode())
+        return CommandOutput(exit_code=done.returncode, stdout=done.stdout, stderr=done.stderr)
+
+    async def spawn(self, argv: Sequence[str]) -> NodeProcess:
+        process = await anyio.open_process(
+            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+        return LocalProcess(process)
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,124 @@
+"""`swectl nodes check`: connect to every node and report what it has and what is wrong, with hints."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import anyio
+import msgspec
+
+from swectl.cli.common import config_args
+from swectl.config import ClusterConfig, SshNodeConfig, load_config
+from swectl.errors import InfraError
+from swectl.remote.nodes.backends import make_backends
+from swectl.remote.nodes.podman import LABEL_MANAGED
+from swectl.remote.nodes.podman_sandbox import PodmanBackend
+from swectl.schema import NodeReport, SandboxSpec
+
+LOW_DISK_GB = 10.0
+
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    nodes = sub.add_parser("nodes", help="inspect and clean container nodes")
+    nodes_sub = nodes.add_subparsers(dest="nodes_command", required=True, metavar="ACTION")
+    check = nodes_sub.add_parser(
+        "check", help="connect to every node; report podman version, images, disk, swectl containers, problems"
+    )
+    config_args(check)
+    check.add_argument("--json", action="store_true", help="print the reports as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    reports = anyio.run(check_nodes, config)
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(reports)).decode() + "\n")
+    else:
+        print(format_reports(reports))
+    return 0 if all(r.ok for r in reports) else 1
+
+
+async def check_nodes(config: ClusterConfig, *, timeout_s: float = 60.0) -> list[NodeReport]:
+    backends = make_backends(config)
+    reports: dict[str, NodeReport] = {}
+    try:
+        async with anyio.create_task_group() as tg:
+            for node_config, backend in backends:
+                tg.start_soon(_check_one, config, node_config, backend, reports, timeout_s)
+    finally:
+        for _, backend in backends:
+            await backend.node.aclose()
+    return [reports[node.name] for node, _ in backends]
+
+
+async def _check_one(
+    config: ClusterConfig, node_config, backend: PodmanBackend, out: dict[str, NodeReport], timeout_s: float
+) -> None:
+    report = dict(node=node_config.name, ok=False, problems=[])
+    problems: list[str] = report["problems"]
+    with anyio.move_on_after(timeout_s) as scope:
+        try:
+            await backend.prepare()
+            report["podman_version"] = await backend.podman.version()
+        except InfraError as exc:
+            problems.append(f"{exc} -- hint: {_connect_hint(node_config, str(exc))}")
+            out[node_config.name] = NodeReport(**report)
+            return
+        try:
+            report["images"] = images = await backend.podman.images()
+            if config.sandbox.image not in images:
+                problems.append(
+                    f"image {config.sandbox.image} is missing -- hint: run `bash scripts/setup.sh` on the node "
+                    "(builds the base image offline) or set sandbox.image"
+                )
+            report["free_disk_gb"] = free = round(await backend.podman.free_disk_gb(), 1)
+            if free < LOW_DISK_GB:
+                problems.append(f"only {free} GB free for containers -- hint: `podman system prune`")
+            containers = await backend.list({LABEL_MANAGED: "1"})
+            report["swectl_containers"] = len(containers)
+            if config.sandbox.image in images:
+                sandbox = await backend.create(
+                    SandboxSpec(image=config.sandbox.image, labels={LABEL_MANAGED: "1", "swectl.check": "1"})
+                )
+                try:
+                    result = await sandbox.exec("echo swectl-ok", 30)
+                    report["exec_ok"] = result.exit_code == 0 and "swectl-ok" in result.output
+                    if not sandbox.uses_agent:
+                        problems.append("image has no python3: commands use slow `podman exec` per call")
+                finally:
+                    await sandbox.destroy()
+                if not report["exec_ok"]:
+                    problems.append(f"a test command failed in a sandbox: {result.output[-500:]}")
+        except InfraError as exc:
+            problems.append(f"{exc} -- hint: see ../shared/MACHINE.md for podman on this kind of host")
+    if scope.cancelled_caught:
+        problems.append(f"check did not finish within {timeout_s}s -- hint: is the node overloaded?")
+    report["ok"] = not problems
+    out[node_config.name] = NodeReport(**report)
+
+
+def _connect_hint(node_config, message: str) -> str:
+    if isinstance(node_config, SshNodeConfig):
+        if "host key" in message or "known_hosts" in message:
+            return "verify the node's host key and add it to known_hosts"
+        if "permission denied" in message:
+            return f"authorize {node_config.identity_file}.pub for {node_config.user} on the node"
+        return f"is sshd running on {node_config.host}:{node_config.port}, and is the address right?"
+    if "not found" in message or "127" in message:
+        return "install podman: `bash scripts/setup.sh`"
+    return "run `bash scripts/setup.sh` (installs and configures podman)"
+
+
+def format_reports(reports: list[NodeReport]) -> str:
+    lines = []
+    for r in reports:
+        status = "ok" if r.ok else "PROBLEM"
+        disk = f"{r.free_disk_gb} GB free" if r.free_disk_gb is not None else "disk ?"
+        lines.append(
+            f"{r.node:<12} {status:<8} podman {r.podman_version or '?':<8} {len(r.images)} images  {disk}  "
+            f"{r.swectl_containers} swectl containers  exec {'ok' if r.exec_ok else 'FAILED'}"
+        )
+        lines += [f"    - {p}" for p in r.problems]
+    return "\n".join(lines)
