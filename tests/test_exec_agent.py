@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from swectl.remote import exec_agent
+from swectl.remote.programs import exec_agent
 from swectl.remote.programs.exec_agent import HeadTail, msgpack_decode, msgpack_encode
 
 LAUNCH = 'command -v python3 >/dev/null 2>&1 || { printf NOPY; exit 0; }; exec python3 -u -c "$0"'

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from swectl.remote import func_coverage
+from swectl.remote.programs import func_coverage
 from swectl.synth.mutate import find_functions
 
 SCRIPT = Path(func_coverage.__file__)

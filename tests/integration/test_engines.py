@@ -164,7 +164,7 @@ def stand_in_sglang(tmp_path: Path) -> Path:
     marker = tmp_path / "standin" / "first-launch-done"
     (package / "launch_server.py").write_text(f"""
 import argparse, pathlib, sys
-from swectl.remote import cpu_engine
+from swectl.remote.programs import cpu_engine
 p = argparse.ArgumentParser()
 p.add_argument("--model-path", required=True)
 p.add_argument("--host", required=True)
