@@ -5,12 +5,17 @@ observation as template tokens, until the agent submits or a limit ends the epis
 Exit statuses: Submitted (COMPLETED); LimitsExceeded, TimeExceeded, ContextExceeded, FormatError
 (TRUNCATED); Aborted (the engine or the sandbox failed: infrastructure, never a reward). A command's
 timeout is an observation, not an error.
+
+As in mini-swe-agent, every way an episode ends is an exception (``EpisodeEnd`` and its subclasses, each
+carrying its exit status), raised by the check that finds it and caught in one place, ``_Run.episode``,
+which records the exit status. The policies (token or chat) own their transcript and return what each
+turn produced; only the loop writes the Episode.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -38,8 +43,18 @@ OUTCOME: dict[str, Outcome] = {
 }
 
 
+@runtime_checkable
 class Engine(Protocol):
+    """Token-in/token-out (SGLang's /generate)."""
+
     async def generate(self, request: GenerateRequest) -> GenerateResult: ...
+
+
+@runtime_checkable
+class ChatEngine(Protocol):
+    """Messages in, text out (an OpenAI-compatible endpoint)."""
+
+    async def chat(self, messages: list[ChatMessage], *, max_tokens: int, temperature: float = 0.0) -> ChatResult: ...
 
 
 class Workspace(Protocol):
@@ -95,6 +110,69 @@ class Episode(msgspec.Struct, kw_only=True):
         return len(self.steps)
 
 
+# ---------------------------------------------------------------- how an episode ends
+
+
+class EpisodeEnd(Exception):
+    """The episode is over: raised by the check that finds it, caught once by the loop."""
+
+    exit_status: ClassVar[ExitStatus]
+
+    def __init__(self, reason: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Submitted(EpisodeEnd):
+    exit_status = "Submitted"
+
+    def __init__(self, submitted: str) -> None:
+        super().__init__("")
+        self.submitted = submitted
+
+
+class LimitsExceeded(EpisodeEnd):
+    exit_status = "LimitsExceeded"
+
+
+class TimeExceeded(EpisodeEnd):
+    exit_status = "TimeExceeded"
+
+
+class ContextExceeded(EpisodeEnd):
+    exit_status = "ContextExceeded"
+
+
+class FormatErrorsExceeded(EpisodeEnd):
+    exit_status = "FormatError"
+
+
+class Aborted(EpisodeEnd):
+    exit_status = "Aborted"
+
+
+# ---------------------------------------------------------------- policies
+
+
+class Reply(msgspec.Struct, frozen=True, kw_only=True):
+    """What one model turn produced."""
+
+    text: str
+    output_tokens: int
+    sample: StepSample | None = None  # the exact prompt and output (manage_context / per_step_samples)
+
+
+class _Policy(Protocol):
+    """One way to talk to a model. It owns its transcript (``trajectory``); the loop owns the Episode."""
+
+    trajectory: Trajectory
+
+    def start(self, system: str, user: str) -> None: ...
+    def room(self) -> tuple[int, str]: ...
+    async def reply(self, n: int, room: int) -> Reply: ...
+    def observe(self, text: str) -> None: ...
+
+
 def _managed_prompt(builder: TrajectoryBuilder, tokenizer: ChatTokenizer, budget: int) -> tuple[list[int], int]:
     """The head+tail view of the conversation, rendered with the generation prompt, and turns omitted."""
 
@@ -111,10 +189,10 @@ def _managed_prompt(builder: TrajectoryBuilder, tokenizer: ChatTokenizer, budget
 class _TokenPolicy:
     """Token-in/token-out against an SGLang-API engine: the trajectory holds exactly what the engine saw."""
 
-    def __init__(self, engine: Engine, tokenizer: ChatTokenizer, cfg: EpisodeConfig, key: str, ep: Episode) -> None:
-        self._engine, self._tok, self._cfg, self._key, self._ep = engine, tokenizer, cfg, key, ep
+    def __init__(self, engine: Engine, tokenizer: ChatTokenizer, cfg: EpisodeConfig, key: str) -> None:
+        self._engine, self._tok, self._cfg, self._key = engine, tokenizer, cfg, key
         self._builder = TrajectoryBuilder(tokenizer)
-        ep.trajectory = self._builder.traj
+        self.trajectory = self._builder.traj
         self._ids: list[int] = []
         self._prompt: list[int] = []
         self._omitted = 0
@@ -131,131 +209,145 @@ class _TokenPolicy:
                                                           limits.max_context_tokens - cfg.sampling.max_new_tokens)
         return limits.max_context_tokens - len(self._prompt), f"context reached {len(self._ids)} tokens"
 
-    async def reply(self, n: int, room: int, step: Step) -> str:
+    async def reply(self, n: int, room: int) -> Reply:
         cfg = self._cfg
         sampling = msgspec.structs.replace(cfg.sampling, max_new_tokens=min(cfg.sampling.max_new_tokens, room))
         result = await self._engine.generate(GenerateRequest(input_ids=self._prompt, sampling_params=sampling,
                                                              rid=f"{self._key}/{n}"))
         if result.finish_reason == "abort":
             raise InfraError(f"the engine aborted the request: {result.finish_message or ''}")
-        step.output_tokens = len(result.output_ids)
+        sample = None
         if cfg.per_step_samples or cfg.manage_context:
-            self._ep.samples.append(StepSample(
+            sample = StepSample(
                 step=n, prompt_ids=list(self._prompt), output_ids=list(result.output_ids),
                 output_logprobs=list(result.output_logprobs), weight_version=result.weight_version,
-                omitted_turns=self._omitted))
-        return self._builder.add_output(result.output_ids, result.output_logprobs, result.weight_version)
+                omitted_turns=self._omitted)
+        text = self._builder.add_output(result.output_ids, result.output_logprobs, result.weight_version)
+        return Reply(text=text, output_tokens=len(result.output_ids), sample=sample)
 
     def observe(self, text: str) -> None:
         self._ids = self._builder.add_observation(text)
 
 
-class ChatEngine(Protocol):
-    async def chat(self, messages: list[ChatMessage], *, max_tokens: int, temperature: float = 0.0) -> ChatResult: ...
-
-
 class _ChatPolicy:
     """Messages in, text out (OpenAI-compatible endpoints, hosted models): for evaluation only, no tokens."""
 
-    def __init__(self, engine: ChatEngine, cfg: EpisodeConfig, ep: Episode) -> None:
-        self._engine, self._cfg, self._ep = engine, cfg, ep
+    def __init__(self, engine: ChatEngine, cfg: EpisodeConfig) -> None:
+        self._engine, self._cfg = engine, cfg
+        self.trajectory = Trajectory()
         self._used = 0  # prompt + completion tokens of the last call, as the endpoint reports them
 
     def start(self, system: str, user: str) -> None:
-        self._ep.trajectory.messages = [Message("system", system), Message("user", user)]
+        self.trajectory.messages = [Message("system", system), Message("user", user)]
 
     def room(self) -> tuple[int, str]:
         left = self._cfg.limits.max_context_tokens - self._used
         return left, f"the endpoint reported {self._used} tokens in context"
 
-    async def reply(self, n: int, room: int, step: Step) -> str:
-        msgs = [ChatMessage(m.role, m.content) for m in self._ep.trajectory.messages]
+    async def reply(self, n: int, room: int) -> Reply:
+        msgs = [ChatMessage(m.role, m.content) for m in self.trajectory.messages]
         result = await self._engine.chat(msgs, max_tokens=min(self._cfg.sampling.max_new_tokens, room),
                                          temperature=self._cfg.sampling.temperature)
-        step.output_tokens = result.completion_tokens or 0
         self._used = (result.prompt_tokens or 0) + (result.completion_tokens or 0)
-        self._ep.trajectory.messages.append(Message("assistant", result.content))
-        return result.content
+        self.trajectory.messages.append(Message("assistant", result.content))
+        return Reply(text=result.content, output_tokens=result.completion_tokens or 0)
 
     def observe(self, text: str) -> None:
-        self._ep.trajectory.messages.append(Message("user", text))
+        self.trajectory.messages.append(Message("user", text))
+
+
+# ---------------------------------------------------------------- the loop
 
 
 async def run_episode(task: Task, workspace: Workspace, engine: Engine, tokenizer: ChatTokenizer,
                       cfg: EpisodeConfig, *, key: str = "") -> Episode:
     """Run one token-in/token-out episode in a prepared sandbox (the task's setup already committed). Requests
     carry ``rid = <key>/<step>`` (key defaults to ``<instance_id>#0``), unique per request as SGLang expects."""
-    ep = _new_episode(task, cfg)
-    return await _drive(task, workspace, _TokenPolicy(engine, tokenizer, cfg, key or f"{task.instance_id}#0", ep),
-                        cfg, ep)
+    policy = _TokenPolicy(engine, tokenizer, cfg, key or f"{task.instance_id}#0")
+    return await _Run(task, workspace, policy, cfg).episode()
 
 
 async def run_chat_episode(task: Task, workspace: Workspace, engine: ChatEngine, cfg: EpisodeConfig) -> Episode:
     """The same protocol against an OpenAI-compatible chat endpoint (messages only: no training data)."""
-    ep = _new_episode(task, cfg)
-    return await _drive(task, workspace, _ChatPolicy(engine, cfg, ep), cfg, ep)
+    return await _Run(task, workspace, _ChatPolicy(engine, cfg), cfg).episode()
 
 
-def _new_episode(task: Task, cfg: EpisodeConfig) -> Episode:
-    return Episode(instance_id=task.instance_id, exit_status="LimitsExceeded", outcome="TRUNCATED",
-                   reason=f"step limit {cfg.limits.step_limit} reached")
+class _Run:
+    """One episode while it runs: ``episode()`` is the loop, ``_step()`` one turn and its checks."""
 
+    def __init__(self, task: Task, workspace: Workspace, policy: _Policy, cfg: EpisodeConfig) -> None:
+        self._task, self._workspace, self._policy, self._cfg = task, workspace, policy, cfg
+        self._renderer = Renderer(cfg.templates, cfg.limits)
+        self._steps: list[Step] = []
+        self._samples: list[StepSample] = []
+        self._format_errors = 0  # in a row
+        self._started = time.monotonic()
+        self._step_started = self._started
 
-async def _drive(task: Task, workspace: Workspace, policy: _TokenPolicy | _ChatPolicy, cfg: EpisodeConfig,
-                 ep: Episode) -> Episode:
-    limits = cfg.limits
-    renderer = Renderer(cfg.templates, limits)
-    started = time.monotonic()
-    format_errors = 0
-    step_started = started
-    try:
-        policy.start(renderer.system(), renderer.instance(task.problem_statement, cfg.workdir))
-        for n in range(limits.step_limit):
-            if time.monotonic() - started > limits.wall_time_s:
-                ep.exit_status, ep.reason = "TimeExceeded", f"episode ran past {limits.wall_time_s:g} s"
-                break
-            room, why = policy.room()
-            if room <= 0:
-                ep.exit_status, ep.reason = "ContextExceeded", why
-                break
-            step = Step(step=n)
-            ep.steps.append(step)
-            t0 = time.monotonic()
-            if n:
-                ep.steps[n - 1].wall_s = t0 - step_started
-            step_started = t0
-            reply = await policy.reply(n, room, step)
-            step.model_time_s = time.monotonic() - t0
+    async def episode(self) -> Episode:
+        cfg, limits = self._cfg, self._cfg.limits
+        submitted = patch = ""
+        try:
             try:
-                step.action = parse_action(reply, cfg.templates)
-            except FormatError as exc:
-                step.format_error = True
-                format_errors += 1
-                if format_errors >= limits.max_format_errors:
-                    ep.exit_status, ep.reason = "FormatError", f"{format_errors} malformed replies in a row"
-                    break
-                policy.observe(renderer.format_error(exc.actions))
-                continue
-            format_errors = 0
-            t1 = time.monotonic()
-            run = await workspace.exec(step.action, limits.command_timeout_s, cwd=cfg.workdir)
-            step.env_time_s = time.monotonic() - t1
-            step.returncode, step.timed_out, step.output_chars = run.exit_code, run.timed_out, len(run.output)
-            if run.timed_out:
-                policy.observe(renderer.timeout(step.action, run.output, limits.command_timeout_s))
-                continue
-            submitted = submission(run.output)
-            if submitted is not None:
-                ep.exit_status, ep.reason, ep.submitted = "Submitted", "", submitted
-                break
-            policy.observe(renderer.observation(run.output, run.exit_code))
-        if ep.steps:
-            ep.steps[-1].wall_s = time.monotonic() - step_started
-        ep.patch = (await workspace.diff(cfg.workdir)).decode("utf-8", errors="surrogateescape")
-    except InfraError as exc:  # engine or sandbox: ABORTED with the reason, never scored
-        ep.exit_status, ep.reason = "Aborted", f"{type(exc).__name__}: {exc}"
-    ep.outcome = OUTCOME[ep.exit_status]
-    ep.total_time_s = time.monotonic() - started
-    ep.model_time_s = sum(s.model_time_s for s in ep.steps)
-    ep.env_time_s = sum(s.env_time_s for s in ep.steps)
-    return ep
+                self._policy.start(self._renderer.system(),
+                                   self._renderer.instance(self._task.problem_statement, cfg.workdir))
+                for n in range(limits.step_limit):
+                    await self._step(n)
+                raise LimitsExceeded(f"step limit {limits.step_limit} reached")
+            except EpisodeEnd as exc:
+                end = exc
+            if isinstance(end, Submitted):
+                submitted = end.submitted
+            if self._steps:
+                self._steps[-1].wall_s = time.monotonic() - self._step_started
+            patch = (await self._workspace.diff(cfg.workdir)).decode("utf-8", errors="surrogateescape")
+        except InfraError as exc:  # engine or sandbox: ABORTED with the reason, never scored
+            end = Aborted(f"{type(exc).__name__}: {exc}")
+        return Episode(
+            instance_id=self._task.instance_id, exit_status=end.exit_status, outcome=OUTCOME[end.exit_status],
+            reason=end.reason, patch=patch, submitted=submitted, steps=self._steps,
+            trajectory=self._policy.trajectory, samples=self._samples,
+            total_time_s=time.monotonic() - self._started,
+            model_time_s=sum(s.model_time_s for s in self._steps), env_time_s=sum(s.env_time_s for s in self._steps),
+        )
+
+    async def _step(self, n: int) -> None:
+        """One turn: checks, the model's reply, the command, the observation. Ends by raising EpisodeEnd."""
+        cfg, limits, renderer, policy = self._cfg, self._cfg.limits, self._renderer, self._policy
+        if time.monotonic() - self._started > limits.wall_time_s:
+            raise TimeExceeded(f"episode ran past {limits.wall_time_s:g} s")
+        room, why = policy.room()
+        if room <= 0:
+            raise ContextExceeded(why)
+        step = Step(step=n)
+        self._steps.append(step)
+        t0 = time.monotonic()
+        if n:
+            self._steps[n - 1].wall_s = t0 - self._step_started
+        self._step_started = t0
+        reply = await policy.reply(n, room)
+        step.model_time_s = time.monotonic() - t0
+        step.output_tokens = reply.output_tokens
+        if reply.sample is not None:
+            self._samples.append(reply.sample)
+        try:
+            step.action = parse_action(reply.text, cfg.templates)
+        except FormatError as exc:
+            step.format_error = True
+            self._format_errors += 1
+            if self._format_errors >= limits.max_format_errors:
+                raise FormatErrorsExceeded(f"{self._format_errors} malformed replies in a row") from None
+            policy.observe(renderer.format_error(exc.actions))
+            return
+        self._format_errors = 0
+        t1 = time.monotonic()
+        run = await self._workspace.exec(step.action, limits.command_timeout_s, cwd=cfg.workdir)
+        step.env_time_s = time.monotonic() - t1
+        step.returncode, step.timed_out, step.output_chars = run.exit_code, run.timed_out, len(run.output)
+        if run.timed_out:
+            policy.observe(renderer.timeout(step.action, run.output, limits.command_timeout_s))
+            return
+        submitted = submission(run.output)
+        if submitted is not None:
+            raise Submitted(submitted)
+        policy.observe(renderer.observation(run.output, run.exit_code))
