@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -30,11 +30,13 @@ import anyio.abc
 from swectl.config import ClusterConfig, EnvPoolConfig, NodeConfig, SandboxConfig
 from swectl.errors import InfraError, LeaseExpiredError, NodeLostError, PoolClosedError, SandboxError
 from swectl.remote.nodes.backends import close_backends, make_backends
-from swectl.remote.nodes.podman import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN
-from swectl.remote.nodes.podman_sandbox import PodmanBackend, PodmanSandbox
+from swectl.sandbox import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN, Sandbox, SandboxBackend
 from swectl.schema import ExecResult, NodeStatistics, PoolStatistics, SandboxSpec
 
 SHUTDOWN_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_S = 60.0  # running_pool: closing the backends' connections after the pool stopped
+
+Backends = Sequence[tuple[NodeConfig, SandboxBackend]]
 
 
 def controller_id() -> str:
@@ -48,11 +50,11 @@ def new_run_id() -> str:
 @dataclass(eq=False)
 class _NodeSlot:
     config: NodeConfig
-    backend: PodmanBackend
+    backend: SandboxBackend
     healthy: bool = False
     starting: int = 0
     leases: set[Lease] = field(default_factory=set)
-    warm: list[PodmanSandbox] = field(default_factory=list)
+    warm: list[Sandbox] = field(default_factory=list)
     failures: int = 0
     last_problem: str = ""
 
@@ -71,7 +73,7 @@ class _NodeSlot:
 class Lease:
     """One sandbox held by one episode or grading job. Use it through its Sandbox-like methods."""
 
-    def __init__(self, pool: EnvPool, slot: _NodeSlot, sandbox: PodmanSandbox) -> None:
+    def __init__(self, pool: EnvPool, slot: _NodeSlot, sandbox: Sandbox) -> None:
         self.id = sandbox.name
         self.node = slot.config.name
         self.sandbox = sandbox
@@ -135,7 +137,7 @@ class EnvPool:
         self,
         config: EnvPoolConfig,
         sandbox: SandboxConfig,
-        nodes: list[tuple[NodeConfig, PodmanBackend]],
+        nodes: Backends,
         *,
         run_id: str,
     ) -> None:
@@ -265,7 +267,7 @@ class EnvPool:
             },
         )
 
-    async def _create(self, slot: _NodeSlot, image: str) -> PodmanSandbox:
+    async def _create(self, slot: _NodeSlot, image: str) -> Sandbox:
         slot.starting += 1
         try:
             return await slot.backend.create(self._spec(slot, image))
@@ -273,14 +275,14 @@ class EnvPool:
             slot.failures += 1
             self._counts["start_failures"] += 1
             slot.last_problem = str(exc)
-            if not slot.backend.node.alive or isinstance(exc, NodeLostError):
+            if not slot.backend.alive or isinstance(exc, NodeLostError):
                 await self._fail_node(slot, f"sandbox start failed: {exc}")
             raise
         finally:
             slot.starting -= 1
             self._notify()
 
-    def _grant(self, slot: _NodeSlot, sandbox: PodmanSandbox) -> Lease:
+    def _grant(self, slot: _NodeSlot, sandbox: Sandbox) -> Lease:
         lease = Lease(self, slot, sandbox)
         slot.leases.add(lease)
         self._counts["granted"] += 1
@@ -345,10 +347,8 @@ class EnvPool:
         with anyio.move_on_after(self._config.health_timeout_s) as scope:
             try:
                 if initial or not slot.healthy:
-                    await slot.backend.prepare()  # (re)connect and (re)install podman settings
-                else:
-                    await slot.backend.node.connect()
-                await slot.backend.podman.version()
+                    await slot.backend.prepare()  # (re)connect and (re)install the backend's settings
+                await slot.backend.probe()
             except InfraError as exc:
                 problem = str(exc)
         if scope.cancelled_caught:
@@ -434,7 +434,7 @@ class EnvPool:
                 tg.start_soon(self._remove_run, slot)  # unreachable nodes fail fast or time out
 
     async def _remove_run(self, slot: _NodeSlot) -> None:
-        if not slot.backend.podman.ready:
+        if not slot.backend.prepared:
             return  # never reached: nothing of ours can be there
         try:
             found = await slot.backend.list({LABEL_RUN: self.run_id, LABEL_NODE: slot.config.name})
@@ -461,21 +461,39 @@ def _controller_is_dead(controller: str) -> bool:
 
 
 @asynccontextmanager
-async def running_pool(config: ClusterConfig, run_id: str | None = None) -> AsyncIterator[EnvPool]:
-    """An EnvPool started on every sandbox node; on exit (or Ctrl-C) every container of the run is removed."""
-    backends = make_backends(config)
+async def running_pool(
+    config: ClusterConfig,
+    run_id: str | None = None,
+    *,
+    backends: Backends | None = None,
+    start_timeout_s: float | None = None,
+    close_timeout_s: float | None = None,
+) -> AsyncIterator[EnvPool]:
+    """An EnvPool started on every sandbox node; on exit (or Ctrl-C) every container of the run is removed and
+    the backends (``make_backends(config)`` unless given) are closed. A failure inside the block is re-raised
+    as itself (not inside the task group's ExceptionGroup) once the pool has stopped.
+
+    Commands leave the bounds unset: the start is bounded by the pool's health timeout, and closing gives up
+    quietly after CLOSE_TIMEOUT_S. Tests set them: TimeoutError when the pool has not started within
+    ``start_timeout_s`` or the backends have not closed within ``close_timeout_s``.
+    """
+    backends = make_backends(config) if backends is None else backends
     pool = EnvPool(config.env_pool, config.sandbox, backends, run_id=run_id or config.run_id or new_run_id())
     failure: Exception | None = None
     try:
         async with anyio.create_task_group() as tg:
-            await tg.start(pool.run, name="env_pool")
+            with anyio.fail_after(start_timeout_s):
+                await tg.start(pool.run, name="env_pool")
             try:
                 yield pool
             except Exception as exc:  # re-raised as itself, not inside the task group's ExceptionGroup
                 failure = exc
             tg.cancel_scope.cancel("block done")
     finally:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(60):
+        limit = CLOSE_TIMEOUT_S if close_timeout_s is None else close_timeout_s
+        with anyio.CancelScope(shield=True), anyio.move_on_after(limit) as closing:
             await close_backends(backends)
+        if closing.cancelled_caught and close_timeout_s is not None:
+            raise TimeoutError(f"the env pool's backends did not close within {close_timeout_s}s")
     if failure is not None:
         raise failure

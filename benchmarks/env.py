@@ -50,13 +50,14 @@ from common import (
     write_results,
 )
 
-from swectl.actors.env_pool import EnvPool
+from swectl.actors.env_pool import running_pool
 from swectl.config import DEFAULT_IMAGE, SandboxConfig, decode_config, load_config
 from swectl.errors import InfraError
 from swectl.remote.nodes.backends import close_backends, make_backends
 from swectl.remote.nodes.node import LocalNode
-from swectl.remote.nodes.podman import LABEL_RUN, bundled_containers_conf
+from swectl.remote.nodes.podman import bundled_containers_conf
 from swectl.remote.nodes.podman_sandbox import PodmanBackend, PodmanSandbox
+from swectl.sandbox import LABEL_RUN
 from swectl.schema import ExecResult, SandboxSpec
 from swectl.testing.nodes import TestNodes, start_test_nodes, stop_test_nodes
 
@@ -251,35 +252,26 @@ class EnvBench:
         n = self.sizes.warm_lease
         self.progress(f"warm_lease: EnvPool with env_pool.warm={WARM_K}; {n} x acquire from the warm pool")
         cfg = load_config(None, [f"env_pool.warm={WARM_K}"])
-        backends = make_backends(cfg)
-        pool = EnvPool(cfg.env_pool, cfg.sandbox, backends, run_id=self.run_id)
         leases, pings, refills = [], [], []
-        try:
-            async with anyio.create_task_group() as tg:
-                await tg.start(pool.run, name="env_pool")
-                try:
-                    with anyio.fail_after(180):
-                        await pool.wait_warm(WARM_K)
-                    for _ in range(n):
-                        with anyio.fail_after(60):
-                            start = time.perf_counter_ns()
-                            lease = await pool.acquire()
-                            leases.append(ms_since(start))
-                            # The same round trip once the refill the acquire triggered has been spawned:
-                            # tells the ping inside acquire() apart from the rest of its cost.
-                            start = time.perf_counter_ns()
-                            await lease.ping()
-                            pings.append(ms_since(start))
-                        start = time.perf_counter_ns()
-                        await pool.release(lease)  # destroys the sandbox; the warm loop starts another
-                        with anyio.fail_after(120):
-                            await pool.wait_warm(WARM_K)
-                        refills.append(ms_since(start))
-                    stats = pool.statistics()
-                finally:
-                    tg.cancel_scope.cancel("benchmark phase done")
-        finally:
-            await close_backends(backends)
+        async with running_pool(cfg, self.run_id) as pool:
+            with anyio.fail_after(180):
+                await pool.wait_warm(WARM_K)
+            for _ in range(n):
+                with anyio.fail_after(60):
+                    start = time.perf_counter_ns()
+                    lease = await pool.acquire()
+                    leases.append(ms_since(start))
+                    # The same round trip once the refill the acquire triggered has been spawned:
+                    # tells the ping inside acquire() apart from the rest of its cost.
+                    start = time.perf_counter_ns()
+                    await lease.ping()
+                    pings.append(ms_since(start))
+                start = time.perf_counter_ns()
+                await pool.release(lease)  # destroys the sandbox; the warm loop starts another
+                with anyio.fail_after(120):
+                    await pool.wait_warm(WARM_K)
+                refills.append(ms_since(start))
+            stats = pool.statistics()
         self.details["warm_pool_statistics"] = msgspec.to_builtins(stats)
         self.summary("release_and_refill_ms", refills)
         self.summary("warm_lease_ping_after_acquire_ms", pings)

@@ -1,7 +1,9 @@
 """The sandbox seam: what agents and graders may do in an isolated environment.
 
 Backends (Podman today; a namespace sandbox later) implement ``Sandbox`` and ``SandboxBackend`` and pass
-the contract tests in tests/integration/test_sandbox_contract.py. A command's failure or timeout is an
+the contract tests in tests/integration/test_sandbox_contract.py. The env pool (actors/env_pool.py) uses
+nothing else: a backend covers one node and tells the pool how to prepare, probe and close it, and it
+lists and removes sandboxes by the ``LABEL_*`` labels the pool puts on them. A command's failure or timeout is an
 ``ExecResult``, never an exception; exceptions (swectl.errors.InfraError) mean the infrastructure broke.
 
 What a sandbox covers: its own filesystem, process tree (pids limit), memory and CPU limits, and no
@@ -16,11 +18,18 @@ from typing import Protocol
 
 from swectl.schema import ExecResult, SandboxInfo, SandboxSpec
 
+# Labels the env pool puts on every sandbox (SandboxSpec.labels); backends store them and filter by them.
+LABEL_MANAGED = "swectl.managed"
+LABEL_RUN = "swectl.run"
+LABEL_NODE = "swectl.node"
+LABEL_CONTROLLER = "swectl.controller"  # "<hostname>:<pid>" of the controller that created it
+
 ELISION = "\n\n... [{n} bytes elided: output too long, showing the head and tail] ...\n\n"
 
 
 class Sandbox(Protocol):
-    id: str
+    id: str  # the backend's id: what ``SandboxBackend.list`` reports and ``remove`` takes
+    name: str  # a short name for messages and lease ids
     node: str
 
     async def exec(
@@ -40,14 +49,50 @@ class Sandbox(Protocol):
         """Remove the sandbox; idempotent; bounded in time even when the node is gone."""
         ...
 
+    async def break_transport(self) -> None:
+        """Cut the controller's channel to the sandbox (its node was lost): every call blocked on it wakes up
+        with an InfraError. Does not remove the sandbox; quick, and safe to call twice."""
+        ...
+
 
 class SandboxBackend(Protocol):
-    name: str
+    """Sandboxes on one node. Every method raises InfraError (NodeLostError once the node is gone)."""
 
-    async def prepare(self) -> None: ...
-    async def create(self, spec: SandboxSpec) -> Sandbox: ...
-    async def list(self, labels: dict[str, str]) -> list[SandboxInfo]: ...
-    async def remove(self, ids: list[str]) -> None: ...
+    name: str  # the node's name
+
+    @property
+    def prepared(self) -> bool:
+        """Whether ``prepare()`` has succeeded once: a backend never prepared has created nothing."""
+        ...
+
+    @property
+    def alive(self) -> bool:
+        """False once the transport to the node is known to be gone (an SSH connection dropped)."""
+        ...
+
+    async def prepare(self) -> None:
+        """(Re)connect to the node and (re)install what the backend needs there; idempotent."""
+        ...
+
+    async def probe(self) -> str:
+        """Health check: reconnect if the connection dropped, ask the backend to answer; its version."""
+        ...
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        """A started sandbox. A failed or cancelled create leaves nothing behind, or a labelled orphan."""
+        ...
+
+    async def list(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        """The sandboxes on the node carrying all of ``labels`` (any state, whoever created them)."""
+        ...
+
+    async def remove(self, ids: list[str]) -> None:
+        """Force-remove sandboxes by id; missing ones are not an error (idempotent)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close the connection to the node (sandboxes stay); idempotent."""
+        ...
 
 
 def format_output(head_tail: bytes, elided: int, head: int) -> str:

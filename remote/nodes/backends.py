@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from swectl.config import ClusterConfig, LocalNodeConfig, NodeConfig, SshNodeConfig
 from swectl.remote.nodes.node import LocalNode, Node
 from swectl.remote.nodes.podman_sandbox import PodmanBackend
 from swectl.remote.nodes.ssh import SshNode
+from swectl.sandbox import SandboxBackend
 
 BACKENDS = ("podman",)
 
@@ -27,6 +30,6 @@ def make_backends(config: ClusterConfig) -> list[tuple[NodeConfig, PodmanBackend
     ]
 
 
-async def close_backends(backends: list[tuple[NodeConfig, PodmanBackend]]) -> None:
+async def close_backends(backends: Sequence[tuple[NodeConfig, SandboxBackend]]) -> None:
     for _, backend in backends:
-        await backend.node.aclose()
+        await backend.aclose()

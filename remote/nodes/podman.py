@@ -20,11 +20,6 @@ from swectl.errors import CommandError
 from swectl.remote.nodes.node import Node
 from swectl.schema import CommandOutput, SandboxInfo, SandboxSpec
 
-LABEL_MANAGED = "swectl.managed"
-LABEL_RUN = "swectl.run"
-LABEL_NODE = "swectl.node"
-LABEL_CONTROLLER = "swectl.controller"  # "<hostname>:<pid>" of the controller that created it
-
 _UPLOAD_CONF = (
     'd="${XDG_CACHE_HOME:-$HOME/.cache}/swectl" && mkdir -p "$d" && cat > "$d/containers.conf.$$" '
     '&& mv -f "$d/containers.conf.$$" "$d/containers.conf" && printf %s "$d/containers.conf"'

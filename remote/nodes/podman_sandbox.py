@@ -66,9 +66,21 @@ class PodmanBackend:
         self.podman = PodmanCli(node, containers_conf)
         self.config = config
 
+    @property
+    def prepared(self) -> bool:
+        return self.podman.ready
+
+    @property
+    def alive(self) -> bool:
+        return self.node.alive
+
     async def prepare(self) -> None:
         await self.node.connect()
         await self.podman.prepare()
+
+    async def probe(self) -> str:
+        await self.node.connect()
+        return await self.podman.version()
 
     async def create(self, spec: SandboxSpec) -> PodmanSandbox:
         name = f"swectl-{secrets.token_hex(6)}"
@@ -99,6 +111,9 @@ class PodmanBackend:
     async def remove(self, ids: list[str]) -> None:
         with _translate(self.node, "removing containers"):
             await self.podman.remove(ids)
+
+    async def aclose(self) -> None:
+        await self.node.aclose()
 
 
 class PodmanSandbox:
@@ -218,7 +233,7 @@ class PodmanSandbox:
                 pass  # node gone: the orphan reaper removes it when the node comes back
 
     async def break_transport(self) -> None:
-        """Called by the pool when the node is lost: wakes any call blocked on the pipe."""
+        """Close the exec agent's pipe: any call blocked on it wakes up (the no-python path holds none)."""
         if self._agent is not None:
             await self._agent.aclose()
 

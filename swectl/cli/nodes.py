@@ -11,9 +11,9 @@ import msgspec
 from swectl.cli.common import config_args
 from swectl.config import ClusterConfig, SshNodeConfig, load_config
 from swectl.errors import InfraError
-from swectl.remote.nodes.backends import make_backends
-from swectl.remote.nodes.podman import LABEL_MANAGED
+from swectl.remote.nodes.backends import close_backends, make_backends
 from swectl.remote.nodes.podman_sandbox import PodmanBackend
+from swectl.sandbox import LABEL_MANAGED
 from swectl.schema import NodeReport, SandboxSpec
 
 LOW_DISK_GB = 10.0
@@ -48,8 +48,7 @@ async def check_nodes(config: ClusterConfig, *, timeout_s: float = 60.0) -> list
             for node_config, backend in backends:
                 tg.start_soon(_check_one, config, node_config, backend, reports, timeout_s)
     finally:
-        for _, backend in backends:
-            await backend.node.aclose()
+        await close_backends(backends)
     return [reports[node.name] for node, _ in backends]
 
 
@@ -61,7 +60,7 @@ async def _check_one(
     with anyio.move_on_after(timeout_s) as scope:
         try:
             await backend.prepare()
-            report["podman_version"] = await backend.podman.version()
+            report["podman_version"] = await backend.probe()
         except InfraError as exc:
             problems.append(f"{exc} -- hint: {_connect_hint(node_config, str(exc))}")
             out[node_config.name] = NodeReport(**report)

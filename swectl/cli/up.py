@@ -18,11 +18,10 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from swectl.actors.env_pool import EnvPool, new_run_id
+from swectl.actors.env_pool import EnvPool, new_run_id, running_pool
 from swectl.cli.common import config_args
 from swectl.config import ClusterConfig, load_config
 from swectl.errors import InfraError
-from swectl.remote.nodes.backends import close_backends, make_backends
 
 EPISODE_SCRIPT = r"""
 set -e
@@ -65,20 +64,12 @@ async def run_up(config: ClusterConfig, *, episodes: int, concurrency: int) -> i
         f"  run {run_id}: {episodes} scripted episodes, concurrency {concurrency}, "
         f"nodes: {', '.join(n.name for n in config.sandbox_nodes())}"
     )
-    backends = make_backends(config)
-    pool = EnvPool(config.env_pool, config.sandbox, backends, run_id=run_id)
     results: list[dict] = []
     limiter = anyio.CapacityLimiter(concurrency)
     started = time.perf_counter()
-    try:
-        async with anyio.create_task_group() as tg:
-            await tg.start(pool.run, name="env_pool")
-            async with anyio.create_task_group() as episodes_tg:
-                for i in range(episodes):
-                    episodes_tg.start_soon(_episode, pool, i, limiter, results, name=f"episode {i}")
-            tg.cancel_scope.cancel("episodes done")
-    finally:
-        await close_backends(backends)
+    async with running_pool(config, run_id) as pool, anyio.create_task_group() as episodes_tg:
+        for i in range(episodes):
+            episodes_tg.start_soon(_episode, pool, i, limiter, results, name=f"episode {i}")
     elapsed = time.perf_counter() - started
     ok = sum(r["ok"] for r in results)
     stats = pool.statistics()

@@ -20,7 +20,8 @@ import pytest
 from swectl.actors.env_pool import EnvPool
 from swectl.config import DEFAULT_IMAGE, ClusterConfig, decode_config, load_config
 from swectl.errors import InfraError, LeaseExpiredError, PoolClosedError, SandboxLostError
-from swectl.remote.nodes.podman import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN, bundled_containers_conf
+from swectl.remote.nodes.podman import bundled_containers_conf
+from swectl.sandbox import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN
 
 from .pools import running_pool
 

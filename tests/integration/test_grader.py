@@ -15,7 +15,8 @@ from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GradeResult
 from swectl.config import load_config
 from swectl.images.project import BUNDLED_TASKS
-from swectl.remote.nodes.podman import LABEL_RUN, bundled_containers_conf
+from swectl.remote.nodes.podman import bundled_containers_conf
+from swectl.sandbox import LABEL_RUN
 from swectl.tasks.record import Task
 from swectl.tasks.sources import load_tasks
 

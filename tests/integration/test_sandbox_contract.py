@@ -15,6 +15,7 @@ import pytest
 
 from swectl.config import SandboxConfig
 from swectl.errors import CommandError, InfraError, SandboxLostError
+from swectl.remote.nodes.node import LocalNode
 from swectl.remote.nodes.podman_sandbox import PodmanBackend, PodmanSandbox
 from swectl.sandbox import ELISION
 from swectl.schema import ExecResult
@@ -330,6 +331,37 @@ async def test_labels_from_the_spec_are_on_the_container(backend: PodmanBackend)
         assert info.state == "running"
     finally:
         await box.destroy()
+
+
+async def test_backend_prepare_probe_and_close() -> None:
+    backend = PodmanBackend(LocalNode(), SandboxConfig(), containers_conf="bundled")
+    assert not backend.prepared and backend.alive
+    with anyio.fail_after(BOUND_S):
+        await backend.prepare()
+        assert backend.prepared
+        assert (await backend.probe()).strip()
+        await backend.aclose()
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("image", ["agent"], indirect=True)  # the plain path holds no channel to break
+async def test_break_transport_wakes_a_blocked_call(sandbox: PodmanSandbox) -> None:
+    outcome: ExecResult | Exception
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+
+            async def blocked() -> None:
+                nonlocal outcome
+                try:
+                    outcome = await sandbox.exec("sleep 30", 60)
+                except InfraError as exc:
+                    outcome = exc
+
+            tg.start_soon(blocked)
+            await anyio.sleep(1)
+            await sandbox.break_transport()
+            await sandbox.break_transport()
+    assert isinstance(outcome, InfraError), outcome
 
 
 # ---------------------------------------------------------------------------------- isolation, limits

@@ -25,12 +25,13 @@ import pytest
 from swectl.actors.env_pool import EnvPool, Lease
 from swectl.config import ClusterConfig, SshNodeConfig, decode_config
 from swectl.errors import InfraError, NodeConnectError, NodeLostError
-from swectl.remote.nodes.backends import close_backends, make_backends
-from swectl.remote.nodes.podman import LABEL_NODE, LABEL_RUN, bundled_containers_conf
+from swectl.remote.nodes.backends import make_backends
+from swectl.remote.nodes.podman import bundled_containers_conf
 from swectl.remote.nodes.ssh import SshNode
+from swectl.sandbox import LABEL_NODE, LABEL_RUN
 from swectl.testing import nodes as testnodes
 
-from .pools import START_TIMEOUT_S, running_pool_and_backends
+from .pools import running_pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -100,18 +101,11 @@ def leaves(exc: BaseException) -> list[BaseException]:
 
 async def pool_start_errors(cfg: ClusterConfig, run_id: str) -> list[BaseException]:
     """Start a pool that is expected not to start; the errors it raised, ungrouped."""
-    backends = make_backends(cfg)
-    pool = EnvPool(cfg.env_pool, cfg.sandbox, backends, run_id=run_id)
     try:
-        with anyio.fail_after(START_TIMEOUT_S):
-            async with anyio.create_task_group() as tg:
-                await tg.start(pool.run)
-                tg.cancel_scope.cancel()
+        async with running_pool(cfg, run_id):
+            pass
     except Exception as exc:
         return leaves(exc)
-    finally:
-        with anyio.fail_after(30):
-            await close_backends(backends)
     pytest.fail("the pool started although no node is usable")
 
 
@@ -187,7 +181,7 @@ def bring_back(node: testnodes.TestNode) -> None:
 
 async def test_sandboxes_spread_over_both_ssh_nodes(nodes: testnodes.TestNodes, run_id: str) -> None:
     a, b = nodes.nodes
-    async with running_pool_and_backends(ssh_config(nodes), run_id) as (pool, _):
+    async with running_pool(ssh_config(nodes), run_id) as pool:
         assert all(n.healthy for n in pool.statistics().nodes)
         leases = [await acquire(pool) for _ in range(4)]  # one at a time: least-loaded placement alternates
         by_node = {name: [lease for lease in leases if lease.node == name] for name in (a.name, b.name)}
@@ -271,7 +265,8 @@ async def test_unknown_host_key_is_rejected(nodes: testnodes.TestNodes, run_id: 
 async def test_channel_cap_opens_more_connections(nodes: testnodes.TestNodes, run_id: str) -> None:
     a = nodes.nodes[0]
     cfg = ssh_config(nodes, extra=FAST_NODE_FIELDS + "\nmax_channels_per_connection = 2", nodes=[a.name])
-    async with running_pool_and_backends(cfg, run_id) as (pool, backends):
+    backends = make_backends(cfg)
+    async with running_pool(cfg, run_id, backends=backends) as pool:
         ((_, backend),) = backends
         assert isinstance(backend.node, SshNode)
         leases = await acquire_many(pool, 5)
@@ -299,7 +294,7 @@ async def test_node_death_and_rejoin(nodes: testnodes.TestNodes, run_id: str) ->
     a, b = nodes.nodes
     cfg = ssh_config(nodes, health_timeout_s=5)
     try:
-        async with running_pool_and_backends(cfg, run_id) as (pool, _):
+        async with running_pool(cfg, run_id) as pool:
             leases = [await acquire(pool) for _ in range(4)]
             on_a = [lease for lease in leases if lease.node == a.name]
             on_b = [lease for lease in leases if lease.node == b.name]
@@ -356,7 +351,7 @@ async def test_node_down_at_start_joins_later(nodes: testnodes.TestNodes, run_id
     cfg = ssh_config(nodes, health_timeout_s=5)
     try:
         await anyio.to_thread.run_sync(a.kill_sshd)
-        async with running_pool_and_backends(cfg, run_id) as (pool, _):
+        async with running_pool(cfg, run_id) as pool:
             assert not node_stats(pool, a.name).healthy and node_stats(pool, b.name).healthy
             lease = await acquire(pool)
             assert lease.node == b.name
@@ -381,7 +376,7 @@ async def test_network_cut_fails_inflight_exec(nodes: testnodes.TestNodes, run_i
     health_timeout = 3.0  # small, with some room for a busy 2-CPU machine at the initial probe
     cfg = ssh_config(nodes, health_timeout_s=health_timeout)
     try:
-        async with running_pool_and_backends(cfg, run_id) as (pool, _):
+        async with running_pool(cfg, run_id) as pool:
             leases = [await acquire(pool) for _ in range(2)]
             (la,) = [lease for lease in leases if lease.node == a.name]
             (lb,) = [lease for lease in leases if lease.node == b.name]
