@@ -1,4 +1,5 @@
-"""The podman CLI on one node: create, list and remove containers; version, images, disk.
+"""The podman CLI on one node: create, list and remove containers; version, images, disk. Also podman on
+this machine, synchronously (``run_local_podman``), for image builds and the official harness.
 
 We drive the CLI rather than podman-py: measured on these machines a ``podman exec`` process costs
 23-140 ms and podman-py's ``exec_run`` 80 ms, and the hot path (commands in a sandbox) goes through our
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
 from importlib import resources
 from pathlib import Path
 
@@ -44,6 +47,29 @@ def bundled_containers_conf() -> Path:
 def local_podman_env() -> dict[str, str]:
     """The environment for running ``podman`` on this machine with swectl's containers.conf."""
     return {**os.environ, "CONTAINERS_CONF": str(bundled_containers_conf())}
+
+
+def run_local_podman(
+    *args: str, input: bytes | None = None, timeout: float = 600, check: bool = True, log: Path | None = None
+) -> CommandOutput:
+    """``podman *args`` on this machine with swectl's containers.conf, synchronously (image builds, the
+    official harness, tests; sandboxes go through PodmanCli). A non-zero exit raises CommandError (argv, exit
+    code, stderr tail) when ``check``; podman not starting or overrunning ``timeout`` always does. ``log``:
+    a file that gets the command line and its output appended."""
+    argv = ["podman", *args]
+    try:
+        done = subprocess.run(argv, input=input, capture_output=True, env=local_podman_env(), timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise CommandError("local", argv, None, f"timed out after {timeout:g}s") from exc
+    except OSError as exc:
+        raise CommandError("local", argv, None, f"could not start podman: {exc}") from exc
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as f:
+            f.write(f"$ {shlex.join(argv)}\n".encode() + done.stdout + done.stderr)
+    if check and done.returncode != 0:
+        raise CommandError("local", argv, done.returncode, done.stderr.decode(errors="replace"))
+    return CommandOutput(exit_code=done.returncode, stdout=done.stdout, stderr=done.stderr)
 
 
 class PodmanCli:

@@ -16,7 +16,7 @@ import anyio
 import msgspec
 
 from swectl.actors.env_pool import running_pool
-from swectl.actors.grader import Grader, GradeResult
+from swectl.actors.grader import Grader, GraderConfig, GradeResult
 from swectl.config import ClusterConfig
 from swectl.errors import TaskDataError
 from swectl.eval.progress import Progress
@@ -154,8 +154,8 @@ async def evaluate_patches(
     instances: list[InstanceReport] = []
     started = time.monotonic()
     async with running_pool(config) as pool:
-        grader = Grader(pool, timeout_s=timeout_s, concurrency=concurrency, resolver=resolver, specs=specs,
-                        log_dir=out_dir / "logs")
+        grader = Grader(GraderConfig(timeout_s=timeout_s, concurrency=concurrency), pool, resolver=resolver,
+                        specs=specs, log_dir=out_dir / "logs")
 
         async def one(task: Task, patch: str) -> None:
             result = await grader.grade(task, patch, label=mode)
@@ -164,8 +164,11 @@ async def evaluate_patches(
                 bar.advance(result.status)
 
         async with anyio.create_task_group() as tg:
-            for task, patch in jobs:
-                tg.start_soon(one, task, patch, name=f"grade {task.instance_id}")
+            await tg.start(grader.run, name="grader")
+            async with anyio.create_task_group() as jobs_tg:
+                for task, patch in jobs:
+                    jobs_tg.start_soon(one, task, patch, name=f"grade {task.instance_id}")
+            tg.cancel_scope.cancel("gradings done")
     return build_report(mode, instances, time.monotonic() - started)
 
 

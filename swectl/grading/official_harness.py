@@ -23,7 +23,8 @@ from pathlib import Path
 import msgspec
 
 from swectl.grading.eval_script import eval_script_for, log_parser_for
-from swectl.images.project import GIT_IDENTITY, podman_env
+from swectl.images.project import GIT_IDENTITY
+from swectl.remote.nodes.podman import local_podman_env, run_local_podman
 from swectl.tasks.record import TESTBED, Task
 
 WORKER = r"""
@@ -58,7 +59,7 @@ def podman_docker_socket() -> Iterator[str]:
     """``podman system service`` on a private unix socket; yields a DOCKER_HOST url."""
     tmp = Path(tempfile.mkdtemp(prefix="swectl-podman-api-"))
     sock = tmp / "podman.sock"
-    proc = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{sock}"], env=podman_env(),
+    proc = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{sock}"], env=local_podman_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
@@ -77,10 +78,7 @@ def podman_docker_socket() -> Iterator[str]:
 
 
 def _podman(*args: str, input: bytes | None = None) -> str:
-    proc = subprocess.run(["podman", *args], input=input, capture_output=True, env=podman_env(), timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"podman {' '.join(args[:3])} failed: {proc.stderr.decode(errors='replace')[-800:]}")
-    return proc.stdout.decode()
+    return run_local_podman(*args, input=input, timeout=600).stdout.decode()
 
 
 def task_image(task: Task) -> str:
@@ -88,7 +86,7 @@ def task_image(task: Task) -> str:
     if not task.setup_patch:
         return task.image
     name = f"localhost/swectl-task.{task.instance_id.lower()}:latest"
-    if subprocess.run(["podman", "image", "exists", name], env=podman_env()).returncode == 0:
+    if run_local_podman("image", "exists", name, check=False).exit_code == 0:
         return name
     cid = _podman("run", "-d", "--network", "none", task.image, "sleep", "infinity").strip()
     try:
@@ -129,7 +127,7 @@ def grade_official(jobs: list[tuple[Task, str]], *, timeout_s: int = 1800, worke
                                                   "run_id": run_id, "timeout": timeout_s,
                                                   "workers": workers}))
         with podman_docker_socket() as docker_host:
-            env = {**podman_env(), "DOCKER_HOST": docker_host,
+            env = {**local_podman_env(), "DOCKER_HOST": docker_host,
                    "PATH": f"{_shim_dir(tmp)}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
             proc = subprocess.run([sys.executable, "-c", WORKER, "req.json", "out.json"], cwd=tmp, env=env,
                                   capture_output=True, timeout=timeout_s * max(1, len(jobs)) + 300)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import msgspec
 
-from swectl.errors import SwectlError
-from swectl.remote.nodes.podman import local_podman_env
+from swectl.errors import CommandError, SwectlError
+from swectl.remote.nodes.podman import run_local_podman
 from swectl.tasks.record import TESTBED
 
 BUNDLED_DIR = Path(__file__).resolve().parents[1] / "data" / "bundled"
@@ -210,28 +210,17 @@ def _containerfile(base: str, project: Project, content: str, wheels: list[str],
     ])
 
 
-def _podman(*args: str) -> list[str]:
-    return ["podman", *args]
-
-
-def podman_env() -> dict[str, str]:
-    return local_podman_env()
-
-
 def image_label(image: str, label: str) -> str | None:
-    proc = subprocess.run(
-        _podman("image", "inspect", "--format", f"{{{{index .Labels \"{label}\"}}}}", image),
-        capture_output=True, text=True, env=podman_env(), timeout=60,
-    )
-    if proc.returncode != 0:
+    out = run_local_podman("image", "inspect", "--format", f"{{{{index .Labels \"{label}\"}}}}", image,
+                           timeout=60, check=False)
+    if out.exit_code != 0:
         return None
-    return proc.stdout.strip() or None
+    return out.stdout.decode().strip() or None
 
 
 def image_id(image: str) -> str | None:
-    proc = subprocess.run(_podman("image", "inspect", "--format", "{{.Id}}", image), capture_output=True,
-                          text=True, env=podman_env(), timeout=60)
-    return proc.stdout.strip() if proc.returncode == 0 else None
+    out = run_local_podman("image", "inspect", "--format", "{{.Id}}", image, timeout=60, check=False)
+    return out.stdout.decode().strip() if out.exit_code == 0 else None
 
 
 class BuiltImage(msgspec.Struct, frozen=True):
@@ -290,27 +279,29 @@ def build_project_image(
     shutil.copytree(inputs.wheels_dir, ctx / "wheels", ignore=shutil.ignore_patterns(".complete"))
     wheels = [f"/opt/swectl-wheels/{w}" for w in inputs.wheels]
     (ctx / "Containerfile").write_text(_containerfile(base, project, content, wheels, base_commit))
-    _run(
-        _podman("build", "--network", "none", "--pull=never", "--layers=false", "-q", "-t", project.image,
-                "-f", str(ctx / "Containerfile"), str(ctx)),
-        f"podman build of {project.image}", inputs.log, env=podman_env(),
-    )
+    try:
+        out = run_local_podman("build", "--network", "none", "--pull=never", "--layers=false", "-q",
+                               "-t", project.image, "-f", str(ctx / "Containerfile"), str(ctx),
+                               timeout=1800, check=False, log=inputs.log)
+    except CommandError as exc:
+        raise ImageBuildError(f"podman build of {project.image} did not finish; log: {inputs.log}\n{exc}") from exc
+    if out.exit_code != 0:
+        tail = (out.stdout + out.stderr).decode(errors="replace")[-1500:]
+        raise ImageBuildError(f"podman build of {project.image} failed (exit {out.exit_code}); log: {inputs.log}"
+                              f"\n{tail}")
     return BuiltImage(project.image, content, base_commit, cached=False)
 
 
 def prune_images(keep: set[str], *, dry_run: bool = False) -> list[str]:
     """Remove swectl-built project images whose name:content is not in ``keep`` (``image@content`` strings)."""
-    proc = subprocess.run(
-        _podman("images", "--filter", "label=swectl.image=project", "--format",
-                "{{.Repository}}:{{.Tag}} {{index .Labels \"swectl.content\"}}"),
-        capture_output=True, text=True, env=podman_env(), timeout=60, check=True,
-    )
+    out = run_local_podman("images", "--filter", "label=swectl.image=project", "--format",
+                           "{{.Repository}}:{{.Tag}} {{index .Labels \"swectl.content\"}}", timeout=60)
     removed = []
-    for line in proc.stdout.splitlines():
+    for line in out.stdout.decode().splitlines():
         name, _, content = line.partition(" ")
         if f"{name}@{content}" in keep:
             continue
         removed.append(name)
         if not dry_run:
-            subprocess.run(_podman("rmi", "-f", name), capture_output=True, env=podman_env(), timeout=120)
+            run_local_podman("rmi", "-f", name, timeout=120, check=False)
     return removed

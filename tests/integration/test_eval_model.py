@@ -129,7 +129,8 @@ def test_ctrl_c_leaves_no_containers(model: Path, tmp_path: Path) -> None:
     import sys
     import time
 
-    from swectl.images.project import BUNDLED_TASKS, podman_env
+    from swectl.images.project import BUNDLED_TASKS
+    from swectl.remote.nodes.podman import run_local_podman
     from swectl.tasks.sources import load_tasks
 
     tasks = load_tasks(BUNDLED_TASKS, strict=True).tasks[:4]
@@ -146,8 +147,7 @@ def test_ctrl_c_leaves_no_containers(model: Path, tmp_path: Path) -> None:
         label = f"label=swectl.controller={socket.gethostname()}:{run.pid}"
 
         def containers() -> list[str]:
-            return subprocess.run(["podman", "ps", "-a", "-q", "--filter", label], capture_output=True, text=True,
-                                  env=podman_env(), check=True).stdout.split()
+            return run_local_podman("ps", "-a", "-q", "--filter", label).stdout.decode().split()
 
         deadline = time.monotonic() + 120
         while len(containers()) < 4:

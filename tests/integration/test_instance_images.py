@@ -17,20 +17,15 @@ import pytest
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader
 from swectl.config import load_config
+from swectl.images.clones import find_clone
 from swectl.images.instance import build_instance_image as _build_instance_image
 from swectl.images.instance import build_instance_images as _build_instance_images
-from swectl.images.instance import (
-    environment_yml,
-    find_clone,
-    instance_image_name,
-    needs_network,
-    project_extras,
-    remove_instance_image,
-    requirements_file,
-    write_image_map,
-)
+from swectl.images.instance import instance_image_name, remove_instance_image, write_image_map
 from swectl.images.names import ImageResolver
-from swectl.images.project import BuiltImage, ImageBuildError, image_label, podman_env
+from swectl.images.project import BuiltImage, ImageBuildError, image_label
+from swectl.images.recipe import needs_network
+from swectl.images.requirements import environment_yml, project_extras, requirements_file
+from swectl.remote.nodes.podman import local_podman_env
 from swectl.tasks.record import Task
 from swectl.tasks.specs import load_specs
 
@@ -80,7 +75,7 @@ def git(cwd: Path, *args: str) -> str:
 
 
 def podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["podman", *args], capture_output=True, text=True, env=podman_env(), timeout=timeout,
+    return subprocess.run(["podman", *args], capture_output=True, text=True, env=local_podman_env(), timeout=timeout,
                           check=False)
 
 

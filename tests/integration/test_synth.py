@@ -97,7 +97,8 @@ def test_synth_from_a_git_checkout(tmp_path) -> None:
     import subprocess
 
     from swectl.actors.grader import Grader
-    from swectl.images.project import Project, podman_env
+    from swectl.images.project import Project
+    from swectl.remote.nodes.podman import run_local_podman
 
     repo = tmp_path / "calc"
     repo.mkdir()
@@ -125,4 +126,4 @@ def test_synth_from_a_git_checkout(tmp_path) -> None:
         half = len(statuses) // 2
         assert statuses[:half] == ["resolved"] * half and statuses[half:] == ["unresolved"] * half
     finally:
-        subprocess.run(["podman", "rmi", "-f", built.image], env=podman_env(), capture_output=True, check=False)
+        run_local_podman("rmi", "-f", built.image, check=False)

@@ -1,0 +1,206 @@
+"""What goes into an instance image's venv: a SWE-bench spec's requirements, read at the task's base commit.
+
+The venv is filled in stages, each installed over the previous one (later pins win, as in SWE-bench's own
+environment setup): the test runner (pytest, setuptools, wheel); the spec's ``packages`` (a package list, or
+the repo's requirements.txt / environment.yml at the base commit); the project's ``build-system.requires``
+(build isolation is off); the spec's ``pip_packages``. The extras with which the spec's ``install`` installs
+the project are noted, for its dependencies to be downloaded too. What pip cannot take (URLs, pip options,
+invalid lines) is left out with a note.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+import tomllib
+from collections.abc import Iterable
+from pathlib import Path
+
+import msgspec
+import yaml
+from packaging.requirements import InvalidRequirement, Requirement
+
+from swectl.images.clones import has_commit, read_at
+from swectl.tasks.record import Task
+from swectl.tasks.specs import RepoSpec
+
+RUNNER_REQUIREMENTS = ("pytest", "setuptools", "wheel")
+# Where SWE-bench's harness reads a repo's requirements when its spec says "requirements.txt" /
+# "environment.yml" (swebench 4.1.0 constants); other repos: the file at the repository root.
+REQS_PATHS: dict[str, tuple[str, ...]] = {
+    "dbt-labs/dbt-core": ("dev-requirements.txt", "dev_requirements.txt"),
+    "django/django": ("tests/requirements/py3.txt",),
+    "matplotlib/matplotlib": ("requirements/dev/dev-requirements.txt", "requirements/testing/travis_all.txt"),
+    "pallets/flask": ("requirements/dev.txt",),
+    "pylint-dev/pylint": ("requirements_test.txt",),
+    "pyvista/pyvista": ("requirements_test.txt", "requirements.txt"),
+    "sqlfluff/sqlfluff": ("requirements_dev.txt",),
+    "sympy/sympy": ("requirements-dev.txt", "requirements-test.txt"),
+}
+ENV_YML_PATHS: dict[str, tuple[str, ...]] = {
+    "matplotlib/matplotlib": ("environment.yml",),
+    "pydata/xarray": ("ci/requirements/environment.yml", "environment.yml"),
+}
+_CONDA_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)=([^=<>!~].*)$")
+_CONDA_ONLY = frozenset({"python", "pip"})
+_INCLUDE = re.compile(r"^(?:-r|--requirement)(?:\s*=\s*|\s+)(\S+)$")
+# The project itself as a pip target in an install command: `.`, `.[dev]`, `'.[dev,test]'`.
+_PROJECT_TARGET = re.compile(r"""(?:^|\s)(['"]?)\.(?:\[([^\]\s'"]*)\])?\1(?=\s|;|&|$)""")
+
+
+class Stage(msgspec.Struct, frozen=True):
+    """Requirements installed together, over the stages before them."""
+
+    name: str
+    requirements: list[str]
+
+
+class Requirements(msgspec.Struct, frozen=True):
+    """The stages of the image's venv, the project's extras (None: ``install`` does not install the project)
+    and notes on what was left out and why."""
+
+    stages: list[Stage]
+    project_extras: list[str] | None = None
+    notes: list[str] = []
+
+
+def _pip_requirement(text: str, origin: str, notes: list[str]) -> str | None:
+    """``text`` when pip can download it by name (a PEP 508 requirement without a URL); else None and a note."""
+    try:
+        req = Requirement(text)
+    except InvalidRequirement:
+        notes.append(f"{origin}: skipped {text!r}: not a requirement pip can download by name")
+        return None
+    if req.url:
+        notes.append(f"{origin}: skipped {text!r}: URL requirements are not downloaded")
+        return None
+    return text
+
+
+def _pip_lines(lines: Iterable[str], origin: str, notes: list[str]) -> list[str]:
+    out: list[str] = []
+    for line in lines:
+        if line.startswith("-"):
+            notes.append(f"{origin}: skipped {line!r}: pip options are not carried over")
+            continue
+        req = _pip_requirement(line, origin, notes)
+        out += [req] if req else []
+    return out
+
+
+def conda_to_pip(spec: str, origin: str, notes: list[str]) -> str | None:
+    """A conda package spec as a pip requirement (``name=1.2`` -> ``name==1.2``); None for python/pip."""
+    spec = spec.split("::", 1)[-1].strip()
+    match = _CONDA_PIN.match(spec)
+    if match:
+        version = match.group(2).split("=", 1)[0]  # drop a conda build string: name=1.2=py39_0
+        spec = f"{match.group(1)}=={version}"
+    name = re.split(r"[\s<>=!~\[;]", spec, maxsplit=1)[0].lower()
+    if name in _CONDA_ONLY:
+        return None
+    return _pip_requirement(spec, origin, notes)
+
+
+def _logical_lines(text: str) -> list[str]:
+    """Requirements-file lines: comments dropped, backslash continuations joined, blanks removed."""
+    joined = re.sub(r"\\\r?\n", "", text)
+    lines = (re.sub(r"(^|\s)#.*$", "", line).strip() for line in joined.splitlines())
+    return [line for line in lines if line]
+
+
+def requirements_file(clone: Path, commit: str, path: str, notes: list[str], seen: set[str] | None = None) -> list[str]:
+    """The requirements in ``path`` at ``commit`` (``-r`` includes followed); what pip cannot take is noted."""
+    seen = seen if seen is not None else set()
+    if path in seen:
+        return []
+    seen.add(path)
+    text = read_at(clone, commit, path)
+    if text is None:
+        notes.append(f"{path}: not in the repository at {commit[:12]}")
+        return []
+    out: list[str] = []
+    for line in _logical_lines(text):
+        include = _INCLUDE.match(line)
+        if include:
+            target = posixpath.normpath(posixpath.join(posixpath.dirname(path), include.group(1)))
+            out += requirements_file(clone, commit, target, notes, seen)
+        else:
+            out += _pip_lines([line], path, notes)
+    return out
+
+
+def environment_yml(text: str, origin: str, notes: list[str]) -> list[str]:
+    """The requirements in a conda environment.yml: conda dependencies (as pip requirements) and its pip list."""
+    try:
+        doc = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        notes.append(f"{origin}: not valid YAML ({exc}); nothing taken from it")
+        return []
+    deps = doc.get("dependencies", []) if isinstance(doc, dict) else []
+    out: list[str] = []
+    for dep in deps if isinstance(deps, list) else []:
+        if isinstance(dep, str):
+            req = conda_to_pip(dep, origin, notes)
+            out += [req] if req else []
+        elif isinstance(dep, dict) and isinstance(dep.get("pip"), list):
+            out += _pip_lines(map(str, dep["pip"]), origin, notes)
+    return out
+
+
+def _repo_file_requirements(task: Task, spec: RepoSpec, clone: Path, commit: str, notes: list[str]) -> list[str]:
+    """The requirements file / environment.yml the spec names, at the base commit (else at the environment
+    setup commit, where SWE-bench reads it)."""
+    kind = spec.packages
+    paths = (REQS_PATHS if kind == "requirements.txt" else ENV_YML_PATHS).get(task.repo, (kind,))
+    commits = [c for c in (commit, task.environment_setup_commit) if has_commit(clone, c)]
+    for at in commits:
+        for path in paths:
+            text = read_at(clone, at, path)
+            if text is None:
+                continue
+            if kind == "requirements.txt":
+                return requirements_file(clone, at, path, notes)
+            return environment_yml(text, path, notes)
+    notes.append(f"spec packages {kind!r}: none of {', '.join(paths)} is in the repository; nothing installed")
+    return []
+
+
+def _build_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
+    text = read_at(clone, commit, "pyproject.toml")
+    if text is None:
+        return []
+    try:
+        requires = tomllib.loads(text).get("build-system", {}).get("requires", [])
+    except tomllib.TOMLDecodeError as exc:
+        notes.append(f"pyproject.toml: not valid TOML ({exc}); build requirements not taken")
+        return []
+    return _pip_lines(map(str, requires), "pyproject.toml build-system.requires", notes)
+
+
+def project_extras(install: str) -> list[str] | None:
+    """The extras with which ``install`` installs the project (``pip install -e .[dev]`` -> ["dev"]; a
+    ``setup.py`` command -> []); None when it does not install the project."""
+    extras: list[str] = []
+    found = "setup.py" in install
+    for match in _PROJECT_TARGET.finditer(install):
+        found = True
+        extras += [e.strip() for e in (match.group(2) or "").split(",") if e.strip()]
+    return list(dict.fromkeys(extras)) if found else None
+
+
+def spec_requirements(task: Task, spec: RepoSpec, clone: Path, commit: str) -> Requirements:
+    """The stages of the venv: test runner, the spec's packages, build requirements, the spec's pip_packages."""
+    notes: list[str] = []
+    if spec.packages in ("requirements.txt", "environment.yml"):
+        packages = _repo_file_requirements(task, spec, clone, commit, notes)
+    else:
+        packages = [r for r in (conda_to_pip(p, "spec packages", notes) for p in shlex.split(spec.packages)) if r]
+    stages = [
+        Stage(name="runner", requirements=list(RUNNER_REQUIREMENTS)),
+        Stage(name="packages", requirements=list(dict.fromkeys(packages))),
+        Stage(name="build", requirements=_build_requires(clone, commit, notes)),
+        Stage(name="pip_packages", requirements=_pip_lines(spec.pip_packages, "spec pip_packages", notes)),
+    ]
+    return Requirements(stages=[s for s in stages if s.requirements], project_extras=project_extras(spec.install),
+                        notes=notes)
