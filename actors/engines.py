@@ -21,7 +21,14 @@ one is picked free on the node, and if the server still loses the race ("address
 launch is retried with a new port (3 tries).
 
 A server whose health check fails ``max_failures`` times in a row, or whose process exits, is restarted;
-while it is down its sessions move to another healthy server (their next turn re-prefills there).
+while it is down its sessions move to another healthy server (their next turn re-prefills there). Each
+server's life is a small state machine (``_Server``, states in ``swectl.schema.ServerState``): STOPPED ->
+STARTING -> HEALTHY <-> FAILING -> DOWN -> RESTARTING -> STARTING ..., and STOPPED at shutdown. Its methods
+own the transitions; the actor does the I/O around them.
+
+Consumes: ``route(session).generate(...)`` calls from the rollout. Waits for: every server's first start
+(``await tg.start(engines.run)`` returns once all answer /health). Unblocked by: cancellation (servers are
+stopped, TERM then KILL). Produces: generate results, ``statistics()`` (an ``EngineStatistics``).
 """
 
 from __future__ import annotations
@@ -39,13 +46,14 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
-from swectl.config import ClusterConfig, EngineConfig, LocalNodeConfig
+from swectl.config import EngineConfig, LocalNodeConfig, NodeConfig
 from swectl.engine.client import SglangClient
 from swectl.engine.errors import EngineUnavailableError
 from swectl.engine.wire import GenerateRequest, GenerateResult
 from swectl.errors import ConfigError, NodeError
 from swectl.remote.nodes.backends import make_node
 from swectl.remote.nodes.node import LocalNode, Node, NodeProcess
+from swectl.schema import EngineStatistics, ServerState, ServerStatistics
 
 API_KEY_PLACEHOLDER = "@SWECTL_ENGINE_API_KEY@"
 LOOPBACK = "127.0.0.1"
@@ -98,10 +106,11 @@ class EngineHost:
 
 
 @contextlib.asynccontextmanager
-async def engine_hosts(config: ClusterConfig) -> AsyncIterator[list[EngineHost]]:
-    """The hosts of ``config.engine.nodes`` (default: the first node), connected; closed on exit."""
+async def engine_hosts(nodes: Sequence[NodeConfig]) -> AsyncIterator[list[EngineHost]]:
+    """Hosts on ``nodes`` (``ClusterConfig.engine_nodes()``: engine.nodes, default the first node), connected;
+    closed on exit."""
     hosts = []
-    for node_config in config.engine_nodes():
+    for node_config in nodes:
         node = make_node(node_config)
         if isinstance(node_config, LocalNodeConfig):
             hosts.append(EngineHost(node, LOOPBACK, remote=False))
@@ -118,19 +127,20 @@ async def engine_hosts(config: ClusterConfig) -> AsyncIterator[list[EngineHost]]
 
 
 class _Server:
-    def __init__(self, index: int, host: EngineHost) -> None:
+    """One server's state machine. The transitions are its methods (each asserts where it may come from);
+    the Engines actor does the I/O (spawn, health checks, stop) and calls them."""
+
+    def __init__(self, index: int, host: EngineHost, url: str = "") -> None:
         self.index = index
         self.host = host
-        self.url = ""
+        self.url = url
+        self.state = ServerState.STOPPED
         self.proc: NodeProcess | None = None
         self.client: SglangClient | None = None
-        self.healthy = False
-        self.failures = 0
+        self.failures = 0  # failed health checks in a row
         self.restarts = 0
         self.last_error = ""
-        self._reset()
-
-    def _reset(self) -> None:
+        # What the current process has said (reset by each launch):
         self.pid: int | None = None  # the server's pid on its node
         self.port: int | None = None
         self.exit_code: int | None = None  # set when the server exited (-1: its channel closed first)
@@ -141,13 +151,95 @@ class _Server:
     def name(self) -> str:
         return f"{self.index} on {self.host.node.name}"
 
-    def notify(self) -> None:
+    @property
+    def healthy(self) -> bool:
+        """Routed to: answering, or failing fewer than max_failures checks in a row."""
+        return self.state in (ServerState.HEALTHY, ServerState.FAILING) and self.client is not None
+
+    def _move(self, to: ServerState, *sources: ServerState) -> None:
+        assert self.state in sources, f"engine {self.name}: no transition {self.state.name} -> {to.name}"
+        self.state = to
+
+    # ------------------------------------------------------------------ transitions
+
+    def starting(self, proc: NodeProcess | None) -> None:
+        """A launch (attempt) begins: ``proc`` runs the supervisor (None for an external server)."""
+        self._move(ServerState.STARTING, ServerState.STOPPED, ServerState.RESTARTING, ServerState.STARTING)
+        self.proc = proc
+        self.pid = self.port = self.exit_code = None
+        self.tail = deque(maxlen=TAIL_LINES)
+        self.changed = anyio.Event()
+
+    def reachable(self, url: str, client: SglangClient) -> None:
+        """Its address is known (the CPU engine prints its port): health checks can begin."""
+        assert self.state is ServerState.STARTING and self.client is None
+        self.url, self.client = url, client
+
+    def up(self) -> None:
+        """It answered /health: requests may be routed to it."""
+        self._move(ServerState.HEALTHY, ServerState.STARTING)
+        self.failures = 0
+
+    def checked(self, ok: bool, max_failures: int) -> None:
+        """A health check's result: HEALTHY on success; FAILING, then DOWN at max_failures in a row."""
+        self._move(ServerState.HEALTHY if ok else ServerState.FAILING,
+                   ServerState.HEALTHY, ServerState.FAILING, ServerState.DOWN)
+        self.failures = 0 if ok else self.failures + 1
+        if self.failures >= max_failures:
+            self.state = ServerState.DOWN
+
+    def lost(self, reason: str) -> None:
+        """It exited, went down, or a relaunch failed (from any state): relaunched after a pause."""
+        self._move(ServerState.RESTARTING, *ServerState)
+        self.last_error = reason
+        self.restarts += 1
+
+    def detach(self) -> tuple[SglangClient | None, NodeProcess | None]:
+        """Hand over the client and process to be closed. A server waiting to restart keeps waiting; any
+        other stops."""
+        if self.state is not ServerState.RESTARTING:
+            self.state = ServerState.STOPPED
+        client, proc, self.client, self.proc = self.client, self.proc, None, None
+        return client, proc
+
+    def stopped(self) -> None:
+        """Supervision ended (shutdown, or a first start that failed); the actor has closed what detach() gave."""
+        self.state = ServerState.STOPPED
+
+    # ------------------------------------------------------------------ what the process says
+
+    def on_line(self, line: str) -> None:
+        """One line of the supervisor's output: its pid and exit code, the CPU engine's port, the tail."""
+        if line.startswith("swectl-engine pid "):
+            self.pid = int(line.split()[-1])
+        elif line.startswith("swectl-engine exit "):
+            self.exit_code = int(line.split()[-1])
+        else:
+            self.tail.append(line)
+            ready = _READY.match(line)
+            if ready:
+                self.port = int(ready.group(1))
+            else:
+                return
+        self._notify()
+
+    def on_channel_closed(self) -> None:
+        """The supervisor's channel closed; if it did not report an exit code, the server is gone anyway."""
+        if self.exit_code is None:
+            self.exit_code = -1
+            self._notify()
+
+    def _notify(self) -> None:
         self.changed.set()
         self.changed = anyio.Event()
 
     def last_output(self) -> str:
         lines = [line for line in self.tail if line.strip()]
         return "\n    ".join(lines[-12:]) or "(no output)"
+
+    def statistics(self) -> ServerStatistics:
+        return ServerStatistics(index=self.index, node=self.host.node.name, url=self.url, state=self.state,
+                                failures=self.failures, restarts=self.restarts, last_error=self.last_error)
 
 
 class Engines:
@@ -167,9 +259,7 @@ class Engines:
         self._log_dir = log_dir
         hosts = list(hosts) or [EngineHost.local()]
         if url:
-            server = _Server(0, hosts[0])
-            server.url = url.rstrip("/")
-            self._servers = [server]
+            self._servers = [_Server(0, hosts[0], url.rstrip("/"))]
         else:
             self._servers = [_Server(i, host) for i, host in
                              enumerate(h for h in hosts for _ in range(config.replicas))]
@@ -190,29 +280,31 @@ class Engines:
                      ) -> None:
         """One server's life: launch, watch, relaunch. A failure of the first launch is raised."""
         started = False
-        while True:
-            failure: Exception | None = None
-            try:
-                async with anyio.create_task_group() as tg:  # owns this incarnation's output reader
-                    try:
-                        await self._launch(s, tg)
-                    except (EngineUnavailableError, NodeError, OSError) as exc:
-                        failure = exc
-                    else:
-                        if not started:
-                            started = True
-                            task_status.started()
-                        s.last_error = await self._watch(s)
-                    tg.cancel_scope.cancel()
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self._stop(s)
-            if failure is not None:
-                if not started:
-                    raise failure
-                s.last_error = str(failure)
-            s.restarts += 1
-            await anyio.sleep(self._config.health_interval_s)
+        try:
+            while True:
+                failure: Exception | None = None
+                try:
+                    async with anyio.create_task_group() as tg:  # owns this incarnation's output reader
+                        try:
+                            await self._launch(s, tg)
+                        except (EngineUnavailableError, NodeError, OSError) as exc:
+                            failure = exc
+                        else:
+                            if not started:
+                                started = True
+                                task_status.started()
+                            s.lost(await self._watch(s))
+                        tg.cancel_scope.cancel()
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self._stop(s)
+                if failure is not None:
+                    if not started:
+                        raise failure
+                    s.lost(str(failure))
+                await anyio.sleep(self._config.health_interval_s)
+        finally:
+            s.stopped()
 
     @property
     def _python(self) -> str:
@@ -234,22 +326,24 @@ class Engines:
     async def _launch(self, s: _Server, tg: anyio.abc.TaskGroup) -> None:
         cfg = self._config
         if self._external:
-            s.client = SglangClient(s.url, timeout_s=cfg.request_timeout_s, api_key=self._api_key)
+            s.starting(None)
+            client = SglangClient(s.url, timeout_s=cfg.request_timeout_s, api_key=self._api_key)
+            s.reachable(s.url, client)
             with anyio.fail_after(cfg.start_timeout_s):
-                while not await s.client.health():  # noqa: ASYNC110 (polling a remote server)
+                while not await client.health():  # noqa: ASYNC110 (polling a remote server)
                     await anyio.sleep(0.5)
-            s.healthy, s.failures = True, 0
+            s.up()
             return
         bind = cfg.host or ("0.0.0.0" if s.host.remote else LOOPBACK)
         await self._check_model(s)
         for attempt in range(1, START_TRIES + 1):
             port = cfg.port if cfg.port or cfg.kind == "cpu" else await self._free_port(s, bind)
-            s._reset()
-            s.proc = await s.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-engine", *self._argv(bind, port)])
-            await s.proc.send(f"{self._api_key or ''}\n".encode())
-            tg.start_soon(self._read_output, s, s.proc)
+            proc = await s.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-engine", *self._argv(bind, port)])
+            s.starting(proc)
+            await proc.send(f"{self._api_key or ''}\n".encode())
+            tg.start_soon(self._read_output, s, proc)
             if await self._until_healthy(s, port):
-                s.healthy, s.failures = True, 0
+                s.up()
                 return
             output = s.last_output()
             await self._stop(s)
@@ -286,8 +380,10 @@ class Engines:
                 while s.exit_code is None:
                     if cfg.kind == "sglang" or s.port is not None:
                         if s.client is None:
-                            s.url = f"http://{s.host.address}:{s.port or port}"
-                            s.client = SglangClient(s.url, timeout_s=cfg.request_timeout_s, api_key=self._api_key)
+                            url = f"http://{s.host.address}:{s.port or port}"
+                            s.reachable(url, SglangClient(url, timeout_s=cfg.request_timeout_s,
+                                                          api_key=self._api_key))
+                        assert s.client is not None
                         if await s.client.health(timeout_s=5):
                             return True
                     with anyio.move_on_after(0.5):
@@ -316,24 +412,9 @@ class Engines:
                 if s.proc is not proc:  # stopped: the rest only goes to the log
                     continue
                 for raw in lines:
-                    self._on_line(s, raw.decode(errors="replace").rstrip("\r"))
-        if s.proc is proc and s.exit_code is None:
-            s.exit_code = -1
-            s.notify()
-
-    def _on_line(self, s: _Server, line: str) -> None:
-        if line.startswith("swectl-engine pid "):
-            s.pid = int(line.split()[-1])
-        elif line.startswith("swectl-engine exit "):
-            s.exit_code = int(line.split()[-1])
-        else:
-            s.tail.append(line)
-            ready = _READY.match(line)
-            if ready:
-                s.port = int(ready.group(1))
-            else:
-                return
-        s.notify()
+                    s.on_line(raw.decode(errors="replace").rstrip("\r"))
+        if s.proc is proc:
+            s.on_channel_closed()
 
     async def _watch(self, s: _Server) -> str:
         """Health-check until the server must be restarted; returns why."""
@@ -345,19 +426,15 @@ class Engines:
                     await s.changed.wait()
             if s.exit_code is not None and not self._external:
                 return f"exited with {s.exit_code}; last output:\n    {s.last_output()}"
-            ok = await s.client.health()
-            s.failures = 0 if ok else s.failures + 1
-            s.healthy = ok or (s.failures < cfg.max_failures and s.healthy)
-            if s.failures >= cfg.max_failures and not self._external:
+            s.checked(await s.client.health(), cfg.max_failures)
+            if s.state is ServerState.DOWN and not self._external:
                 return f"{s.failures} failed health checks in a row"
 
     async def _stop(self, s: _Server) -> None:
         """Close the server's stdin (the supervisor stops it: TERM, then KILL), wait, close the channel."""
-        s.healthy = False
-        if s.client is not None:
-            await s.client.aclose()
-            s.client = None
-        proc, s.proc = s.proc, None
+        client, proc = s.detach()
+        if client is not None:
+            await client.aclose()
         if proc is None:
             return
         with contextlib.suppress(BrokenPipeError, OSError):
@@ -371,9 +448,9 @@ class Engines:
     def urls(self) -> list[str]:
         return [s.url for s in self._servers]
 
-    def statistics(self) -> dict[str, list]:
-        return {"healthy": [s.healthy for s in self._servers], "restarts": [s.restarts for s in self._servers],
-                "last_error": [s.last_error for s in self._servers]}
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(servers=[s.statistics() for s in self._servers],
+                                routable=sum(s.healthy for s in self._servers))
 
     def _pick(self, key: str) -> _Server:
         order = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")

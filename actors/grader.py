@@ -10,6 +10,11 @@ parser and judge by F2P/P2P (swectl.grading.rules).
 A failure of the infrastructure (sandbox or node lost, lease expired, no test output) is an ``error`` with
 ``infra=True``: never a reward. A patch that does not apply or an eval that times out is an ``error`` with
 ``infra=False``: the patch's fault, reported with its reason, still not "unresolved".
+
+Consumes: ``grade(task, patch)`` calls (rollout, ``swectl eval``, the task factory). Waits for: one of
+``concurrency`` grading slots, then an EnvPool lease. Unblocked by: gradings finishing, cancellation.
+Produces: ``GradeResult``s, eval logs under ``log_dir``, ``statistics()`` (a ``GraderStatistics``). Runs
+between ``await tg.start(grader.run)`` and the cancellation of that task.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import msgspec
 
 from swectl.actors.env_pool import EnvPool, Lease
@@ -26,6 +32,7 @@ from swectl.grading.eval_script import eval_script_for, log_parser_for, test_fil
 from swectl.grading.rules import INFRA_REASONS, GradeStatus, TestVerdict, drop_test_edits, grade_log
 from swectl.images.names import ImageResolver
 from swectl.images.project import GIT_IDENTITY
+from swectl.schema import GraderStatistics
 from swectl.tasks.record import TESTBED, Task
 
 PATCH_FILE = "/tmp/swectl-patch.diff"
@@ -40,6 +47,11 @@ APPLY_LADDER = (
     ("patch --fuzz", f"patch --batch --forward --fuzz=5 -p1 -i {PATCH_FILE}"),
 )
 RESET = "git checkout -q -- . && git clean -fdq"
+
+
+class GraderConfig(msgspec.Struct, frozen=True, kw_only=True):
+    timeout_s: float = 1800.0  # the eval script's wall time
+    concurrency: int = 8  # gradings at once (each holds one lease)
 
 
 class GradeResult(msgspec.Struct, kw_only=True):
@@ -87,22 +99,44 @@ async def prepare_task(lease: Lease, task: Task) -> bool:
 
 
 class Grader:
-    """Grades patches with bounded concurrency over EnvPool leases."""
+    """Grades patches with bounded concurrency over EnvPool leases. Start with ``await tg.start(grader.run)``."""
 
     def __init__(
-        self, pool: EnvPool, *, timeout_s: float = 1800.0, concurrency: int = 8,
-        resolver: ImageResolver | None = None, specs: object | None = None, log_dir: Path | None = None,
+        self, config: GraderConfig, pool: EnvPool, *, resolver: ImageResolver | None = None,
+        specs: object | None = None, log_dir: Path | None = None,
     ) -> None:
+        self._config = config
         self._pool = pool
-        self._timeout_s = timeout_s
-        self._limit = anyio.CapacityLimiter(concurrency)
+        self._timeout_s = config.timeout_s
+        self._limit = anyio.CapacityLimiter(config.concurrency)
         self._resolver = resolver or ImageResolver()
         self._specs = specs
         self._log_dir = log_dir
+        self._running = False
+        self._counts = dict.fromkeys(("graded", "resolved", "unresolved", "errors", "infra_errors"), 0)
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Take gradings until cancelled."""
+        self._running = True
+        try:
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            self._running = False
+
+    def statistics(self) -> GraderStatistics:
+        c = self._counts
+        return GraderStatistics(
+            running=self._limit.borrowed_tokens, waiting=self._limit.statistics().tasks_waiting,
+            graded=c["graded"], resolved=c["resolved"], unresolved=c["unresolved"], errors=c["errors"],
+            infra_errors=c["infra_errors"],
+        )
 
     async def grade(self, task: Task, patch: str, *, label: str = "") -> GradeResult:
         """The verdict on ``patch`` for ``task``. Never raises for infrastructure failures; cancellation
         propagates."""
+        if not self._running:
+            raise RuntimeError("the Grader is not running: start it with `await tg.start(grader.run)`")
         result = GradeResult(instance_id=task.instance_id, status="error")
         async with self._limit:
             started = time.monotonic()  # grading time, not the wait for a slot
@@ -123,7 +157,13 @@ class Grader:
                 result.status, result.reason, result.detail = "error", "infra", str(exc)
             result.duration_s = round(time.monotonic() - started, 3)
         result.infra = result.status == "error" and result.reason in INFRA_REASONS
+        self._count(result)
         return result
+
+    def _count(self, result: GradeResult) -> None:
+        self._counts["graded"] += 1
+        self._counts["errors" if result.status == "error" else result.status] += 1
+        self._counts["infra_errors"] += result.infra
 
     async def _grade_in(
         self, lease: Lease, task: Task, patch: str, script: str, parser: str, result: GradeResult, label: str

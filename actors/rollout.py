@@ -8,6 +8,13 @@ an error with ``infra=True``), never "unresolved".
 Artifacts per episode, in ``<out>/<instance_id>__<n>/``: ``traj.json`` (messages, token ids, loss mask,
 logprobs, weight versions, steps and timings, exit status, format version, config), ``patch.diff`` and
 ``meta.json`` (status, grade, timings).
+
+Consumes: tasks (``collect(tasks)``, or ``episode(task, n)`` one at a time). Waits for: one of
+``concurrency`` episode slots, then an EnvPool lease, the engine and the Grader. Unblocked by: episodes
+finishing, cancellation. Produces: ``EpisodeResult``s in completion order, per-episode artifacts,
+``statistics()`` (a ``RolloutStatistics``). Runs between ``await tg.start(rollout.run)`` and the
+cancellation of that task. The engine of each episode is chosen by its type: an ``Engine`` (token-in,
+token-out: training data) or a ``ChatEngine`` (messages only: evaluation).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import msgspec
 
 from swectl.actors.env_pool import EnvPool
@@ -25,6 +33,7 @@ from swectl.agent.loop import ChatEngine, Engine, Episode, EpisodeConfig, run_ch
 from swectl.agent.trajectory import ChatTokenizer
 from swectl.errors import InfraError
 from swectl.images.names import ImageResolver
+from swectl.schema import RolloutStatistics
 from swectl.tasks.record import Task
 
 
@@ -65,18 +74,42 @@ def _write_artifacts(out_dir: Path, ep: Episode, cfg: RolloutConfig, result: Epi
 
 
 class Rollout:
-    def __init__(self, pool: EnvPool, grader: Grader, engine_for: EngineFor, tokenizer: ChatTokenizer | None,
-                 cfg: RolloutConfig, out_dir: Path, *, resolver: ImageResolver | None = None) -> None:
+    """Start with ``await tg.start(rollout.run)``; then ``collect(tasks)``. ``tokenizer`` is needed only for
+    token-in/token-out engines."""
+
+    def __init__(self, config: RolloutConfig, pool: EnvPool, grader: Grader, engine_for: EngineFor,
+                 tokenizer: ChatTokenizer | None, out_dir: Path, *, resolver: ImageResolver | None = None) -> None:
         self._pool = pool
         self._grader = grader
         self._engine_for = engine_for
         self._tok = tokenizer
-        self._cfg = cfg
+        self._cfg = config
         self._out = out_dir
         self._resolver = resolver or ImageResolver()
-        self._limit = anyio.CapacityLimiter(cfg.concurrency)
+        self._limit = anyio.CapacityLimiter(config.concurrency)
+        self._running = False
+        self._counts = dict.fromkeys(("finished", "COMPLETED", "TRUNCATED", "ABORTED", "resolved"), 0)
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Take episodes until cancelled."""
+        self._running = True
+        try:
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            self._running = False
+
+    def statistics(self) -> RolloutStatistics:
+        c = self._counts
+        return RolloutStatistics(
+            running=self._limit.borrowed_tokens, waiting=self._limit.statistics().tasks_waiting,
+            finished=c["finished"], completed=c["COMPLETED"], truncated=c["TRUNCATED"], aborted=c["ABORTED"],
+            resolved=c["resolved"],
+        )
 
     async def episode(self, task: Task, sample: int) -> EpisodeResult:
+        if not self._running:
+            raise RuntimeError("the Rollout is not running: start it with `await tg.start(rollout.run)`")
         async with self._limit:
             ep = await self._run(task, sample)
         result = EpisodeResult(
@@ -92,6 +125,9 @@ class Rollout:
         out = self._out / f"{task.instance_id}__{sample}"
         result.artifacts = str(out)
         _write_artifacts(out, ep, self._cfg, result)
+        self._counts["finished"] += 1
+        self._counts[result.outcome] += 1
+        self._counts["resolved"] += result.resolved
         return result
 
     async def _run(self, task: Task, sample: int) -> Episode:
@@ -99,17 +135,22 @@ class Rollout:
             async with self._pool.lease(self._resolver.resolve(task)) as lease:
                 if not await prepare_task(lease, task):
                     raise InfraError("the task's setup patch did not apply in a fresh sandbox")
-                engine = self._engine_for(task, sample)
-                if not hasattr(engine, "generate"):  # an OpenAI-compatible chat endpoint: messages only
-                    return await run_chat_episode(task, lease, engine, self._cfg.episode)
-                return await run_episode(task, lease, engine, self._tok, self._cfg.episode,
-                                         key=f"{task.instance_id}#{sample}")
+                match self._engine_for(task, sample):
+                    case Engine() as engine:
+                        assert self._tok is not None, "a token-in/token-out engine needs the tokenizer"
+                        return await run_episode(task, lease, engine, self._tok, self._cfg.episode,
+                                                 key=f"{task.instance_id}#{sample}")
+                    case ChatEngine() as chat:  # an OpenAI-compatible chat endpoint: messages only
+                        return await run_chat_episode(task, lease, chat, self._cfg.episode)
+                    case other:
+                        raise TypeError(f"engine_for returned {type(other).__name__}, not an Engine or ChatEngine")
         except InfraError as exc:
             return Episode(instance_id=task.instance_id, exit_status="Aborted", outcome="ABORTED",
                            reason=f"{type(exc).__name__}: {exc}")
 
-    async def run(self, tasks: list[Task], on_result: Callable[[EpisodeResult], Awaitable[None] | None] | None = None,
-                  skip: set[tuple[str, int]] = frozenset()) -> list[EpisodeResult]:
+    async def collect(self, tasks: list[Task],
+                      on_result: Callable[[EpisodeResult], Awaitable[None] | None] | None = None,
+                      skip: set[tuple[str, int]] = frozenset()) -> list[EpisodeResult]:
         """Every (task, sample) not in ``skip``; results in completion order."""
         results: list[EpisodeResult] = []
 

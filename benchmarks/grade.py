@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from common import Goal, host_meta, percentile, report, summarize  # noqa: E402
 
 from swectl.actors.env_pool import running_pool  # noqa: E402
-from swectl.actors.grader import Grader  # noqa: E402
+from swectl.actors.grader import Grader, GraderConfig  # noqa: E402
 from swectl.config import load_config  # noqa: E402
 from swectl.grading.official_harness import grade_official, task_image  # noqa: E402
 from swectl.images.project import BUNDLED_TASKS  # noqa: E402
@@ -48,8 +48,9 @@ async def grade_all(tasks: list[Task], concurrency: int) -> tuple[float, list[fl
     config = load_config(None, ["env_pool.warm=0"])
     durations: list[float] = []
     statuses: list[str] = []
-    async with running_pool(config) as pool:
-        grader = Grader(pool, concurrency=concurrency)
+    async with running_pool(config) as pool, anyio.create_task_group() as actors:
+        grader = Grader(GraderConfig(concurrency=concurrency), pool)
+        await actors.start(grader.run)
         started = time.monotonic()
 
         async def one(task: Task) -> None:
@@ -61,6 +62,7 @@ async def grade_all(tasks: list[Task], concurrency: int) -> tuple[float, list[fl
             for t in tasks:
                 tg.start_soon(one, t)
         elapsed = time.monotonic() - started
+        actors.cancel_scope.cancel()
     return elapsed, durations, statuses
 
 

@@ -7,6 +7,8 @@ name; new optional fields may be added with defaults (msgspec schema evolution),
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 # ---------------------------------------------------------------- exec agent wire protocol (version 1)
@@ -166,3 +168,52 @@ class PoolStatistics(msgspec.Struct, frozen=True):
     leases_failed: int
     start_failures: int
     orphans_reaped: int
+
+
+# ---------------------------------------------------------------- engines, grader and rollout
+
+
+class ServerState(enum.Enum):
+    """Where one inference server is in its life (the Engines actor's state machine)."""
+
+    STOPPED = "stopped"  # no process: before the first start, after shutdown
+    STARTING = "starting"  # launched, not answering /health yet; not routed to
+    HEALTHY = "healthy"  # its last health check passed; routed to
+    FAILING = "failing"  # fewer than engine.max_failures checks failed in a row; still routed to
+    DOWN = "down"  # engine.max_failures checks failed in a row; not routed to (an external server stays here)
+    RESTARTING = "restarting"  # exited or down; relaunched after engine.health_interval_s; not routed to
+
+
+class ServerStatistics(msgspec.Struct, frozen=True):
+    index: int
+    node: str
+    url: str
+    state: ServerState
+    failures: int  # failed health checks in a row
+    restarts: int
+    last_error: str
+
+
+class EngineStatistics(msgspec.Struct, frozen=True):
+    servers: list[ServerStatistics]
+    routable: int  # servers that take requests (healthy or failing)
+
+
+class GraderStatistics(msgspec.Struct, frozen=True):
+    running: int  # gradings holding a slot
+    waiting: int  # gradings waiting for a slot
+    graded: int
+    resolved: int
+    unresolved: int
+    errors: int
+    infra_errors: int  # errors that are the infrastructure's (dropped, never scored)
+
+
+class RolloutStatistics(msgspec.Struct, frozen=True):
+    running: int  # episodes holding a slot
+    waiting: int  # episodes waiting for a slot
+    finished: int
+    completed: int
+    truncated: int
+    aborted: int
+    resolved: int

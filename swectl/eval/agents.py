@@ -19,7 +19,7 @@ import msgspec
 
 from swectl.actors.engines import Engines, engine_hosts
 from swectl.actors.env_pool import running_pool
-from swectl.actors.grader import Grader
+from swectl.actors.grader import Grader, GraderConfig
 from swectl.actors.rollout import EpisodeResult, Rollout, RolloutConfig
 from swectl.agent.metrics import agent_metrics
 from swectl.config import ClusterConfig
@@ -104,7 +104,8 @@ async def eval_model(
             if bar:
                 bar.advance(_label(r))
 
-        launching = engine_hosts(config) if model else contextlib.nullcontext([])  # only --model uses nodes
+        # only --model uses nodes
+        launching = engine_hosts(config.engine_nodes()) if model else contextlib.nullcontext([])
         async with running_pool(config) as pool, launching as hosts, anyio.create_task_group() as tg:
             if chat is None:
                 engines = Engines(config.engine, model=model, url=endpoint, hosts=hosts,
@@ -118,10 +119,12 @@ async def eval_model(
 
                 def engine_for(t: Task, n: int):
                     return chat
-            grader = Grader(pool, timeout_s=grade_timeout_s, concurrency=rollout.concurrency, resolver=resolver,
-                            log_dir=out / "grade-logs")
-            ro = Rollout(pool, grader, engine_for, tokenizer, rollout, out, resolver=resolver)
-            await ro.run(tasks, record, skip=skip)
+            grader = Grader(GraderConfig(timeout_s=grade_timeout_s, concurrency=rollout.concurrency), pool,
+                            resolver=resolver, log_dir=out / "grade-logs")
+            await tg.start(grader.run, name="grader")
+            ro = Rollout(rollout, pool, grader, engine_for, tokenizer, out, resolver=resolver)
+            await tg.start(ro.run, name="rollout")
+            await ro.collect(tasks, record, skip=skip)
             tg.cancel_scope.cancel("episodes done")
     summary = summarize(model_name, total, results, time.monotonic() - started)
     (out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))

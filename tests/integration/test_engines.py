@@ -25,6 +25,7 @@ from swectl.engine.client import SglangClient
 from swectl.engine.errors import EngineRejectedError, EngineUnavailableError
 from swectl.engine.wire import GenerateRequest, SamplingParams
 from swectl.errors import ConfigError
+from swectl.schema import ServerState
 from swectl.testing import nodes as testnodes
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -62,6 +63,7 @@ async def test_affinity_and_restart(model: Path, tmp_path: Path) -> None:
         with anyio.fail_after(120):
             await tg.start(engines.run)
         assert len(set(engines.urls())) == 2
+        assert engines.statistics().routable == 2
         # Affinity: a session keeps its server; sessions spread over both.
         picks = {k: engines._pick(k).index for k in (f"task{i}#0" for i in range(20))}
         assert set(picks.values()) == {0, 1}
@@ -76,6 +78,7 @@ async def test_affinity_and_restart(model: Path, tmp_path: Path) -> None:
         # While it is down, its sessions are served by the other engine.
         await until(lambda: not victim.healthy, 60, "the killed engine is noticed")
         assert "exited with" in victim.last_error
+        assert engines.statistics().servers[victim.index].state in (ServerState.RESTARTING, ServerState.STARTING)
         assert (await engines.route("task0#0").generate(REQUEST)).output_ids == first.output_ids
         await until(lambda: victim.healthy and victim.restarts == 1, 120, "the engine restarts")
         assert engines._pick("task0#0") is victim and victim.pid != old_pid
@@ -83,6 +86,7 @@ async def test_affinity_and_restart(model: Path, tmp_path: Path) -> None:
         pids = [s.pid for s in engines._servers]
         tg.cancel_scope.cancel()
     assert all(s.proc is None for s in engines._servers)
+    assert [s.state for s in engines.statistics().servers] == [ServerState.STOPPED] * 2
     assert not any(alive(p) for p in pids if p is not None)
     log = (tmp_path / "engine0.log").read_text()
     assert "swectl-engine pid" in log and "ready on" in log
@@ -126,7 +130,7 @@ async def test_engine_on_ssh_node(model: Path, node, tmp_path: Path) -> None:  #
     doc["engine"] = {"nodes": [test_node.name], **FAST}
     config = decode_config(doc)
     netns_inode = os.stat(f"/run/netns/{test_node.netns}").st_ino
-    async with engine_hosts(config) as hosts, anyio.create_task_group() as tg:
+    async with engine_hosts(config.engine_nodes()) as hosts, anyio.create_task_group() as tg:
         engines = Engines(config.engine, model=str(model), hosts=hosts, log_dir=tmp_path)
         with anyio.fail_after(150):
             await tg.start(engines.run)

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from swectl.actors.env_pool import running_pool
-from swectl.actors.grader import Grader, GradeResult
+from swectl.actors.grader import Grader, GraderConfig, GradeResult
 from swectl.config import load_config
 from swectl.images.project import BUNDLED_TASKS
 from swectl.remote.nodes.podman import bundled_containers_conf
@@ -59,8 +59,12 @@ def run_id() -> str:
 
 async def grade(task: Task, patch: str, run_id: str, **kw) -> GradeResult:
     config = load_config(None, ["env_pool.warm=0"])
-    async with running_pool(config, run_id) as pool:
-        return await Grader(pool, **kw).grade(task, patch)
+    async with running_pool(config, run_id) as pool, anyio.create_task_group() as tg:
+        grader = Grader(GraderConfig(**kw), pool)
+        await tg.start(grader.run)
+        result = await grader.grade(task, patch)
+        tg.cancel_scope.cancel()
+    return result
 
 
 def bug_file(task: Task) -> str:
@@ -245,9 +249,12 @@ async def test_node_lost_mid_grading_is_infra(task: Task, run_id: str) -> None:
 
         try:
             async with running_pool(config, run_id) as pool, anyio.create_task_group() as tg:
+                grader = Grader(GraderConfig(timeout_s=120), pool)
+                await tg.start(grader.run)
                 tg.start_soon(kill_soon)
                 with anyio.fail_after(90):
-                    r = await Grader(pool, timeout_s=120).grade(task, task.patch + hanging_pytest(60))
+                    r = await grader.grade(task, task.patch + hanging_pytest(60))
+                tg.cancel_scope.cancel()
         finally:
             node.restart_sshd()
     assert r.status == "error" and r.infra, r

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from swectl.actors.env_pool import running_pool
-from swectl.actors.grader import Grader
+from swectl.actors.grader import Grader, GraderConfig
 from swectl.config import load_config
 from swectl.grading.official_harness import grade_official
 from swectl.images.project import BUNDLED_TASKS
@@ -49,14 +49,17 @@ def test_grader_agrees_with_official_harness() -> None:
         config = load_config(None, ["env_pool.warm=0"])
         results: list[str] = [""] * len(jobs)
         async with running_pool(config, "o" + uuid.uuid4().hex[:12]) as pool:
-            grader = Grader(pool, concurrency=4)
+            grader = Grader(GraderConfig(concurrency=4), pool)
 
             async def one(i: int, task: Task, patch: str) -> None:
                 results[i] = (await grader.grade(task, patch)).status
 
             async with anyio.create_task_group() as tg:
-                for i, (_, t, p) in enumerate(jobs):
-                    tg.start_soon(one, i, t, p)
+                await tg.start(grader.run)
+                async with anyio.create_task_group() as jobs_tg:
+                    for i, (_, t, p) in enumerate(jobs):
+                        jobs_tg.start_soon(one, i, t, p)
+                tg.cancel_scope.cancel()
         return results
 
     mine = anyio.run(ours)

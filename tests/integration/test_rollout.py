@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers", reason="needs the cpu extra (pip install 'swectl[cpu]')")
 
 from swectl.actors.env_pool import running_pool
-from swectl.actors.grader import Grader
+from swectl.actors.grader import Grader, GraderConfig
 from swectl.actors.rollout import Rollout, RolloutConfig
 from swectl.agent.loop import EpisodeConfig
 from swectl.agent.metrics import agent_metrics
@@ -37,10 +37,17 @@ def tokenizer():
 def rollout(tasks: list[Task], replies_for, tokenizer, out: Path, **episode) -> list:
     async def main() -> list:
         config = load_config(None, ["env_pool.warm=0"])
-        async with running_pool(config, "r" + uuid.uuid4().hex[:12]) as pool:
-            ro = Rollout(pool, Grader(pool), lambda t, n: ReplayEngine(replies_for(t), tokenizer), tokenizer,
-                         RolloutConfig(concurrency=4, episode=EpisodeConfig(**episode)), out)
-            return await ro.run(tasks)
+        async with running_pool(config, "r" + uuid.uuid4().hex[:12]) as pool, anyio.create_task_group() as tg:
+            grader = Grader(GraderConfig(), pool)
+            await tg.start(grader.run)
+            ro = Rollout(RolloutConfig(concurrency=4, episode=EpisodeConfig(**episode)), pool, grader,
+                         lambda t, n: ReplayEngine(replies_for(t), tokenizer), tokenizer, out)
+            await tg.start(ro.run)
+            results = await ro.collect(tasks)
+            assert ro.statistics().finished == len(results) and grader.statistics().graded == sum(
+                r.grade is not None for r in results)
+            tg.cancel_scope.cancel()
+        return results
 
     return anyio.run(main)
 
@@ -99,10 +106,16 @@ def test_engine_dying_mid_episode_is_aborted_not_failed(tokenizer, tmp_path: Pat
 
     async def main() -> list:
         config = load_config(None, ["env_pool.warm=0"])
-        async with running_pool(config, "r" + uuid.uuid4().hex[:12]) as pool:
-            ro = Rollout(pool, Grader(pool), lambda t, n: DyingEngine(["THOUGHT: a\n```bash\nls\n```"] * 3, tokenizer),
-                         tokenizer, RolloutConfig(), tmp_path)
-            return await ro.run([task])
+        async with running_pool(config, "r" + uuid.uuid4().hex[:12]) as pool, anyio.create_task_group() as tg:
+            grader = Grader(GraderConfig(), pool)
+            await tg.start(grader.run)
+            ro = Rollout(RolloutConfig(), pool, grader,
+                         lambda t, n: DyingEngine(["THOUGHT: a\n```bash\nls\n```"] * 3, tokenizer), tokenizer, tmp_path)
+            await tg.start(ro.run)
+            results = await ro.collect([task])
+            assert ro.statistics().aborted == 1
+            tg.cancel_scope.cancel()
+        return results
 
     (r,) = anyio.run(main)
     assert (r.exit_status, r.outcome) == ("Aborted", "ABORTED") and "engine died" in r.reason

@@ -96,7 +96,7 @@ def test_odd(n):
 def test_synth_from_a_git_checkout(tmp_path) -> None:
     import subprocess
 
-    from swectl.actors.grader import Grader
+    from swectl.actors.grader import Grader, GraderConfig
     from swectl.images.project import Project
     from swectl.remote.nodes.podman import run_local_podman
 
@@ -118,9 +118,13 @@ def test_synth_from_a_git_checkout(tmp_path) -> None:
             async with running_pool(load_config(None, ["env_pool.warm=0"]), "s" + uuid.uuid4().hex[:12]) as pool:
                 tasks, _ = await synth_project(pool, project, built, cfg, say=lambda _m: None)
                 assert tasks, "no mutant of calc kept"
-                grader = Grader(pool)
-                return [(await grader.grade(t, t.patch)).status for t in tasks] + [
-                    (await grader.grade(t, "")).status for t in tasks]
+                async with anyio.create_task_group() as tg:
+                    grader = Grader(GraderConfig(), pool)
+                    await tg.start(grader.run)
+                    statuses = [(await grader.grade(t, t.patch)).status for t in tasks] + [
+                        (await grader.grade(t, "")).status for t in tasks]
+                    tg.cancel_scope.cancel()
+                return statuses
 
         statuses = anyio.run(main)
         half = len(statuses) // 2
