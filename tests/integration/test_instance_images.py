@@ -11,11 +11,12 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 
 from swectl.actors.env_pool import running_pool
-from swectl.actors.grader import Grader
+from swectl.actors.grader import Grader, GraderConfig
 from swectl.config import load_config
 from swectl.images.clones import find_clone
 from swectl.images.instance import build_instance_image as _build_instance_image
@@ -178,10 +179,12 @@ def test_second_build_is_cached(fake: Fake) -> None:
 async def test_gold_resolves_and_empty_does_not(fake: Fake) -> None:
     config = load_config(None, ["env_pool.warm=0"])
     resolver = ImageResolver(mapping={fake.task.instance_id: fake.built.image})
-    async with running_pool(config) as pool:
-        grader = Grader(pool, resolver=resolver, specs=load_specs(), timeout_s=300)
+    async with running_pool(config) as pool, anyio.create_task_group() as tg:
+        grader = Grader(GraderConfig(timeout_s=300), pool, resolver=resolver, specs=load_specs())
+        await tg.start(grader.run)
         gold = await grader.grade(fake.task, fake.task.patch)
         empty = await grader.grade(fake.task, "")
+        tg.cancel_scope.cancel()
     assert gold.status == "resolved", gold
     assert gold.test_exit_code == 0
     assert empty.status == "unresolved", empty
