@@ -55,7 +55,7 @@ from swectl.config import DEFAULT_IMAGE, SandboxConfig, decode_config, load_conf
 from swectl.errors import InfraError
 from swectl.remote.nodes.backends import close_backends, make_backends
 from swectl.remote.nodes.node import LocalNode
-from swectl.remote.nodes.podman import bundled_containers_conf
+from swectl.remote.nodes.podman import bundled_containers_conf, local_podman_env, run_local_podman
 from swectl.remote.nodes.podman_sandbox import PodmanBackend, PodmanSandbox
 from swectl.sandbox import LABEL_RUN
 from swectl.schema import ExecResult, SandboxSpec
@@ -231,7 +231,7 @@ class EnvBench:
             ping_stats = self.summary("ping_ms", pings)
 
             argv = ["podman", "exec", sandbox.id, "true"]
-            podman_stats = self.summary("podman_exec_ms", await _time_cli(argv, n.podman_exec, _podman_env()))
+            podman_stats = self.summary("podman_exec_ms", await _time_cli(argv, n.podman_exec, local_podman_env()))
 
             result = await sandbox.exec(f"python3 -c {shlex.quote(BASH_SPAWN_SCRIPT)} {n.bash_spawn}", 300)
             if result.exit_code != 0:
@@ -299,7 +299,7 @@ class EnvBench:
         self.summary("cold_create_ms", creates)
         label = f"{BENCH_LABEL}={self.bench_id}"
         argv = ["podman", "run", "--rm", "--network", "none", "--label", label, IMAGE, "true"]
-        podman_run = self.summary("podman_run_ms", await _time_cli(argv, n.podman_run, _podman_env()))
+        podman_run = self.summary("podman_run_ms", await _time_cli(argv, n.podman_run, local_podman_env()))
         self.metrics.update(
             cold_run_p50_ms=self.summary("cold_run_ms", totals)["p50"], podman_run_p50_ms=podman_run["p50"]
         )
@@ -554,10 +554,6 @@ async def _exec_true(sandbox: PodmanSandbox) -> ExecResult:
     return result
 
 
-def _podman_env() -> dict[str, str]:
-    return {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
-
-
 def _run_cli_once(argv: list[str], env: dict[str, str] | None) -> float:
     """One blocking subprocess.run, output captured like mini-swe-agent does; returns milliseconds."""
     start = time.perf_counter_ns()
@@ -643,11 +639,8 @@ def _children_pss_mib() -> float:
 
 
 def _podman_version() -> str:
-    out = subprocess.run(
-        ["podman", "version", "--format", "{{.Client.Version}}"], env=_podman_env(), capture_output=True,
-        text=True, timeout=60, check=False,
-    )  # fmt: skip
-    return out.stdout.strip() or f"unknown ({out.stderr.strip()[:200]})"
+    out = run_local_podman("version", "--format", "{{.Client.Version}}", timeout=60, check=False)
+    return out.stdout.decode().strip() or f"unknown ({out.stderr.decode(errors='replace').strip()[:200]})"
 
 
 def remove_leftovers(bench: EnvBench) -> int:
@@ -655,16 +648,10 @@ def remove_leftovers(bench: EnvBench) -> int:
     this run that is still there; returns how many were found."""
     ids: set[str] = set()
     for label in (f"{BENCH_LABEL}={bench.bench_id}", f"{LABEL_RUN}={bench.run_id}"):
-        out = subprocess.run(
-            ["podman", "ps", "-a", "-q", "--no-trunc", "--filter", f"label={label}"],
-            env=_podman_env(), capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-        ids.update(out.stdout.split())
+        out = run_local_podman("ps", "-a", "-q", "--no-trunc", "--filter", f"label={label}", timeout=120, check=False)
+        ids.update(out.stdout.decode().split())
     if ids:
-        subprocess.run(
-            ["podman", "rm", "--force", "--ignore", "--time", "0", *sorted(ids)],
-            env=_podman_env(), capture_output=True, timeout=300, check=False,
-        )  # fmt: skip
+        run_local_podman("rm", "--force", "--ignore", "--time", "0", *sorted(ids), timeout=300, check=False)
     return len(ids)
 
 
