@@ -33,9 +33,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c "import swectl, msgspec, anyio, asyncssh" 2>/dev/null || [ pyproject.toml -nt .venv/.swectl-installed ] || [ setup.py -nt .venv/.swectl-installed ]; then
     say "installing swectl[$EXTRAS] into .venv"
-    .venv/bin/pip install -q --upgrade pip 2>&1 | grep -v '^WARNING' || true
-    .venv/bin/pip install -q -e ".[$EXTRAS]" 2>&1 | grep -v -e '^WARNING' -e '^ *!!' || true
-    .venv/bin/python -c "import swectl, msgspec, anyio, asyncssh" 
+    # pip's and setuptools' chatter (the editable-install notice about package-dir mappings) goes to a log;
+    # it is shown only when the install fails.
+    log=.venv/pip-install.log
+    if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e ".[$EXTRAS]"; } >"$log" 2>&1; then
+        tail -40 "$log" >&2; echo "setup: pip install failed (full log: $log)" >&2; exit 1
+    fi
+    .venv/bin/python -c "import swectl, msgspec, anyio, asyncssh"
     touch .venv/.swectl-installed
 fi
 
