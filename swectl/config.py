@@ -115,6 +115,20 @@ class EngineConfig(_Section):
     request_timeout_s: Positive = 600.0
 
 
+class RolloutOptions(_Section):
+    """How `swectl eval --model/--endpoint/--openai-url` runs the agent. Its flags (--samples, --step-limit,
+    --max-tokens, --context, --temperature, --manage-context) are shorthands that override this section."""
+
+    samples: Count = 1  # episodes per task
+    step_limit: Count = 30  # model turns per episode
+    max_tokens: Count = 512  # new tokens per turn
+    context: Count = 8192  # context budget in tokens (prompt + reply)
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # 0: greedy
+    # Head+tail context management when a conversation outgrows `context` (keeps system, problem, the
+    # earliest ~30% and the latest ~70% of turns).
+    manage_context: bool = False
+
+
 class ClusterConfig(_Section):
     run_id: str = ""  # empty: a fresh id per run
     out_dir: str = "runs"
@@ -122,6 +136,7 @@ class ClusterConfig(_Section):
     sandbox: SandboxConfig = msgspec.field(default_factory=SandboxConfig)
     env_pool: EnvPoolConfig = msgspec.field(default_factory=EnvPoolConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    rollout: RolloutOptions = msgspec.field(default_factory=RolloutOptions)
 
     def node(self, name: str) -> NodeConfig:
         for node in self.nodes:
@@ -146,6 +161,7 @@ _SECTIONS: tuple[type[msgspec.Struct], ...] = (
     SandboxConfig,
     EnvPoolConfig,
     EngineConfig,
+    RolloutOptions,
     ClusterConfig,
 )
 
@@ -210,6 +226,9 @@ def check_config(config: ClusterConfig) -> list[str]:
     if config.engine.port and config.engine.replicas > 1:
         problems.append(f"engine.port = {config.engine.port} with engine.replicas = {config.engine.replicas}: "
                         "servers on one node need different ports; set engine.port = 0 (free ports)")
+    if config.rollout.max_tokens >= config.rollout.context:
+        problems.append(f"rollout.max_tokens ({config.rollout.max_tokens}) must be below rollout.context "
+                        f"({config.rollout.context}): the prompt needs room too; raise rollout.context")
     for i, node in enumerate(config.nodes):
         if node.max_starting > node.max_running:
             problems.append(

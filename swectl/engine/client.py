@@ -11,6 +11,7 @@ client's ``timeout_s`` unless the call passes its own), enforced with ``anyio.fa
 exchange, plus a short connect bound. Failures are translated (swectl.engine.errors):
 
 - refused / reset / closed mid-request, 5xx, 429          -> EngineUnavailableError
+  (nothing accepted the connection at all                   -> EngineConnectError, an EngineUnavailableError)
 - no complete answer within the bound                       -> EngineTimeoutError (an EngineUnavailableError)
 - other 4xx, or a weight update answering ``success: false`` -> EngineRejectedError
 - an answer that is not JSON or lacks fields we need        -> EngineResponseError (quotes 300 chars of body)
@@ -32,6 +33,7 @@ import httpx
 import msgspec
 
 from swectl.engine.errors import (
+    EngineConnectError,
     EngineRejectedError,
     EngineResponseError,
     EngineTimeoutError,
@@ -153,6 +155,8 @@ class _Http:
             raise EngineTimeoutError(self.base_url, f"{where}: no answer within {bound:g} s", bound) from exc
         except httpx.TimeoutException as exc:  # the connect bound
             raise EngineTimeoutError(self.base_url, f"{where}: {type(exc).__name__} (connect bound)", bound) from exc
+        except httpx.ConnectError as exc:
+            raise EngineConnectError(self.base_url, f"{where}: cannot connect: {exc}") from exc
         except httpx.TransportError as exc:
             raise EngineUnavailableError(self.base_url, f"{where}: {type(exc).__name__}: {exc}") from exc
         status = response.status_code
@@ -179,8 +183,18 @@ class _Client:
     ) -> None:
         await self.aclose()
 
+    @property
+    def base_url(self) -> str:
+        return self._http.base_url
+
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    async def probe(self, path: str, *, timeout_s: float | None = None) -> None:
+        """One ``GET path``, never retried; returns when the server answered below 500. Raises
+        EngineConnectError when nothing accepts the connection, EngineUnavailableError when the server is
+        not ready (5xx, 429, no answer, not HTTP) and EngineRejectedError for a 4xx."""
+        await self._http.call("GET", path, timeout_s=timeout_s)
 
 
 class SglangClient(_Client):
@@ -204,10 +218,6 @@ class SglangClient(_Client):
             trust_env=False,
         )
         self._encoder = msgspec.json.Encoder()
-
-    @property
-    def base_url(self) -> str:
-        return self._http.base_url
 
     async def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> GenerateResult:
         """``POST /generate`` with token ids; never retried (not idempotent: it costs a generation)."""
@@ -300,6 +310,11 @@ class SglangClient(_Client):
 def chat_path(base_url: str) -> str:
     """Where chat completions live under ``base_url``: given as ``http://host:port`` or ``.../v1``."""
     return "/chat/completions" if base_url.rstrip("/").endswith("/v1") else "/v1/chat/completions"
+
+
+def models_path(base_url: str) -> str:
+    """Where the model list lives under ``base_url`` (a cheap GET to see that the endpoint answers)."""
+    return "/models" if base_url.rstrip("/").endswith("/v1") else "/v1/models"
 
 
 class OpenAIChatClient(_Client):

@@ -3,6 +3,7 @@
     InfraError
     +-- EngineError                  an inference engine (SGLang, the CPU engine, an OpenAI endpoint) failed
         +-- EngineUnavailableError   unreachable, refused, reset mid-request, 5xx, 429: the engine may come back
+        |   +-- EngineConnectError   nothing accepted the connection (refused, unknown host, unreachable)
         |   +-- EngineTimeoutError   no complete answer within the call's time bound
         +-- EngineResponseError      an answer that is not the protocol (bad JSON, missing or mistyped fields)
         +-- EngineRejectedError      the engine refused the request (4xx, or ``success: false``)
@@ -33,6 +34,10 @@ class EngineError(InfraError):
 
 class EngineUnavailableError(EngineError):
     """The engine could not be reached or failed on its side; trying again later may work."""
+
+
+class EngineConnectError(EngineUnavailableError):
+    """Nothing accepted the connection: refused (no server on that port), unknown host, network unreachable."""
 
 
 class EngineTimeoutError(EngineUnavailableError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import anyio
 import msgspec
@@ -20,10 +20,16 @@ from swectl.actors.grader import Grader, GraderConfig, GradeResult
 from swectl.config import ClusterConfig
 from swectl.errors import TaskDataError
 from swectl.eval.progress import Progress
+from swectl.eval.report import RunReport, resolve_rate
 from swectl.images.names import ImageResolver
 from swectl.tasks.record import Task
 
-Mode = Literal["gold", "empty", "predictions"]
+PatchMode = Literal["gold", "empty", "predictions"]
+
+
+class PatchJob(NamedTuple):
+    task: Task
+    patch: str
 
 
 class Prediction(msgspec.Struct, frozen=True):
@@ -33,17 +39,32 @@ class Prediction(msgspec.Struct, frozen=True):
 
 
 def load_predictions(path: Path) -> dict[str, Prediction]:
-    """SWE-bench predictions: a JSON list, a JSON object keyed by instance id, or JSONL."""
-    text = path.read_text()
+    """SWE-bench predictions: a JSON list, a JSON object keyed by instance id, or JSONL (errors name the line)."""
     try:
-        if path.suffix == ".jsonl":
-            rows = [(f"{path}:{i}", json.loads(line)) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
-        else:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TaskDataError(f"{path}: cannot read predictions: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise TaskDataError(f"{path}: predictions are not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    rows: list[tuple[str, object]] = []
+    if path.suffix == ".jsonl":
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{path}:{number}", json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise TaskDataError(f"{path}:{number}: not valid JSON: {exc.msg} (column {exc.colno})") from exc
+    else:
+        try:
             data = json.loads(text)
-            items = data.values() if isinstance(data, dict) else data
-            rows = [(f"{path}[{i}]", row) for i, row in enumerate(items)]
-    except json.JSONDecodeError as exc:
-        raise TaskDataError(f"{path}: not valid JSON/JSONL: {exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise TaskDataError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg} (column {exc.colno}); "
+                                "a .jsonl file holds one prediction per line") from exc
+        items = list(data.values()) if isinstance(data, dict) else data
+        if not isinstance(items, list):
+            raise TaskDataError(f"{path}: expected a JSON list of predictions or an object keyed by instance_id")
+        rows = [(f"{path}[{i}]", row) for i, row in enumerate(items)]
     out: dict[str, Prediction] = {}
     for where, row in rows:
         try:
@@ -52,6 +73,11 @@ def load_predictions(path: Path) -> dict[str, Prediction]:
             raise TaskDataError(f"{where}: {exc} (a prediction needs instance_id and model_patch)") from exc
         out[pred.instance_id] = pred
     return out
+
+
+def patch_jobs(tasks: list[Task], mode: PatchMode, predictions: dict[str, Prediction] | None) -> list[PatchJob]:
+    """What a run grades: each task with its patch (with predictions: only the tasks that have one)."""
+    return [PatchJob(t, p) for t in tasks if (p := _patch_for(t, mode, predictions)) is not None]
 
 
 class InstanceReport(msgspec.Struct, kw_only=True):
@@ -70,18 +96,13 @@ class InstanceReport(msgspec.Struct, kw_only=True):
     log: str = ""
 
 
-class EvalReport(msgspec.Struct, kw_only=True):
-    format_version: int = 1
-    mode: str
-    total: int
-    resolved: int
+class PatchReport(RunReport, kw_only=True):
+    """report.json of patch grading: the shared RunReport plus per-instance detail."""
+
     unresolved: int
-    errors: int
-    infra_errors: int
-    resolve_rate: float
-    expectations_met: int
+    errors: int  # no verdict from the tests: patch did not apply, grading timed out, ... (infra ones included)
+    expectations_met: int  # gold / empty: instances that came out as expected
     grade_p50_s: float
-    elapsed_s: float
     error_reasons: dict[str, int]
     resolved_ids: list[str]
     unresolved_ids: list[str]
@@ -89,7 +110,7 @@ class EvalReport(msgspec.Struct, kw_only=True):
     instances: list[InstanceReport]
 
 
-def _patch_for(task: Task, mode: Mode, predictions: dict[str, Prediction] | None) -> str | None:
+def _patch_for(task: Task, mode: PatchMode, predictions: dict[str, Prediction] | None) -> str | None:
     if mode == "gold":
         return task.patch
     if mode == "empty":
@@ -99,7 +120,7 @@ def _patch_for(task: Task, mode: Mode, predictions: dict[str, Prediction] | None
     return None if pred is None else (pred.model_patch or "")
 
 
-def _instance(result: GradeResult, mode: Mode) -> InstanceReport:
+def _instance(result: GradeResult, mode: PatchMode) -> InstanceReport:
     expected = {"gold": "resolved", "empty": "unresolved"}.get(mode, "")
     ok = result.status == expected if expected else True
     return InstanceReport(
@@ -110,7 +131,8 @@ def _instance(result: GradeResult, mode: Mode) -> InstanceReport:
     )
 
 
-def build_report(mode: Mode, instances: list[InstanceReport], elapsed: float) -> EvalReport:
+def build_report(mode: PatchMode, instances: list[InstanceReport], elapsed: float, *, model: str = "",
+                 tasks: str = "") -> PatchReport:
     instances = sorted(instances, key=lambda r: r.instance_id)
     by = {s: [r.instance_id for r in instances if r.status == s] for s in ("resolved", "unresolved", "error")}
     reasons: dict[str, int] = {}
@@ -118,17 +140,18 @@ def build_report(mode: Mode, instances: list[InstanceReport], elapsed: float) ->
         if r.status == "error":
             reasons[r.reason] = reasons.get(r.reason, 0) + 1
     secs = sorted(r.seconds for r in instances)
-    return EvalReport(
-        mode=mode, total=len(instances), resolved=len(by["resolved"]), unresolved=len(by["unresolved"]),
-        errors=len(by["error"]), infra_errors=sum(r.infra for r in instances),
-        resolve_rate=round(len(by["resolved"]) / len(instances), 4) if instances else 0.0,
+    infra = sum(r.infra for r in instances)
+    return PatchReport(
+        mode=mode, model=model, tasks=tasks, total=len(instances), resolved=len(by["resolved"]),
+        unresolved=len(by["unresolved"]), errors=len(by["error"]), infra_errors=infra,
+        resolve_rate=resolve_rate(len(by["resolved"]), len(instances), infra),
         expectations_met=sum(r.ok for r in instances), grade_p50_s=secs[len(secs) // 2] if secs else 0.0,
         elapsed_s=round(elapsed, 2), error_reasons=reasons, resolved_ids=by["resolved"],
         unresolved_ids=by["unresolved"], error_ids=by["error"], instances=instances,
     )
 
 
-def format_table(report: EvalReport) -> str:
+def format_table(report: PatchReport) -> str:
     lines = [f"{'instance':<48} {'status':<11} {'expected':<11} {'secs':>6}  note"]
     for r in report.instances:
         note = r.reason or ("" if r.ok else "MISMATCH")
@@ -145,17 +168,18 @@ def format_table(report: EvalReport) -> str:
 
 
 async def evaluate_patches(
-    config: ClusterConfig, tasks: list[Task], mode: Mode, out_dir: Path, *, concurrency: int = 4,
-    timeout_s: float = 1800.0, predictions: dict[str, Prediction] | None = None,
-    resolver: ImageResolver | None = None, specs: object | None = None, progress: bool = True,
-) -> EvalReport:
-    jobs = [(t, p) for t in tasks if (p := _patch_for(t, mode, predictions)) is not None]
+    config: ClusterConfig, jobs: list[PatchJob], mode: PatchMode, out_dir: Path, *, concurrency: int = 4,
+    timeout_s: float = 1800.0, resolver: ImageResolver | None = None, specs: object | None = None,
+    model: str = "", tasks: str = "", progress: bool = True,
+) -> PatchReport:
+    """Grade each job's patch in a fresh sandbox (``concurrency`` at once); logs go to ``out_dir/logs``."""
     bar = Progress(len(jobs), f"eval --{mode}") if progress else None
     instances: list[InstanceReport] = []
     started = time.monotonic()
-    async with running_pool(config) as pool:
+    async with running_pool(config) as pool, anyio.create_task_group() as tg:
         grader = Grader(GraderConfig(timeout_s=timeout_s, concurrency=concurrency), pool, resolver=resolver,
                         specs=specs, log_dir=out_dir / "logs")
+        await tg.start(grader.run, name="grader")
 
         async def one(task: Task, patch: str) -> None:
             result = await grader.grade(task, patch, label=mode)
@@ -163,17 +187,14 @@ async def evaluate_patches(
             if bar:
                 bar.advance(result.status)
 
-        async with anyio.create_task_group() as tg:
-            await tg.start(grader.run, name="grader")
-            async with anyio.create_task_group() as jobs_tg:
-                for task, patch in jobs:
-                    jobs_tg.start_soon(one, task, patch, name=f"grade {task.instance_id}")
-            tg.cancel_scope.cancel("gradings done")
-    return build_report(mode, instances, time.monotonic() - started)
+        async with anyio.create_task_group() as grading:
+            for task, patch in jobs:
+                grading.start_soon(one, task, patch, name=f"grade {task.instance_id}")
+        tg.cancel_scope.cancel("every patch graded")
+    return build_report(mode, instances, time.monotonic() - started, model=model, tasks=tasks)
 
 
-def write_report(report: EvalReport, out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write_report(report: PatchReport, out_dir: Path) -> Path:
     path = out_dir / "report.json"
     path.write_bytes(msgspec.json.format(msgspec.json.encode(report)))
     return path
