@@ -27,16 +27,19 @@ def test_head_and_tail_within_budget() -> None:
     for budget in (600, 1000, 2500):
         kept, omitted = fit_context(msgs, count, budget)
         assert count(kept) <= budget
-        assert kept[:2] == msgs[:2] and omitted > 0
+        assert kept[:2] == msgs[:2]
+        assert omitted > 0
         marker = [m for m in kept if "omitted" in m.content]
-        assert len(marker) == 1 and f"{omitted} earlier turn" in marker[0].content
+        assert len(marker) == 1
+        assert f"{omitted} earlier turn" in marker[0].content
         # The latest turn is always kept, and turns stay whole (assistant followed by its observation).
         assert kept[-2:] == msgs[-2:]
         roles = [m.role for m in kept[2:] if "omitted" not in m.content]
-        assert all(roles[i] == "assistant" and roles[i + 1] == "user" for i in range(0, len(roles), 2))
+        assert roles == ["assistant", "user"] * (len(roles) // 2)
     kept, _ = fit_context(msgs, count, 2500)
     head = kept[2 : kept.index(next(m for m in kept if "omitted" in m.content))]
-    assert head and head[0] == msgs[2]  # the earliest turns are there too
+    assert head
+    assert head[0] == msgs[2]  # the earliest turns are there too
     tail_tokens = count(kept[kept.index(next(m for m in kept if "omitted" in m.content)) + 1 :])
     assert tail_tokens > 2 * count(head)  # about 70 / 30
 
@@ -44,26 +47,24 @@ def test_head_and_tail_within_budget() -> None:
 def test_problem_alone_too_big_is_returned_as_is() -> None:
     msgs = conversation(3)
     kept, omitted = fit_context(msgs, count, 50)
-    assert kept[:2] == msgs[:2] and count(kept) > 50 and omitted == 3
+    assert kept[:2] == msgs[:2]
+    assert count(kept) > 50
+    assert omitted == 3
 
 
-def test_episode_with_managed_context_stays_in_budget() -> None:
+def test_episode_with_managed_context_stays_in_budget(tiny_tokenizer) -> None:
     """A long episode (fake sandbox, replay engine, real tokenizer) never sends more than the budget, and
     records one sample per step with exactly the prompt the engine saw."""
     import anyio
-    import pytest
 
-    pytest.importorskip("transformers", reason="needs the cpu extra")
     from swectl.agent.loop import EpisodeConfig, run_episode
     from swectl.agent.protocol import AgentLimits
     from swectl.engine.wire import SamplingParams
-    from swectl.model.tiny import ModelInitConfig, hf_tokenizer, train_tokenizer
     from swectl.schema import ExecResult
     from swectl.tasks.record import Task
     from swectl.testing.replay import ReplayEngine
 
-    cfg = ModelInitConfig(vocab_size=400)
-    tok = hf_tokenizer(train_tokenizer(cfg, ["ls -la\nfile.py\n```bash\n"] * 50), cfg)
+    tok = tiny_tokenizer
     seen: list[int] = []
 
     class Engine(ReplayEngine):
@@ -83,7 +84,10 @@ def test_episode_with_managed_context_stays_in_budget() -> None:
     ep_cfg = EpisodeConfig(limits=AgentLimits(step_limit=30, max_context_tokens=1500), manage_context=True,
                            sampling=SamplingParams(max_new_tokens=64))
     ep = anyio.run(run_episode, task, Box(), Engine(replies, tok), tok, ep_cfg)
-    assert ep.exit_status == "LimitsExceeded" and len(ep.steps) == 30
-    assert max(seen) + 64 <= 1500 and len(ep.samples) == 30
+    assert ep.exit_status == "LimitsExceeded"
+    assert len(ep.steps) == 30
+    assert max(seen) + 64 <= 1500
+    assert len(ep.samples) == 30
     assert [len(s.prompt_ids) for s in ep.samples] == seen
-    assert ep.samples[-1].omitted_turns > 0 and ep.samples[0].omitted_turns == 0
+    assert ep.samples[-1].omitted_turns > 0
+    assert ep.samples[0].omitted_turns == 0

@@ -62,9 +62,11 @@ def episode(replies: list[str], box: ScriptedBox | None = None, tokens_per_turn:
 def test_submitted() -> None:
     ep = episode([LS, SLEEP, NO_BLOCK, SUBMIT])
     assert (ep.exit_status, ep.outcome, ep.reason) == ("Submitted", "COMPLETED", "")
-    assert ep.submitted.strip() == "the answer" and ep.patch.startswith("diff --git")
+    assert ep.submitted.strip() == "the answer"
+    assert ep.patch.startswith("diff --git")
     assert [s.format_error for s in ep.steps] == [False, False, True, False]
-    assert ep.steps[1].timed_out and ep.turns == 4
+    assert ep.steps[1].timed_out
+    assert ep.turns == 4
     # the transcript: system, task, then an assistant reply and an observation per turn but the last
     assert [m.role for m in ep.trajectory.messages] == ["system", "user"] + ["assistant", "user"] * 3 + ["assistant"]
     assert all(s.wall_s >= s.model_time_s + s.env_time_s for s in ep.steps)
@@ -89,4 +91,6 @@ def test_each_limit_ends_the_episode_once(replies, limits, status, reason, turns
 def test_infrastructure_failure_aborts() -> None:
     ep = episode([LS], ScriptedBox(lose_at=2))
     assert (ep.exit_status, ep.outcome) == ("Aborted", "ABORTED")
-    assert ep.reason == "SandboxLostError: the container vanished" and ep.turns == 2 and ep.patch == ""
+    assert ep.reason == "SandboxLostError: the container vanished"
+    assert ep.turns == 2
+    assert ep.patch == ""

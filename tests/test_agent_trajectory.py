@@ -12,15 +12,11 @@ pytest.importorskip("transformers", reason="needs the cpu extra (pip install 'sw
 pytest.importorskip("tokenizers", reason="needs the cpu extra (pip install 'swectl[cpu]')")
 
 from swectl.agent.trajectory import TrajectoryBuilder
-from swectl.model.tiny import ModelInitConfig, hf_tokenizer, train_tokenizer
-
-CORPUS = ["def f(x):\n    return x + 1\n", "THOUGHT: list the files\n```bash\nls -la\n```\n"] * 50
 
 
 @pytest.fixture(scope="module")
-def tok():
-    cfg = ModelInitConfig(vocab_size=400)
-    return hf_tokenizer(train_tokenizer(cfg, CORPUS), cfg)
+def tok(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def engine_output(tok, text: str, *, close: bool = True) -> tuple[list[int], list[float]]:
@@ -34,7 +30,9 @@ def engine_output(tok, text: str, *, close: bool = True) -> tuple[list[int], lis
 def test_engine_tokens_kept_exactly_and_observations_masked(tok) -> None:
     b = TrajectoryBuilder(tok)
     ids = b.start("You are an agent.", "Fix the bug in f.")
-    assert ids == b.traj.token_ids and b.traj.prompt_length == len(ids) and not any(b.traj.loss_mask)
+    assert ids == b.traj.token_ids
+    assert b.traj.prompt_length == len(ids)
+    assert not any(b.traj.loss_mask)
     outputs = []
     for turn in range(4):
         out_ids, lps = engine_output(tok, f"THOUGHT: step {turn} ü€\n```bash\nls -la /tmp/{turn}\n```")
@@ -47,7 +45,8 @@ def test_engine_tokens_kept_exactly_and_observations_masked(tok) -> None:
     assert [t.token_ids[i] for i in masked] == [x for o, _ in outputs for x in o]
     assert [t.logprobs[i] for i in masked] == [x for _, lp in outputs for x in lp]
     assert all(t.logprobs[i] == 0.0 for i, m in enumerate(t.loss_mask) if not m)
-    assert t.realignments == 0 and t.weight_versions == ["v0", "v1", "v2", "v3"]
+    assert t.realignments == 0
+    assert t.weight_versions == ["v0", "v1", "v2", "v3"]
     # The tokens spell exactly what the chat template renders for the conversation.
     conv = [{"role": m.role, "content": m.content} for m in t.messages]
     assert tok.decode(ids) == tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
@@ -61,7 +60,8 @@ def test_output_cut_at_max_tokens_gets_the_end_token_from_the_template(tok) -> N
     b.add_observation("obs")
     end = tok.convert_tokens_to_ids("<|im_end|>")
     i = b.traj.prompt_length + len(out_ids)
-    assert b.traj.token_ids[i] == end and b.traj.loss_mask[i] == 0  # not emitted by the engine: not trained
+    assert b.traj.token_ids[i] == end
+    assert b.traj.loss_mask[i] == 0  # not emitted by the engine: not trained
 
 
 def test_history_rewriting_template_is_realigned(tok, monkeypatch) -> None:
@@ -81,7 +81,8 @@ def test_history_rewriting_template_is_realigned(tok, monkeypatch) -> None:
     assert sum(b.traj.loss_mask) == 0
     second, lp2 = engine_output(tok, "THOUGHT: two")
     b.add_output(second, lp2, "v1")
-    assert b.traj.token_ids[-len(second):] == second and sum(b.traj.loss_mask) == len(second)
+    assert b.traj.token_ids[-len(second):] == second
+    assert sum(b.traj.loss_mask) == len(second)
     b.traj.check()
 
 

@@ -51,7 +51,8 @@ def test_typo_names_path_and_suggests_the_right_key(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     message = str(err.value)
-    assert "max_runing" in message and "$.nodes[0]" in message
+    assert "max_runing" in message
+    assert "$.nodes[0]" in message
     assert "did you mean 'max_running'" in message
     assert str(path) in message
 
@@ -93,10 +94,12 @@ def test_broken_configs_give_clear_errors(tmp_path, text, expected):
 
 def test_engine_section_defaults_and_checks():
     config = load_config(None)
-    assert config.engine.kind == "cpu" and [n.name for n in config.engine_nodes()] == ["local"]
+    assert config.engine.kind == "cpu"
+    assert [n.name for n in config.engine_nodes()] == ["local"]
     with pytest.raises(ConfigError) as err:
         load_config(None, ["engine.nodes=['locl']"])
-    assert "engine.nodes[0]: unknown node 'locl'" in str(err.value) and "did you mean 'local'" in str(err.value)
+    assert "engine.nodes[0]: unknown node 'locl'" in str(err.value)
+    assert "did you mean 'local'" in str(err.value)
     with pytest.raises(ConfigError) as err:
         load_config(None, ["engine.port=30000", "engine.replicas=2"])
     assert "set engine.port = 0" in str(err.value)
@@ -151,7 +154,8 @@ def test_check_config_prints_resolved_json():
 def test_check_config_error_exit_code_and_message(tmp_path):
     done = run_cli("check-config", str(write(tmp_path, "[env_pool]\nwarmm = 1\n")))
     assert done.returncode == 2
-    assert "config error" in done.stderr and "did you mean 'warm'" in done.stderr
+    assert "config error" in done.stderr
+    assert "did you mean 'warm'" in done.stderr
 
 
 def test_help_explains_commands():

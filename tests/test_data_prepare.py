@@ -16,8 +16,6 @@ from swectl.images.names import ImageResolver
 from swectl.tasks.record import Task
 from swectl.tasks.sources import RowProblem
 
-VERIFIED = Path("/work/shared/data/swe_bench_verified.jsonl")
-
 
 def _task(instance_id: str, **fields: Any) -> Task:
     defaults: dict[str, Any] = {
@@ -95,7 +93,7 @@ def test_prepare_uses_the_resolver_for_instance_and_images(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("name", "expected"),
     [
-        ("/work/shared/data/swe_bench_verified.jsonl", True),
+        ("../shared/data/swe_bench_verified.jsonl", True),
         ("princeton-nlp/SWE-bench_Verified", True),
         ("SWE-bench/SWE-bench_Verified:test", True),
         ("data/SWE-Bench-Verified-mini.parquet", True),
@@ -187,17 +185,18 @@ def test_cli_nothing_loaded_exits_1(tmp_path: Path) -> None:
     assert _run([str(source), "--out", str(tmp_path / "o")]) == 1
 
 
-@pytest.mark.skipif(not VERIFIED.exists(), reason="SWE-bench Verified rows not present")
-def test_cli_refuses_swe_bench_verified(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_refuses_swe_bench_verified(
+    verified_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "out"
-    assert _run([str(VERIFIED), "--out", str(out)]) == 2
+    assert _run([str(verified_path), "--out", str(out)]) == 2
     assert "SWE-bench Verified" in capsys.readouterr().err
     assert not out.exists()
     renamed = tmp_path / "SWE-bench_Verified.part.jsonl"
-    shutil.copy(VERIFIED, renamed)
+    shutil.copy(verified_path, renamed)
     assert _run([str(renamed), "--out", str(out)]) == 2
     assert _run(["princeton-nlp/SWE-bench_Verified", "--out", str(out)]) == 2  # refused before any network use
     assert not out.exists()
-    assert _run([str(VERIFIED), "--out", str(out), "--allow-eval-set"]) == 0
+    assert _run([str(verified_path), "--out", str(out), "--allow-eval-set"]) == 0
     assert len((out / "prompts.jsonl").read_text().splitlines()) == 500
     assert len((out / "images.txt").read_text().splitlines()) == 500

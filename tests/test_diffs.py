@@ -12,8 +12,6 @@ import pytest
 
 from swectl.tasks.diffs import DiffError, reverse_diff
 
-VERIFIED = Path("/work/shared/data/swe_bench_verified.jsonl")
-
 NO_NEWLINE_FIX = """\
 diff --git a/f.txt b/f.txt
 --- a/f.txt
@@ -100,10 +98,9 @@ def test_empty_diff() -> None:
     assert reverse_diff("") == ""
 
 
-@pytest.mark.skipif(not VERIFIED.exists(), reason="SWE-bench Verified rows not present")
-def test_every_verified_patch_round_trips() -> None:
+def test_every_verified_patch_round_trips(verified_path: Path) -> None:
     checked = 0
-    for line in VERIFIED.read_text(encoding="utf-8").splitlines():
+    for line in verified_path.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
         for name in ("patch", "test_patch"):
             reversed_ = reverse_diff(row[name])
@@ -197,8 +194,11 @@ def test_git_apply_forward_then_reversed_restores_the_tree(repo: Path) -> None:
     (repo / "run.sh").chmod(0o755)
     changed = _tree(repo)
     forward = _git(repo, "diff", "--cached", "-M", "HEAD")
-    assert "rename from old_name.py" in forward and "new file mode" in forward and "deleted file mode" in forward
-    assert "\\ No newline at end of file" in forward and "old mode 100644" in forward
+    assert "rename from old_name.py" in forward
+    assert "new file mode" in forward
+    assert "deleted file mode" in forward
+    assert "\\ No newline at end of file" in forward
+    assert "old mode 100644" in forward
     _git(repo, "reset", "-q", "--hard", "HEAD")
     assert _tree(repo) == original
 

@@ -1,8 +1,8 @@
 """The engine clients against the real CPU engine (a subprocess serving a tiny random Qwen3) and against
 fake servers that misbehave on purpose.
 
-The tiny model and its tokenizer are made here: a byte-level BPE trained on local source text, a ChatML
-chat template, and Qwen3 weights initialised with different seeds (model B stands in for "the weights
+The tiny model is made here around the session's `tiny_tokenizer` (tests/conftest.py: byte-level BPE, ChatML
+chat template): Qwen3 weights initialised with different seeds (model B stands in for "the weights
 after a training step"). References are computed in this process with plain full forward passes (no KV
 cache, no padding, no batching), so they share nothing with the engine's batched, cached decoding.
 """
@@ -47,12 +47,7 @@ pytest.importorskip("uvicorn", reason="the CPU engine needs uvicorn")
 pytestmark = pytest.mark.anyio
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = 512
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+VOCAB = 600  # the model's; the tiny tokenizer's ids are below it, its special tokens are ids 0, 1, 2
 LOGPROB_TOL = 1e-4
 START_TIMEOUT_S = 120.0
 
@@ -63,27 +58,6 @@ def anyio_backend() -> str:
 
 
 # ---------------------------------------------------------------- the tiny model
-
-
-def train_tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    corpus = "".join((REPO / "swectl" / name).read_text() for name in ("schema.py", "errors.py", "config.py"))
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(corpus.splitlines(keepends=True), trainer)
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    tokenizer.chat_template = CHATML
-    return tokenizer
 
 
 def save_model(folder: Path, tokenizer: Any, *, seed: int, hidden_size: int = 64) -> Path:
@@ -116,9 +90,10 @@ class Models:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Any) -> Models:
     root = tmp_path_factory.mktemp("tiny-qwen3")
-    tokenizer = train_tokenizer()
+    tokenizer = tiny_tokenizer
+    assert len(tokenizer) <= VOCAB
     return Models(
         a=save_model(root / "a", tokenizer, seed=0),
         b=save_model(root / "b", tokenizer, seed=1),
@@ -276,7 +251,8 @@ async def test_greedy_matches_single_sequence_reference(engine: str, ref_a: Refe
             assert result.completion_tokens == len(result.output_ids)
             assert result.weight_version == "default"
             assert result.finish_reason == ("length" if len(want_ids) == 24 else "stop")
-            assert 0 < result.client_latency_s and 0 < result.e2e_latency_s
+            assert 0 < result.client_latency_s
+            assert 0 < result.e2e_latency_s
 
 
 async def test_concurrent_requests_are_batched_and_give_the_sequential_results(engine: str, ref_a: Reference) -> None:
@@ -312,7 +288,8 @@ async def test_max_new_tokens_gives_length(engine: str) -> None:
         empty = await client.generate(greedy_request(prompt, 0))
     assert len(result.output_ids) == len(result.output_logprobs) == result.completion_tokens == 5
     assert result.finish_reason == "length"
-    assert empty.output_ids == [] and empty.finish_reason == "length"
+    assert empty.output_ids == []
+    assert empty.finish_reason == "length"
 
 
 async def test_stop_token_ids_give_stop(engine: str) -> None:
@@ -394,7 +371,8 @@ async def test_update_weights_from_disk(
     assert_close(after.output_logprobs, ref_b.greedy(prompt, 16)[1])
     assert (after.weight_version, info.weight_version, info.model_path) == ("step-1", "step-1", str(models.b))
     assert still_b.output_ids == after.output_ids
-    assert bumped not in ("step-1", "default") and back.weight_version == bumped
+    assert bumped not in ("step-1", "default")
+    assert back.weight_version == bumped
     assert back.output_ids == before.output_ids
 
 
@@ -424,13 +402,14 @@ async def test_pause_update_continue(
             await wait_running(mutable_engine)
             await client.pause_generation(mode)  # type: ignore[arg-type]
             assert (await server_state(mutable_engine))["paused"] == mode
-            await anyio.sleep(0.5)
+            await anyio.sleep(0.5)  # the window in which a paused engine must not finish it
             assert not results, "a paused engine finished a request"
             await client.update_weights_from_disk(str(models.b), weight_version=f"pushed-{mode}")
             await client.continue_generation()
         await client.update_weights_from_disk(str(models.a), weight_version="default")
     (result,) = results
-    assert result.finish_reason == "length" and len(result.output_ids) == 1500
+    assert result.finish_reason == "length"
+    assert len(result.output_ids) == 1500
     assert result.weight_version == f"pushed-{mode}"
     with_a = ref_a.output_logprobs(prompt, result.output_ids)
     switch = split_point(result.output_logprobs, with_a)
@@ -443,30 +422,34 @@ async def test_pause_update_continue(
 async def test_pause_abort_ends_requests_and_holds_new_ones(mutable_engine: str) -> None:
     prompt = prompts(1, seed=8)[0]
     results: dict[str, GenerateResult] = {}
+    doomed_done = anyio.Event()
     async with SglangClient(mutable_engine, timeout_s=120) as client:
         async with anyio.create_task_group() as tg:
 
             async def run(name: str, max_new: int) -> None:
                 results[name] = await client.generate(greedy_request(prompt, max_new, ignore_eos=True))
+                if name == "doomed":
+                    doomed_done.set()
 
             tg.start_soon(run, "doomed", 3000)
             await wait_running(mutable_engine)
             await client.pause_generation("abort")
             with anyio.fail_after(10):
-                while "doomed" not in results:  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
+                await doomed_done.wait()
             tg.start_soon(run, "later", 4)
-            await anyio.sleep(0.5)
+            await anyio.sleep(0.5)  # the window in which a paused engine must not run it
             assert "later" not in results, "a request ran while generation was paused"
             await client.continue_generation()
     doomed, later = results["doomed"], results["later"]
-    assert doomed.finish_reason == "abort" and doomed.finish_message
+    assert doomed.finish_reason == "abort"
+    assert doomed.finish_message
     assert len(doomed.output_ids) == len(doomed.output_logprobs) < 3000
-    assert later.finish_reason == "length" and len(later.output_ids) == 4
+    assert later.finish_reason == "length"
+    assert len(later.output_ids) == 4
 
 
 async def test_api_key_and_engine_killed_mid_request(models: Models, tmp_path: Path) -> None:
-    server = start_engine(models.a, tmp_path / "log", "--api-key", "sekret")
+    server = await anyio.to_thread.run_sync(start_engine, models.a, tmp_path / "log", "--api-key", "sekret")
     try:
         async with SglangClient(server.url, timeout_s=10) as anonymous:
             with pytest.raises(EngineRejectedError) as denied:
@@ -490,9 +473,10 @@ async def test_api_key_and_engine_killed_mid_request(models: Models, tmp_path: P
             assert time.monotonic() - started < 30
             assert not await client.health(timeout_s=3)
         (error,) = errors
-        assert isinstance(error, EngineUnavailableError) and not isinstance(error, EngineTimeoutError), error
+        assert isinstance(error, EngineUnavailableError), error
+        assert not isinstance(error, EngineTimeoutError), error
     finally:
-        server.stop()
+        await anyio.to_thread.run_sync(server.stop)
 
 
 # ---------------------------------------------------------------- against servers that misbehave
@@ -566,7 +550,8 @@ def sglang_answer(**meta: Any) -> bytes:
 
 def test_decode_sglang_answer() -> None:
     result = decode_generate_response(sglang_answer(), url="u", return_logprob=True, client_latency_s=0.5)
-    assert result.output_ids == [11, 12] and result.output_logprobs == [-0.5, -1.25]
+    assert result.output_ids == [11, 12]
+    assert result.output_logprobs == [-0.5, -1.25]
     assert (result.finish_reason, result.matched_stop, result.weight_version) == ("stop", 12, "7")
     assert (result.prompt_tokens, result.completion_tokens, result.cached_tokens) == (3, 2, 1)
     assert (result.e2e_latency_s, result.client_latency_s, result.rid, result.text) == (0.25, 0.5, "abc", " world")
@@ -575,7 +560,8 @@ def test_decode_sglang_answer() -> None:
     plain = sglang_answer(output_token_logprobs=None, finish_reason={"type": "length", "length": 2}, e2e_latency=None)
     result = decode_generate_response(plain, url="u", return_logprob=False, client_latency_s=0.5)
     assert (result.output_logprobs, result.finish_reason, result.e2e_latency_s) == ([], "length", 0.5)
-    assert issubclass(EngineTimeoutError, EngineUnavailableError) and issubclass(EngineError, InfraError)
+    assert issubclass(EngineTimeoutError, EngineUnavailableError)
+    assert issubclass(EngineError, InfraError)
 
 
 MALFORMED = {
@@ -707,6 +693,5 @@ async def test_chat_client_against_openai_shapes() -> None:
         "temperature": 0.5,
         "stop": ["\n"],
     }
-    assert (
-        chat_path("http://h:1") == "/v1/chat/completions" and chat_path("https://api.x.com/v1/") == "/chat/completions"
-    )
+    assert chat_path("http://h:1") == "/v1/chat/completions"
+    assert chat_path("https://api.x.com/v1/") == "/chat/completions"

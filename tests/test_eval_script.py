@@ -16,7 +16,6 @@ from swectl.tasks.record import Task
 from swectl.tasks.specs import SpecTable
 
 ROOT = Path(__file__).resolve().parents[1]
-VERIFIED = Path("/work/shared/data/swe_bench_verified.jsonl")
 FETCH = ROOT / "scripts" / "fetch_swebench_specs.sh"
 VERIFIED_REPOS = {
     "astropy/astropy",
@@ -59,10 +58,8 @@ def _small_task(**overrides: str) -> Task:
 
 
 @pytest.fixture(scope="session")
-def verified() -> list[Task]:
-    if not VERIFIED.is_file():
-        pytest.skip(f"{VERIFIED} not available")
-    return [_task(json.loads(line)) for line in VERIFIED.read_text().splitlines() if line.strip()]
+def verified(verified_path: Path) -> list[Task]:
+    return [_task(json.loads(line)) for line in verified_path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="session")
@@ -180,7 +177,9 @@ def _check_layout(task: Task, script: str) -> None:
     assert lines[:5] == ["#!/bin/bash", "set -uxo pipefail", es.CONDA_ACTIVATE, "conda activate testbed", "cd /testbed"]
     assert script.endswith("\n")
     start, end = lines.index(START), lines.index(END)
-    assert lines.count(START) == 1 and lines.count(END) == 1 and start < end
+    assert lines.count(START) == 1
+    assert lines.count(END) == 1
+    assert start < end
     assert end == start + 2  # exactly the test command between the markers
     assert lines[start + 1].startswith(("pytest ", "./tests/runtests.py ", "tox ", "PYTHONWARNINGS=", "bin/test "))
     assert f"git -c core.fileMode=false diff {task.base_commit}" in lines[:start]
@@ -190,8 +189,10 @@ def _check_layout(task: Task, script: str) -> None:
     if files:
         reset = f"git checkout {task.base_commit} " + " ".join(files)
         assert lines.index(reset) < lines.index(f"git apply -v - <<'{delimiter}'")
-        assert lines[end + 1] == reset and lines[end + 2] == ""
-    assert RECORD not in script and "Test Exit Code" not in script
+        assert lines[end + 1] == reset
+        assert lines[end + 2] == ""
+    assert RECORD not in script
+    assert "Test Exit Code" not in script
 
 
 def test_every_verified_script_has_the_official_layout(verified_scripts: dict[str, tuple[Task, str]]) -> None:
@@ -216,7 +217,8 @@ def test_django_scripts_run_dotted_modules(verified_scripts: dict[str, tuple[Tas
         # django-10097 only touches .txt fixtures: like the official harness, the whole suite runs.
         assert directives or task.instance_id == "django__django-10097"
         assert command.endswith(" ".join(directives))
-        assert all("/" not in d and not d.endswith(".py") for d in directives), task.instance_id
+        assert all("/" not in d for d in directives), task.instance_id
+        assert not any(d.endswith(".py") for d in directives), task.instance_id
 
 
 def test_sympy_and_pytest_style_scripts_run_paths(verified_scripts: dict[str, tuple[Task, str]]) -> None:
@@ -247,8 +249,10 @@ def test_exit_code_lines_once_ours_and_swebench5(verified_scripts: dict[str, tup
         assert es.with_exit_code(ours) == ours
         lines = ours.split("\n")
         end = lines.index(END)
-        assert lines.count(RECORD) == 1 and lines.count(ECHO) == 1
-        assert lines[end - 1] == RECORD and lines[end + 1] == ECHO
+        assert lines.count(RECORD) == 1
+        assert lines.count(ECHO) == 1
+        assert lines[end - 1] == RECORD
+        assert lines[end + 1] == ECHO
         assert lines[end - 3] == START  # the test command's status, nothing in between
 
 

@@ -127,7 +127,8 @@ def test_functions_per_test(project: Path) -> None:
     done = _run(project, "-q", "-p", "no:cacheprovider", "tests")
     assert done.returncode == 1, done.stdout + done.stderr
     report = json.loads((project / "cov.json").read_text())
-    assert report["exit_code"] == 1 and report["collect_errors"] == []
+    assert report["exit_code"] == 1
+    assert report["collect_errors"] == []
     tests = report["tests"]
     p = "tests/test_mod.py::"
 

@@ -14,14 +14,11 @@ from swectl.tasks import specs as specs_mod
 from swectl.tasks.specs import REPO_LOG_PARSERS, RepoSpec, SpecTable, load_specs, log_parser_name
 
 ROOT = Path(__file__).resolve().parents[1]
-VERIFIED = Path("/work/shared/data/swe_bench_verified.jsonl")
 FETCH = ROOT / "scripts" / "fetch_swebench_specs.sh"
 
 
-def _verified_rows() -> list[dict]:
-    if not VERIFIED.is_file():
-        pytest.skip(f"{VERIFIED} not available")
-    return [json.loads(line) for line in VERIFIED.read_text().splitlines() if line.strip()]
+def _verified_rows(verified_path: Path) -> list[dict]:
+    return [json.loads(line) for line in verified_path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture
@@ -42,9 +39,12 @@ def test_default_file_loads_and_has_the_known_shape(specs: SpecTable) -> None:
     assert (django.repo, django.version, django.python) == ("django/django", "3.0", "3.6")
     assert "tests/runtests.py" in django.test_cmd
     assert any(cmd.startswith("export LANG=") for cmd in django.eval_commands)
-    assert django.install and django.extra == {}
+    assert django.install
+    assert django.extra == {}
     sklearn = specs.get("scikit-learn/scikit-learn", "0.20")
-    assert sklearn.pip_packages and sklearn.packages and sklearn.test_cmd.startswith("pytest")
+    assert sklearn.pip_packages
+    assert sklearn.packages
+    assert sklearn.test_cmd.startswith("pytest")
 
 
 def test_every_python_spec_converts(specs: SpecTable) -> None:
@@ -54,8 +54,8 @@ def test_every_python_spec_converts(specs: SpecTable) -> None:
             assert spec.extra == {}, (repo, version, spec.extra)
 
 
-def test_every_verified_row_has_a_spec(specs: SpecTable) -> None:
-    pairs = {(row["repo"], row["version"]) for row in _verified_rows()}
+def test_every_verified_row_has_a_spec(specs: SpecTable, verified_path: Path) -> None:
+    pairs = {(row["repo"], row["version"]) for row in _verified_rows(verified_path)}
     for repo, version in sorted(pairs):
         assert specs.get(repo, version).test_cmd, (repo, version)
 
@@ -66,7 +66,8 @@ def test_unknown_repo_and_version_errors_list_what_is_known(specs: SpecTable) ->
     with pytest.raises(SpecError, match=r"version '0\.1'.*known: .*1\.11, 2\.0, 2\.1, 2\.2, 3\.0") as info:
         specs.get("django/django", "0.1")
     assert isinstance(info.value, SwectlError)
-    assert not specs.has("django/django", "0.1") and specs.has("django/django", "3.0")
+    assert not specs.has("django/django", "0.1")
+    assert specs.has("django/django", "3.0")
 
 
 def test_versions_sort_numerically(specs: SpecTable) -> None:
@@ -114,16 +115,17 @@ def test_installed_swebench_4_table_is_used(no_specs_anywhere: None, monkeypatch
     fake.MAP_REPO_VERSION_TO_SPECS = {"acme/widgets": {"2.0": {"python": "3.11", "test_cmd": ["a", "b"]}}}
     monkeypatch.setitem(sys.modules, "swebench.harness.constants", fake)
     table = load_specs()
-    assert table.source.startswith("installed") and table.versions("acme/widgets") == ["2.0"]
+    assert table.source.startswith("installed")
+    assert table.versions("acme/widgets") == ["2.0"]
     with pytest.raises(SpecError, match="not a Python-repo spec"):
         table.get("acme/widgets", "2.0")  # a non-Python (list) test_cmd
 
 
-def test_log_parser_names_exist_in_swebench_5() -> None:
+def test_log_parser_names_exist_in_swebench_5(verified_path: Path) -> None:
     from swebench.harness.log_parsers import PARSER_REGISTRY
 
     assert set(REPO_LOG_PARSERS.values()) <= set(PARSER_REGISTRY)
-    for repo in {row["repo"] for row in _verified_rows()}:
+    for repo in {row["repo"] for row in _verified_rows(verified_path)}:
         assert log_parser_name(repo) in PARSER_REGISTRY, repo
     with pytest.raises(SpecError, match="must carry `log_parser`"):
         log_parser_name("nobody/nothing")

@@ -171,7 +171,8 @@ def test_remove_statement_whole_lines_and_only_statements_kept() -> None:
     }
     # `return word` and `continue` are the only statements of their blocks: never removed.
     for m in mutants:
-        assert "return word\n" in m.mutated and "continue\n" in m.mutated
+        assert "return word\n" in m.mutated
+        assert "continue\n" in m.mutated
         assert m.mutated.count("\n") == m.original.count("\n") - 1
 
 
@@ -231,7 +232,9 @@ def test_description_and_line() -> None:
     mutants = mutants_for_function(SAMPLE, "m.py", "pluralize")
     first = next(m for m in mutants if m.kind == "flip_comparison")
     assert first.description == "`<` -> `<=` in pluralize, line 8"
-    assert first.line == 8 and first.function == "pluralize" and first.path == "m.py"
+    assert first.line == 8
+    assert first.function == "pluralize"
+    assert first.path == "m.py"
     for m in mutants:
         assert m.original.splitlines()[m.line - 1] != m.mutated.splitlines()[m.line - 1] or m.kind == "remove_statement"
 
@@ -255,8 +258,11 @@ def test_line_picks_one_of_same_named_definitions() -> None:
     both = mutants_for_function(SAMPLE, "m.py", "Cache.size")
     getter = mutants_for_function(SAMPLE, "m.py", "Cache.size", line=26)
     setter = mutants_for_function(SAMPLE, "m.py", "Cache.size", line=31)  # the def line works too
-    assert getter and setter and len(both) == len(getter) + len(setter)
-    assert all(27 <= m.line <= 28 for m in getter) and all(31 <= m.line <= 32 for m in setter)
+    assert getter
+    assert setter
+    assert len(both) == len(getter) + len(setter)
+    assert all(27 <= m.line <= 28 for m in getter)
+    assert all(31 <= m.line <= 32 for m in setter)
 
 
 def test_non_ascii_columns() -> None:

@@ -130,7 +130,9 @@ def test_messages_come_from_the_e_lines(log: str) -> None:
     # A chained exception: the last one is what the test died of.
     assert messages[p + "test_chained"] == "TypeError: converted"
     long = messages[p + "test_output"]
-    assert long.startswith("AssertionError: long xxx") and long.endswith("...") and len(long) <= 400
+    assert long.startswith("AssertionError: long xxx")
+    assert long.endswith("...")
+    assert len(long) <= 400
 
 
 def test_colored_log_parses_the_same(project: Path, log: str) -> None:
@@ -197,15 +199,18 @@ FAILING = [
 def test_statement_reports_tests_command_messages_and_expectation() -> None:
     statement = write_problem_statement("inflect", FAILING, seed=0)
     lines = statement.splitlines()
-    assert lines[0] and not lines[0].startswith(" ")
+    assert lines[0]
+    assert not lines[0].startswith(" ")
     assert "inflect" in statement
     command = (
         "python -m pytest 'tests/test_text.py::test_plural[box]' tests/test_text.py::TestCase::test_empty "
         "tests/test_text.py::test_no_message"
     )
     assert command in statement
-    assert "assert 'boxs' == 'boxes'" in statement and "ValueError: empty word" in statement
-    assert "test_fourth" not in statement and "assert 1 == 2" not in statement
+    assert "assert 'boxs' == 'boxes'" in statement
+    assert "ValueError: empty word" in statement
+    assert "test_fourth" not in statement
+    assert "assert 1 == 2" not in statement
     assert "1 more test fails as well" in statement
     assert "pass" in lines[-1]
 
@@ -220,7 +225,8 @@ def test_statement_is_deterministic_and_varies_with_seed() -> None:
 
 def test_statement_max_tests_and_single_test() -> None:
     everything = write_problem_statement("inflect", FAILING, seed=1, max_tests=10)
-    assert all(f.test_id in everything for f in FAILING) and "more test" not in everything
+    assert all(f.test_id in everything for f in FAILING)
+    assert "more test" not in everything
     one = write_problem_statement("inflect", FAILING[:1], seed=1)
     assert "python -m pytest 'tests/test_text.py::test_plural[box]'\n" in one
     with pytest.raises(ValueError):

@@ -17,9 +17,6 @@ from swectl.tasks.diffs import reverse_diff
 from swectl.tasks.record import Task
 from swectl.tasks.sources import ROW, RowProblem, RowProblemError, detect_source, load_tasks, normalise_row
 
-VERIFIED = Path("/work/shared/data/swe_bench_verified.jsonl")
-needs_verified = pytest.mark.skipif(not VERIFIED.exists(), reason="SWE-bench Verified rows not present")
-
 BUG = (
     "diff --git a/src/calc.py b/src/calc.py\n"
     "--- a/src/calc.py\n"
@@ -32,8 +29,8 @@ BUG = (
 )
 
 
-def _verified_rows(limit: int | None = None) -> list[dict[str, Any]]:
-    lines = VERIFIED.read_text(encoding="utf-8").splitlines()
+def _verified_rows(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    lines = path.read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines[:limit]]
 
 
@@ -56,24 +53,25 @@ def _row(instance_id: str = "octo__demo-1", **fields: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ SWE-bench Verified
 
 
-@needs_verified
-def test_all_verified_rows_load() -> None:
-    result = load_tasks(VERIFIED)
+def test_all_verified_rows_load(verified_path: Path) -> None:
+    result = load_tasks(verified_path)
     assert (len(result.tasks), result.problems, result.rows_read) == (500, [], 500)
-    assert all(isinstance(t.FAIL_TO_PASS, list) and t.FAIL_TO_PASS for t in result.tasks)
+    assert all(isinstance(t.FAIL_TO_PASS, list) for t in result.tasks)
+    assert [t.instance_id for t in result.tasks if not t.FAIL_TO_PASS] == []
     assert all(isinstance(name, str) for t in result.tasks for name in t.FAIL_TO_PASS + t.PASS_TO_PASS)
     assert {t.source for t in result.tasks} == {"swe-bench"}
     first = result.tasks[0]
     assert first.instance_id == "astropy__astropy-12907"
-    assert first.environment_setup_commit and first.base_commit and first.patch.startswith("diff --git")
+    assert first.environment_setup_commit
+    assert first.base_commit
+    assert first.patch.startswith("diff --git")
     assert first.extra == {"difficulty": "15 min - 1 hour"}
-    original = _verified_rows(1)[0]
+    original = _verified_rows(verified_path, 1)[0]
     assert {k: v for k, v in first.row().items() if k in original} == original  # nothing lost
 
 
-@needs_verified
-def test_hugging_face_style_json_string_test_lists(tmp_path: Path) -> None:
-    rows = _verified_rows(40)
+def test_hugging_face_style_json_string_test_lists(verified_path: Path, tmp_path: Path) -> None:
+    rows = _verified_rows(verified_path, 40)
     encoded = [
         {**r, "FAIL_TO_PASS": json.dumps(r["FAIL_TO_PASS"]), "PASS_TO_PASS": json.dumps(r["PASS_TO_PASS"])}
         for r in rows
@@ -85,9 +83,8 @@ def test_hugging_face_style_json_string_test_lists(tmp_path: Path) -> None:
     assert isinstance(from_strings.tasks[0].PASS_TO_PASS, list)
 
 
-@needs_verified
-def test_json_array_object_and_gzip_files(tmp_path: Path) -> None:
-    rows = _verified_rows(5)
+def test_json_array_object_and_gzip_files(verified_path: Path, tmp_path: Path) -> None:
+    rows = _verified_rows(verified_path, 5)
     expected = load_tasks(_write_jsonl(tmp_path / "a.jsonl", rows)).tasks
     array = tmp_path / "array.json"
     array.write_text(json.dumps(rows))
@@ -99,11 +96,10 @@ def test_json_array_object_and_gzip_files(tmp_path: Path) -> None:
         assert load_tasks(path).tasks == expected, path
 
 
-@needs_verified
-def test_parquet_file(tmp_path: Path) -> None:
+def test_parquet_file(verified_path: Path, tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    rows = _verified_rows(30)
+    rows = _verified_rows(verified_path, 30)
     # As on Hugging Face: test lists as JSON strings.
     hf_rows = [
         {**r, "FAIL_TO_PASS": json.dumps(r["FAIL_TO_PASS"]), "PASS_TO_PASS": json.dumps(r["PASS_TO_PASS"])}
@@ -209,7 +205,8 @@ def test_swe_bench_5x_rows_keep_their_environment() -> None:
         "parse_log_pytest",
         "fail_only",
     )
-    assert task.source == "swe-bench" and task.extra == {}
+    assert task.source == "swe-bench"
+    assert task.extra == {}
 
 
 def test_environment_rows_missing_pieces_are_problems() -> None:

@@ -124,7 +124,8 @@ def test_kill_drops_connections_and_restart_brings_node_back(nodes: tn.TestNodes
 
     asyncio.run(main())
     new_pid = node.read_sshd_pid()
-    assert new_pid is not None and new_pid != old_pid
+    assert new_pid is not None
+    assert new_pid != old_pid
 
 
 def test_cut_network_hangs_then_recovers(nodes: tn.TestNodes) -> None:
@@ -160,7 +161,8 @@ def test_teardown_is_complete_and_idempotent() -> None:
             assert name not in listing
     for index in (base, base + 1):
         assert f"10.200.{index}." not in _ip("route", "show")
-    assert not os.path.exists(crashed.workdir) and not os.path.exists(again.workdir)
+    assert not os.path.exists(crashed.workdir)
+    assert not os.path.exists(again.workdir)
 
 
 def test_cluster_toml(nodes: tn.TestNodes) -> None:
