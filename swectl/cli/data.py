@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from swectl.cli.common import output_dir
 from swectl.data.prepare import (
     SHOWN_PROBLEMS,
     EvalSetError,
@@ -121,7 +122,8 @@ def _run_prepare(args: argparse.Namespace) -> int:
     resolver = ImageResolver.from_options(args.image_template, args.image_map)
     loaded = load_tasks(args.source, strict=args.strict, split=args.split, source_hint=args.source_hint)
     data_source = args.data_source or _default_data_source(loaded.tasks)
-    summary = prepare(loaded.tasks, args.out, data_source=data_source, resolver=resolver, problems=loaded.problems)
+    summary = prepare(loaded.tasks, output_dir(args.out), data_source=data_source, resolver=resolver,
+                      problems=loaded.problems)
     print(_format_summary(loaded.rows_read, summary, loaded.problems, args.source))
     if not loaded.tasks:
         print("swectl: no task could be loaded; nothing to train on", file=sys.stderr)

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from swectl.cli.common import say
+from swectl.errors import ConfigError
 from swectl.images.project import BUNDLED_PROJECTS, build_project_image, load_projects, project_content, prune_images
 
 
@@ -61,7 +62,7 @@ def _build_instance_images(args: argparse.Namespace) -> int:
     from swectl.tasks.specs import load_specs
 
     if not args.tasks:
-        raise SystemExit("swectl: --repo-cache needs --tasks SOURCE (the rows whose images to build)")
+        raise ConfigError("--repo-cache needs --tasks SOURCE (the rows whose images to build)")
     tasks = load_tasks(args.tasks).tasks
     if args.only:
         tasks = [t for t in tasks if t.instance_id in set(args.only)]

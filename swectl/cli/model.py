@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from swectl.cli.common import say
+from swectl.errors import ConfigError
 from swectl.model.tiny import DEFAULT_OUT, ModelInitConfig, init_model
 
 _INIT_DESCRIPTION = """\
@@ -68,7 +69,7 @@ def config_from_args(args: argparse.Namespace) -> ModelInitConfig:
 
 def run(args: argparse.Namespace) -> int:
     if args.model_command != "init":
-        raise SystemExit(f"swectl: unknown model action {args.model_command!r}")
+        raise ConfigError(f"unknown model action {args.model_command!r}; the actions: init")
     info = init_model(args.out, config_from_args(args), overwrite=args.overwrite, progress=say)
     if args.json:
         sys.stdout.write(msgspec.json.encode(info).decode() + "\n")
