@@ -72,7 +72,8 @@ async def test_affinity_and_restart(model: Path, tmp_path: Path) -> None:
         assert len(first.output_ids) == 4
 
         victim = engines._servers[picks["task0#0"]]
-        assert victim.pid is not None and alive(victim.pid)
+        assert victim.pid is not None
+        assert alive(victim.pid)
         old_pid = victim.pid
         os.kill(old_pid, signal.SIGKILL)
         # While it is down, its sessions are served by the other engine.
@@ -81,7 +82,8 @@ async def test_affinity_and_restart(model: Path, tmp_path: Path) -> None:
         assert engines.statistics().servers[victim.index].state in (ServerState.RESTARTING, ServerState.STARTING)
         assert (await engines.route("task0#0").generate(REQUEST)).output_ids == first.output_ids
         await until(lambda: victim.healthy and victim.restarts == 1, 120, "the engine restarts")
-        assert engines._pick("task0#0") is victim and victim.pid != old_pid
+        assert engines._pick("task0#0") is victim
+        assert victim.pid != old_pid
         assert (await engines.route("task0#0").generate(REQUEST)).output_ids == first.output_ids
         pids = [s.pid for s in engines._servers]
         tg.cancel_scope.cancel()
@@ -89,7 +91,8 @@ async def test_affinity_and_restart(model: Path, tmp_path: Path) -> None:
     assert [s.state for s in engines.statistics().servers] == [ServerState.STOPPED] * 2
     assert not any(alive(p) for p in pids if p is not None)
     log = (tmp_path / "engine0.log").read_text()
-    assert "swectl-engine pid" in log and "ready on" in log
+    assert "swectl-engine pid" in log
+    assert "ready on" in log
 
 
 def first_leaf(exc: BaseException) -> BaseException:
@@ -105,7 +108,8 @@ async def test_missing_model_folder_is_a_clear_error(tmp_path: Path) -> None:
             with anyio.fail_after(60):
                 await tg.start(engines.run)
     error = first_leaf(caught.value)
-    assert isinstance(error, ConfigError) and "no-such-model is not on node local" in str(error), repr(error)
+    assert isinstance(error, ConfigError), repr(error)
+    assert "no-such-model is not on node local" in str(error), repr(error)
 
 
 async def test_failed_start_quotes_the_server_output(tmp_path: Path) -> None:
@@ -136,7 +140,8 @@ async def test_engine_on_ssh_node(model: Path, node, tmp_path: Path) -> None:  #
             await tg.start(engines.run)
         (server,) = engines._servers
         assert server.url.startswith(f"http://{test_node.host}:"), server.url
-        assert server.pid is not None and os.stat(f"/proc/{server.pid}/ns/net").st_ino == netns_inode
+        assert server.pid is not None
+        assert os.stat(f"/proc/{server.pid}/ns/net").st_ino == netns_inode
         result = await engines.route("t#0").generate(REQUEST)
         assert len(result.output_ids) == 4
         # Bound to 0.0.0.0 on the node, so it takes a key: a client without it is turned away.
@@ -151,7 +156,8 @@ async def test_engine_on_ssh_node(model: Path, node, tmp_path: Path) -> None:  #
         await hosts[0].node.aclose()
         await until(lambda: not alive(first_pid), 30, "the server dies with its channel")
         await until(lambda: server.healthy and server.restarts >= 1, 150, "a new server on the node")
-        assert server.pid != first_pid and alive(server.pid)
+        assert server.pid != first_pid
+        assert alive(server.pid)
         assert (await engines.route("t#0").generate(REQUEST)).output_ids == result.output_ids
         last_pid = server.pid
         tg.cancel_scope.cancel()
@@ -197,7 +203,8 @@ async def test_sglang_launch_path(model: Path, tmp_path: Path) -> None:
             await tg.start(engines.run)
         assert len((await engines.route("s#0").generate(REQUEST)).output_ids) == 4
         log = (tmp_path / "engine0.log").read_text()
-        assert "address already in use" in log and log.count("swectl-engine pid") == 2, log
+        assert "address already in use" in log, log
+        assert log.count("swectl-engine pid") == 2, log
         async with SglangClient(engines.urls()[0], timeout_s=10) as stranger:
             with pytest.raises(EngineRejectedError):
                 await stranger.generate(REQUEST)

@@ -114,13 +114,16 @@ async def test_lease_round_trip_and_counters(run_id: str) -> None:
             await lease.write_file("/tmp/round-trip.txt", b"payload\x00\xff")
             assert await lease.read_file("/tmp/round-trip.txt") == b"payload\x00\xff"
             await lease.ping()
-        assert result.exit_code == 0 and not result.timed_out
+        assert result.exit_code == 0
+        assert not result.timed_out
         assert result.output.startswith("hello from ")
         assert await containers(**run_labels(run_id)) == [lease.sandbox.id]
 
         stats = pool.statistics()
         assert (stats.leases_granted, stats.cold_starts, stats.warm_hits) == (1, 1, 0)
-        assert stats.leased == 1 and stats.nodes[0].leased == 1 and stats.nodes[0].healthy
+        assert stats.leased == 1
+        assert stats.nodes[0].leased == 1
+        assert stats.nodes[0].healthy
 
         await release(pool, lease)
         assert not await exists(lease.sandbox.id)
@@ -135,7 +138,8 @@ async def test_lease_round_trip_and_counters(run_id: str) -> None:
 
         stats = pool.statistics()
         assert (stats.leases_granted, stats.cold_starts, stats.warm_hits) == (2, 2, 0)
-        assert stats.leased == 0 and stats.warm == 0
+        assert stats.leased == 0
+        assert stats.warm == 0
         assert (stats.leases_expired, stats.leases_failed, stats.start_failures) == (0, 0, 0)
 
 
@@ -155,7 +159,8 @@ async def test_warm_pool_hit_and_refill(run_id: str) -> None:
         with anyio.fail_after(2 * CREATE_TIMEOUT_S):
             await pool.wait_warm(2)  # refilled behind the lease
         stats = pool.statistics()
-        assert stats.warm == 2 and stats.leased == 1
+        assert stats.warm == 2
+        assert stats.leased == 1
         assert len(await containers(**run_labels(run_id))) == 3
         with anyio.fail_after(20):
             assert (await lease.exec("echo warm", 10)).output == "warm\n"
@@ -204,7 +209,8 @@ async def test_per_node_cap_blocks_then_unblocks(run_id: str) -> None:
         with anyio.fail_after(20):
             assert (await lease.exec("echo third", 10)).exit_code == 0
         stats = pool.statistics()
-        assert stats.leased == 2 and stats.leases_granted == 3
+        assert stats.leased == 2
+        assert stats.leases_granted == 3
         await release(pool, second)
         await release(pool, lease)
 
@@ -297,7 +303,8 @@ async def test_exit_removes_leased_and_warm_sandboxes(run_id: str) -> None:
         with anyio.fail_after(2 * CREATE_TIMEOUT_S):
             await pool.wait_warm(2)
         stats = pool.statistics()
-        assert stats.leased == 2 and stats.warm == 2
+        assert stats.leased == 2
+        assert stats.warm == 2
         assert len(await containers(**run_labels(run_id))) >= 4
     assert await containers(**run_labels(run_id)) == []
     for lease in held:  # still held by the caller, but the pool is gone

@@ -24,7 +24,10 @@ def test_bundled_set_is_big_enough_and_diverse() -> None:
     assert len(tasks) >= 30
     assert len({t.repo for t in tasks}) >= 3
     for t in tasks:
-        assert t.source == "swectl-synth" and t.setup_patch and t.patch and t.FAIL_TO_PASS
+        assert t.source == "swectl-synth"
+        assert t.setup_patch
+        assert t.patch
+        assert t.FAIL_TO_PASS
         assert not set(t.FAIL_TO_PASS) & set(t.PASS_TO_PASS)
         assert t.patch not in t.problem_statement
 
@@ -34,7 +37,8 @@ def test_validation_on_bundled_set(mode: str, tmp_path: Path, capsys: pytest.Cap
     rc = main(["eval", f"--{mode}", "--concurrency", "4", "--out", str(tmp_path)])
     r = report(tmp_path)
     assert rc == 0, capsys.readouterr().out[-3000:]
-    assert r["total"] == len(load_tasks(BUNDLED_TASKS).tasks) and r["errors"] == 0
+    assert r["total"] == len(load_tasks(BUNDLED_TASKS).tasks)
+    assert r["errors"] == 0
     assert r["resolve_rate"] == (1.0 if mode == "gold" else 0.0)
     assert f"{mode}: " in capsys.readouterr().out
 
@@ -55,7 +59,8 @@ def test_predictions_file(tmp_path: Path) -> None:
     assert r["total"] == 3  # the task without a prediction is not graded
     assert r["resolved_ids"] == [tasks[0].instance_id]
     assert r["unresolved_ids"] == [tasks[1].instance_id]
-    assert r["error_ids"] == [tasks[2].instance_id] and r["error_reasons"] == {"patch_apply_failed": 1}
+    assert r["error_ids"] == [tasks[2].instance_id]
+    assert r["error_reasons"] == {"patch_apply_failed": 1}
 
 
 def test_bad_predictions_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,8 +30,10 @@ def test_eval_with_the_tiny_model(model: Path, tmp_path: Path) -> None:
             "--concurrency", "2", "--out", str(tmp_path)]
     assert main(args) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["finished"] == summary["total"] == 2 and summary["aborted"] == 0
-    assert sum(summary["exit_status"].values()) == 2 and "agent/turns_mean" in summary["metrics"]
+    assert summary["finished"] == summary["total"] == 2
+    assert summary["aborted"] == 0
+    assert sum(summary["exit_status"].values()) == 2
+    assert "agent/turns_mean" in summary["metrics"]
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     preds = [json.loads(line) for line in (tmp_path / "preds.jsonl").read_text().splitlines()]
     assert {r["instance_id"] for r in results} == {p["instance_id"] for p in preds}
@@ -44,7 +46,8 @@ def test_eval_with_the_tiny_model(model: Path, tmp_path: Path) -> None:
         assert sum(t["loss_mask"]) == sum(s["output_tokens"] for s in ep["steps"]) > 0
         assert all(lp <= 0.0 for lp, m in zip(t["logprobs"], t["loss_mask"], strict=True) if m)
         assert all(lp == 0.0 for lp, m in zip(t["logprobs"], t["loss_mask"], strict=True) if not m)
-        assert (d / "patch.diff").exists() and json.loads((d / "meta.json").read_text())["exit_status"]
+        assert (d / "patch.diff").exists()
+        assert json.loads((d / "meta.json").read_text())["exit_status"]
     # A rerun with one more task only runs that task.
     assert main([*args[:4], "0:3", *args[5:]]) == 0
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
@@ -75,10 +78,13 @@ def test_replayed_gold_resolves_everything_through_http(model: Path, tmp_path: P
         assert main(["eval", "--endpoint", url, "--tokenizer", str(model), "--concurrency", "4", "--step-limit", "5",
                      "--max-tokens", "4096", "--context", "16384", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["total"] == len(tasks) and summary["resolved"] == len(tasks), summary
-    assert summary["resolve_rate"] == 1.0 and summary["exit_status"] == {"Submitted": len(tasks)}
+    assert summary["total"] == len(tasks), summary
+    assert summary["resolved"] == len(tasks), summary
+    assert summary["resolve_rate"] == 1.0
+    assert summary["exit_status"] == {"Submitted": len(tasks)}
     preds = [json.loads(line) for line in (out / "preds.jsonl").read_text().splitlines()]
-    assert len(preds) == len(tasks) and all(p["model_patch"].startswith("diff --git") for p in preds)
+    assert len(preds) == len(tasks)
+    assert all(p["model_patch"].startswith("diff --git") for p in preds)
 
 
 def test_managed_context_over_http_with_real_sandboxes(model: Path, tmp_path: Path) -> None:
@@ -106,14 +112,16 @@ def test_managed_context_over_http_with_real_sandboxes(model: Path, tmp_path: Pa
                      "--max-tokens", str(max_new), "--context", str(budget), "--manage-context",
                      "--instances", *replies, "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["resolved"] == 2 and summary["exit_status"] == {"Submitted": 2}, summary
+    assert summary["resolved"] == 2, summary
+    assert summary["exit_status"] == {"Submitted": 2}, summary
     for r in (json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()):
         ep = json.loads((Path(r["artifacts"]) / "traj.json").read_text())["episode"]
         samples = ep["samples"]
         assert len(samples) == len(ep["steps"]) == 10
         assert all(len(s["prompt_ids"]) + max_new <= budget for s in samples)
         assert len(ep["trajectory"]["token_ids"]) > budget  # the whole conversation did not fit
-        assert samples[0]["omitted_turns"] == 0 and samples[-1]["omitted_turns"] > 0
+        assert samples[0]["omitted_turns"] == 0
+        assert samples[-1]["omitted_turns"] > 0
         assert "omitted to fit the context window" in tok.decode(samples[-1]["prompt_ids"])
         # Each sample's output is exactly what the trajectory recorded for that turn.
         emitted = [t for t, m in zip(ep["trajectory"]["token_ids"], ep["trajectory"]["loss_mask"], strict=True) if m]
@@ -151,7 +159,8 @@ def test_ctrl_c_leaves_no_containers(model: Path, tmp_path: Path) -> None:
 
         deadline = time.monotonic() + 120
         while len(containers()) < 4:
-            assert time.monotonic() < deadline and run.poll() is None, "episodes never started"
+            assert time.monotonic() < deadline, "episodes never started"
+            assert run.poll() is None, "episodes never started"
             time.sleep(0.5)
         time.sleep(2)
         os.kill(run.pid, signal.SIGINT)
@@ -181,8 +190,11 @@ def test_eval_against_an_openai_compatible_endpoint(model: Path, tmp_path: Path)
         server.terminate()
         server.wait(10)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["finished"] == 2 and summary["aborted"] == 0 and summary["model"] == "tiny"
+    assert summary["finished"] == 2
+    assert summary["aborted"] == 0
+    assert summary["model"] == "tiny"
     for line in (out / "results.jsonl").read_text().splitlines():
         ep = json.loads((Path(json.loads(line)["artifacts"]) / "traj.json").read_text())["episode"]
-        assert ep["trajectory"]["token_ids"] == [] and ep["trajectory"]["messages"][0]["role"] == "system"
+        assert ep["trajectory"]["token_ids"] == []
+        assert ep["trajectory"]["messages"][0]["role"] == "system"
         assert [m["role"] for m in ep["trajectory"]["messages"][2:4]] == ["assistant", "user"]

@@ -97,17 +97,20 @@ def git_diff_of(tmp: Path, files: dict[str, bytes]) -> str:
 async def test_gold_resolves_empty_does_not(project_task: Task, run_id: str) -> None:
     gold = await grade(project_task, project_task.patch, run_id)
     assert gold.status == "resolved", gold
-    assert gold.apply_method == "git apply" and gold.test_exit_code == 0
+    assert gold.apply_method == "git apply"
+    assert gold.test_exit_code == 0
     empty = await grade(project_task, "", run_id)
     assert empty.status == "unresolved", empty
-    assert empty.f2p_failed == project_task.FAIL_TO_PASS and not empty.p2p_failed
+    assert empty.f2p_failed == project_task.FAIL_TO_PASS
+    assert not empty.p2p_failed
     assert not empty.infra
 
 
 async def test_malformed_patch_is_an_error_not_unresolved(task: Task, run_id: str) -> None:
     r = await grade(task, "this is not a diff\n@@ nonsense @@\n", run_id)
     assert (r.status, r.reason, r.infra) == ("error", "patch_apply_failed", False)
-    assert "git apply" in r.detail and "patch --batch" in r.detail
+    assert "git apply" in r.detail
+    assert "patch --batch" in r.detail
 
 
 async def test_patch_against_missing_file_is_an_error(task: Task, run_id: str) -> None:
@@ -131,11 +134,13 @@ async def test_edits_to_tests_are_reverted(task: Task, run_id: str) -> None:
              "@@ -1 +0,0 @@\n-placeholder\n")
     r = await grade(task, cheat, run_id)
     assert test_file in r.dropped_test_files
-    assert r.status == "unresolved" and r.apply_method == "empty"
+    assert r.status == "unresolved"
+    assert r.apply_method == "empty"
     # The gold patch plus a new test file: the test file is dropped, the fix still counts.
     helper = new_file_patch("tests/test_extra_by_agent.py", "def test_x():\n    assert False\n")
     r = await grade(task, task.patch + helper, run_id)
-    assert r.status == "resolved" and r.dropped_test_files == ["tests/test_extra_by_agent.py"]
+    assert r.status == "resolved"
+    assert r.dropped_test_files == ["tests/test_extra_by_agent.py"]
 
 
 async def test_20_mb_patch(task: Task, run_id: str) -> None:
@@ -200,7 +205,8 @@ async def test_log_claiming_success_while_tests_fail_is_rejected(task: Task, run
     r = await grade(task, task.patch + plugin + new_file_patch("pytest.ini", "[pytest]\naddopts = -p fake_plugin\n"),
                     run_id)
     assert r.status == "unresolved", r
-    assert r.test_exit_code == 3 and "exited 3" in r.detail
+    assert r.test_exit_code == 3
+    assert "exited 3" in r.detail
 
 
 async def test_sandbox_lost_mid_grading_is_infra(task: Task, run_id: str) -> None:
@@ -218,7 +224,8 @@ async def test_sandbox_lost_mid_grading_is_infra(task: Task, run_id: str) -> Non
     async with anyio.create_task_group() as tg:
         tg.start_soon(kill_soon)
         r = await grade(task, patch, run_id, timeout_s=120)
-    assert r.status == "error" and r.infra, r
+    assert r.status == "error", r
+    assert r.infra, r
     assert r.reason in ("sandbox_lost", "infra"), r
 
 
@@ -257,5 +264,6 @@ async def test_node_lost_mid_grading_is_infra(task: Task, run_id: str) -> None:
                 tg.cancel_scope.cancel()
         finally:
             node.restart_sshd()
-    assert r.status == "error" and r.infra, r
+    assert r.status == "error", r
+    assert r.infra, r
     assert r.reason in ("node_lost", "sandbox_lost", "infra"), r

@@ -169,7 +169,9 @@ def test_second_build_is_cached(fake: Fake) -> None:
     started = time.monotonic()
     again = build_instance_image(fake.task, spec(), fake.repo_cache, say=lambda _: None)
     print(f"cached build: {time.monotonic() - started:.2f} s")
-    assert again.cached and again.content == fake.built.content and again.image == fake.built.image
+    assert again.cached
+    assert again.content == fake.built.content
+    assert again.image == fake.built.image
 
 
 # ------------------------------------------------------------------------------------------------ grading
@@ -188,7 +190,8 @@ async def test_gold_resolves_and_empty_does_not(fake: Fake) -> None:
     assert gold.status == "resolved", gold
     assert gold.test_exit_code == 0
     assert empty.status == "unresolved", empty
-    assert empty.f2p_failed == fake.task.FAIL_TO_PASS and not empty.p2p_failed
+    assert empty.f2p_failed == fake.task.FAIL_TO_PASS
+    assert not empty.p2p_failed
 
 
 # ------------------------------------------------------------------------------------------------ spec variants
@@ -210,7 +213,9 @@ def test_pins_without_py311_wheels_pre_install_and_extras(fake: Fake) -> None:
     r = in_image(built.image, "pip list 2>/dev/null | grep -iE '^(markupsafe|six|toyreq) '; head -1 README")
     assert r.returncode == 0, r.stderr
     listed = r.stdout.split()
-    assert listed[:2] == ["MarkupSafe", "2.1.1"] and "toyreq" in listed and "six" in listed
+    assert listed[:2] == ["MarkupSafe", "2.1.1"]
+    assert "toyreq" in listed
+    assert "six" in listed
     assert r.stdout.rstrip().endswith("toy (pre_install ran)")
 
 

@@ -20,7 +20,6 @@ from swectl.agent.metrics import agent_metrics
 from swectl.agent.protocol import AgentLimits
 from swectl.config import load_config
 from swectl.images.project import BUNDLED_TASKS
-from swectl.model.tiny import ModelInitConfig, hf_tokenizer, train_tokenizer
 from swectl.tasks.record import Task
 from swectl.tasks.sources import load_tasks
 from swectl.testing.replay import ReplayEngine, gold_replies
@@ -29,9 +28,8 @@ pytestmark = [pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    cfg = ModelInitConfig(vocab_size=600)
-    return hf_tokenizer(train_tokenizer(cfg, ["def f(x):\n    return x\n", "```bash\nls\n```\n"] * 100), cfg)
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def rollout(tasks: list[Task], replies_for, tokenizer, out: Path, **episode) -> list:
@@ -44,7 +42,8 @@ def rollout(tasks: list[Task], replies_for, tokenizer, out: Path, **episode) -> 
                          lambda t, n: ReplayEngine(replies_for(t), tokenizer), tokenizer, out)
             await tg.start(ro.run)
             results = await ro.collect(tasks)
-            assert ro.statistics().finished == len(results) and grader.statistics().graded == sum(
+            assert ro.statistics().finished == len(results)
+            assert grader.statistics().graded == sum(
                 r.grade is not None for r in results)
             tg.cancel_scope.cancel()
         return results
@@ -58,15 +57,20 @@ def test_replayed_gold_trajectories_resolve_every_bundled_task(tokenizer, tmp_pa
     assert len(results) == len(tasks)
     bad = [(r.instance_id, r.exit_status, r.reason, r.grade and r.grade.status) for r in results if not r.resolved]
     assert not bad, bad
-    assert all(r.exit_status == "Submitted" and r.turns == 2 for r in results)
+    assert [r.exit_status for r in results] == ["Submitted"] * len(results)
+    assert [r.turns for r in results] == [2] * len(results)
     m = agent_metrics(results)
-    assert m["agent/turns_mean"] == 2 and 0 < m["agent/env_time_ratio"] < 1
+    assert m["agent/turns_mean"] == 2
+    assert 0 < m["agent/env_time_ratio"] < 1
     one = tmp_path / f"{tasks[0].instance_id}__0"
     traj = json.loads((one / "traj.json").read_text())["episode"]["trajectory"]
-    assert len(traj["token_ids"]) == len(traj["loss_mask"]) == len(traj["logprobs"]) and sum(traj["loss_mask"]) > 0
+    assert len(traj["token_ids"]) == len(traj["loss_mask"]) == len(traj["logprobs"])
+    assert sum(traj["loss_mask"]) > 0
     diff = (one / "patch.diff").read_text()
     added = [ln for ln in tasks[0].patch.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
-    assert diff.startswith("diff --git") and added and all(ln in diff.splitlines() for ln in added)
+    assert diff.startswith("diff --git")
+    assert added
+    assert all(ln in diff.splitlines() for ln in added)
     assert json.loads((one / "meta.json").read_text())["resolved"] is True
 
 
@@ -75,7 +79,8 @@ def test_format_errors_and_step_limit(tokenizer, tmp_path: Path) -> None:
     (r,) = rollout([task], lambda t: ["no code block here"] * 5, tokenizer, tmp_path / "a",
                    limits=AgentLimits(max_format_errors=3))
     assert (r.exit_status, r.outcome, r.turns) == ("FormatError", "TRUNCATED", 3)
-    assert r.grade is not None and r.grade.status == "unresolved"  # truncated episodes are still graded
+    assert r.grade is not None
+    assert r.grade.status == "unresolved"  # truncated episodes are still graded
     (r,) = rollout([task], lambda t: ["THOUGHT: look\n```bash\nls\n```"] * 9, tokenizer, tmp_path / "b",
                    limits=AgentLimits(step_limit=4))
     assert (r.exit_status, r.turns) == ("LimitsExceeded", 4)
@@ -85,7 +90,8 @@ def test_command_timeout_is_an_observation(tokenizer, tmp_path: Path) -> None:
     task = load_tasks(BUNDLED_TASKS).tasks[0]
     replies = ["THOUGHT: slow\n```bash\nsleep 30\n```", *gold_replies(task.patch)]
     (r,) = rollout([task], lambda t: replies, tokenizer, tmp_path, limits=AgentLimits(command_timeout_s=1))
-    assert r.exit_status == "Submitted" and r.resolved
+    assert r.exit_status == "Submitted"
+    assert r.resolved
     steps = json.loads((Path(r.artifacts) / "traj.json").read_text())["episode"]["steps"]
     assert steps[0]["timed_out"] is True
 
@@ -118,5 +124,8 @@ def test_engine_dying_mid_episode_is_aborted_not_failed(tokenizer, tmp_path: Pat
         return results
 
     (r,) = anyio.run(main)
-    assert (r.exit_status, r.outcome) == ("Aborted", "ABORTED") and "engine died" in r.reason
-    assert r.grade is None and not r.resolved and r.turns == 2
+    assert (r.exit_status, r.outcome) == ("Aborted", "ABORTED")
+    assert "engine died" in r.reason
+    assert r.grade is None
+    assert not r.resolved
+    assert r.turns == 2

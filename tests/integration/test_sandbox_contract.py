@@ -56,7 +56,8 @@ async def run(box: PodmanSandbox, command: str, seconds: float = 20, **kwargs: o
 async def ok(box: PodmanSandbox, command: str, seconds: float = 20, **kwargs: object) -> str:
     """Run a helper command that must succeed; return its output."""
     result = await run(box, command, seconds, **kwargs)
-    assert result.exit_code == 0 and not result.timed_out, (command, result)
+    assert result.exit_code == 0, (command, result)
+    assert not result.timed_out, (command, result)
     return result.output
 
 
@@ -145,7 +146,8 @@ async def test_huge_output_is_cut_to_head_and_tail(sandbox: PodmanSandbox) -> No
     head, tail = config.output_head_bytes, config.output_tail_bytes
     size = 50_000_000
     result = await run(sandbox, f"printf HEAD; head -c {size} /dev/zero | tr '\\0' a; printf TAIL", 60)
-    assert result.exit_code == 0 and not result.timed_out
+    assert result.exit_code == 0
+    assert not result.timed_out
     total = size + 8
     assert result.elided_bytes == total - head - tail
     expected = "HEAD" + "a" * (head - 4) + ELISION.format(n=total - head - tail) + "a" * (tail - 4) + "TAIL"
@@ -267,7 +269,8 @@ async def test_diff_captures_all_changes_and_applies_to_a_fresh_clone(sandbox: P
     with anyio.fail_after(BOUND_S):
         await sandbox.write_file(f"{SPEC_WORKDIR}/data/blob.bin", blob)
     state_before = await ok(sandbox, REPO_STATE)
-    assert "?? untracked.txt\n" in state_before and state_before.endswith("-- staged:\n")
+    assert "?? untracked.txt\n" in state_before
+    assert state_before.endswith("-- staged:\n")
 
     with anyio.fail_after(60):
         patch = await sandbox.diff()
@@ -283,7 +286,8 @@ async def test_diff_captures_all_changes_and_applies_to_a_fresh_clone(sandbox: P
         b"diff --git a/run.sh b/run.sh\nold mode 100644\nnew mode 100755",
     ):
         assert expected in patch, expected
-    assert b"keep.txt" not in patch and b"nested.txt" not in patch
+    assert b"keep.txt" not in patch
+    assert b"nested.txt" not in patch
 
     # The repository's own index and worktree are untouched.
     assert await ok(sandbox, REPO_STATE) == state_before
@@ -335,7 +339,8 @@ async def test_labels_from_the_spec_are_on_the_container(backend: PodmanBackend)
 
 async def test_backend_prepare_probe_and_close() -> None:
     backend = PodmanBackend(LocalNode(), SandboxConfig(), containers_conf="bundled")
-    assert not backend.prepared and backend.alive
+    assert not backend.prepared
+    assert backend.alive
     with anyio.fail_after(BOUND_S):
         await backend.prepare()
         assert backend.prepared
@@ -372,7 +377,8 @@ async def test_no_network_by_default(sandbox: PodmanSandbox) -> None:
     assert await ok(sandbox, "cat /sys/class/net/*/operstate") in ("unknown\n", "up\n")
     assert await ok(sandbox, "tail -n +2 /proc/net/route | wc -l") == "0\n"
     tcp = await run(sandbox, "timeout 5 bash -c 'exec 3<>/dev/tcp/10.0.2.2/80' && echo connected")
-    assert tcp.exit_code != 0 and "connected" not in tcp.output
+    assert tcp.exit_code != 0
+    assert "connected" not in tcp.output
     if sandbox.uses_agent:
         py = "import socket; socket.create_connection(('10.0.2.2', 80), timeout=2)"
         result = await run(sandbox, f'python3 -c "{py}"')

@@ -205,7 +205,8 @@ async def test_sandboxes_spread_over_both_ssh_nodes(nodes: testnodes.TestNodes, 
                 assert mode.output.strip() == "755"
                 patch = await lease.diff("/repo")
             assert b"+hello over ssh" in patch
-            assert b"blob.bin" in patch and b"GIT binary patch" in patch
+            assert b"blob.bin" in patch
+            assert b"GIT binary patch" in patch
 
         for lease in leases:
             await release(pool, lease)
@@ -257,7 +258,8 @@ async def test_unknown_host_key_is_rejected(nodes: testnodes.TestNodes, run_id: 
         with anyio.fail_after(20):
             await good.connect()
             out = await good.run(["echo", "verified"])
-        assert out.stdout == b"verified\n" and good.alive
+        assert out.stdout == b"verified\n"
+        assert good.alive
     finally:
         await good.aclose()
 
@@ -310,7 +312,8 @@ async def test_node_death_and_rejoin(nodes: testnodes.TestNodes, run_id: str) ->
             await wait_until(lambda: not node_stats(pool, a.name).healthy, 10, f"{a.name} marked unhealthy")
             stats = pool.statistics()
             assert stats.leases_failed == 2
-            assert node_stats(pool, a.name).leased == 0 and node_stats(pool, b.name).leased == 2
+            assert node_stats(pool, a.name).leased == 0
+            assert node_stats(pool, b.name).leased == 2
 
             with anyio.fail_after(30):
                 for lease in on_b:
@@ -352,7 +355,8 @@ async def test_node_down_at_start_joins_later(nodes: testnodes.TestNodes, run_id
     try:
         await anyio.to_thread.run_sync(a.kill_sshd)
         async with running_pool(cfg, run_id) as pool:
-            assert not node_stats(pool, a.name).healthy and node_stats(pool, b.name).healthy
+            assert not node_stats(pool, a.name).healthy
+            assert node_stats(pool, b.name).healthy
             lease = await acquire(pool)
             assert lease.node == b.name
             await anyio.to_thread.run_sync(a.restart_sshd)
@@ -440,7 +444,8 @@ def test_nodes_check_healthy(nodes: testnodes.TestNodes, tmp_path: Path) -> None
     assert done.returncode == 0, output
     for node in nodes.nodes:
         assert re.search(rf"^{node.name}\s+ok\s", done.stdout, re.MULTILINE), output
-    assert "PROBLEM" not in output and "hint" not in output
+    assert "PROBLEM" not in output
+    assert "hint" not in output
 
 
 def test_nodes_check_wrong_port(nodes: testnodes.TestNodes, tmp_path: Path) -> None:
@@ -456,5 +461,7 @@ def test_nodes_check_wrong_port(nodes: testnodes.TestNodes, tmp_path: Path) -> N
     assert re.search(rf"^{a.name}\s+ok\s", done.stdout, re.MULTILINE), output
     assert re.search(rf"^{b.name}\s+PROBLEM\s", done.stdout, re.MULTILINE), output
     problem = [line for line in done.stdout.splitlines() if line.strip().startswith("-")]
-    assert problem and b.name in problem[0] and "2222" in problem[0], output
+    assert problem, output
+    assert b.name in problem[0], output
+    assert "2222" in problem[0], output
     assert "hint:" in problem[0], output

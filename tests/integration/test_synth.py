@@ -37,11 +37,14 @@ def test_synth_is_deterministic_and_valid() -> None:
     assert first, "no mutant of inflection kept"
     assert [t.row() for t in synth(seed=7)] == [t.row() for t in first]
     for t in first:
-        assert 1 <= len(t.FAIL_TO_PASS) <= 30 and t.PASS_TO_PASS
-        assert t.setup_patch.startswith("diff --git") and t.patch.startswith("diff --git")
+        assert 1 <= len(t.FAIL_TO_PASS) <= 30
+        assert t.PASS_TO_PASS
+        assert t.setup_patch.startswith("diff --git")
+        assert t.patch.startswith("diff --git")
         assert any(f2p in t.problem_statement for f2p in t.FAIL_TO_PASS)
         added = [ln[1:].strip() for ln in t.setup_patch.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
-        assert added and all(a not in t.problem_statement for a in added)
+        assert added
+        assert all(a not in t.problem_statement for a in added)
 
 
 CALC = '''\
@@ -128,6 +131,7 @@ def test_synth_from_a_git_checkout(tmp_path) -> None:
 
         statuses = anyio.run(main)
         half = len(statuses) // 2
-        assert statuses[:half] == ["resolved"] * half and statuses[half:] == ["unresolved"] * half
+        assert statuses[:half] == ["resolved"] * half
+        assert statuses[half:] == ["unresolved"] * half
     finally:
         run_local_podman("rmi", "-f", built.image, check=False)
