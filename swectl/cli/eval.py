@@ -131,7 +131,8 @@ def rollout_overrides(args: argparse.Namespace) -> list[str]:
     for key in ROLLOUT_FLAGS:
         value = getattr(args, key, None)
         if value is not None:
-            overrides.append(f"rollout.{key}={str(value).lower() if isinstance(value, bool) else value!r}")
+            text = ("true" if value else "false") if isinstance(value, bool) else repr(value)  # TOML values
+            overrides.append(f"rollout.{key}={text}")
     return overrides
 
 

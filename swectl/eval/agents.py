@@ -223,13 +223,13 @@ async def wait_endpoint(client: SglangClient | OpenAIChatClient, path: str, *, t
         except EngineUnavailableError as exc:
             reason = str(exc).removeprefix(f"engine {url}: ")
         waited = anyio.current_time() - started
-        if waited >= timeout_s:
-            raise EngineUnavailableError(url, f"not ready after {timeout_s:.0f} s (engine.start_timeout_s); "
-                                         f"last answer: {reason}")
         if said_at is None or anyio.current_time() - said_at >= SAY_EVERY_S:
             said_at = anyio.current_time()
             status(f"waiting for {url} to answer GET {path} ({reason}); {waited:.0f} of {timeout_s:.0f} s "
                    "(engine.start_timeout_s)")
+        if waited >= timeout_s:
+            raise EngineUnavailableError(url, f"not ready after {timeout_s:.0f} s (engine.start_timeout_s); "
+                                         f"last answer: {reason}")
         await anyio.sleep(1.0)
 
 
@@ -260,9 +260,6 @@ async def eval_model(
     """Mode ``model``: token-in/token-out episodes on servers launched per ``config.engine`` on its nodes.
     ``endpoint``: the same against a running SGLang-API server. ``openai``: messages-only episodes on an
     OpenAI-compatible endpoint (evaluation only). Episode settings come from ``settings.rollout``."""
-    tokenizer = None
-    if settings.mode != "openai":
-        tokenizer = load_tokenizer(settings.tokenizer, tokenizer_knob(settings))
     prepare_run_dir(out, settings, fresh=fresh)
     previous = _done(out)
     skip = {(r.instance_id, r.sample) for r in previous}
@@ -283,6 +280,7 @@ async def eval_model(
         else:
             status(f"starting {config.engine.kind} engine servers for {settings.model} (up to "
                    f"{config.engine.start_timeout_s:.0f} s, engine.start_timeout_s)")
+        tokenizer = None if chat else load_tokenizer(settings.tokenizer, tokenizer_knob(settings))
         res_f = stack.enter_context((out / "results.jsonl").open("ab"))
         preds_f = stack.enter_context((out / "preds.jsonl").open("a"))
         bar = Progress(total, "eval") if progress else None

@@ -57,6 +57,7 @@ def test_predictions_file(tmp_path: Path) -> None:
     r = report(tmp_path / "out")
     assert rc == 0
     assert r["total"] == 3  # the task without a prediction is not graded
+    assert r["mode"] == "predictions" and r["model"] == "m" and r["infra_errors"] == 0
     assert r["resolved_ids"] == [tasks[0].instance_id]
     assert r["unresolved_ids"] == [tasks[1].instance_id]
     assert r["error_ids"] == [tasks[2].instance_id]
@@ -68,3 +69,17 @@ def test_bad_predictions_file_is_a_clear_error(tmp_path: Path, capsys: pytest.Ca
     path.write_text('[{"model_patch": "x"}]')
     assert main(["eval", "--predictions", str(path), "--out", str(tmp_path / "o")]) == 2
     assert "instance_id" in capsys.readouterr().err
+
+
+def test_predictions_for_unknown_instances_are_listed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Predictions partly for another task set: the unknown ids are named, the header counts what is graded."""
+    task = load_tasks(BUNDLED_TASKS, strict=True).tasks[0]
+    path = tmp_path / "preds.jsonl"
+    rows = [{"instance_id": task.instance_id, "model_patch": task.patch},
+            {"instance_id": "django__django-11099", "model_patch": ""}]
+    path.write_text("".join(json.dumps(p) + "\n" for p in rows))
+    assert main(["eval", "--predictions", str(path), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "1 of 2 predictions are for instances not in the task set" in err and "django__django-11099" in err
+    assert "grading 1 tasks (predictions)" in err
+    assert report(tmp_path / "out")["resolved_ids"] == [task.instance_id]

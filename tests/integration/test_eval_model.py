@@ -25,13 +25,14 @@ from swectl.testing.replay import gold_replies
 pytestmark = [pytest.mark.integration]
 
 
-def test_eval_with_the_tiny_model(model: Path, tmp_path: Path) -> None:
+def test_eval_with_the_tiny_model(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["eval", "--model", str(model), "--slice", "0:2", "--step-limit", "2", "--max-tokens", "24",
             "--concurrency", "2", "--out", str(tmp_path)]
     assert main(args) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["finished"] == summary["total"] == 2
-    assert summary["aborted"] == 0
+    assert summary["infra_errors"] == 0
+    assert summary["mode"] == "model" and summary["settings"]["rollout"]["step_limit"] == 2
     assert sum(summary["exit_status"].values()) == 2
     assert "agent/turns_mean" in summary["metrics"]
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -50,6 +51,12 @@ def test_eval_with_the_tiny_model(model: Path, tmp_path: Path) -> None:
         assert json.loads((d / "meta.json").read_text())["exit_status"]
     # A rerun with one more task only runs that task.
     assert main([*args[:4], "0:3", *args[5:]]) == 0
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
+    # A rerun with other settings is refused, naming the difference (--set and the flag are the same knob).
+    for other in (["--temperature", "0.5"], ["--set", "rollout.temperature=0.5"]):
+        assert main([*args, *other]) == 2
+        err = capsys.readouterr().err
+        assert "rollout.temperature: 0.0 -> 0.5" in err and "--fresh" in err
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
 
 
@@ -191,7 +198,7 @@ def test_eval_against_an_openai_compatible_endpoint(model: Path, tmp_path: Path)
         server.wait(10)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["finished"] == 2
-    assert summary["aborted"] == 0
+    assert summary["infra_errors"] == 0
     assert summary["model"] == "tiny"
     for line in (out / "results.jsonl").read_text().splitlines():
         ep = json.loads((Path(json.loads(line)["artifacts"]) / "traj.json").read_text())["episode"]
