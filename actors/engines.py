@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import re
 import secrets
 import sys
@@ -55,6 +56,7 @@ from swectl.remote.nodes.backends import make_node
 from swectl.remote.nodes.node import LocalNode, Node, NodeProcess
 from swectl.schema import EngineStatistics, ServerState, ServerStatistics
 
+_log = logging.getLogger(__name__)
 API_KEY_PLACEHOLDER = "@SWECTL_ENGINE_API_KEY@"
 LOOPBACK = "127.0.0.1"
 START_TRIES = 3
@@ -302,6 +304,8 @@ class Engines:
                     if not started:
                         raise failure
                     s.lost(str(failure))
+                _log.warning("engine server %s: restart %d in %ss: %s", s.name, s.restarts,
+                             self._config.health_interval_s, s.last_error)
                 await anyio.sleep(self._config.health_interval_s)
         finally:
             s.stopped()

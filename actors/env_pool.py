@@ -17,6 +17,7 @@ this host are reaped; at exit everything of this run is removed. Only idempotent
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -33,6 +34,7 @@ from swectl.remote.nodes.backends import close_backends, make_backends
 from swectl.sandbox import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN, Sandbox, SandboxBackend
 from swectl.schema import ExecResult, NodeStatistics, PoolStatistics, SandboxSpec
 
+_log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 60.0  # running_pool: closing the backends' connections after the pool stopped
 
@@ -200,10 +202,12 @@ class EnvPool:
                 continue
             try:
                 sandbox = await self._create(slot, image)
-            except InfraError:
+            except InfraError as exc:
                 attempts += 1
                 if attempts > self._config.start_retries:
                     raise
+                _log.info("sandbox start on node %s failed (retry %d of %d): %s", slot.config.name, attempts,
+                          self._config.start_retries, exc)
                 continue
             self._counts["cold_starts"] += 1
             return self._grant(slot, sandbox)
@@ -364,6 +368,8 @@ class EnvPool:
             await self._reap(slot, initial=initial)
             slot.healthy = True
             slot.last_problem = ""
+            if not initial:
+                _log.info("node %s rejoined the pool", slot.config.name)
             self._notify()
 
     async def _fail_node(self, slot: _NodeSlot, reason: str) -> None:
@@ -372,6 +378,8 @@ class EnvPool:
         slot.healthy = False
         error = NodeLostError(slot.config.name, reason)
         doomed = [lease.sandbox for lease in slot.leases] + slot.warm
+        _log.warning("node %s lost (%d leases failed, no new ones until it answers again): %s", slot.config.name,
+                     len(slot.leases), reason)
         for lease in slot.leases:
             lease.failure = error
             self._counts["failed"] += 1
@@ -417,8 +425,10 @@ class EnvPool:
             try:
                 await slot.backend.remove(doomed)
                 self._counts["reaped"] += len(doomed)
-            except InfraError:
-                pass
+                _log.info("reaped %d orphan container(s) on node %s", len(doomed), slot.config.name)
+            except InfraError as exc:
+                _log.warning("could not reap %d orphan container(s) on node %s: %s", len(doomed), slot.config.name,
+                             exc)
 
     async def _shutdown(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -439,8 +449,9 @@ class EnvPool:
         try:
             found = await slot.backend.list({LABEL_RUN: self.run_id, LABEL_NODE: slot.config.name})
             await slot.backend.remove([info.id for info in found])
-        except InfraError:
-            pass
+        except InfraError as exc:
+            _log.warning("could not remove the containers of run %s on node %s: %s", self.run_id, slot.config.name,
+                         exc)
 
     def _notify(self) -> None:
         self._changed.set()

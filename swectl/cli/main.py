@@ -1,12 +1,24 @@
 """The `swectl` command line: one parser, one module per command (``add_parser`` + ``run``), one exit-code
-mapping for every error a command raises."""
+mapping for every error a command raises, and one way a command is stopped.
+
+Ctrl-C (SIGINT), SIGTERM (what ``kill``, Slurm, systemd and Kubernetes send) and SIGHUP (the terminal went
+away) all stop a command the same way: the running command is cancelled, its cleanup runs (each actor's
+shutdown is shielded and bounded: containers and engine servers of the run are removed), and ``swectl``
+exits 130. A signal the process inherited as ignored (``nohup``, a background job's SIGINT) stays ignored.
+A second signal during cleanup stops at once; containers left behind are reaped by the next run on that node.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
+from swectl import logs
 from swectl.errors import ConfigError, InfraError, SwectlError, TaskDataError
 
 EPILOG = """\
@@ -21,6 +33,8 @@ examples:
   swectl eval --predictions preds.jsonl --tasks tasks.jsonl
   swectl data prepare tasks.jsonl --out data/   prompt JSONL for slime/miles + the image list
   swectl model init                      create the tiny Qwen3 policy (tokenizer trained on local code)
+  swectl eval --model runs/models/tiny-qwen3 --slice 0:4   run the agent with it and grade
+  swectl -v eval --gold                  also print what happens inside the run (restarts, retries, ...)
 """
 
 # command name -> module in swectl.cli (imported only when the command runs: `swectl --help` stays fast)
@@ -34,6 +48,9 @@ COMMANDS = {
     "data": "data",
     "model": "model",
 }
+# signals that stop a command like Ctrl-C does
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+EXIT_INTERRUPTED = 130
 
 
 def _command(name: str):
@@ -45,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="swectl", description="Train and evaluate software-engineering agents with RL.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-v", "--verbose", action="count", default=0,
+                           help="print what happens inside a run (info; -vv: debug) besides warnings; "
+                           f"a run's output folder gets it all in {logs.RUN_LOG}")
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="print only errors and results")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         _command(name).add_parser(sub)
@@ -53,29 +75,79 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+    with logs.configure(-1 if args.quiet else args.verbose), _stop_signals_interrupt():
         try:
-            return _command(args.command).run(args)
-        except BaseExceptionGroup as group:  # a task group's failure: report the error inside it
-            leaf = _first_swectl_error(group)
-            if leaf is None:
-                raise
-            raise leaf from group
-    except ConfigError as exc:
-        print(f"swectl: config error: {exc}", file=sys.stderr)
-        return 2
-    except TaskDataError as exc:
-        print(f"swectl: task data error: {exc}", file=sys.stderr)
-        return 2
-    except InfraError as exc:
-        print(f"swectl: infrastructure error: {exc}", file=sys.stderr)
-        return 3
-    except SwectlError as exc:
-        print(f"swectl: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("swectl: interrupted; containers of this run were removed", file=sys.stderr)
-        return 130
+            try:
+                return _command(args.command).run(args)
+            except BaseExceptionGroup as group:  # a task group's failure: report the error inside it
+                if group.subgroup(KeyboardInterrupt) is not None:  # stopped: whatever failed on the way out
+                    raise KeyboardInterrupt from group
+                leaf = _first_swectl_error(group)
+                if leaf is None:
+                    raise
+                raise leaf from group
+        except ConfigError as exc:
+            print(f"swectl: config error: {exc}", file=sys.stderr)
+            return 2
+        except TaskDataError as exc:
+            print(f"swectl: task data error: {exc}", file=sys.stderr)
+            return 2
+        except InfraError as exc:
+            print(f"swectl: infrastructure error: {exc}", file=sys.stderr)
+            return 3
+        except SwectlError as exc:
+            print(f"swectl: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"swectl: {interrupted_message(args)}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+
+def interrupted_message(args: argparse.Namespace) -> str:
+    """What an interrupted command has left behind: true for the command that was stopped."""
+    match args.command:
+        case "up" | "tasks":
+            return "interrupted; the containers of this run were removed"
+        case "eval" if any(getattr(args, a, None) for a in ("model", "endpoint", "openai_url")):
+            return ("interrupted; the containers of this run were removed and any engine servers it started "
+                    "stopped; to resume, run the same command with --out set to this run's output folder (finished "
+                    "episodes are kept)")
+        case "eval":
+            return "interrupted; the containers of this run were removed"
+        case "model":
+            return "interrupted; the model folder is moved into place only when complete, so it was not written"
+        case _:
+            return "interrupted"
+
+
+@contextlib.contextmanager
+def _stop_signals_interrupt() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGHUP do what Ctrl-C does (unless they were inherited ignored).
+
+    The handler calls whatever handles SIGINT at that moment: inside ``anyio.run`` that is asyncio's
+    Runner, which cancels the main task so every cleanup runs; elsewhere it is Python's default, which
+    raises KeyboardInterrupt. When SIGINT itself is ignored (a background job), KeyboardInterrupt is raised
+    directly: the event loop then cancels every task on its way out, which runs the same cleanup."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread can handle signals
+        return
+
+    def as_sigint(signum: int, frame: object) -> None:
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    saved = {}
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            saved[sig] = signal.signal(sig, as_sigint)
+    try:
+        yield
+    finally:
+        for sig, previous in saved.items():
+            signal.signal(sig, previous)
 
 
 def _first_swectl_error(group: BaseExceptionGroup) -> SwectlError | None:

@@ -19,6 +19,7 @@ import datetime as dt
 import difflib
 import functools
 import gzip
+import logging
 import os
 import re
 import socket
@@ -36,6 +37,7 @@ from swectl.tasks.record import Task, TaskSource
 
 TASK_SOURCES: tuple[str, ...] = get_args(TaskSource)
 _NEWLINE = b"\n"
+_log = logging.getLogger(__name__)
 ROW = "(row)"  # the `field` of a problem with the row as a whole (bad JSON, not an object)
 HUB_PROBE_TIMEOUT_S = 5.0
 
@@ -138,6 +140,7 @@ def load_tasks(
                 hint = "fix the row, or load without strict mode to skip bad rows and list them"
                 raise RowProblemError(exc.problem, hint) from None
             result.problems.append(exc.problem)
+            _log.info("skipped row %s", exc.problem)
             continue
         first_seen[task.instance_id] = location
         result.tasks.append(task)
