@@ -17,6 +17,7 @@ from swectl.cli.common import config_args, output_dir, say
 from swectl.config import ClusterConfig, load_config
 from swectl.errors import ConfigError, TaskDataError
 from swectl.images.project import BUNDLED_TASKS
+from swectl.logs import write_run_log
 from swectl.tasks.record import Task
 
 if TYPE_CHECKING:
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             else settings.mode if settings else "")
     jobs, model = ([], "") if settings else _patch_jobs(args, mode, loaded.tasks, tasks)
     out = output_dir(args.out or Path(config.out_dir) / f"eval-{mode}-{time.strftime('%Y%m%d-%H%M%S')}")
+    write_run_log(out)  # what happens inside the run: restarts, node loss, retries, reaped orphans
     # Every sandbox of an eval run is for one task image: warm base-image sandboxes would be wasted.
     config = msgspec.structs.replace(config, env_pool=msgspec.structs.replace(config.env_pool, warm=0))
     from swectl.images.names import ImageResolver

@@ -22,6 +22,7 @@ from swectl.actors.env_pool import EnvPool, new_run_id, running_pool
 from swectl.cli.common import config_args
 from swectl.config import ClusterConfig, load_config
 from swectl.errors import InfraError
+from swectl.logs import write_run_log
 
 EPISODE_SCRIPT = r"""
 set -e
@@ -59,6 +60,7 @@ async def run_up(config: ClusterConfig, *, episodes: int, concurrency: int) -> i
     run_id = config.run_id or new_run_id()
     out_dir = Path(config.out_dir) / run_id
     out_dir.mkdir(parents=True, exist_ok=True)
+    write_run_log(out_dir)
     print(
         "swectl up: training is not implemented yet; running the sandbox layer end to end instead\n"
         f"  run {run_id}: {episodes} scripted episodes, concurrency {concurrency}, "
