@@ -85,6 +85,17 @@ async def apodman(*args: str) -> subprocess.CompletedProcess[bytes]:
         return await anyio.run_process(["podman", *args], env=env, check=False)
 
 
+STARTED_MARK = "/tmp/swectl-test-started"  # a command under test creates it once it runs (see wait_for_file)
+
+
+async def wait_for_file(container: str, path: str = STARTED_MARK, timeout_s: float = 30) -> None:
+    """Wait (bounded) until ``path`` exists in the container: a test's command creates it when it has started,
+    so fault injection begins on that event instead of after a guessed sleep."""
+    with anyio.fail_after(timeout_s):
+        while (await apodman("exec", container, "test", "-e", path)).returncode != 0:  # noqa: ASYNC110 (in the container)
+            await anyio.sleep(0.1)
+
+
 def session_containers() -> list[str]:
     out = podman("ps", "-a", "-q", "--no-trunc", "--filter", f"label={TEST_LABEL}={SESSION_ID}")
     return out.stdout.decode().split()

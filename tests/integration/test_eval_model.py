@@ -22,6 +22,8 @@ from swectl.tasks.record import TESTBED
 from swectl.tasks.sources import load_tasks
 from swectl.testing.replay import gold_replies
 
+from .conftest import STARTED_MARK
+
 pytestmark = [pytest.mark.integration]
 
 
@@ -149,7 +151,7 @@ def test_ctrl_c_leaves_no_containers(model: Path, tmp_path: Path) -> None:
     from swectl.tasks.sources import load_tasks
 
     tasks = load_tasks(BUNDLED_TASKS, strict=True).tasks[:4]
-    slow = ["THOUGHT: wait\n```bash\nsleep 20\n```"] * 5
+    slow = [f"THOUGHT: wait\n```bash\ntouch {STARTED_MARK}; sleep 20\n```"] * 5
     replies = tmp_path / "replies.json"
     replies.write_text(json.dumps({t.instance_id: slow for t in tasks}))
     server = subprocess.Popen([sys.executable, "-m", "swectl.remote.programs.replay_server", "--replies", str(replies),
@@ -164,12 +166,14 @@ def test_ctrl_c_leaves_no_containers(model: Path, tmp_path: Path) -> None:
         def containers() -> list[str]:
             return run_local_podman("ps", "-a", "-q", "--filter", label).stdout.decode().split()
 
+        def running(container: str) -> bool:  # its episode's first command has started
+            return run_local_podman("exec", container, "test", "-e", STARTED_MARK, check=False).exit_code == 0
+
         deadline = time.monotonic() + 120
-        while len(containers()) < 4:
+        while len(containers()) < 4 or not all(running(c) for c in containers()):
             assert time.monotonic() < deadline, "episodes never started"
             assert run.poll() is None, "episodes never started"
-            time.sleep(0.5)
-        time.sleep(2)
+            time.sleep(0.5)  # polling other processes (sync test)
         os.kill(run.pid, signal.SIGINT)
         _, err = run.communicate(timeout=120)
         assert run.returncode == 130, err.decode()[-2000:]

@@ -20,6 +20,8 @@ from swectl.sandbox import LABEL_RUN
 from swectl.tasks.record import Task
 from swectl.tasks.sources import load_tasks
 
+from .conftest import STARTED_MARK, apodman, wait_for_file
+
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -188,8 +190,10 @@ async def test_deleting_files(task: Task, run_id: str, tmp_path: Path) -> None:
 
 
 def hanging_pytest(seconds: int) -> str:
-    """Files that make pytest hang at start-up: a plugin module that sleeps, loaded through pytest.ini."""
-    return (new_file_patch("sleepy_plugin.py", f"import time\ntime.sleep({seconds})\n")
+    """Files that make pytest hang at start-up: a plugin module that sleeps, loaded through pytest.ini. It
+    creates STARTED_MARK first, so that a test can wait for the hang (`wait_hanging`)."""
+    plugin = f"import pathlib, time\npathlib.Path({STARTED_MARK!r}).touch()\ntime.sleep({seconds})\n"
+    return (new_file_patch("sleepy_plugin.py", plugin)
             + new_file_patch("pytest.ini", "[pytest]\naddopts = -p sleepy_plugin\n"))
 
 
@@ -209,17 +213,22 @@ async def test_log_claiming_success_while_tests_fail_is_rejected(task: Task, run
     assert "exited 3" in r.detail
 
 
+async def wait_hanging(run_id: str) -> str:
+    """The container of this run once pytest hangs in it (the sleepy plugin's mark exists); bounded."""
+    with anyio.fail_after(60):
+        while True:
+            ids = (await apodman("ps", "-q", "--filter", f"label={LABEL_RUN}={run_id}")).stdout.decode().split()
+            if ids:
+                await wait_for_file(ids[0])
+                return ids[0]
+            await anyio.sleep(0.25)
+
+
 async def test_sandbox_lost_mid_grading_is_infra(task: Task, run_id: str) -> None:
     patch = task.patch + hanging_pytest(30)
 
     async def kill_soon() -> None:
-        for _ in range(200):
-            await anyio.sleep(0.25)
-            ids = podman("ps", "-q", "--filter", f"label={LABEL_RUN}={run_id}").stdout.split()
-            if ids:
-                await anyio.sleep(2)
-                podman("rm", "-f", "-t", "0", *ids)
-                return
+        await apodman("rm", "-f", "-t", "0", await wait_hanging(run_id))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(kill_soon)
@@ -247,12 +256,8 @@ async def test_node_lost_mid_grading_is_infra(task: Task, run_id: str) -> None:
         config = decode_config(doc)
 
         async def kill_soon() -> None:
-            for _ in range(200):
-                await anyio.sleep(0.25)
-                if podman("ps", "-q", "--filter", f"label={LABEL_RUN}={run_id}").stdout.split():
-                    await anyio.sleep(2)
-                    await anyio.to_thread.run_sync(node.kill_sshd)
-                    return
+            await wait_hanging(run_id)
+            await anyio.to_thread.run_sync(node.kill_sshd)
 
         try:
             async with running_pool(config, run_id) as pool, anyio.create_task_group() as tg:

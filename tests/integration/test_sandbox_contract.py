@@ -24,11 +24,13 @@ from .conftest import (
     SESSION_ID,
     SPEC_ENV,
     SPEC_WORKDIR,
+    STARTED_MARK,
     TEST_LABEL,
     apodman,
     create_sandbox,
     make_spec,
     new_backend,
+    wait_for_file,
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
@@ -358,12 +360,12 @@ async def test_break_transport_wakes_a_blocked_call(sandbox: PodmanSandbox) -> N
             async def blocked() -> None:
                 nonlocal outcome
                 try:
-                    outcome = await sandbox.exec("sleep 30", 60)
+                    outcome = await sandbox.exec(f"touch {STARTED_MARK}; sleep 30", 60)
                 except InfraError as exc:
                     outcome = exc
 
             tg.start_soon(blocked)
-            await anyio.sleep(1)
+            await wait_for_file(sandbox.id)  # the command runs: the call is blocked on the transport
             await sandbox.break_transport()
             await sandbox.break_transport()
     assert isinstance(outcome, InfraError), outcome
@@ -475,7 +477,7 @@ async def test_every_operation_on_a_killed_container_raises_sandbox_lost(sandbox
 
 async def test_container_killed_during_a_command_raises_sandbox_lost(sandbox: PodmanSandbox) -> None:
     async def kill_soon() -> None:
-        await anyio.sleep(1)
+        await wait_for_file(sandbox.id)
         await apodman("kill", sandbox.id)
 
     outcome: ExecResult | Exception
@@ -483,7 +485,7 @@ async def test_container_killed_during_a_command_raises_sandbox_lost(sandbox: Po
         async with anyio.create_task_group() as tg:
             tg.start_soon(kill_soon)
             try:
-                outcome = await sandbox.exec("sleep 30", 60)
+                outcome = await sandbox.exec(f"touch {STARTED_MARK}; sleep 30", 60)
             except SandboxLostError as exc:
                 outcome = exc
     assert isinstance(outcome, SandboxLostError), outcome

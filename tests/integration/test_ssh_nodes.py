@@ -31,6 +31,7 @@ from swectl.remote.nodes.ssh import SshNode
 from swectl.sandbox import LABEL_NODE, LABEL_RUN
 from swectl.testing import nodes as testnodes
 
+from .conftest import STARTED_MARK, wait_for_file
 from .pools import running_pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -390,7 +391,7 @@ async def test_network_cut_fails_inflight_exec(nodes: testnodes.TestNodes, run_i
 
             async def inflight() -> None:
                 try:
-                    outcome["result"] = await la.exec("sleep 30", 60)
+                    outcome["result"] = await la.exec(f"touch {STARTED_MARK}; sleep 30", 60)
                 except InfraError as exc:
                     outcome["error"] = exc
                 outcome["at"] = anyio.current_time()
@@ -399,7 +400,7 @@ async def test_network_cut_fails_inflight_exec(nodes: testnodes.TestNodes, run_i
             with anyio.fail_after(20):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(inflight)
-                    await anyio.sleep(1)  # the command is running in the sandbox
+                    await wait_for_file(la.sandbox.id)  # the command is running in the sandbox
                     assert not finished.is_set()
                     await anyio.to_thread.run_sync(a.cut_network)
                     cut_at = anyio.current_time()
