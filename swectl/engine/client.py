@@ -156,7 +156,7 @@ class _Http:
         except httpx.TimeoutException as exc:  # the connect bound
             raise EngineTimeoutError(self.base_url, f"{where}: {type(exc).__name__} (connect bound)", bound) from exc
         except httpx.ConnectError as exc:
-            raise EngineConnectError(self.base_url, f"{where}: cannot connect: {exc}") from exc
+            raise EngineConnectError(self.base_url, f"{where}: {type(exc).__name__}: {exc}") from exc
         except httpx.TransportError as exc:
             raise EngineUnavailableError(self.base_url, f"{where}: {type(exc).__name__}: {exc}") from exc
         status = response.status_code
