@@ -137,8 +137,11 @@ def test_managed_context_over_http_with_real_sandboxes(model: Path, tmp_path: Pa
         assert [t for s in samples for t in s["output_ids"]] == emitted
 
 
-def test_ctrl_c_leaves_no_containers(model: Path, tmp_path: Path) -> None:
-    """SIGINT while episodes run: the command exits 130 and every container it started is gone."""
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_interrupt_leaves_no_containers(sig: str, model: Path, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) or `kill` (SIGTERM: Slurm, systemd, Kubernetes) while episodes run: the command exits 130,
+    says so truthfully, and every container it started is gone. The child gets SIGINT's default disposition
+    (a suite run from a background job would hand it down ignored)."""
     import os
     import signal
     import socket
@@ -160,7 +163,8 @@ def test_ctrl_c_leaves_no_containers(model: Path, tmp_path: Path) -> None:
         url = server.stdout.readline().split()[-1]
         run = subprocess.Popen([sys.executable, "-m", "swectl.cli.main", "eval", "--endpoint", url, "--tokenizer",
                                 str(model), "--instances", *[t.instance_id for t in tasks], "--concurrency", "4",
-                                "--out", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                "--out", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         label = f"label=swectl.controller={socket.gethostname()}:{run.pid}"
 
         def containers() -> list[str]:
@@ -174,10 +178,12 @@ def test_ctrl_c_leaves_no_containers(model: Path, tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "episodes never started"
             assert run.poll() is None, "episodes never started"
             time.sleep(0.5)  # polling other processes (sync test)
-        os.kill(run.pid, signal.SIGINT)
+        os.kill(run.pid, getattr(signal, sig))
         _, err = run.communicate(timeout=120)
         assert run.returncode == 130, err.decode()[-2000:]
+        assert "swectl: interrupted; the containers of this run were removed" in err.decode(), err.decode()[-2000:]
         assert containers() == []
+        assert (tmp_path / "run" / "swectl.log").is_file()
     finally:
         server.terminate()
         server.wait(10)
