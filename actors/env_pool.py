@@ -135,6 +135,8 @@ class Lease:
 
 
 class EnvPool:
+    """The env pool actor: keeps warm sandboxes on healthy nodes and leases them to episodes and graders."""
+
     def __init__(
         self,
         config: EnvPoolConfig,

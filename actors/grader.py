@@ -27,7 +27,7 @@ import anyio.abc
 import msgspec
 
 from swectl.actors.env_pool import EnvPool, Lease
-from swectl.errors import InfraError, NodeLostError, SandboxLostError
+from swectl.errors import InfraError, NodeLostError, SandboxLostError, SwectlError
 from swectl.grading.eval_script import eval_script_for, log_parser_for, test_files_of, with_exit_code
 from swectl.grading.rules import INFRA_REASONS, GradeStatus, TestVerdict, drop_test_edits, grade_log
 from swectl.images.names import ImageResolver
@@ -50,11 +50,13 @@ RESET = "git checkout -q -- . && git clean -fdq"
 
 
 class GraderConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The grader's section: the eval script's timeout and how many gradings run at once."""
     timeout_s: float = 1800.0  # the eval script's wall time
     concurrency: int = 8  # gradings at once (each holds one lease)
 
 
 class GradeResult(msgspec.Struct, kw_only=True):
+    """The grade of one patch for one task: status, reason, tests and where the log is."""
     instance_id: str
     status: GradeStatus
     reason: str = ""  # swectl.grading.ErrorReason when status == "error"
@@ -76,7 +78,9 @@ class GradeResult(msgspec.Struct, kw_only=True):
         return self.status == "resolved"
 
 
-class _GradeError(Exception):
+class _GradeError(SwectlError):
+    """Grading ends with status "error" for a reason that is not infrastructure (caught in this module)."""
+
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason

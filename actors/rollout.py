@@ -38,6 +38,7 @@ from swectl.tasks.record import Task
 
 
 class EpisodeResult(msgspec.Struct, kw_only=True):
+    """One finished (and maybe graded) episode: how it ended, its grade and where its artifacts are."""
     instance_id: str
     sample: int
     exit_status: str
@@ -55,6 +56,7 @@ class EpisodeResult(msgspec.Struct, kw_only=True):
 
 
 class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The rollout's section: concurrency, samples per task, grading and the episode settings."""
     concurrency: int = 4
     samples_per_task: int = 1
     grade: bool = True

@@ -67,6 +67,7 @@ NodeConfig = LocalNodeConfig | SshNodeConfig
 
 
 class SandboxConfig(_Section):
+    """The [sandbox] section: backend, image, workdir, network and resource limits."""
     backend: Literal["podman"] = "podman"
     image: str = DEFAULT_IMAGE
     workdir: str = "/"
@@ -84,6 +85,7 @@ class SandboxConfig(_Section):
 
 
 class EnvPoolConfig(_Section):
+    """The [env_pool] section: which nodes host sandboxes, warm sandboxes, lease TTL and health checks."""
     nodes: list[NodeName] = []  # node names that host sandboxes; empty = all nodes
     warm: NonNegative = 4  # sandboxes kept started ahead of demand (for sandbox.image)
     lease_ttl_s: Positive = 300.0
@@ -130,6 +132,7 @@ class RolloutOptions(_Section):
 
 
 class ClusterConfig(_Section):
+    """The whole cluster.toml: run id, output folder, nodes and one section per component."""
     run_id: str = ""  # empty: a fresh id per run
     out_dir: str = "runs"
     nodes: list[NodeConfig] = msgspec.field(default_factory=lambda: [LocalNodeConfig()])

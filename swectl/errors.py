@@ -1,8 +1,18 @@
-"""The one exception tree of swectl.
+"""The one exception tree of swectl: every exception the product raises derives from SwectlError.
+
+Classes defined elsewhere are marked with their module (they live next to the code that raises them).
 
     SwectlError                      base of everything swectl raises on purpose
     +-- ConfigError                  bad cluster.toml / --set value (message names the knob); a ValueError
     +-- TaskDataError                task rows unreadable or malformed (file:line, field, expected); a ValueError
+    |   +-- RowProblemError          one malformed row, with its RowProblem (swectl.tasks.sources)
+    |   +-- EvalSetError             an evaluation set would become training prompts (swectl.data.prepare)
+    +-- DiffError                    a diff cannot be parsed or reversed; a ValueError (swectl.tasks.diffs)
+    +-- SpecError                    SWE-bench repo specs missing, or no spec / eval script for a task
+    +-- ImageBuildError              an image build step failed; names the step and its log (swectl.images.project)
+    +-- ModelInitError               `swectl model init` cannot write its folder, or the ML stack is missing
+    |                                (swectl.model.tiny)
+    +-- PoolClosedError              the env pool is shutting down
     +-- InfraError                   infrastructure failed: never a reward, the episode is ABORTED
     |   +-- NodeError                a node cannot be reached or misbehaves
     |   |   +-- NodeConnectError     could not connect (refused, auth, unknown host key, timeout)
@@ -12,14 +22,25 @@
     |   |   +-- SandboxLostError     the sandbox (or its exec agent) vanished: container killed, OOM, ...
     |   |   +-- AgentProtocolError   the exec agent answered something that is not the protocol
     |   +-- LeaseError               a lease is no longer valid
-    |       +-- LeaseExpiredError    the holder stopped heartbeating for longer than the TTL
-    +-- PoolClosedError              the env pool is shutting down
-    +-- SpecError                    SWE-bench repo specs missing, or no spec / eval script for a task
+    |   |   +-- LeaseExpiredError    the holder stopped heartbeating for longer than the TTL
+    |   +-- EngineError              an inference engine failed (swectl.engine.errors, which documents its subtree:
+    |       ...                      EngineUnavailableError, EngineConnectError, EngineTimeoutError,
+    |                                EngineResponseError, EngineRejectedError)
+    +-- FormatError                  a model reply without exactly one bash block (swectl.agent.protocol); the agent
+    |                                sees it as an observation
+    +-- EpisodeEnd                   an episode is over: raised by the check that finds it, caught once by the
+    |   |                            agent loop, never escapes it (swectl.agent.loop)
+    |   +-- Submitted, LimitsExceeded, TimeExceeded, ContextExceeded, FormatErrorsExceeded, Aborted
+    +-- BadRequest                   the CPU engine's HTTP 400 (swectl.remote.programs.cpu_engine)
+
+Outside the tree on purpose: the exec agent (swectl.remote.programs.exec_agent) runs inside sandboxes on the
+standard library alone and defines its own errors; the actors' private control-flow exceptions derive from
+SwectlError too but are never raised out of their module.
 
 A command that runs inside a sandbox and fails or times out is *not* an error: it is an ExecResult
 with a non-zero exit code or ``timed_out=True``, which the agent sees as an observation.
 
-Third-party errors (asyncssh, OSError from subprocesses) are translated where they are caught and
+Third-party errors (asyncssh, httpx, OSError from subprocesses) are translated where they are caught and
 chained with ``raise ... from exc``.
 """
 
@@ -44,20 +65,24 @@ class InfraError(SwectlError):
 
 
 class NodeError(InfraError):
+    """A node cannot be reached or misbehaves; ``node`` is its name."""
+
     def __init__(self, node: str, message: str) -> None:
         super().__init__(f"node {node!r}: {message}")
         self.node = node
 
 
 class NodeConnectError(NodeError):
-    pass
+    """Could not connect to the node (refused, auth, unknown host key, timeout)."""
 
 
 class NodeLostError(NodeError):
-    pass
+    """The node died (or its connection did) while work was on it."""
 
 
 class CommandError(InfraError):
+    """A host-side command (podman, ssh) failed; carries ``argv``, ``exit_code`` (None: it never ran) and ``stderr``."""
+
     def __init__(self, node: str, argv: list[str], exit_code: int | None, stderr: str) -> None:
         shown = " ".join(argv)
         if len(shown) > 300:
@@ -70,27 +95,27 @@ class CommandError(InfraError):
 
 
 class SandboxError(InfraError):
-    pass
+    """A sandbox could not be created, or it broke."""
 
 
 class SandboxLostError(SandboxError):
-    pass
+    """The sandbox (or its exec agent) vanished: container killed, OOM, transport broken."""
 
 
 class AgentProtocolError(SandboxError):
-    pass
+    """The exec agent answered something that is not the protocol."""
 
 
 class LeaseError(InfraError):
-    pass
+    """A lease is no longer valid."""
 
 
 class LeaseExpiredError(LeaseError):
-    pass
+    """The lease holder stopped heartbeating for longer than the TTL."""
 
 
 class PoolClosedError(SwectlError):
-    pass
+    """The env pool is shutting down: no new leases."""
 
 
 class SpecError(SwectlError):

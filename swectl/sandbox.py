@@ -28,6 +28,7 @@ ELISION = "\n\n... [{n} bytes elided: output too long, showing the head and tail
 
 
 class Sandbox(Protocol):
+    """One started sandbox: exec, files, diff and teardown, whatever the backend."""
     id: str  # the backend's id: what ``SandboxBackend.list`` reports and ``remove`` takes
     name: str  # a short name for messages and lease ids
     node: str

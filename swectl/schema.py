@@ -1,4 +1,10 @@
-"""Every message and record type of swectl, as frozen msgspec Structs.
+"""The types shared across swectl's layers, as frozen msgspec Structs: the exec agent's wire protocol, what
+nodes and sandboxes report (CommandOutput, ExecResult, SandboxSpec, SandboxInfo, NodeReport) and what the actors'
+``statistics()`` return (PoolStatistics, EngineStatistics, GraderStatistics, RolloutStatistics; ServerState).
+
+Types used by one subject live beside it: the engine wire format in swectl/engine/wire.py, Task in
+swectl/tasks/record.py, episodes and trajectories in swectl/agent/, config sections in swectl/config.py and
+next to their actor.
 
 Narrow types per stage. Wire types of the in-sandbox exec agent (remote/programs/exec_agent.py) are tagged unions:
 requests carry ``op``, replies carry ``kind``. The agent speaks msgpack maps, so fields are matched by
@@ -15,6 +21,7 @@ import msgspec
 
 
 class ExecRequest(msgspec.Struct, frozen=True, tag="exec", tag_field="op"):
+    """Exec agent request: run a shell command with a timeout."""
     id: int
     command: str
     timeout: float
@@ -25,6 +32,7 @@ class ExecRequest(msgspec.Struct, frozen=True, tag="exec", tag_field="op"):
 
 
 class WriteRequest(msgspec.Struct, frozen=True, tag="write", tag_field="op"):
+    """Exec agent request: write (or append) bytes to a file."""
     id: int
     path: str
     data: bytes
@@ -33,6 +41,7 @@ class WriteRequest(msgspec.Struct, frozen=True, tag="write", tag_field="op"):
 
 
 class ReadRequest(msgspec.Struct, frozen=True, tag="read", tag_field="op"):
+    """Exec agent request: read a byte range of a file."""
     id: int
     path: str
     offset: int
@@ -40,6 +49,7 @@ class ReadRequest(msgspec.Struct, frozen=True, tag="read", tag_field="op"):
 
 
 class PingRequest(msgspec.Struct, frozen=True, tag="ping", tag_field="op"):
+    """Exec agent request: answer with a pong."""
     id: int
 
 
@@ -47,12 +57,14 @@ AgentRequest = ExecRequest | WriteRequest | ReadRequest | PingRequest
 
 
 class AgentHello(msgspec.Struct, frozen=True, tag="hello", tag_field="kind"):
+    """The exec agent's first message: its pid, Python version and protocol version."""
     pid: int
     python: str
     protocol: int
 
 
 class ExecReply(msgspec.Struct, frozen=True, tag="exec", tag_field="kind"):
+    """Exec agent reply: a command's exit code, timeout flag and output."""
     id: int
     exit_code: int
     timed_out: bool
@@ -62,21 +74,25 @@ class ExecReply(msgspec.Struct, frozen=True, tag="exec", tag_field="kind"):
 
 
 class WriteReply(msgspec.Struct, frozen=True, tag="write", tag_field="kind"):
+    """Exec agent reply: the file's size after a write."""
     id: int
     size: int
 
 
 class ReadReply(msgspec.Struct, frozen=True, tag="read", tag_field="kind"):
+    """Exec agent reply: the bytes read and the file's size."""
     id: int
     data: bytes
     size: int
 
 
 class PongReply(msgspec.Struct, frozen=True, tag="pong", tag_field="kind"):
+    """Exec agent reply to a ping."""
     id: int
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error", tag_field="kind"):
+    """Exec agent reply: the request failed (message, errno)."""
     id: int
     error: str
     errno: int | None = None
@@ -146,6 +162,7 @@ class NodeReport(msgspec.Struct, frozen=True):
 
 
 class NodeStatistics(msgspec.Struct, frozen=True):
+    """EnvPool.statistics() for one node: health, leased, warm and starting sandboxes."""
     name: str
     healthy: bool
     leased: int
@@ -157,6 +174,7 @@ class NodeStatistics(msgspec.Struct, frozen=True):
 
 
 class PoolStatistics(msgspec.Struct, frozen=True):
+    """EnvPool.statistics(): per-node statistics and pool-wide counts."""
     nodes: list[NodeStatistics]
     leased: int
     warm: int
@@ -185,6 +203,7 @@ class ServerState(enum.Enum):
 
 
 class ServerStatistics(msgspec.Struct, frozen=True):
+    """Engines.statistics() for one engine server: where it runs and its state."""
     index: int
     node: str
     url: str
@@ -195,11 +214,13 @@ class ServerStatistics(msgspec.Struct, frozen=True):
 
 
 class EngineStatistics(msgspec.Struct, frozen=True):
+    """Engines.statistics(): the servers and how many take requests."""
     servers: list[ServerStatistics]
     routable: int  # servers that take requests (healthy or failing)
 
 
 class GraderStatistics(msgspec.Struct, frozen=True):
+    """Grader.statistics(): gradings running, waiting, done and resolved."""
     running: int  # gradings holding a slot
     waiting: int  # gradings waiting for a slot
     graded: int
@@ -210,6 +231,7 @@ class GraderStatistics(msgspec.Struct, frozen=True):
 
 
 class RolloutStatistics(msgspec.Struct, frozen=True):
+    """Rollout.statistics(): episodes running, waiting and finished, and how they ended."""
     running: int  # episodes holding a slot
     waiting: int  # episodes waiting for a slot
     finished: int

@@ -41,6 +41,8 @@ def agent_source() -> bytes:
 
 
 class AgentClient:
+    """Speaks the exec agent's msgpack protocol over one node process."""
+
     def __init__(self, process: NodeProcess, where: str) -> None:
         self._process = process
         self._where = where

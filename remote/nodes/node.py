@@ -22,6 +22,8 @@ from swectl.schema import CommandOutput
 
 
 class NodeProcess(Protocol):
+    """A process started on a node: bytes in, bytes out, its exit code."""
+
     async def send(self, data: bytes) -> None: ...
     async def receive(self, max_bytes: int = 65536) -> bytes: ...
     async def close_input(self) -> None: ...
@@ -30,6 +32,7 @@ class NodeProcess(Protocol):
 
 
 class Node(Protocol):
+    """A machine that runs commands and processes (this one, or one reached over ssh)."""
     name: str
 
     @property

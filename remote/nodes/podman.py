@@ -73,6 +73,8 @@ def run_local_podman(
 
 
 class PodmanCli:
+    """The podman command line on one node, with swectl's containers.conf."""
+
     def __init__(self, node: Node, containers_conf: str = "bundled") -> None:
         self.node = node
         self._conf = containers_conf

@@ -117,6 +117,8 @@ class PodmanBackend:
 
 
 class PodmanSandbox:
+    """A podman container as a Sandbox, driven through the exec agent (or `podman exec`)."""
+
     def __init__(self, backend: PodmanBackend, cid: str, name: str, spec: SandboxSpec) -> None:
         self.id = cid
         self.name = name

@@ -87,6 +87,8 @@ class SshProcess:
 
 
 class SshNode:
+    """A Node reached over one asyncssh connection, with keepalives and reconnection."""
+
     def __init__(self, config: SshNodeConfig) -> None:
         self.name = config.name
         self._config = config

@@ -67,6 +67,7 @@ from swectl.engine.wire import (
     SamplingParams,
     UpdateWeightsFromDiskRequest,
 )
+from swectl.errors import SwectlError
 
 T = TypeVar("T")
 
@@ -107,7 +108,7 @@ class ChatBody(msgspec.Struct, frozen=True):
     stream: bool = False
 
 
-class BadRequest(Exception):
+class BadRequest(SwectlError):
     """Becomes an HTTP 400 with SGLang's error body."""
 
 
@@ -160,6 +161,7 @@ class Model:
 
 @dataclass(eq=False)
 class Seq:
+    """One request being decoded: its prompt, sampling parameters and output so far."""
     rid: str
     prompt: list[int]
     params: SamplingParams
@@ -180,6 +182,7 @@ class Seq:
 
 @dataclass(eq=False)
 class Batch:
+    """The sequences decoded together, with their shared KV cache and padding mask."""
     seqs: list[Seq]  # live rows, in row order
     cache: DynamicCache
     mask: torch.Tensor  # [rows, positions]: 1 for real tokens, 0 for left padding
@@ -295,6 +298,7 @@ def step(model: Model, batch: Batch) -> list[Seq]:
 
 @dataclass(eq=False)
 class WeightUpdate:
+    """A weight reload waiting for the scheduler; ``done`` is set when it has happened."""
     path: Path
     version: str | None
     done: anyio.Event = field(default_factory=anyio.Event)
@@ -536,6 +540,8 @@ class ApiKeyMiddleware:
 
 
 class Api:
+    """The HTTP endpoints (SGLang's subset and OpenAI chat) over the scheduler."""
+
     def __init__(self, scheduler: Scheduler, *, served_model_name: str) -> None:
         self.scheduler = scheduler
         self.model = scheduler.model

@@ -27,6 +27,8 @@ NOTHING_LEFT = "THOUGHT: nothing left to replay."
 
 
 class Replayer:
+    """Scripted replies per instance, returned as tokens in SGLang's /generate format."""
+
     def __init__(self, replies: dict[str, list[str]], tokenizer, eos: str, version: str) -> None:
         self.replies = replies
         self.tok = tokenizer

@@ -31,7 +31,7 @@ from swectl.agent.protocol import (
 )
 from swectl.agent.trajectory import ChatTokenizer, Message, Trajectory, TrajectoryBuilder
 from swectl.engine.wire import ChatMessage, ChatResult, GenerateRequest, GenerateResult, SamplingParams
-from swectl.errors import InfraError
+from swectl.errors import InfraError, SwectlError
 from swectl.schema import ExecResult
 from swectl.tasks.record import TESTBED, Task
 
@@ -66,6 +66,7 @@ class Workspace(Protocol):
 
 
 class EpisodeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How one episode runs: limits, templates, sampling, workdir and context management."""
     limits: AgentLimits = AgentLimits()
     templates: AgentTemplates = AgentTemplates()
     sampling: SamplingParams = SamplingParams(max_new_tokens=1024, temperature=1.0)
@@ -78,6 +79,7 @@ class EpisodeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Step(msgspec.Struct, kw_only=True):
+    """One turn of an episode: the action, its observation and timings."""
     step: int
     action: str = ""
     format_error: bool = False
@@ -91,6 +93,7 @@ class Step(msgspec.Struct, kw_only=True):
 
 
 class Episode(msgspec.Struct, kw_only=True):
+    """A finished episode as saved in traj.json: how it ended, its steps, trajectory and patch."""
     format_version: int = FORMAT_VERSION
     instance_id: str
     exit_status: ExitStatus
@@ -113,7 +116,7 @@ class Episode(msgspec.Struct, kw_only=True):
 # ---------------------------------------------------------------- how an episode ends
 
 
-class EpisodeEnd(Exception):
+class EpisodeEnd(SwectlError):
     """The episode is over: raised by the check that finds it, caught once by the loop."""
 
     exit_status: ClassVar[ExitStatus]
@@ -124,6 +127,8 @@ class EpisodeEnd(Exception):
 
 
 class Submitted(EpisodeEnd):
+    """The agent submitted (its final command printed the submit marker); ``submitted`` is what it printed."""
+
     exit_status = "Submitted"
 
     def __init__(self, submitted: str) -> None:
@@ -132,22 +137,32 @@ class Submitted(EpisodeEnd):
 
 
 class LimitsExceeded(EpisodeEnd):
+    """The step limit is reached."""
+
     exit_status = "LimitsExceeded"
 
 
 class TimeExceeded(EpisodeEnd):
+    """The episode's wall-clock limit is reached."""
+
     exit_status = "TimeExceeded"
 
 
 class ContextExceeded(EpisodeEnd):
+    """The next prompt cannot fit the context window."""
+
     exit_status = "ContextExceeded"
 
 
 class FormatErrorsExceeded(EpisodeEnd):
+    """Too many replies in a row without exactly one bash block."""
+
     exit_status = "FormatError"
 
 
 class Aborted(EpisodeEnd):
+    """Infrastructure failed under the episode (an InfraError): never a reward."""
+
     exit_status = "Aborted"
 
 

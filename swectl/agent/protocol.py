@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from swectl.errors import ConfigError
+from swectl.errors import ConfigError, SwectlError
 
 SUBMIT_SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
@@ -94,6 +94,7 @@ ACTION_REGEX = r"```bash\s*\n(.*?)\n```"
 
 
 class AgentLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """When an episode stops: steps, wall time, context tokens, format errors in a row, command time."""
     step_limit: int = 50  # model turns
     wall_time_s: float = 1800.0  # whole episode
     max_context_tokens: int = 32768
@@ -102,6 +103,7 @@ class AgentLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class AgentTemplates(msgspec.Struct, frozen=True, kw_only=True):
+    """The prompts and observation formats of mini-swe-agent's protocol, and the action regex."""
     system_template: str = SYSTEM_TEMPLATE
     instance_template: str = INSTANCE_TEMPLATE
     action_observation_template: str = ACTION_OBSERVATION_TEMPLATE
@@ -111,7 +113,7 @@ class AgentTemplates(msgspec.Struct, frozen=True, kw_only=True):
     max_output_chars: int = 10_000
 
 
-class FormatError(Exception):
+class FormatError(SwectlError):
     """The reply did not hold exactly one bash block; ``actions`` are the blocks it did hold."""
 
     def __init__(self, actions: list[str]) -> None:

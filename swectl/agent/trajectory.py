@@ -28,11 +28,13 @@ class ChatTokenizer(Protocol):
 
 
 class Message(msgspec.Struct, frozen=True):
+    """One chat message (role, content)."""
     role: str
     content: str
 
 
 class Trajectory(msgspec.Struct, kw_only=True):
+    """The token-level record of an episode: ids, loss mask, logprobs and weight versions."""
     token_ids: list[int] = []
     loss_mask: list[int] = []  # 1: emitted by the engine (trained on); 0: prompt, observation, template
     logprobs: list[float] = []  # the engine's logprob for mask-1 tokens, 0.0 elsewhere
@@ -56,6 +58,8 @@ def _ids(rendered: Any) -> list[int]:
 
 
 class TrajectoryBuilder:
+    """Builds a Trajectory turn by turn from engine outputs and templated observations."""
+
     def __init__(self, tokenizer: ChatTokenizer) -> None:
         self._tok = tokenizer
         self.traj = Trajectory()

@@ -34,6 +34,7 @@ EVAL_SET_MARKERS = ("swe_bench_verified", "swebench_verified")
 
 
 class PrepareSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What `data prepare` wrote: counts of prompts and images, and where."""
     out_dir: str
     data_source: str
     prompts: int

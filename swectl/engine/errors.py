@@ -27,6 +27,8 @@ def quote_body(body: bytes | str) -> str:
 
 
 class EngineError(InfraError):
+    """An inference engine failed; ``url`` is the engine's."""
+
     def __init__(self, url: str, message: str) -> None:
         super().__init__(f"engine {url}: {message}")
         self.url = url
@@ -41,6 +43,8 @@ class EngineConnectError(EngineUnavailableError):
 
 
 class EngineTimeoutError(EngineUnavailableError):
+    """No complete answer within the call's time bound (``timeout_s``)."""
+
     def __init__(self, url: str, message: str, timeout_s: float) -> None:
         super().__init__(url, message)
         self.timeout_s = timeout_s

@@ -81,6 +81,7 @@ class PauseGenerationRequest(msgspec.Struct, frozen=True):
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
+    """One message of an OpenAI-style chat request."""
     role: str
     content: str
 
@@ -119,6 +120,7 @@ class GenerateResult(msgspec.Struct, frozen=True):
 
 
 class ChatResult(msgspec.Struct, frozen=True):
+    """The answer of a chat completion: content, finish reason and token counts."""
     content: str
     finish_reason: str | None
     prompt_tokens: int | None
@@ -138,6 +140,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
 
 
 class UpdateWeightsResult(msgspec.Struct, frozen=True):
+    """SGLang's answer to a weight update."""
     success: bool
     message: str = ""
     num_paused_requests: int | None = 0
@@ -147,6 +150,7 @@ class UpdateWeightsResult(msgspec.Struct, frozen=True):
 
 
 class SglFinishReason(msgspec.Struct, frozen=True):
+    """SGLang's finish_reason object (type, matched stop, length, message)."""
     type: str
     matched: int | str | list[int] | None = None
     length: int | None = None
@@ -154,6 +158,7 @@ class SglFinishReason(msgspec.Struct, frozen=True):
 
 
 class SglMetaInfo(msgspec.Struct, frozen=True):
+    """SGLang's meta_info of a /generate answer: finish reason, token counts, logprobs, weight version."""
     finish_reason: SglFinishReason | None
     prompt_tokens: int
     completion_tokens: int
@@ -165,29 +170,34 @@ class SglMetaInfo(msgspec.Struct, frozen=True):
 
 
 class SglGenerateResponse(msgspec.Struct, frozen=True):
+    """SGLang's /generate answer as it comes over the wire."""
     meta_info: SglMetaInfo
     output_ids: list[int] | None = None
     text: str | None = None
 
 
 class OaiMessage(msgspec.Struct, frozen=True):
+    """The message of an OpenAI chat-completion choice."""
     content: str | None = None
     role: str = "assistant"
     reasoning_content: str | None = None
 
 
 class OaiChoice(msgspec.Struct, frozen=True):
+    """One choice of an OpenAI chat-completion answer."""
     message: OaiMessage
     finish_reason: str | None = None
     index: int = 0
 
 
 class OaiUsage(msgspec.Struct, frozen=True):
+    """The token usage of an OpenAI chat-completion answer."""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
 
 
 class OaiChatResponse(msgspec.Struct, frozen=True):
+    """An OpenAI chat-completion answer as it comes over the wire."""
     choices: list[OaiChoice]
     model: str | None = None
     usage: OaiUsage | None = None

@@ -28,11 +28,13 @@ PatchMode = Literal["gold", "empty", "predictions"]
 
 
 class PatchJob(NamedTuple):
+    """One patch to grade for one task."""
     task: Task
     patch: str
 
 
 class Prediction(msgspec.Struct, frozen=True):
+    """One line of a SWE-bench predictions file."""
     instance_id: str
     model_patch: str | None = None
     model_name_or_path: str = ""
@@ -81,6 +83,7 @@ def patch_jobs(tasks: list[Task], mode: PatchMode, predictions: dict[str, Predic
 
 
 class InstanceReport(msgspec.Struct, kw_only=True):
+    """The grading outcome of one instance in an eval run."""
     instance_id: str
     status: str
     expected: str = ""  # "resolved" / "unresolved" for validation modes

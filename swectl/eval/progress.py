@@ -8,6 +8,8 @@ from typing import TextIO
 
 
 class Progress:
+    """A one-line progress counter for long eval runs."""
+
     def __init__(self, total: int, label: str, *, stream: TextIO | None = None) -> None:
         self.total = total
         self.label = label

@@ -18,6 +18,7 @@ Mode = Literal["gold", "empty", "predictions", "model", "endpoint", "openai"]
 
 
 class RunReport(msgspec.Struct, kw_only=True):
+    """The summary of an eval run (summary.json): mode, model, tasks and the counts."""
     format_version: int = REPORT_FORMAT
     mode: Mode
     model: str = ""  # model_name_or_path: of the predictions, or the model the agent ran ("" for gold/empty)

@@ -48,6 +48,7 @@ json.dump([out[i] for i in range(len(jobs))], open(sys.argv[2], "w"))
 
 
 class OfficialVerdict(msgspec.Struct, frozen=True):
+    """The official SWE-bench harness's verdict on one instance."""
     instance_id: str
     resolved: bool
     error: bool  # the harness raised (patch did not apply, timeout, ...): no report written

@@ -96,6 +96,7 @@ def parse_status_map(task: Task, parser_name: str, log: str) -> dict[str, str]:
 
 
 class TestVerdict(msgspec.Struct, frozen=True):
+    """The test outcome of one grading: resolved, and which FAIL_TO_PASS / PASS_TO_PASS tests passed."""
     resolved: bool
     f2p_passed: list[str]
     f2p_failed: list[str]

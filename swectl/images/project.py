@@ -77,10 +77,12 @@ class Project(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Runner(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The test runner installed in every project image (its requirements)."""
     requirements: list[str]
 
 
 class ProjectSet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The bundled projects file: the runner and the projects."""
     runner: Runner
     project: list[Project]
 
@@ -224,6 +226,7 @@ def image_id(image: str) -> str | None:
 
 
 class BuiltImage(msgspec.Struct, frozen=True):
+    """A built (or cached) project image: its name, content hash and base commit."""
     image: str
     content: str
     base_commit: str

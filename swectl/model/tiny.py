@@ -120,6 +120,7 @@ class ModelInitConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 class CorpusInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What the tokenizer was trained on: file and byte counts and a sha256."""
     files: int
     bytes: int
     sha256: str  # of the texts as trained on, each followed by a NUL

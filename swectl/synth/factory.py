@@ -34,6 +34,7 @@ def _coverage_script() -> bytes:
 
 
 class SynthConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How the task factory samples mutants and keeps tasks."""
     seed: int = 0
     per_function: int = 3  # mutants sampled per covered function
     max_fail: int = 30  # keep a mutant only if 1..max_fail tests break
@@ -44,6 +45,7 @@ class SynthConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SynthStats(msgspec.Struct, kw_only=True):
+    """Counts of one factory run on one project, from baseline tests to kept tasks."""
     project: str
     baseline_passing: int = 0
     covered_functions: int = 0

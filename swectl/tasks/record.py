@@ -18,6 +18,7 @@ TESTBED = "/testbed"
 
 
 class Task(msgspec.Struct, kw_only=True, frozen=True):
+    """One task: a repository at a commit, a problem statement, the gold patch and the tests that grade it."""
     instance_id: str
     repo: str
     problem_statement: str

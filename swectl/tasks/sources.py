@@ -98,6 +98,7 @@ class RowProblemError(TaskDataError):
 
 
 class LoadResult(msgspec.Struct):
+    """The tasks read from a source, the rows that were rejected (with where and why) and counts."""
     tasks: list[Task]
     problems: list[RowProblem]
     rows_read: int = 0
