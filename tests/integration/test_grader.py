@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -19,6 +20,7 @@ from swectl.remote.nodes.podman import bundled_containers_conf
 from swectl.sandbox import LABEL_RUN
 from swectl.tasks.record import Task
 from swectl.tasks.sources import load_tasks
+from swectl.testing import nodes as testnodes
 
 from .conftest import STARTED_MARK, apodman, wait_for_file
 
@@ -238,37 +240,43 @@ async def test_sandbox_lost_mid_grading_is_infra(task: Task, run_id: str) -> Non
     assert r.reason in ("sandbox_lost", "infra"), r
 
 
-async def test_node_lost_mid_grading_is_infra(task: Task, run_id: str) -> None:
+@pytest.fixture
+def sshd_node() -> Iterator[testnodes.TestNodes]:
+    """One sshd test node in a network namespace, set up and torn down outside the event loop (it blocks)."""
+    reason = testnodes.can_run_test_nodes()
+    if reason is not None:
+        pytest.skip(reason)
+    with testnodes.test_nodes(1, prefix="swg", base_index=230) as started:
+        yield started
+
+
+async def test_node_lost_mid_grading_is_infra(task: Task, run_id: str, sshd_node: testnodes.TestNodes) -> None:
     """An sshd test node (network namespace) dies while its sandbox runs the eval script."""
     import tomllib
 
     from swectl.config import decode_config
-    from swectl.testing import nodes as testnodes
 
-    reason = testnodes.can_run_test_nodes()
-    if reason is not None:
-        pytest.skip(reason)
-    with testnodes.test_nodes(1, prefix="swg", base_index=230) as tn:
-        (node,) = tn.nodes
-        doc = tomllib.loads(tn.cluster_toml(
-            local=False, extra_node_fields="connect_timeout_s = 3\nkeepalive_interval_s = 1\nkeepalive_count_max = 2"))
-        doc["env_pool"] = {"warm": 0, "health_interval_s": 0.5}
-        config = decode_config(doc)
+    tn = sshd_node
+    (node,) = tn.nodes
+    doc = tomllib.loads(tn.cluster_toml(
+        local=False, extra_node_fields="connect_timeout_s = 3\nkeepalive_interval_s = 1\nkeepalive_count_max = 2"))
+    doc["env_pool"] = {"warm": 0, "health_interval_s": 0.5}
+    config = decode_config(doc)
 
-        async def kill_soon() -> None:
-            await wait_hanging(run_id)
-            await anyio.to_thread.run_sync(node.kill_sshd)
+    async def kill_soon() -> None:
+        await wait_hanging(run_id)
+        await anyio.to_thread.run_sync(node.kill_sshd)
 
-        try:
-            async with running_pool(config, run_id) as pool, anyio.create_task_group() as tg:
-                grader = Grader(GraderConfig(timeout_s=120), pool)
-                await tg.start(grader.run)
-                tg.start_soon(kill_soon)
-                with anyio.fail_after(90):
-                    r = await grader.grade(task, task.patch + hanging_pytest(60))
-                tg.cancel_scope.cancel()
-        finally:
-            node.restart_sshd()
+    try:
+        async with running_pool(config, run_id) as pool, anyio.create_task_group() as tg:
+            grader = Grader(GraderConfig(timeout_s=120), pool)
+            await tg.start(grader.run)
+            tg.start_soon(kill_soon)
+            with anyio.fail_after(90):
+                r = await grader.grade(task, task.patch + hanging_pytest(60))
+            tg.cancel_scope.cancel()
+    finally:
+        await anyio.to_thread.run_sync(node.restart_sshd)
     assert r.status == "error", r
     assert r.infra, r
     assert r.reason in ("node_lost", "sandbox_lost", "infra"), r
