@@ -1,0 +1,40 @@
+"""A run's ``swectl.log`` gets what happens inside the run: `swectl up` reaps a dead controller's container at
+start, and says so in ``<out_dir>/<run_id>/swectl.log`` (not on the terminal without -v)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swectl.cli.main import main
+from swectl.sandbox import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN
+
+from .conftest import BASE_IMAGE, SESSION_ID, TEST_LABEL, podman
+
+pytestmark = [pytest.mark.integration]
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_reaped_orphans_are_in_the_run_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    labels = {LABEL_MANAGED: "1", LABEL_NODE: "local", LABEL_RUN: "dead-run",
+              LABEL_CONTROLLER: f"{socket.gethostname()}:{_dead_pid()}", TEST_LABEL: SESSION_ID}
+    orphan = podman("run", "-d", *[f"--label={k}={v}" for k, v in labels.items()], BASE_IMAGE,
+                    "sleep", "300").stdout.decode().strip()
+    assert orphan
+    code = main(["up", "--episodes", "1", "--concurrency", "1", "--set", f"out_dir={str(tmp_path)!r}",
+                 "--set", "run_id='logged'", "--set", "env_pool.warm=0"])
+    assert code == 0
+    log = (tmp_path / "logged" / "swectl.log").read_text()
+    assert re.search(r" INFO swectl\.actors\.env_pool: reaped \d+ orphan container\(s\) on node local", log), log
+    assert "reaped" not in capsys.readouterr().err  # info reaches the terminal only with -v
+    assert podman("ps", "-a", "-q", "--filter", f"id={orphan}").stdout.decode().strip() == ""
