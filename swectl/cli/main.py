@@ -5,7 +5,8 @@ Ctrl-C (SIGINT), SIGTERM (what ``kill``, Slurm, systemd and Kubernetes send) and
 away) all stop a command the same way: the running command is cancelled, its cleanup runs (each actor's
 shutdown is shielded and bounded: containers and engine servers of the run are removed), and ``swectl``
 exits 130. A signal the process inherited as ignored (``nohup``, a background job's SIGINT) stays ignored.
-A second signal during cleanup stops at once; containers left behind are reaped by the next run on that node.
+A second signal during cleanup stops at once; the containers it leaves are reaped by the next run started from
+this machine (they carry the dead controller's host and pid).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     verbosity.add_argument("-v", "--verbose", action="count", default=0,
                            help="print what happens inside a run (info; -vv: debug) besides warnings; "
                            f"a run's output folder gets it all in {logs.RUN_LOG}")
-    verbosity.add_argument("-q", "--quiet", action="store_true", help="print only errors and results")
+    verbosity.add_argument("-q", "--quiet", action="store_true",
+                           help=f"log only errors to the terminal (a run's {logs.RUN_LOG} still gets everything)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         _command(name).add_parser(sub)
