@@ -29,11 +29,15 @@ PatchMode = Literal["gold", "empty", "predictions"]
 
 class PatchJob(NamedTuple):
     """One patch to grade for one task."""
+
+    """One patch to grade for one task."""
     task: Task
     patch: str
 
 
 class Prediction(msgspec.Struct, frozen=True):
+    """One row of a SWE-bench predictions file."""
+
     """One line of a SWE-bench predictions file."""
     instance_id: str
     model_patch: str | None = None

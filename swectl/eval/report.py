@@ -18,6 +18,8 @@ Mode = Literal["gold", "empty", "predictions", "model", "endpoint", "openai"]
 
 
 class RunReport(msgspec.Struct, kw_only=True):
+    """What every ``swectl eval`` run reports; the drivers' reports extend it."""
+
     """The summary of an eval run (summary.json): mode, model, tasks and the counts."""
     format_version: int = REPORT_FORMAT
     mode: Mode
