@@ -1,4 +1,4 @@
-"""remote/func_coverage.py: run as the task factory runs it (a standalone script, its own process) on a tiny
+"""remote/programs/func_coverage.py: run as the task factory runs it (a standalone script, its own process) on a tiny
 project, and check which functions each test is reported to have called."""
 
 from __future__ import annotations

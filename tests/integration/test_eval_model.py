@@ -64,7 +64,7 @@ def test_eval_with_the_tiny_model(model: Path, tmp_path: Path, capsys: pytest.Ca
 
 @contextlib.contextmanager
 def replay_server(model: Path, replies: dict[str, list[str]], tmp_path: Path) -> Iterator[str]:
-    """remote/replay_server.py answering with ``replies`` per instance; yields its URL."""
+    """remote/programs/replay_server.py answering with ``replies`` per instance; yields its URL."""
     path = tmp_path / "replies.json"
     path.write_text(json.dumps(replies))
     server = subprocess.Popen([sys.executable, "-m", "swectl.remote.programs.replay_server", "--replies", str(path),
