@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # source folders and the package each installs as (pyproject.toml's package-dir)
 SOURCE_ROOTS = {"swectl": "swectl", "actors": "swectl.actors", "remote": "swectl.remote"}
-DOCUMENTED_ROOTS = (*SOURCE_ROOTS, "tests", "benchmarks")
+DOCUMENTED_ROOTS = (*SOURCE_ROOTS, "tests", "benchmarks", "examples", "scripts")
 SKIPPED_DIRS = {"__pycache__", "results", ".pytest_cache"}
 
 # The layers, lowest first. A module may import its own layer's packages and those of lower layers.
