@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from swectl.cli import data as data_cli
+from swectl.cli.main import main
 from swectl.data.prepare import EvalSetError, check_not_eval_set, is_eval_set, prepare
 from swectl.images.names import ImageResolver
 from swectl.tasks.record import Task
@@ -124,9 +123,8 @@ def test_eval_set_guard_follows_links_and_data_source(tmp_path: Path) -> None:
 
 
 def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="swectl")
-    data_cli.add_parser(parser.add_subparsers(dest="command"))
-    return data_cli.run(parser.parse_args(["data", "prepare", *argv]))
+    """``swectl data prepare ARGV`` through the CLI's one exit-code mapping."""
+    return main(["data", "prepare", *argv])
 
 
 def _jsonl(path: Path, rows: list[Any]) -> Path:

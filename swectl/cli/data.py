@@ -9,12 +9,10 @@ from collections.abc import Sequence
 from swectl.cli.common import output_dir
 from swectl.data.prepare import (
     SHOWN_PROBLEMS,
-    EvalSetError,
     PrepareSummary,
     check_not_eval_set,
     prepare,
 )
-from swectl.errors import ConfigError, TaskDataError
 from swectl.images.names import PLACEHOLDERS, ImageResolver
 from swectl.tasks.record import Task
 from swectl.tasks.sources import TASK_SOURCES, RowProblem, load_tasks
@@ -100,24 +98,8 @@ def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``swectl data ACTION``; returns the exit status (0 ok, 1 nothing written, 2 bad input)."""
-    if args.data_command != "prepare":
-        print(f"swectl: unknown data action {args.data_command!r}", file=sys.stderr)
-        return 2
-    try:
-        return _run_prepare(args)
-    except EvalSetError as exc:
-        print(f"swectl: refused: {exc}", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        print(f"swectl: config error: {exc}", file=sys.stderr)
-        return 2
-    except TaskDataError as exc:
-        print(f"swectl: data error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _run_prepare(args: argparse.Namespace) -> int:
+    """Run ``swectl data prepare``: 0 ok, 1 nothing could be loaded. Bad input raises: exit 2 through cli.main's
+    one mapping (an eval set refused, a malformed row with --strict, an unwritable --out)."""
     check_not_eval_set(args.source, args.data_source or "", allow=args.allow_eval_set)
     resolver = ImageResolver.from_options(args.image_template, args.image_map)
     loaded = load_tasks(args.source, strict=args.strict, split=args.split, source_hint=args.source_hint)
