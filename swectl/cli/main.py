@@ -52,6 +52,13 @@ COMMANDS = {
 # signals that stop a command like Ctrl-C does
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 EXIT_INTERRUPTED = 130
+# The one mapping from errors to exit codes, most specific first: (error class, message label, exit code).
+EXIT_CODES: tuple[tuple[type[SwectlError], str, int], ...] = (
+    (ConfigError, "config error: ", 2),
+    (TaskDataError, "task data error: ", 2),
+    (InfraError, "infrastructure error: ", 3),
+    (SwectlError, "", 1),
+)
 
 
 def _command(name: str):
@@ -88,18 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                 if leaf is None:
                     raise
                 raise leaf from group
-        except ConfigError as exc:
-            print(f"swectl: config error: {exc}", file=sys.stderr)
-            return 2
-        except TaskDataError as exc:
-            print(f"swectl: task data error: {exc}", file=sys.stderr)
-            return 2
-        except InfraError as exc:
-            print(f"swectl: infrastructure error: {exc}", file=sys.stderr)
-            return 3
         except SwectlError as exc:
-            print(f"swectl: {exc}", file=sys.stderr)
-            return 1
+            label, code = next((label, code) for kind, label, code in EXIT_CODES if isinstance(exc, kind))
+            print(f"swectl: {label}{exc}", file=sys.stderr)
+            return code
         except KeyboardInterrupt:
             print(f"swectl: {interrupted_message(args)}", file=sys.stderr)
             return EXIT_INTERRUPTED
@@ -108,13 +107,11 @@ def main(argv: list[str] | None = None) -> int:
 def interrupted_message(args: argparse.Namespace) -> str:
     """What an interrupted command has left behind: true for the command that was stopped."""
     match args.command:
-        case "up" | "tasks":
-            return "interrupted; the containers of this run were removed"
         case "eval" if any(getattr(args, a, None) for a in ("model", "endpoint", "openai_url")):
             return ("interrupted; the containers of this run were removed and any engine servers it started "
                     "stopped; to resume, run the same command with --out set to this run's output folder (finished "
                     "episodes are kept)")
-        case "eval":
+        case "up" | "tasks" | "eval":
             return "interrupted; the containers of this run were removed"
         case "model":
             return "interrupted; the model folder is moved into place only when complete, so it was not written"
