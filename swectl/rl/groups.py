@@ -1,0 +1,97 @@
+"""From graded episodes to training samples: rewards, groups, advantages (pure; no I/O).
+
+A group is the ``n`` episodes of one task. ABORTED episodes are never rewards (DESIGN 4.5): the controller
+drops them and refills the group before it gets here. A group whose rewards are all equal carries no signal
+(dynamic sampling drops it). Each episode's advantage is copied to its samples: one sample per episode (its
+whole token stream), or in ``step`` mode one sample per agent step (the exact prompt the engine saw, mask 0,
+and what it emitted, mask 1), all sharing the episode's advantage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+
+from swectl.rl.advantages import group_advantages, informative
+from swectl.rl.batch import TrainSample, pack_sample
+
+SampleMode = Literal["episode", "step"]
+
+
+class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
+    """What the batcher needs of one finished, graded episode."""
+
+    instance_id: str
+    sample: int
+    outcome: str  # COMPLETED | TRUNCATED (ABORTED episodes never get here)
+    resolved: bool
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    weight_version: int = 0
+    steps: list[tuple[list[int], list[int], list[float]]] = []  # per step: prompt ids, output ids, logprobs
+
+
+class Group(msgspec.Struct, kw_only=True):
+    """The episodes of one task with their rewards and advantages."""
+
+    instance_id: str
+    episodes: list[GradedEpisode]
+    rewards: list[float] = []
+    advantages: list[float] = []
+
+    @property
+    def informative(self) -> bool:
+        return informative(self.rewards)
+
+
+def reward(episode: GradedEpisode, *, resolved_reward: float = 1.0, unresolved_reward: float = 0.0) -> float:
+    return resolved_reward if episode.resolved else unresolved_reward
+
+
+def score_group(group: Group, *, estimator: str, resolved_reward: float = 1.0, unresolved_reward: float = 0.0,
+                zero_advantages: bool = False) -> Group:
+    """Fill in rewards and advantages. ``zero_advantages``: the control run (no learning signal)."""
+    group.rewards = [reward(e, resolved_reward=resolved_reward, unresolved_reward=unresolved_reward)
+                     for e in group.episodes]
+    advs = group_advantages(group.rewards, estimator)  # type: ignore[arg-type]
+    group.advantages = [0.0] * len(advs) if zero_advantages else list(advs)
+    return group
+
+
+def episode_samples(episode: GradedEpisode, advantage: float, reward_value: float, *, mode: SampleMode = "episode",
+                    mask_truncated: bool = False) -> list[TrainSample]:
+    """The training samples of one episode. A truncated episode with ``mask_truncated`` keeps its tokens but no
+    loss (mask all 0), so it still counts in nothing but the logs."""
+    uid = f"{episode.instance_id}#{episode.sample}"
+    truncated = episode.outcome == "TRUNCATED"
+    keep = not (mask_truncated and truncated)
+    common = {"advantage": advantage, "reward": reward_value, "weight_version": episode.weight_version,
+              "truncated": truncated}
+    if mode == "step" and episode.steps:
+        out = []
+        for i, (prompt, output, logprobs) in enumerate(episode.steps):
+            mask = [0] * len(prompt) + [1 if keep else 0] * len(output)
+            out.append(pack_sample(f"{uid}.{i}", episode.instance_id, [*prompt, *output], mask,
+                                   [0.0] * len(prompt) + list(logprobs), **common))
+        return out
+    mask = episode.loss_mask if keep else [0] * len(episode.loss_mask)
+    return [pack_sample(uid, episode.instance_id, episode.token_ids, mask, episode.logprobs, **common)]
+
+
+def group_samples(groups: Sequence[Group], *, mode: SampleMode = "episode", mask_truncated: bool = False
+                  ) -> list[TrainSample]:
+    samples: list[TrainSample] = []
+    for g in groups:
+        for episode, adv, rew in zip(g.episodes, g.advantages, g.rewards, strict=True):
+            samples += episode_samples(episode, adv, rew, mode=mode, mask_truncated=mask_truncated)
+    return samples
+
+
+def pass_at_k(groups: Sequence[Group]) -> float:
+    """The fraction of groups with at least one resolved episode (pass@n of the group)."""
+    if not groups:
+        return 0.0
+    return sum(any(e.resolved for e in g.episodes) for g in groups) / len(groups)

@@ -1,0 +1,79 @@
+"""From graded episodes to samples: rewards, advantages copied to every trained token, per-step samples,
+truncated episodes masked, pass@k, and the [train] section's cross-field checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from swectl.config import load_config
+from swectl.errors import ConfigError
+from swectl.rl.batch import make_batch, unpack_logprobs, unpack_mask, unpack_tokens
+from swectl.rl.groups import GradedEpisode, Group, group_samples, pass_at_k, score_group
+
+
+def _episode(sample: int, resolved: bool, outcome: str = "COMPLETED") -> GradedEpisode:
+    return GradedEpisode(instance_id="t", sample=sample, outcome=outcome, resolved=resolved,
+                         token_ids=[1, 2, 3, 4, 5], loss_mask=[0, 0, 1, 1, 0], logprobs=[0, 0, -0.5, -0.25, 0],
+                         weight_version=3,
+                         steps=[([1, 2], [3], [-0.5]), ([1, 2, 3, 9], [4], [-0.25])])
+
+
+def test_grpo_group_scores_and_samples() -> None:
+    group = score_group(Group(instance_id="t", episodes=[_episode(0, True), _episode(1, False)]), estimator="grpo")
+    assert group.rewards == [1.0, 0.0] and group.informative
+    assert group.advantages[0] == pytest.approx(1.0, abs=1e-5) and group.advantages[1] == pytest.approx(-1.0, abs=1e-5)
+    samples = group_samples([group])
+    assert [s.uid for s in samples] == ["t#0", "t#1"]
+    assert unpack_tokens(samples[0]).tolist() == [1, 2, 3, 4, 5]
+    assert unpack_mask(samples[0]).tolist() == [0, 0, 1, 1, 0]
+    assert np.allclose(unpack_logprobs(samples[0]), [0, 0, -0.5, -0.25, 0])
+    assert samples[0].weight_version == 3 and samples[1].reward == 0.0
+    batch = make_batch(1, "grpo", samples)
+    assert batch.loss_tokens == 4 and batch.sequences == 2
+
+
+def test_custom_rewards_and_the_control_run() -> None:
+    group = score_group(Group(instance_id="t", episodes=[_episode(0, True), _episode(1, False)]), estimator="drgrpo",
+                        resolved_reward=2.0, unresolved_reward=-1.0)
+    assert group.rewards == [2.0, -1.0] and group.advantages == [1.5, -1.5]
+    control = score_group(Group(instance_id="t", episodes=[_episode(0, True), _episode(1, False)]), estimator="rloo",
+                          zero_advantages=True)
+    assert control.rewards == [1.0, 0.0] and control.advantages == [0.0, 0.0]
+
+
+def test_equal_rewards_carry_no_signal() -> None:
+    group = score_group(Group(instance_id="t", episodes=[_episode(0, False), _episode(1, False)]), estimator="grpo")
+    assert not group.informative and group.advantages == [0.0, 0.0]
+    assert pass_at_k([group]) == 0.0
+
+
+def test_step_mode_gives_one_sample_per_turn_sharing_the_advantage() -> None:
+    group = score_group(Group(instance_id="t", episodes=[_episode(0, True), _episode(1, False)]), estimator="rloo")
+    samples = group_samples([group], mode="step")
+    assert [s.uid for s in samples] == ["t#0.0", "t#0.1", "t#1.0", "t#1.1"]
+    assert unpack_tokens(samples[1]).tolist() == [1, 2, 3, 9, 4]
+    assert unpack_mask(samples[1]).tolist() == [0, 0, 0, 0, 1]
+    assert samples[0].advantage == samples[1].advantage == 1.0
+
+
+def test_truncated_episodes_can_be_masked() -> None:
+    episodes = [_episode(0, False, "TRUNCATED"), _episode(1, True)]
+    group = score_group(Group(instance_id="t", episodes=episodes), estimator="grpo")
+    masked = group_samples([group], mask_truncated=True)
+    assert unpack_mask(masked[0]).sum() == 0 and masked[0].truncated
+    assert unpack_mask(masked[1]).sum() == 2
+    assert unpack_mask(group_samples([group])[0]).sum() == 2
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.n_samples=1", "n_samples"),
+    ("train.algorithm='ppo'", "algorithm"),
+    ("train.sft_steps=30", "sft_steps"),
+    ("train.resolved_reward=0.0", "resolved_reward"),
+    ("trainer.nodes=['gpu9']", "trainer.nodes"),
+    ("train.lr=0", "lr"),
+])
+def test_train_config_errors_name_the_knob(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
