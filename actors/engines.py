@@ -49,44 +49,18 @@ import anyio.abc
 
 from swectl.config import EngineConfig, LocalNodeConfig, NodeConfig
 from swectl.engine.client import SglangClient
-from swectl.engine.errors import EngineUnavailableError
+from swectl.engine.errors import EngineError, EngineUnavailableError
 from swectl.engine.wire import GenerateRequest, GenerateResult
 from swectl.errors import ConfigError, NodeError
 from swectl.remote.nodes.backends import make_node
 from swectl.remote.nodes.node import LocalNode, Node, NodeProcess
+from swectl.remote.nodes.supervisor import API_KEY_PLACEHOLDER, SUPERVISOR, copy_output, stop_supervised
 from swectl.schema import EngineStatistics, ServerState, ServerStatistics
 
 _log = logging.getLogger(__name__)
-API_KEY_PLACEHOLDER = "@SWECTL_ENGINE_API_KEY@"
 LOOPBACK = "127.0.0.1"
 START_TRIES = 3
-STOP_GRACE_S = 10  # TERM, then KILL this long after (in the supervisor)
 TAIL_LINES = 30
-
-# argv: the server's command line. stdin: first line the API key (may be empty), then held open; EOF = stop.
-SUPERVISOR = r"""
-exec 2>&1
-IFS= read -r key || key=""
-if [ -n "$key" ]; then export SWECTL_ENGINE_API_KEY="$key"; fi
-for arg in "$@"; do
-  shift
-  if [ "$arg" = "@SWECTL_ENGINE_API_KEY@" ]; then arg="$key"; fi
-  set -- "$@" "$arg"
-done
-export PYTHONUNBUFFERED=1
-exec 3<&0
-"$@" </dev/null 3<&- &
-pid=$!
-echo "swectl-engine pid $pid"
-( cat <&3 >/dev/null; kill -TERM "$pid" 2>/dev/null; sleep GRACE; kill -KILL "$pid" 2>/dev/null ) >/dev/null 2>&1 &
-watcher=$!
-exec 3<&-
-wait "$pid"
-code=$?
-echo "swectl-engine exit $code"
-kill "$watcher" 2>/dev/null
-exit "$code"
-""".replace("GRACE", str(STOP_GRACE_S))
 
 FREE_PORT = "import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])"
 
@@ -402,21 +376,12 @@ class Engines:
 
     async def _read_output(self, s: _Server, proc: NodeProcess) -> None:
         """Copy the supervisor's output to the log, keep its last lines, and pick out pid, port and exit."""
-        log_path = self._log_path(s)
-        if log_path is not None:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("ab") if log_path is not None else contextlib.nullcontext() as log:
-            pending = b""
-            while chunk := await proc.receive():
-                if log is not None:
-                    log.write(chunk)
-                    log.flush()
-                *lines, pending = (pending + chunk).split(b"\n")
-                pending = pending[-65536:]  # a line that never ends does not grow without bound
-                if s.proc is not proc:  # stopped: the rest only goes to the log
-                    continue
-                for raw in lines:
-                    s.on_line(raw.decode(errors="replace").rstrip("\r"))
+
+        def on_line(line: str) -> None:
+            if s.proc is proc:  # stopped: the rest only goes to the log
+                s.on_line(line)
+
+        await copy_output(proc, self._log_path(s), on_line)
         if s.proc is proc:
             s.on_channel_closed()
 
@@ -441,11 +406,43 @@ class Engines:
             await client.aclose()
         if proc is None:
             return
-        with contextlib.suppress(BrokenPipeError, OSError):
-            await proc.close_input()
-        with anyio.move_on_after(STOP_GRACE_S + 5):
-            await proc.wait()
-        await proc.aclose()
+        await stop_supervised(proc)
+
+    # ------------------------------------------------------------------ weights
+
+    async def update_weights(self, path: str, version: str, *, timeout_s: float | None = None) -> float:
+        """Weight sync from disk (DESIGN 4.10): pause generation on every routable server (in place: requests
+        in flight keep their KV cache), load ``path`` (a Hugging Face folder on the engine nodes) with
+        ``update_weights_from_disk`` tagged ``version``, and resume. A server that rejects the update raises
+        EngineRejectedError with its message; servers restarted later load ``path``. Returns the seconds."""
+        t0 = anyio.current_time()
+        servers = [s for s in self._servers if s.healthy and s.client is not None]
+        if not servers:
+            raise EngineUnavailableError("engines", "no server is up to take the new weights")
+        bound = timeout_s or self._config.request_timeout_s
+
+        errors: list[EngineError] = []
+
+        async def one(s: _Server) -> None:
+            assert s.client is not None
+            try:
+                await s.client.pause_generation("in_place", timeout_s=bound)
+                try:
+                    await s.client.update_weights_from_disk(path, weight_version=version, timeout_s=bound)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await s.client.continue_generation(timeout_s=bound)
+            except EngineError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for s in servers:
+                tg.start_soon(one, s, name=f"update weights {s.name}")
+        if errors:
+            raise errors[0]
+        if not self._external:
+            self._model = path
+        return anyio.current_time() - t0
 
     # ------------------------------------------------------------------ routing
 

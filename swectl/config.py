@@ -131,6 +131,69 @@ class RolloutOptions(_Section):
     manage_context: bool = False
 
 
+class TrainerConfig(_Section):
+    """The [trainer] section: where and how the torchrun FSDP2 workers run (remote/programs/trainer.py).
+
+    Ranks come from ``torchrun --nproc_per_node`` on each of ``nodes`` (several nodes rendezvous through
+    torchrun's c10d backend on the first one). ``backend = "auto"`` is NCCL where CUDA is available, else
+    gloo; bf16 mixed precision applies on GPU only.
+    """
+
+    nodes: list[NodeName] = []  # nodes that run trainer ranks; empty = the first node
+    nproc_per_node: Count = 2
+    python: str = ""  # the node's interpreter with swectl[cpu] (torch, transformers); "" = this controller's
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    threads_per_rank: Count = 1  # torch.set_num_threads in each rank (two ranks must not fight over 2 cores)
+    micro_batch_tokens: Count = 8192  # padded tokens per forward pass (micro-batches packed by this budget)
+    rdzv_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0 = a free port on the first node
+    start_timeout_s: Positive = 600.0  # until every rank has loaded the model
+    step_timeout_s: Positive = 1800.0  # one optimizer step (and its weight save)
+    max_restarts: NonNegative = 2  # trainer restarts from the last checkpoint before the run gives up
+
+
+class TrainConfig(_Section):
+    """The [train] section: what ``swectl up`` trains, how, and for how long."""
+
+    algorithm: Literal["grpo", "sft"] = "grpo"
+    model: str = ""  # Hugging Face model folder; "" = the tiny model (`swectl model init`), made if missing
+    tasks: str = ""  # task file (JSONL) for grpo; "" = the bundled task set
+    test_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.5  # held out for evaluation (seeded)
+    sft_data: list[str] = []  # sft: traj.json run folders, traj.json files or OpenAI-messages JSONL files
+    # grpo: the first sft_steps steps are SFT on sft_data (default: gold trajectories of the train split, made
+    # at the start by running each task's gold patch as agent turns), then GRPO from there
+    sft_steps: NonNegative = 0
+    steps: Count = 20
+    tasks_per_step: Count = 4  # groups per grpo step
+    n_samples: Count = 4  # episodes per task (the group)
+    sft_batch_size: Count = 8  # samples per sft step
+    lr: Positive = 1e-4
+    warmup_steps: NonNegative = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1  # cosine floor, as a fraction of lr
+    weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    grad_clip: Positive = 1.0
+    estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    aggregation: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
+    eps_low: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.2
+    eps_high: Annotated[float, msgspec.Meta(ge=0.0)] = 0.28
+    tis_cap: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0  # truncated importance sampling ratio cap C
+    kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # KL to the initial policy; 0 = off (no reference)
+    resolved_reward: float = 1.0
+    unresolved_reward: float = 0.0
+    mask_truncated: bool = False  # truncated (overlong) episodes carry no gradient
+    dynamic_sampling: bool = True  # drop groups whose rewards are all equal and draw more tasks
+    max_sampling_rounds: Count = 3  # rounds of drawing more tasks per step before training on what there is
+    sample_mode: Literal["episode", "step"] = "episode"  # step: one sample per agent turn (context management)
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # sampling temperature of training episodes
+    concurrency: Count = 8  # episodes at once (the [rollout] section gives step limit, max tokens, context)
+    zero_advantages: bool = False  # the control run: every advantage 0 (the curve must stay flat)
+    save_every: NonNegative = 5  # checkpoint every N steps (0 = only at the end)
+    eval_every: NonNegative = 0  # evaluate on the held-out split every N steps (0 = never)
+    eval_samples: Count = 1
+    keep_weights: Count = 2  # weight folders kept besides checkpointed ones
+    seed: int = 0
+
+
 class ClusterConfig(_Section):
     """The whole cluster.toml: run id, output folder, nodes and one section per component."""
     run_id: str = ""  # empty: a fresh id per run
@@ -140,6 +203,8 @@ class ClusterConfig(_Section):
     env_pool: EnvPoolConfig = msgspec.field(default_factory=EnvPoolConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     rollout: RolloutOptions = msgspec.field(default_factory=RolloutOptions)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
 
     def node(self, name: str) -> NodeConfig:
         for node in self.nodes:
@@ -157,6 +222,11 @@ class ClusterConfig(_Section):
             return list(self.nodes[:1])
         return [self.node(name) for name in self.engine.nodes]
 
+    def trainer_nodes(self) -> list[NodeConfig]:
+        if not self.trainer.nodes:
+            return list(self.nodes[:1])
+        return [self.node(name) for name in self.trainer.nodes]
+
 
 _SECTIONS: tuple[type[msgspec.Struct], ...] = (
     LocalNodeConfig,
@@ -165,6 +235,8 @@ _SECTIONS: tuple[type[msgspec.Struct], ...] = (
     EnvPoolConfig,
     EngineConfig,
     RolloutOptions,
+    TrainerConfig,
+    TrainConfig,
     ClusterConfig,
 )
 
@@ -226,6 +298,24 @@ def check_config(config: ClusterConfig) -> list[str]:
                 f"engine.nodes[{i}]: unknown node {name!r}; defined nodes: {', '.join(names) or 'none'}"
                 + _suggest(name, names)
             )
+    for i, name in enumerate(config.trainer.nodes):
+        if name not in names:
+            problems.append(
+                f"trainer.nodes[{i}]: unknown node {name!r}; defined nodes: {', '.join(names) or 'none'}"
+                + _suggest(name, names)
+            )
+    train = config.train
+    if train.algorithm == "grpo" and train.n_samples < 2 and not train.zero_advantages:
+        problems.append(f"train.n_samples = {train.n_samples}: grpo compares episodes within a group; "
+                        "use n_samples >= 2")
+    if train.resolved_reward <= train.unresolved_reward:
+        problems.append(f"train.resolved_reward ({train.resolved_reward}) must exceed train.unresolved_reward "
+                        f"({train.unresolved_reward})")
+    if train.algorithm == "grpo" and train.sft_steps >= train.steps:
+        problems.append(f"train.sft_steps ({train.sft_steps}) must be below train.steps ({train.steps}) for grpo: "
+                        'the rest are the GRPO steps; use train.algorithm = "sft" for SFT only')
+    if train.warmup_steps >= train.steps and train.warmup_steps:
+        problems.append(f"train.warmup_steps ({train.warmup_steps}) must be below train.steps ({train.steps})")
     if config.engine.port and config.engine.replicas > 1:
         problems.append(f"engine.port = {config.engine.port} with engine.replicas = {config.engine.replicas}: "
                         "servers on one node need different ports; set engine.port = 0 (free ports)")

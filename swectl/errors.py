@@ -23,15 +23,22 @@ Classes defined elsewhere are marked with their module (they live next to the co
     |   |   +-- AgentProtocolError   the exec agent answered something that is not the protocol
     |   +-- LeaseError               a lease is no longer valid
     |   |   +-- LeaseExpiredError    the holder stopped heartbeating for longer than the TTL
+    |   +-- TrainerLostError         the torchrun trainer workers died or stopped answering; quotes their log
+    |   |                            (swectl.actors.trainer); the run restarts them from the last checkpoint
     |   +-- EngineError              an inference engine failed (swectl.engine.errors, which documents its subtree:
     |       ...                      EngineUnavailableError, EngineConnectError, EngineTimeoutError,
     |                                EngineResponseError, EngineRejectedError)
     +-- FormatError                  a model reply without exactly one bash block (swectl.agent.protocol); the agent
     |                                sees it as an observation
+    +-- GoldScriptError              a task's gold patch cannot be written as agent commands (swectl.agent.gold)
     +-- EpisodeEnd                   an episode is over: raised by the check that finds it, caught once by the
     |   |                            agent loop, never escapes it (swectl.agent.loop)
     |   +-- Submitted, LimitsExceeded, TimeExceeded, ContextExceeded, FormatErrorsExceeded, Aborted
+    +-- TrainerFailedError       the trainer ranks refused a request (bad batch, disk full); they stay up
+    |                                (swectl.actors.trainer)
     +-- BadRequest                   the CPU engine's HTTP 400 (swectl.remote.programs.cpu_engine)
+    +-- TransportError               a TrainBatch cannot be written to or read from shared memory; the message
+                                     names the segment
 
 Outside the tree on purpose: the exec agent (swectl.remote.programs.exec_agent) runs inside sandboxes on the
 standard library alone and defines its own errors; the actors' private control-flow exceptions derive from
@@ -120,3 +127,8 @@ class PoolClosedError(SwectlError):
 
 class SpecError(SwectlError):
     """SWE-bench specifications are missing or do not cover a task (message says how to fix it)."""
+
+
+class TransportError(SwectlError):
+    """A TrainBatch cannot be written to or read from shared memory (missing segment, bytes out of range, a
+    frame replaced before it was read, not a batch); the message names the segment."""

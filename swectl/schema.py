@@ -239,3 +239,26 @@ class RolloutStatistics(msgspec.Struct, frozen=True):
     truncated: int
     aborted: int
     resolved: int
+
+
+class TrainerStatistics(msgspec.Struct, frozen=True):
+    """Trainer.statistics(): the ranks, steps done and refused, the last step's time."""
+    world_size: int
+    parameters: int
+    steps: int
+    skipped: int  # steps refused for a non-finite loss or gradient
+    last_step_s: float
+
+
+class DataSourceStatistics(msgspec.Struct, frozen=True):
+    """DataSource.statistics(): the training tasks and where the cursor stands."""
+    tasks: int
+    epoch: int
+    index: int
+    consumed: int
+
+
+class MetricsStatistics(msgspec.Struct, frozen=True):
+    """Metrics.statistics(): the steps in the run's metrics.jsonl and the last one."""
+    steps_logged: int  # distinct steps in metrics.jsonl (those kept from before a resume included)
+    last_step: int | None  # None: nothing logged yet

@@ -35,6 +35,7 @@ examples:
   swectl data prepare tasks.jsonl --out data/   prompt JSONL for slime/miles + the image list
   swectl model init                      create the tiny Qwen3 policy (tokenizer trained on local code)
   swectl eval --model runs/models/tiny-qwen3 --slice 0:4   run the agent with it and grade
+  swectl plot runs/train-1               draw a training run's learning curves into runs/train-1/plots/
   swectl -v eval --gold                  also print what happens inside the run (restarts, retries, ...)
 """
 
@@ -48,6 +49,7 @@ COMMANDS = {
     "eval": "eval",
     "data": "data",
     "model": "model",
+    "plot": "plot",
 }
 # signals that stop a command like Ctrl-C does
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)

@@ -1,115 +1,150 @@
-"""`swectl up`: run the main job on a cluster.
+"""`swectl up`: train the policy on a cluster (the RL loop of DESIGN section 3; swectl/train/controller.py).
 
-Training does not exist yet (tasks, grading, the agent loop and the trainer are the next issues). Until
-then ``up`` runs the most complete part of the pipeline that exists: it starts the env pool on every
-node, runs ``--episodes`` scripted sandbox episodes concurrently (set up a git repository, run its
-tests, edit it, collect the diff: the shape of an agent episode), and reports timings and pool
-statistics. It says so when it starts.
+With no config file it runs the embedded default: one local node, the tiny CPU model (made with `swectl model
+init` on first use), the CPU engine, a 2-rank torchrun trainer on gloo, GRPO on a seeded train split of the
+bundled tasks with the rest held out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
 import anyio
-import msgspec
 
-from swectl.actors.env_pool import EnvPool, new_run_id, running_pool
-from swectl.cli.common import config_args
-from swectl.config import ClusterConfig, load_config
-from swectl.errors import InfraError
-from swectl.logs import write_run_log
+from swectl.cli.common import config_args, say
+from swectl.config import ClusterConfig, apply_override, decode_config, load_config
+from swectl.errors import ConfigError, TaskDataError
 
-EPISODE_SCRIPT = r"""
-set -e
-mkdir -p /work/proj && cd /work/proj
-git init -q
-cat > calc.py <<'PY'
-def add(a, b):
-    return a - b
-PY
-cat > test_calc.py <<'PY'
-from calc import add
-assert add(2, 3) == 5, "add is broken"
-print("tests pass")
-PY
-git add -A && git -c user.name=swectl -c user.email=swectl@localhost commit -qm base
-python3 -B test_calc.py || echo "tests fail (expected before the fix)"
-sed -i 's/a - b/a + b/' calc.py
-python3 -B test_calc.py
+EPILOG = """\
+outputs (in <out_dir>/<run_id>/, or the --resume folder):
+  metrics.jsonl, tensorboard/   per-step loss, reward, resolve rate, clip fractions, grad norm, timings
+  steps.jsonl                   each step's tasks and groups (what was trained on)
+  checkpoints/                  every train.save_every steps: model, optimizer, data cursor (resume from it)
+  weights/step_N/               the Hugging Face folder the engines were given after step N
+  episodes/step_N/, eval/       per-episode artifacts (traj.json, patch.diff, meta.json) and evaluations
+  trainer0.log, engine-logs/    the workers' output
+Plot the curves with `swectl plot RUN_DIR`; go on after a stop with `swectl up [FILE] --resume RUN_DIR`.
 """
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    up = sub.add_parser("up", help="run the main job on a cluster (today: the sandbox layer end to end)")
+    up = sub.add_parser(
+        "up", help="train the policy: rollouts, grading, FSDP2 steps on torchrun workers, weight sync",
+        description="Train the policy with the [train] section (grpo or sft) on the config's nodes.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     config_args(up)
-    up.add_argument("--episodes", type=int, default=8, help="scripted episodes to run (default 8)")
-    up.add_argument("--concurrency", type=int, default=4, help="episodes at once (default 4)")
+    up.add_argument("--resume", metavar="RUN_DIR", default=None,
+                    help="go on from the latest checkpoint of this run folder (same config)")
+    up.add_argument("--steps", type=int, default=None, metavar="N", help="shorthand for --set train.steps=N")
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides)
-    return anyio.run(lambda: run_up(config, episodes=args.episodes, concurrency=args.concurrency))
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    from swectl.train.controller import new_run_dir, run_training
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not run_dir.is_dir():
+            raise ConfigError(f"--resume {run_dir}: no such run folder")
+        config = load_config(args.config, overrides) if args.config else _recorded_config(run_dir, overrides)
+    else:
+        config = load_config(args.config, overrides)
+        run_dir = new_run_dir(config)
+    plan = build_plan(config, run_dir)
+    t = config.train
+    say(f"run {run_dir}: {t.algorithm}, {t.steps} steps, model {plan.model}; "
+        + (f"{len(plan.train_tasks)} train / {len(plan.test_tasks)} held-out tasks, {t.tasks_per_step} tasks x "
+           f"{t.n_samples} samples per step" if t.algorithm == "grpo" else f"{len(plan.sft_samples)} SFT samples"))
+    state = anyio.run(lambda: run_training(config, plan, run_dir, resume=bool(args.resume), say=say))
+    print(json.dumps({"run_dir": str(run_dir), "steps": state.step, "weights": state.weights,
+                      "skipped_steps": state.skipped_steps}))
+    return 0
 
 
-async def run_up(config: ClusterConfig, *, episodes: int, concurrency: int) -> int:
-    run_id = config.run_id or new_run_id()
-    out_dir = Path(config.out_dir) / run_id
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_run_log(out_dir)
-    print(
-        "swectl up: training is not implemented yet; running the sandbox layer end to end instead\n"
-        f"  run {run_id}: {episodes} scripted episodes, concurrency {concurrency}, "
-        f"nodes: {', '.join(n.name for n in config.sandbox_nodes())}"
-    )
-    results: list[dict] = []
-    limiter = anyio.CapacityLimiter(concurrency)
-    started = time.perf_counter()
-    async with running_pool(config, run_id) as pool, anyio.create_task_group() as episodes_tg:
-        for i in range(episodes):
-            episodes_tg.start_soon(_episode, pool, i, limiter, results, name=f"episode {i}")
-    elapsed = time.perf_counter() - started
-    ok = sum(r["ok"] for r in results)
-    stats = pool.statistics()
-    summary = {
-        "format_version": 1,
-        "run_id": run_id,
-        "episodes": episodes,
-        "succeeded": ok,
-        "elapsed_s": round(elapsed, 3),
-        "episodes_per_min": round(episodes / elapsed * 60, 1),
-        "results": sorted(results, key=lambda r: r["episode"]),
-        "pool": msgspec.to_builtins(stats),
-        "config": msgspec.to_builtins(config),
-    }
-    (out_dir / "up.json").write_text(json.dumps(summary, indent=2))
-    print(
-        f"  {ok}/{episodes} episodes succeeded in {elapsed:.1f}s ({summary['episodes_per_min']}/min); "
-        f"warm hits {stats.warm_hits}, cold starts {stats.cold_starts}; wrote {out_dir / 'up.json'}"
-    )
-    return 0 if ok == episodes else 1
+def _recorded_config(run_dir: Path, overrides: list[str]) -> ClusterConfig:
+    """The config a run was started with (its config.json), with ``--set`` overrides applied."""
+    path = run_dir / "config.json"
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume {run_dir}: cannot read its {path.name} ({exc}); give the config FILE") from exc
+    for override in overrides:
+        apply_override(document, override)
+    return decode_config(document, str(path))
 
 
-async def _episode(pool: EnvPool, index: int, limiter: anyio.CapacityLimiter, results: list[dict]) -> None:
-    async with limiter:
-        t0 = time.perf_counter()
-        record: dict = {"episode": index, "ok": False}
-        try:
-            with anyio.fail_after(120):
-                async with pool.lease() as lease:
-                    record["node"] = lease.node
-                    record["lease_ms"] = round((time.perf_counter() - t0) * 1000, 2)
-                    result = await lease.exec(EPISODE_SCRIPT, 60)
-                    diff = await lease.diff("/work/proj")
-                    record["ok"] = result.exit_code == 0 and b"+    return a + b" in diff
-                    record["exit_code"] = result.exit_code
-                    record["diff_bytes"] = len(diff)
-        except (InfraError, TimeoutError) as exc:
-            record["error"] = f"{type(exc).__name__}: {exc}"
-            print(f"  episode {index}: {record['error']}", file=sys.stderr)
-        record["seconds"] = round(time.perf_counter() - t0, 3)
-        results.append(record)
+def build_plan(config: ClusterConfig, run_dir: Path):  # -> TrainPlan
+    """Resolve the model folder (making the tiny default on first use) and the task splits or SFT samples."""
+    from swectl.actors.data_source import split_tasks
+    from swectl.train.controller import TrainPlan
+
+    t = config.train
+    model = t.model or str(Path(config.out_dir) / "models" / "tiny-qwen3")
+    if not t.model and not (Path(model) / "config.json").is_file():
+        from swectl.model.tiny import init_model
+
+        say(f"no model given (train.model): making the tiny default at {model} (`swectl model init`)")
+        init_model(Path(model), progress=say)
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError(f"train.model {model}: not a Hugging Face model folder (no config.json)")
+    if t.algorithm == "sft":
+        return TrainPlan(model=model, sft_samples=_sft_samples(config, model))
+    from swectl.images.project import BUNDLED_TASKS
+    from swectl.tasks.sources import load_tasks
+
+    source = t.tasks or str(BUNDLED_TASKS)
+    loaded = load_tasks(source)
+    if not loaded.tasks:
+        raise TaskDataError(f"train.tasks {source}: no usable task in it")
+    train, test = split_tasks(loaded.tasks, t.test_fraction, t.seed)
+    sft = []
+    if t.sft_steps:
+        sft = _sft_samples(config, model) if t.sft_data else _gold_samples(config, model, train, run_dir / "gold")
+    return TrainPlan(model=model, train_tasks=train, test_tasks=test, sft_samples=sft)
+
+
+def _gold_samples(config: ClusterConfig, model: str, tasks: list, out: Path) -> list:
+    """SFT data for the first train.sft_steps of a grpo run when train.sft_data is empty: each train-split task's
+    gold patch acted out as agent turns in a real sandbox and graded (`swectl data gold`), made once per run."""
+    from swectl.data.trajectories import samples_from_runs
+    from swectl.eval.agents import load_tokenizer
+    from swectl.eval.gold import make_gold
+
+    if not (out / "summary.json").exists():
+        say(f"train.sft_steps = {config.train.sft_steps} with no train.sft_data: making gold trajectories of the "
+            f"{len(tasks)} train-split tasks in {out}")
+        tokenizer = load_tokenizer(model, "train.model")
+        summary = anyio.run(lambda: make_gold(config, tasks, out, tokenizer, tokenizer_path=model,
+                                              concurrency=config.train.concurrency, status=say))
+        say(f"{summary.resolved} of {summary.total} gold trajectories resolve and are kept")
+    samples = samples_from_runs([out])
+    if not samples:
+        raise TaskDataError(f"{out}: no gold trajectory resolved; see its summary.json")
+    return samples
+
+
+def _sft_samples(config: ClusterConfig, model: str) -> list:
+    from swectl.data.trajectories import samples_from_messages_jsonl, samples_from_runs
+    from swectl.eval.agents import load_tokenizer
+
+    if not config.train.sft_data:
+        raise ConfigError('train.algorithm = "sft" needs train.sft_data: traj.json run folders (a `swectl eval` or '
+                          "`swectl data gold` output) or OpenAI-messages JSONL files")
+    samples: list = []
+    tokenizer = None
+    for item in config.train.sft_data:
+        path = Path(item)
+        if not path.exists():
+            raise ConfigError(f"train.sft_data: {path} does not exist")
+        if path.is_file() and path.suffix in (".jsonl", ".json") and path.name != "traj.json":
+            tokenizer = tokenizer or load_tokenizer(model, "train.model")
+            samples += samples_from_messages_jsonl(path, tokenizer)
+        else:
+            samples += samples_from_runs([path], resolved_only=True)  # rejection-sampling fine-tuning
+    if not samples:
+        raise TaskDataError(f"train.sft_data: no trajectories found in {', '.join(config.train.sft_data)}")
+    return samples

@@ -1,0 +1,315 @@
+"""The Trainer actor (the trainer link): launches the torchrun FSDP2 workers (remote/programs/trainer.py) on
+the ``[trainer]`` nodes and speaks to rank 0 over the control channel (swectl/rl/wire.py).
+
+Each node runs ``torchrun --nproc_per_node N`` under the node supervisor (remote/nodes/supervisor.py), through
+the node layer (a child process here, an SSH channel on an ssh node), so the ranks live exactly as long as
+that channel. Several nodes rendezvous through torchrun's static rendezvous on the first node
+(``--nnodes --node-rank --master-addr --master-port``). Rank 0 prints the port it listens on; the actor
+connects, sends the run's key (the supervisor got it over stdin, never on a command line) and waits for
+``Ready``.
+
+Samples go through shared memory: the controller writes the TrainBatch with a BatchWriter and sends only the
+BatchRef. A trainer whose first node is not this machine gets the frame streamed over the control channel
+(``StepRequest.frame``) and rank 0 writes it into that node's shared memory.
+
+A worker that dies is noticed (the supervisor reports its exit, or the channel or connection closes):
+``run`` raises TrainerLostError with the last lines of its log, and the controller restarts the run from
+its last checkpoint.
+
+Consumes: ``step``/``checkpoint``/``save_weights`` calls, one at a time. Waits for: the ranks (each call is
+bounded by trainer.step_timeout_s). Produces: StepReplys, ``statistics()`` (a TrainerStatistics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import secrets
+import sys
+from collections import deque
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import msgspec
+
+from swectl.actors.engines import FREE_PORT, EngineHost
+from swectl.config import TrainerConfig
+from swectl.errors import InfraError, SwectlError
+from swectl.remote.nodes.node import NodeProcess
+from swectl.remote.nodes.supervisor import SUPERVISOR, copy_output, stop_supervised
+from swectl.rl.shm import BatchRef
+from swectl.rl.wire import (
+    FRAME_HEADER,
+    MAX_FRAME,
+    CheckpointRequest,
+    Done,
+    Failed,
+    Hello,
+    Ready,
+    SaveWeightsRequest,
+    ShutdownRequest,
+    StepReply,
+    StepRequest,
+    TrainerReply,
+    TrainerSettings,
+    decode_reply,
+    frame,
+)
+from swectl.schema import TrainerStatistics
+
+_log = logging.getLogger(__name__)
+_READY = re.compile(r"swectl-trainer ready on (\S+):(\d+)\s*$")
+TAIL_LINES = 40
+
+
+class TrainerLostError(InfraError):
+    """The trainer workers died or stopped answering; the message holds the last lines of their log."""
+
+
+class TrainerFailedError(SwectlError):
+    """The ranks refused a request (a bad batch, a full disk); they are still up."""
+
+
+class _Launch:
+    """One node's torchrun: its channel, output tail and exit code."""
+
+    def __init__(self, host: EngineHost, index: int, exited: anyio.Event) -> None:
+        self.host = host
+        self.exited = exited  # shared by every node's launch: set when any of them exits
+        self.index = index
+        self.proc: NodeProcess | None = None
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.exit_code: int | None = None
+        self.ready: tuple[str, int] | None = None
+        self.changed = anyio.Event()
+
+    def on_line(self, line: str) -> None:
+        if line.startswith("swectl-engine pid "):
+            return
+        if line.startswith("swectl-engine exit "):
+            self.exit_code = int(line.split()[-1])
+            self.exited.set()
+        else:
+            self.tail.append(line)
+            found = _READY.search(line)
+            if not found:
+                return
+            self.ready = (found.group(1), int(found.group(2)))
+        self.changed.set()
+        self.changed = anyio.Event()
+
+
+class Trainer:
+    """Start with ``ready = await tg.start(trainer.run)``; then ``step``, ``checkpoint``, ``save_weights``."""
+
+    def __init__(self, config: TrainerConfig, settings: TrainerSettings, hosts: list[EngineHost], *,
+                 log_dir: Path, run_id: str = "swectl") -> None:
+        if not hosts:
+            raise ValueError("the trainer needs at least one node")
+        self._config = config
+        self._settings = settings
+        self._exited = anyio.Event()
+        self._launches = [_Launch(h, i, self._exited) for i, h in enumerate(hosts)]
+        self._log_dir = log_dir
+        self._run_id = run_id
+        self._key = secrets.token_urlsafe(24)
+        self._stream: anyio.abc.SocketStream | None = None
+        self._lock = anyio.Lock()
+        self._ready: Ready | None = None
+        self._steps = 0
+        self._skipped = 0
+        self._restarts = 0
+        self._last_step_s = 0.0
+
+    @property
+    def stream_frames(self) -> bool:
+        """True when rank 0 is not on this machine: batches travel over the control channel."""
+        return self._launches[0].host.remote
+
+    # ------------------------------------------------------------ life
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[Ready] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Launch every node's torchrun, connect to rank 0, report Ready; then watch until cancelled. A worker
+        that exits raises TrainerLostError."""
+        try:
+            async with anyio.create_task_group() as tg:
+                port = self._config.rdzv_port or await self._free_port()
+                for launch in self._launches:
+                    await self._spawn(launch, port, tg)
+                ready = await self._connect()
+                _log.info("trainer ready: %d ranks, %d parameters on %s", ready.world_size, ready.parameters,
+                          ready.device)
+                task_status.started(ready)
+                await self._watch()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._shutdown()
+
+    def _argv(self, launch: _Launch, port: int) -> list[str]:
+        cfg = self._config
+        python = cfg.python or sys.executable
+        first = self._launches[0].host
+        argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc_per_node)]
+        if len(self._launches) > 1:
+            argv += ["--nnodes", str(len(self._launches)), "--node-rank", str(launch.index),
+                     "--master-addr", first.address, "--master-port", str(port)]
+        else:
+            argv += ["--standalone"] if not cfg.rdzv_port else ["--master-port", str(port)]
+        listen = "0.0.0.0" if launch.host.remote else "127.0.0.1"
+        settings = msgspec.json.encode(self._settings).decode()
+        return [*argv, "-m", "swectl.remote.programs.trainer", "--settings", settings, "--listen", listen]
+
+    async def _free_port(self) -> int:
+        host = self._launches[0].host
+        with anyio.fail_after(60):
+            out = await host.node.run([self._config.python or sys.executable, "-c", FREE_PORT,
+                                       "0.0.0.0" if host.remote else "127.0.0.1"])
+        text = out.stdout.decode(errors="replace").strip()
+        if out.exit_code != 0 or not text.isdigit():
+            raise TrainerLostError(f"cannot pick a rendezvous port on {host.node.name}: "
+                                   f"{out.stderr.decode(errors='replace').strip()[:300]} (is python/torch there? "
+                                   "set trainer.python)")
+        return int(text)
+
+    async def _spawn(self, launch: _Launch, port: int, tg: anyio.abc.TaskGroup) -> None:
+        proc = await launch.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-trainer", *self._argv(launch, port)])
+        launch.proc = proc
+        await proc.send(f"{self._key}\n".encode())
+        tg.start_soon(self._read_output, launch, name=f"trainer output {launch.index}")
+
+    async def _read_output(self, launch: _Launch) -> None:
+        assert launch.proc is not None
+        await copy_output(launch.proc, self._log_dir / f"trainer{launch.index}.log", launch.on_line)
+        if launch.exit_code is None:
+            launch.exit_code = -1
+        launch.exited.set()
+        launch.changed.set()
+
+    def _lost(self, launch: _Launch, what: str) -> TrainerLostError:
+        tail = "\n    ".join(list(launch.tail)[-15:])
+        return TrainerLostError(f"trainer on {launch.host.node.name} {what} (log: "
+                                f"{self._log_dir / f'trainer{launch.index}.log'}); last output:\n    {tail}")
+
+    async def _connect(self) -> Ready:
+        first = self._launches[0]
+        try:
+            with anyio.fail_after(self._config.start_timeout_s):
+                while first.ready is None:
+                    for launch in self._launches:
+                        if launch.exit_code is not None:
+                            raise self._lost(launch, f"exited with {launch.exit_code} while starting")
+                    await first.changed.wait()
+                host, port = first.ready
+                address = first.host.address if first.host.remote else host
+                self._stream = await anyio.connect_tcp(address, port)
+                await self._stream.send(frame(Hello(key=self._key)))
+                reply = await self._receive()
+        except TimeoutError:
+            raise self._lost(first, f"was not ready after {self._config.start_timeout_s:.0f} s "
+                                    "(trainer.start_timeout_s)") from None
+        except (OSError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+            raise self._lost(first, f"refused the control connection ({exc})") from None
+        if not isinstance(reply, Ready):
+            raise self._lost(first, f"answered {reply!r} instead of Ready")
+        self._ready = reply
+        return reply
+
+    async def _watch(self) -> None:
+        while True:
+            for launch in self._launches:
+                if launch.exit_code is not None:
+                    raise self._lost(launch, f"exited with {launch.exit_code}")
+            with anyio.move_on_after(5):
+                await self._launches[0].changed.wait()
+
+    async def _shutdown(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with anyio.move_on_after(30), contextlib.suppress(Exception):
+                await stream.send(frame(ShutdownRequest()))
+                await _read_frame(stream)
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+        for launch in self._launches:
+            proc, launch.proc = launch.proc, None
+            if proc is not None:
+                await stop_supervised(proc)
+
+    # ------------------------------------------------------------ requests
+
+    async def _receive(self) -> TrainerReply:
+        assert self._stream is not None
+        return decode_reply(await _read_frame(self._stream))
+
+    async def _call(self, request: msgspec.Struct, what: str) -> TrainerReply:
+        async with self._lock:
+            if self._stream is None:
+                raise self._lost(self._launches[0], "is not connected")
+            try:
+                with anyio.fail_after(self._config.step_timeout_s):
+                    await self._stream.send(frame(request))
+                    reply = await self._receive()
+            except TimeoutError:
+                raise self._lost(self._launches[0], f"did not finish {what} within {self._config.step_timeout_s:.0f}"
+                                 " s (trainer.step_timeout_s)") from None
+            except (OSError, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+                raise self._lost(self._launches[0], f"closed the control connection during {what} ({exc})") from None
+        if isinstance(reply, Failed):
+            if reply.fatal or await self._exited_soon():
+                raise self._lost(self._first_exited(), f"failed {what}: {reply.message}")
+            raise TrainerFailedError(f"trainer: {what} failed: {reply.message}")
+        return reply
+
+    async def _exited_soon(self, grace_s: float = 5.0) -> bool:
+        """A rank that died mid-request makes its peers' collectives fail before torchrun reports the death:
+        give the supervisors ``grace_s`` to report an exit before calling the failure the ranks' own."""
+        with anyio.move_on_after(grace_s):
+            await self._exited.wait()
+        return self._exited.is_set()
+
+    def _first_exited(self) -> _Launch:
+        return next((launch for launch in self._launches if launch.exit_code is not None), self._launches[0])
+
+    async def step(self, step: int, ref: BatchRef, *, weights_dir: str = "", frame_bytes: bytes | None = None
+                   ) -> StepReply:
+        """One optimizer step on the batch at ``ref`` (or the streamed ``frame_bytes``)."""
+        reply = await self._call(StepRequest(step=step, ref=ref, weights_dir=weights_dir, frame=frame_bytes),
+                                 f"step {step}")
+        assert isinstance(reply, StepReply)
+        self._steps += 1
+        self._skipped += reply.skipped
+        self._last_step_s = reply.metrics.get("train_s", 0.0)
+        return reply
+
+    async def checkpoint(self, step: int, path: Path) -> Done:
+        reply = await self._call(CheckpointRequest(step=step, path=str(path)), f"checkpoint {path}")
+        assert isinstance(reply, Done)
+        return reply
+
+    async def save_weights(self, path: Path) -> Done:
+        reply = await self._call(SaveWeightsRequest(path=str(path)), f"saving weights to {path}")
+        assert isinstance(reply, Done)
+        return reply
+
+    def statistics(self) -> TrainerStatistics:
+        ready = self._ready
+        return TrainerStatistics(world_size=ready.world_size if ready else 0,
+                                 parameters=ready.parameters if ready else 0, steps=self._steps,
+                                 skipped=self._skipped, last_step_s=self._last_step_s)
+
+
+async def _read_frame(stream: anyio.abc.ByteReceiveStream) -> bytes:
+    header = await _read_exact(stream, FRAME_HEADER.size)
+    (length,) = FRAME_HEADER.unpack(header)
+    if length > MAX_FRAME:
+        raise anyio.BrokenResourceError(f"frame of {length} bytes")
+    return await _read_exact(stream, length)
+
+
+async def _read_exact(stream: anyio.abc.ByteReceiveStream, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        buf += await stream.receive(n - len(buf))
+    return bytes(buf)

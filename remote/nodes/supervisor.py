@@ -1,0 +1,74 @@
+"""The ``sh`` supervisor every long-lived server or worker runs under on a node (engines, trainer ranks).
+
+Started through the node's ``spawn`` (a child process here, an SSH channel on an ssh node) as
+``sh -c SUPERVISOR NAME ARGV...``. Its stdin: first line an API key (may be empty; exported as
+``$SWECTL_ENGINE_API_KEY`` and substituted for API_KEY_PLACEHOLDER in argv, so it never appears on an SSH
+command line), then held open. It merges the program's stdout and stderr into the pipe the controller reads,
+prints ``swectl-engine pid N`` and ``swectl-engine exit N``, and kills the program (TERM, then KILL after
+STOP_GRACE_S) when its stdin closes: when the controller stops it, dies, or loses the SSH connection, nothing
+is left running on the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+
+from swectl.remote.nodes.node import NodeProcess
+
+API_KEY_PLACEHOLDER = "@SWECTL_ENGINE_API_KEY@"
+STOP_GRACE_S = 10  # TERM, then KILL this long after
+
+# argv: the program's command line. stdin: first line the API key (may be empty), then held open; EOF = stop.
+SUPERVISOR = r"""
+exec 2>&1
+IFS= read -r key || key=""
+if [ -n "$key" ]; then export SWECTL_ENGINE_API_KEY="$key"; fi
+for arg in "$@"; do
+  shift
+  if [ "$arg" = "@SWECTL_ENGINE_API_KEY@" ]; then arg="$key"; fi
+  set -- "$@" "$arg"
+done
+export PYTHONUNBUFFERED=1
+exec 3<&0
+"$@" </dev/null 3<&- &
+pid=$!
+echo "swectl-engine pid $pid"
+( cat <&3 >/dev/null; kill -TERM "$pid" 2>/dev/null; sleep GRACE; kill -KILL "$pid" 2>/dev/null ) >/dev/null 2>&1 &
+watcher=$!
+exec 3<&-
+wait "$pid"
+code=$?
+echo "swectl-engine exit $code"
+kill "$watcher" 2>/dev/null
+exit "$code"
+""".replace("GRACE", str(STOP_GRACE_S))
+
+
+async def copy_output(proc: NodeProcess, log_path: Path | None, on_line: Callable[[str], None]) -> None:
+    """Copy a supervised program's output to ``log_path`` (appended, flushed per chunk) and hand each complete line
+    to ``on_line`` until the channel closes. A line that never ends does not grow without bound."""
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") if log_path is not None else contextlib.nullcontext() as log:
+        pending = b""
+        while chunk := await proc.receive():
+            if log is not None:
+                log.write(chunk)
+                log.flush()
+            *lines, pending = (pending + chunk).split(b"\n")
+            pending = pending[-65536:]
+            for raw in lines:
+                on_line(raw.decode(errors="replace").rstrip("\r"))
+
+
+async def stop_supervised(proc: NodeProcess) -> None:
+    """Close the supervisor's stdin (it stops the program: TERM, then KILL), wait for it, close the channel."""
+    with contextlib.suppress(BrokenPipeError, OSError):
+        await proc.close_input()
+    with anyio.move_on_after(STOP_GRACE_S + 5):
+        await proc.wait()
+    await proc.aclose()

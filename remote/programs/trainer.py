@@ -1,0 +1,472 @@
+"""The training worker: one process per rank under ``torchrun``, FSDP2 over a Hugging Face causal LM.
+
+    torchrun --nproc_per_node 2 -m swectl.remote.programs.trainer --settings JSON --listen 127.0.0.1
+
+Every rank loads the model folder with transformers, shards it with ``fully_shard`` (each decoder layer, then
+the root; gloo on CPU, NCCL with bf16 mixed precision on GPU) and builds AdamW with a warmup + constant/cosine
+schedule. Rank 0 listens on ``--listen`` (port 0: it prints ``swectl-trainer ready on HOST:PORT``), accepts
+the controller's connection (the first frame must carry the key from ``$SWECTL_ENGINE_API_KEY``, which the
+node supervisor sets from the channel's stdin) and then serves requests (swectl/rl/wire.py): each one is
+broadcast to every rank over a gloo group and executed by all of them together.
+
+A step reads the TrainBatch from shared memory (every rank attaches to the segment the ``BatchRef`` names),
+splits it into per-rank micro-batches packed by a token budget (swectl/rl/packing.py; every rank runs the
+same number of forward passes, padded with empty ones, because FSDP's collectives run per forward), computes
+the loss of swectl/rl/losses.py with the *global* batch denominators, accumulates gradients, clips them, and
+steps only when the loss and the gradient norm are finite (otherwise the step is refused and reported, and
+nothing is written). FSDP averages gradients over ranks; the loss is multiplied by the world size so that
+the result is the sum the global denominators expect.
+
+Weights for the engines go to ``weights_dir`` as a Hugging Face folder (safetensors + the model folder's
+config and tokenizer files), written to ``<dir>.tmp`` and renamed, so a reader never sees half a folder.
+Checkpoints (model, optimizer, scheduler, step, RNG) are torch.distributed.checkpoint folders, also written
+to ``.tmp`` and renamed by rank 0 after every rank finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from swectl.rl.batch import TrainBatch, TrainSample
+from swectl.rl.losses import policy_loss, sft_loss, token_entropy, token_logprobs
+from swectl.rl.packing import plan_micro_batches
+from swectl.rl.shm import BatchWriter, read_batch
+from swectl.rl.wire import (
+    FRAME_HEADER,
+    MAX_FRAME,
+    CheckpointRequest,
+    Done,
+    Failed,
+    Hello,
+    Ready,
+    SaveWeightsRequest,
+    ShutdownRequest,
+    StepReply,
+    StepRequest,
+    TrainerRequest,
+    TrainerSettings,
+    decode_request,
+    frame,
+)
+
+KEY_ENV = "SWECTL_ENGINE_API_KEY"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+MAX_KEYS = ("ratio_max", "tis_max")  # statistics reduced with MAX over micro-batches and ranks
+
+
+def log(message: str) -> None:
+    print(f"swectl-trainer rank {os.environ.get('RANK', '?')}: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- model, optimizer, schedule
+
+
+def lr_factor(step: int, s: TrainerSettings) -> float:
+    """The learning-rate multiplier after ``step`` optimizer steps: linear warmup, then constant or cosine."""
+    if s.warmup_steps and step < s.warmup_steps:
+        return (step + 1) / s.warmup_steps
+    if s.schedule == "constant":
+        return 1.0
+    span = max(s.total_steps - s.warmup_steps, 1)
+    progress = min(max(step - s.warmup_steps, 0) / span, 1.0)
+    return s.min_lr_ratio + (1.0 - s.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _device(s: TrainerSettings) -> tuple[torch.device, str]:
+    backend = s.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local), backend
+    return torch.device("cpu"), backend
+
+
+def build_model(s: TrainerSettings, device: torch.device) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(s.model, torch_dtype=torch.float32, local_files_only=True)
+    model.to(device)
+    model.config.use_cache = False
+    kw: dict[str, Any] = {}
+    if device.type == "cuda":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    for layer in layers or []:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+class Trainer:
+    """One rank's model, optimizer and schedule, and the requests they serve."""
+
+    def __init__(self, s: TrainerSettings) -> None:
+        self.s = s
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.device, _ = _device(s)
+        torch.manual_seed(s.seed)
+        self.model = build_model(s, self.device)
+        self.ref_model = build_model(s, self.device) if s.kl_coef > 0 else None
+        if self.ref_model is not None:
+            self.ref_model.eval()
+            self.ref_model.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, betas=s.betas,
+                                           weight_decay=s.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda n: lr_factor(n, s))
+        self.step = 0
+        self._writer: BatchWriter | None = None
+        self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+        if s.resume:
+            self.load_checkpoint(Path(s.resume))
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    # ------------------------------------------------------------ one step
+
+    def _collate(self, samples: list[TrainSample]) -> dict[str, torch.Tensor]:
+        """Right-padded tensors of one micro-batch (an empty one: a single pad token with mask 0)."""
+        if not samples:
+            one = torch.full((1, 1), self.pad_id, dtype=torch.long)
+            zero = torch.zeros((1, 1))
+            return {"input_ids": one, "attention_mask": torch.ones_like(one), "mask": zero,
+                    "rollout_logp": zero, "advantages": zero}
+        width = max(s.length for s in samples)
+        ids = np.full((len(samples), width), self.pad_id, dtype=np.int64)
+        attn = np.zeros((len(samples), width), dtype=np.int64)
+        mask = np.zeros((len(samples), width), dtype=np.float32)
+        lp = np.zeros((len(samples), width), dtype=np.float32)
+        adv = np.zeros((len(samples), width), dtype=np.float32)
+        for row, sample in enumerate(samples):
+            n = sample.length
+            ids[row, :n] = np.frombuffer(sample.tokens, dtype="<i4")
+            attn[row, :n] = 1
+            mask[row, :n] = np.frombuffer(sample.loss_mask, dtype=np.uint8)
+            lp[row, :n] = np.frombuffer(sample.logprobs, dtype="<f4")
+            adv[row, :n] = sample.advantage
+        return {k: torch.from_numpy(v) for k, v in
+                (("input_ids", ids), ("attention_mask", attn), ("mask", mask), ("rollout_logp", lp),
+                 ("advantages", adv))}
+
+    def _micro_loss(self, mb: dict[str, torch.Tensor], batch: TrainBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        s = self.s
+        mb = {k: v.to(self.device) for k, v in mb.items()}
+        logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits.float()
+        logp = token_logprobs(logits, mb["input_ids"])
+        mask = mb["mask"]
+        denominator = float(batch.loss_tokens if s.aggregation == "token_mean" else batch.sequences) or 1.0
+        if batch.algorithm == "sft":
+            loss, stats = sft_loss(logp, mask, denominator=denominator, aggregation=s.aggregation)
+        else:
+            ref_logp = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logits = self.ref_model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+                    ref_logp = token_logprobs(ref_logits.float(), mb["input_ids"])
+            loss, stats = policy_loss(logp, logp.detach(), mb["rollout_logp"], mb["advantages"], mask,
+                                      denominator=denominator, aggregation=s.aggregation, eps_low=s.eps_low,
+                                      eps_high=s.eps_high, tis_cap=s.tis_cap, ref_logp=ref_logp,
+                                      kl_coef=s.kl_coef)
+        with torch.no_grad():
+            entropy = (token_entropy(logits.detach()) * mask).sum()
+        stats = {k: v.detach().float() for k, v in stats.items()}
+        stats["entropy_sum"] = entropy.float()
+        return loss, stats
+
+    def train_step(self, req: StepRequest) -> StepReply:
+        t0 = time.perf_counter()
+        batch = read_batch(req.ref)
+        t_read = time.perf_counter() - t0
+        plan = plan_micro_batches([smp.length for smp in batch.samples], ranks=self.world,
+                                  token_budget=self.s.micro_batch_tokens)[self.rank]
+        self.model.train()
+        sums: dict[str, torch.Tensor] = {}
+        maxes: dict[str, torch.Tensor] = {}
+        tokens = 0
+        for indices in plan:
+            chosen = [batch.samples[i] for i in indices]
+            tokens += sum(smp.length for smp in chosen)
+            loss, stats = self._micro_loss(self._collate(chosen), batch)
+            (loss * self.world).backward()
+            for key, value in stats.items():
+                if key in MAX_KEYS:
+                    maxes[key] = torch.maximum(maxes[key], value) if key in maxes else value
+                else:
+                    sums[key] = sums[key] + value if key in sums else value
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        totals = _reduce(sums, dist.ReduceOp.SUM)
+        peaks = _reduce(maxes, dist.ReduceOp.MAX)
+        tokens_all = _reduce({"t": torch.tensor(float(tokens))}, dist.ReduceOp.SUM)["t"]
+        lr = self.scheduler.get_last_lr()[0]
+        metrics = _metrics(totals, peaks, batch)
+        metrics.update(grad_norm=float(grad_norm), lr=lr, tokens=float(tokens_all),
+                       micro_batches=float(len(plan)), read_s=t_read)
+        finite = math.isfinite(metrics.get("loss", 0.0)) and math.isfinite(float(grad_norm))
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            reason = f"non-finite loss ({metrics.get('loss')}) or grad norm ({float(grad_norm)}): step refused"
+            metrics["train_s"] = time.perf_counter() - t0
+            return StepReply(step=req.step, metrics=metrics, skipped=True, reason=reason)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = req.step
+        metrics["train_s"] = time.perf_counter() - t0
+        metrics["train_tokens_per_s"] = float(tokens_all) / max(metrics["train_s"], 1e-9)
+        weights = ""
+        if req.weights_dir:
+            t1 = time.perf_counter()
+            weights = self.save_weights(Path(req.weights_dir))
+            metrics["save_weights_s"] = time.perf_counter() - t1
+        return StepReply(step=req.step, metrics=metrics, weights_dir=weights)
+
+    def localize(self, req: StepRequest) -> StepRequest:
+        """A batch streamed over the control channel goes into this node's shared memory (rank 0 only)."""
+        if self._writer is None:
+            self._writer = BatchWriter()
+        ref = self._writer.write_frame(req.frame, req.step)
+        return msgspec.structs.replace(req, ref=ref, frame=None)
+
+    # ------------------------------------------------------------ weights and checkpoints
+
+    def save_weights(self, path: Path) -> str:
+        """All ranks gather the full state dict; rank 0 writes a Hugging Face folder at ``path`` (atomically)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            write_hf_folder(self.model, state, Path(self.s.model), path)
+        dist.barrier()
+        return str(path)
+
+    def save_checkpoint(self, req: CheckpointRequest) -> str:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        final = Path(req.path)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state()}, tmp / f"rng{self.rank}.pt")
+        if self.rank == 0:
+            state = {"step": req.step, "scheduler": self.scheduler.state_dict(), "world_size": self.world,
+                     "settings": msgspec.to_builtins(self.s)}
+            (tmp / "trainer.json").write_text(json.dumps(state, indent=1))
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        dist.barrier()
+        return str(final)
+
+    def load_checkpoint(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        state = json.loads((path / "trainer.json").read_text())
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        both = {"model": model_sd, "optim": optim_sd}
+        dcp.load(both, checkpoint_id=str(path / "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        rng_file = path / f"rng{self.rank}.pt"
+        if rng_file.exists() and state.get("world_size") == self.world:
+            rng = torch.load(rng_file, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+
+
+def write_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path, path: Path) -> None:
+    """``state`` as ``model.safetensors`` plus the source folder's config and tokenizer files, at ``path``."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for item in source.iterdir():
+        if item.is_file() and item.name not in WEIGHT_FILES and not item.name.endswith((".safetensors", ".bin")):
+            shutil.copy2(item, tmp / item.name)
+    tensors = {k: v.detach().to(torch.float32 if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in state.items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def _reduce(values: dict[str, torch.Tensor], op: dist.ReduceOp) -> dict[str, float]:
+    """All-reduce a dict of scalars (the same keys on every rank) in one collective."""
+    keys = sorted(values)
+    if not keys:
+        return {}
+    flat = torch.stack([values[k].detach().float().cpu().reshape(()) for k in keys])
+    dist.all_reduce(flat, op=op)
+    return {k: float(v) for k, v in zip(keys, flat.tolist(), strict=True)}
+
+
+def _metrics(sums: dict[str, float], peaks: dict[str, float], batch: TrainBatch) -> dict[str, float]:
+    """Per-token means of the summed statistics."""
+    tokens = max(sums.get("tokens", 0.0), 1.0)
+    out: dict[str, float] = {"loss_tokens": float(batch.loss_tokens), "sequences": float(batch.sequences),
+                             "samples": float(len(batch.samples))}
+    if "loss_sum" in sums:
+        out["loss"] = sums["loss_sum"] / tokens
+    out["entropy"] = sums.get("entropy_sum", 0.0) / tokens
+    for key in ("clipped_low", "clipped_high", "tis_clipped"):
+        if key in sums:
+            out[key.replace("clipped", "clip_frac") if key != "tis_clipped" else "tis_clip_frac"] = sums[key] / tokens
+    for key in ("ratio_sum", "tis_sum", "kl_sum"):
+        if key in sums:
+            out[key.replace("_sum", "_mean")] = sums[key] / tokens
+    out.update(peaks)
+    return out
+
+
+# ---------------------------------------------------------------- the control channel (rank 0)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    parts = []
+    while n:
+        chunk = conn.recv(min(n, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the controller closed the connection")
+        parts.append(chunk)
+        n -= len(chunk)
+    return b"".join(parts)
+
+
+def receive(conn: socket.socket) -> TrainerRequest:
+    (length,) = FRAME_HEADER.unpack(_recv_exact(conn, FRAME_HEADER.size))
+    if length > MAX_FRAME:
+        raise ConnectionError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+    return decode_request(_recv_exact(conn, length))
+
+
+def accept_controller(listen: str) -> socket.socket:
+    server = socket.create_server((listen, 0))
+    host, port = server.getsockname()[:2]
+    print(f"swectl-trainer ready on {host}:{port}", flush=True)
+    key = os.environ.get(KEY_ENV, "")
+    while True:
+        conn, _ = server.accept()
+        try:
+            hello = receive(conn)
+        except (ConnectionError, msgspec.DecodeError, msgspec.ValidationError):
+            conn.close()
+            continue
+        if isinstance(hello, Hello) and hello.key == key:
+            server.close()
+            return conn
+        conn.close()
+
+
+def serve(trainer: Trainer, conn: socket.socket | None, control: Any) -> None:
+    """Rank 0 reads requests and broadcasts them; every rank executes them together."""
+    rank0 = trainer.rank == 0
+    handlers: dict[type, Callable[[Any], Any]] = {
+        StepRequest: trainer.train_step,
+        CheckpointRequest: lambda r: Done(path=trainer.save_checkpoint(r)),
+        SaveWeightsRequest: lambda r: Done(path=trainer.save_weights(Path(r.path))),
+    }
+    while True:
+        box: list[Any] = [None]
+        if rank0:
+            assert conn is not None
+            try:
+                box[0] = receive(conn)
+            except ConnectionError as exc:
+                log(f"{exc}; stopping")
+                box[0] = ShutdownRequest()
+            if isinstance(box[0], StepRequest) and box[0].frame is not None:
+                box[0] = trainer.localize(box[0])
+        dist.broadcast_object_list(box, src=0, group=control)
+        request = box[0]
+        if isinstance(request, ShutdownRequest):
+            if rank0 and conn is not None:
+                _send(conn, Done())
+            return
+        t0 = time.perf_counter()
+        try:
+            reply = handlers[type(request)](request)
+        except Exception as exc:  # reported to the controller; the ranks stay up for its decision
+            log(traceback.format_exc())
+            reply = Failed(message=f"{type(exc).__name__}: {exc}", fatal=collective_failed(exc))
+        if isinstance(reply, Done) and not reply.seconds:
+            reply = Done(path=reply.path, seconds=time.perf_counter() - t0)
+        if rank0 and conn is not None:
+            _send(conn, reply)
+        if isinstance(reply, Failed) and reply.fatal:  # the process group is broken: torchrun tears the rest down
+            raise SystemExit(f"swectl-trainer: a collective failed ({reply.message}); exiting")
+
+
+def collective_failed(exc: BaseException) -> bool:
+    """True when ``exc`` comes from the process group itself (a peer died, a transport closed), after which no
+    collective can succeed: gloo and NCCL raise RuntimeErrors (or DistError subclasses) naming themselves."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        mark in text for mark in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset by peer"))
+
+
+def _send(conn: socket.socket, message: msgspec.Struct) -> None:
+    try:
+        conn.sendall(frame(message))
+    except OSError as exc:
+        log(f"cannot answer the controller: {exc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="swectl's torchrun training worker (started by `swectl up`)")
+    parser.add_argument("--settings", required=True, help="TrainerSettings as JSON")
+    parser.add_argument("--listen", default="127.0.0.1", help="address rank 0 listens on for the controller")
+    args = parser.parse_args(argv)
+    settings = msgspec.json.decode(args.settings.encode(), type=TrainerSettings)
+    torch.set_num_threads(settings.threads)
+    device, backend = _device(settings)
+    dist.init_process_group(backend=backend)
+    control = dist.new_group(backend="gloo") if backend != "gloo" else None
+    try:
+        trainer = Trainer(settings)
+        conn = accept_controller(args.listen) if trainer.rank == 0 else None
+        if conn is not None:
+            _send(conn, Ready(world_size=trainer.world, parameters=trainer.parameters, step=trainer.step,
+                              device=str(device)))
+        serve(trainer, conn, control)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,448 @@
+"""The controller: ``swectl up`` as the RL loop of DESIGN section 3.
+
+    DataSource --tasks--> Rollout (n episodes per task, graded) --groups--> batcher (drop ABORTED and refill,
+    rewards, advantages, dynamic sampling) --TrainBatch in shared memory--> Trainer (one FSDP2 step, weights
+    folder) --> Engines.update_weights --> next step
+
+``algorithm = "sft"`` replaces the rollout with a seeded pass over trajectories (swectl traj.json runs or
+OpenAI-messages JSONL). Every ``save_every`` steps a checkpoint (checkpoint.py); ``--resume RUN_DIR`` goes on
+from the latest one, and a trainer that dies is restarted from it (trainer.max_restarts). Outputs in the run
+folder: metrics.jsonl and tensorboard/ (actors/metrics.py), steps.jsonl (each step's tasks and groups),
+weights/step_N (what the engines were given), checkpoints/, episodes/step_N/ (per-episode artifacts),
+eval/step_N/ (held-out evaluations), trainer*.log and engine-logs/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+import anyio.abc
+import msgspec
+
+from swectl.actors.data_source import DataCursor, DataSource
+from swectl.actors.engines import Engines, engine_hosts
+from swectl.actors.env_pool import EnvPool, new_run_id, running_pool
+from swectl.actors.grader import Grader, GraderConfig
+from swectl.actors.metrics import Metrics, StepProgress
+from swectl.actors.rollout import EpisodeResult, Rollout, RolloutConfig
+from swectl.actors.trainer import Trainer, TrainerLostError
+from swectl.agent.loop import Episode, EpisodeConfig
+from swectl.agent.metrics import agent_metrics
+from swectl.agent.protocol import AgentLimits
+from swectl.config import ClusterConfig, TrainConfig
+from swectl.engine.wire import SamplingParams
+from swectl.errors import ConfigError, TaskDataError
+from swectl.logs import write_run_log
+from swectl.rl.advantages import advantage_stats
+from swectl.rl.batch import TrainSample, make_batch
+from swectl.rl.groups import GradedEpisode, Group, group_samples, pass_at_k, score_group
+from swectl.rl.shm import BatchWriter
+from swectl.rl.wire import StepReply, TrainerSettings
+from swectl.tasks.record import Task
+from swectl.train.checkpoint import (
+    RunState,
+    checkpoint_dir,
+    commit_checkpoint,
+    latest_checkpoint,
+    prune_weights,
+    step_name,
+    truncate_records,
+    write_atomic,
+)
+
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
+Say = Callable[[str], None]
+REFILL_TRIES = 2  # extra rounds to replace ABORTED episodes of a group before the group is dropped
+
+
+class TrainPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """What a run trains on, resolved once: the model folder, the task splits or the SFT samples."""
+
+    model: str
+    train_tasks: list[Task] = []
+    test_tasks: list[Task] = []
+    sft_samples: list[TrainSample] = []
+
+
+def trainer_settings(config: ClusterConfig, plan: TrainPlan, run_dir: Path, resume: str) -> TrainerSettings:
+    t, tr = config.train, config.trainer
+    return TrainerSettings(
+        model=plan.model, out_dir=str(run_dir), algorithm=t.algorithm, lr=t.lr, warmup_steps=t.warmup_steps,
+        total_steps=t.steps, schedule=t.schedule, min_lr_ratio=t.min_lr_ratio, weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip, aggregation=t.aggregation, eps_low=t.eps_low, eps_high=t.eps_high,
+        tis_cap=t.tis_cap, kl_coef=t.kl_coef, micro_batch_tokens=tr.micro_batch_tokens, threads=tr.threads_per_rank,
+        backend=tr.backend, seed=t.seed, resume=resume,
+    )
+
+
+def episode_config(config: ClusterConfig, *, temperature: float) -> EpisodeConfig:
+    r = config.rollout
+    return EpisodeConfig(
+        manage_context=r.manage_context, per_step_samples=config.train.sample_mode == "step",
+        limits=AgentLimits(step_limit=r.step_limit, max_context_tokens=r.context),
+        sampling=SamplingParams(max_new_tokens=r.max_tokens, temperature=temperature))
+
+
+def _weight_version(versions: list[str]) -> int:
+    numbers = [int(v) for v in versions if v.isdigit()]
+    return min(numbers) if numbers else 0
+
+
+def graded_episode(result: EpisodeResult) -> GradedEpisode:
+    """Read an episode's tokens back from its traj.json."""
+    path = Path(result.artifacts) / "traj.json"
+    try:
+        episode = msgspec.json.decode(path.read_bytes(), type=_TrajFile).episode
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise TaskDataError(f"{path}: cannot read the episode back: {exc}") from exc
+    t = episode.trajectory
+    steps = [(s.prompt_ids, s.output_ids, s.output_logprobs) for s in episode.samples]
+    return GradedEpisode(instance_id=result.instance_id, sample=result.sample, outcome=result.outcome,
+                         resolved=result.resolved, token_ids=t.token_ids, loss_mask=t.loss_mask, logprobs=t.logprobs,
+                         weight_version=_weight_version(t.weight_versions), steps=steps)
+
+
+class _TrajFile(msgspec.Struct):
+    episode: Episode
+
+
+class Controller:
+    """One training run: its actors, its loop, its state."""
+
+    def __init__(self, config: ClusterConfig, plan: TrainPlan, run_dir: Path, *, say: Say) -> None:
+        self.config = config
+        self.train: TrainConfig = config.train
+        self.plan = plan
+        self.run_dir = run_dir
+        self.say = say
+        self.state = RunState(weights=plan.model)
+        self.restarts = 0
+        self._trainer_was_ready = False
+
+    # ------------------------------------------------------------ the run, with restarts
+
+    async def run(self, *, resume: bool) -> RunState:
+        if resume:
+            self._load_latest(required=True)
+        while True:
+            try:
+                await self._run_once()
+                return self.state
+            except* TrainerLostError as group:
+                error = _first_leaf(group)
+                if not self._trainer_was_ready:  # it never came up (no torch, a model it cannot load): no retry
+                    raise error from None
+                self.restarts += 1
+                if self.restarts > self.config.trainer.max_restarts:
+                    raise error from None
+                self.say(f"trainer lost: {error}\n  restart {self.restarts}/{self.config.trainer.max_restarts} "
+                         "from the last checkpoint")
+                self._load_latest(required=False)
+
+    def _load_latest(self, *, required: bool) -> None:
+        found = latest_checkpoint(self.run_dir)
+        if found is None:
+            if required:
+                raise ConfigError(f"--resume {self.run_dir}: no checkpoint there (checkpoints/latest is missing)")
+            self.state = RunState(weights=self.plan.model)
+            self._checkpoint_path = ""
+        else:
+            folder, self.state = found
+            self._checkpoint_path = str(folder / "trainer")
+            self.say(f"resuming after step {self.state.step} from {folder}")
+        truncate_records(self.run_dir / "steps.jsonl", self.state.step)
+
+    async def _run_once(self) -> None:
+        cfg, t = self.config, self.train
+        run_id = self.run_dir.name
+        resume_from = getattr(self, "_checkpoint_path", "")
+        # from step 0 (a fresh start, or a restart before the first checkpoint): every earlier line goes
+        metrics = Metrics(self.run_dir, resume_step=self.state.step if self.state.step else -1)
+        progress = StepProgress(t.steps, self.state.step)
+        rl = t.algorithm == "grpo"
+        pool_cm = running_pool(cfg, run_id) if rl else contextlib.nullcontext(None)
+        engine_cm = engine_hosts(cfg.engine_nodes()) if rl else contextlib.nullcontext([])
+        async with (_closing(metrics), pool_cm as pool, engine_cm as ehosts,
+                    engine_hosts(cfg.trainer_nodes()) as thosts, anyio.create_task_group() as tg):
+            trainer = Trainer(cfg.trainer, trainer_settings(cfg, self.plan, self.run_dir, resume_from), thosts,
+                              log_dir=self.run_dir, run_id=run_id)
+            engines: Engines | None = None
+            if rl:
+                engines = Engines(cfg.engine, model=self.state.weights, hosts=ehosts,
+                                  log_dir=self.run_dir / "engine-logs")
+                self.say(f"starting {len(ehosts) * cfg.engine.replicas} {cfg.engine.kind} engine server(s) and the "
+                         f"trainer ({cfg.trainer.nproc_per_node} ranks x {len(thosts)} node(s))")
+                await tg.start(engines.run, name="engines")
+            else:
+                self.say(f"starting the trainer ({cfg.trainer.nproc_per_node} ranks x {len(thosts)} node(s))")
+            self._trainer_was_ready = False
+            ready = await tg.start(trainer.run, name="trainer")
+            self._trainer_was_ready = True
+            self.say(f"trainer ready: {ready.world_size} ranks on {ready.device}, {ready.parameters:,} parameters")
+            source = DataSource(self.plan.train_tasks, seed=t.seed, cursor=self.state.cursor) if rl else None
+            with BatchWriter() as writer:
+                if rl and t.eval_every and self.state.step == 0:
+                    await self._evaluate(pool, engines, metrics, 0)
+                while self.state.step < t.steps:
+                    step = self.state.step + 1
+                    await self._step(step, pool, engines, trainer, writer, source, metrics, progress)
+                    if rl and t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                        await self._evaluate(pool, engines, metrics, step)
+                    if (t.save_every and step % t.save_every == 0) or step == t.steps:
+                        await self._checkpoint(trainer)
+            progress.close()
+            tg.cancel_scope.cancel("training done")
+
+    # ------------------------------------------------------------ one step
+
+    async def _step(self, step: int, pool: EnvPool | None, engines: Engines | None, trainer: Trainer,
+                    writer: BatchWriter, source: DataSource | None, metrics: Metrics, progress: StepProgress
+                    ) -> None:
+        t = self.train
+        t0 = time.monotonic()
+        values: dict[str, float] = {}
+        record: dict = {"step": step}
+        if t.algorithm == "grpo" and step > t.sft_steps:
+            assert pool is not None and engines is not None and source is not None
+            groups, results, info, tasks_seen = await self._collect(step, pool, engines, source)
+            samples = group_samples(groups, mode=t.sample_mode, mask_truncated=t.mask_truncated)
+            values.update(info)
+            values.update(_rollout_values(groups, results))
+            record.update(tasks=tasks_seen, groups=[g.instance_id for g in groups],
+                          rewards={g.instance_id: g.rewards for g in groups})
+        else:
+            samples = self._next_sft(t.sft_batch_size)
+            record.update(samples=[s.uid for s in samples])
+        values["rollout_s"] = time.monotonic() - t0
+        reply = None
+        if samples:
+            reply = await self._train(step, samples, trainer, writer, values)
+        else:  # every group had equal rewards (or was aborted): nothing to learn from, nothing to push
+            self.say(f"step {step}: no learning signal (all {values.get('groups_dropped_uninformative', 0):.0f} "
+                     f"groups had equal rewards, {values.get('groups_dropped_aborted', 0):.0f} aborted); no update")
+            values["skipped"] = 1.0
+        if reply is not None and reply.skipped:
+            self.say(f"step {step}: {reply.reason}; the weights were not pushed")
+            values["skipped"] = 1.0
+        elif reply is not None and engines is not None:
+            values["sync_s"] = await engines.update_weights(reply.weights_dir, str(step))
+        if values.get("skipped"):
+            self.state.skipped_steps.append(step)
+        elif reply is not None:
+            self.state.weights = reply.weights_dir
+        self.state.step = step
+        if source is not None:
+            self.state.cursor = msgspec.structs.replace(source.cursor, consumed=list(source.cursor.consumed))
+        values["weight_version"] = float(step)
+        values["step_s"] = time.monotonic() - t0
+        metrics.log(step, values)
+        progress.update(step, values)
+        with (self.run_dir / "steps.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        prune_weights(self.run_dir, self.train.keep_weights, {self.state.weights, *self._checkpointed_weights()})
+
+    async def _train(self, step: int, samples: list[TrainSample], trainer: Trainer, writer: BatchWriter,
+                     values: dict[str, float]) -> StepReply:
+        batch = make_batch(step, self.train.algorithm if step > self.train.sft_steps else "sft", samples)
+        t1 = time.monotonic()
+        ref = writer.write(batch)
+        values["transport_s"] = time.monotonic() - t1
+        frame_bytes = writer.frame_bytes(ref) if trainer.stream_frames else None
+        weights_dir = self.run_dir / "weights" / step_name(step)
+        reply = await trainer.step(step, ref, weights_dir=str(weights_dir), frame_bytes=frame_bytes)
+        values.update(reply.metrics)
+        return reply
+
+    def _checkpointed_weights(self) -> set[str]:
+        return {p.name for p in (self.run_dir / "checkpoints").glob("step_*") if p.is_dir()}
+
+    async def _checkpoint(self, trainer: Trainer) -> None:
+        folder = checkpoint_dir(self.run_dir, self.state.step)
+        folder.mkdir(parents=True, exist_ok=True)
+        await trainer.checkpoint(self.state.step, folder / "trainer")
+        commit_checkpoint(self.run_dir, self.state)
+
+    # ------------------------------------------------------------ rollout and groups
+
+    async def _collect(self, step: int, pool: EnvPool, engines: Engines, source: DataSource
+                       ) -> tuple[list[Group], list[EpisodeResult], dict[str, float], list[str]]:
+        """``tasks_per_step`` groups with a signal (dynamic sampling: up to max_sampling_rounds rounds of drawing
+        more tasks); ABORTED episodes are replaced, a group that cannot be completed is dropped."""
+        t = self.train
+        kept: list[Group] = []
+        every: list[Group] = []
+        results: list[EpisodeResult] = []
+        tasks_seen: list[str] = []
+        dropped = {"uninformative": 0, "aborted": 0}
+        rounds = 0
+        out = self.run_dir / "episodes" / step_name(step)
+        grader = Grader(GraderConfig(concurrency=t.concurrency), pool, log_dir=out / "grade-logs")
+        rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.n_samples,
+                                        episode=episode_config(self.config, temperature=t.temperature)),
+                          pool, grader, lambda task, n: engines.route(f"{task.instance_id}#{step}#{n}"),
+                          self._tokenizer(), out)
+        async with anyio.create_task_group() as tg:
+            await tg.start(grader.run, name="grader")
+            await tg.start(rollout.run, name="rollout")
+            while len(kept) < t.tasks_per_step and rounds < t.max_sampling_rounds:
+                rounds += 1
+                tasks = source.next(t.tasks_per_step - len(kept))
+                tasks_seen += [task.instance_id for task in tasks]
+                for g in await _gather([lambda task=task: self._group(rollout, task, results) for task in tasks]):
+                    if g is None:
+                        dropped["aborted"] += 1
+                        continue
+                    score_group(g, estimator=t.estimator, resolved_reward=t.resolved_reward,
+                                unresolved_reward=t.unresolved_reward, zero_advantages=t.zero_advantages)
+                    every.append(g)
+                    if t.dynamic_sampling and not g.informative:
+                        dropped["uninformative"] += 1
+                    else:
+                        kept.append(g)
+                if not t.dynamic_sampling:
+                    break
+            tg.cancel_scope.cancel("step collected")
+        info = {"groups": float(len(kept)), "sampling_rounds": float(rounds),
+                "groups_dropped_uninformative": float(dropped["uninformative"]),
+                "groups_dropped_aborted": float(dropped["aborted"])}
+        # reward and resolve rate over every scored group (what the policy does), not only the kept ones
+        every_eps = [e for g in every for e in g.episodes]
+        info["reward_mean"] = sum(r for g in every for r in g.rewards) / max(len(every_eps), 1)
+        info["resolve_rate"] = sum(e.resolved for e in every_eps) / max(len(every_eps), 1)
+        info["pass_at_k"] = pass_at_k(every)
+        return kept, results, info, tasks_seen
+
+    async def _group(self, rollout: Rollout, task: Task, results: list[EpisodeResult]) -> Group | None:
+        """``n_samples`` finished episodes of ``task``; ABORTED ones are replaced (never scored)."""
+        n = self.train.n_samples
+        good: list[GradedEpisode] = []
+        index = 0
+        for _ in range(1 + REFILL_TRIES):
+            want = n - len(good)
+            batch = await _gather([lambda k=k: rollout.episode(task, k) for k in range(index, index + want)])
+            index += want
+            for r in batch:
+                results.append(r)
+                if r.outcome == "ABORTED" or (r.grade is not None and r.grade.infra):
+                    _log.warning("episode %s#%d aborted: %s", r.instance_id, r.sample, r.reason)
+                    continue
+                good.append(graded_episode(r))
+            if len(good) >= n:
+                good.sort(key=lambda e: e.sample)
+                return Group(instance_id=task.instance_id, episodes=good[:n])
+        return None
+
+    def _tokenizer(self):
+        if not hasattr(self, "_tok"):
+            from swectl.eval.agents import load_tokenizer
+
+            self._tok = load_tokenizer(self.plan.model, "train.model")
+        return self._tok
+
+    def _next_sft(self, n: int) -> list[TrainSample]:
+        """The next ``n`` SFT samples, in seeded-shuffled epochs (the same cursor logic as tasks)."""
+        samples = self.plan.sft_samples
+        if not samples:
+            raise ConfigError("train.algorithm = \"sft\" needs train.sft_data (traj.json runs or messages JSONL)")
+        import random
+
+        cur = self.state.sft_cursor
+        out: list[TrainSample] = []
+        while len(out) < min(n, len(samples)):
+            order = list(range(len(samples)))
+            random.Random(f"sft:{self.train.seed}:{cur.epoch}").shuffle(order)
+            if cur.index >= len(order):
+                cur.epoch, cur.index = cur.epoch + 1, 0
+                continue
+            out.append(samples[order[cur.index]])
+            cur.index += 1
+        self.state.sft_cursor = DataCursor(epoch=cur.epoch, index=cur.index)
+        return out
+
+    # ------------------------------------------------------------ evaluation
+
+    async def _evaluate(self, pool: EnvPool | None, engines: Engines | None, metrics: Metrics, step: int) -> None:
+        tasks = self.plan.test_tasks
+        if not tasks or pool is None or engines is None:
+            return
+        out = self.run_dir / "eval" / step_name(step)
+        t = self.train
+        grader = Grader(GraderConfig(concurrency=t.concurrency), pool, log_dir=out / "grade-logs")
+        rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.eval_samples,
+                                        episode=episode_config(self.config, temperature=t.temperature)),
+                          pool, grader, lambda task, n: engines.route(f"eval#{task.instance_id}#{step}#{n}"),
+                          self._tokenizer(), out)
+        t0 = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            await tg.start(grader.run, name="eval grader")
+            await tg.start(rollout.run, name="eval rollout")
+            results = await rollout.collect(tasks)
+            tg.cancel_scope.cancel("evaluated")
+        scored = [r for r in results if r.outcome != "ABORTED"]
+        rate = sum(r.resolved for r in scored) / max(len(scored), 1)
+        values = {"eval/resolve_rate": rate, "eval/episodes": float(len(scored)),
+                  "eval/aborted": float(len(results) - len(scored)), "eval/time_s": time.monotonic() - t0}
+        metrics.log(step, values)
+        (out / "summary.json").write_text(json.dumps({"step": step, **values}, indent=1))
+        self.say(f"eval after step {step}: {rate:.0%} of {len(scored)} held-out episodes resolved")
+
+
+def _rollout_values(groups: list[Group], results: list[EpisodeResult]) -> dict[str, float]:
+    values: dict[str, float] = {}
+    advs = [a for g in groups for a in g.advantages]
+    values.update({f"adv/{k}": v for k, v in advantage_stats(advs).items()})
+    values["episodes"] = float(len(results))
+    values["aborted"] = float(sum(r.outcome == "ABORTED" for r in results))
+    values["truncated"] = float(sum(r.outcome == "TRUNCATED" for r in results))
+    values.update(agent_metrics(results))
+    return values
+
+
+def _first_leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+@contextlib.asynccontextmanager
+async def _closing(metrics: Metrics):
+    with metrics:
+        yield metrics
+
+
+async def _gather(calls: list[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run the calls concurrently in one task group; results in call order."""
+    out: list[T | None] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        out[i] = await calls[i]()
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+    return out  # type: ignore[return-value]
+
+
+def _prepare_run_dir(config: ClusterConfig, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_run_log(run_dir)
+    write_atomic(run_dir / "config.json", msgspec.json.format(msgspec.json.encode(config)))
+
+
+async def run_training(config: ClusterConfig, plan: TrainPlan, run_dir: Path, *, resume: bool, say: Say
+                       ) -> RunState:
+    _prepare_run_dir(config, run_dir)
+    return await Controller(config, plan, run_dir, say=say).run(resume=resume)
+
+
+def new_run_dir(config: ClusterConfig) -> Path:
+    return Path(config.out_dir) / (config.run_id or new_run_id())
+

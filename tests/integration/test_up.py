@@ -1,0 +1,132 @@
+"""`swectl up` end to end with real sandboxes, the CPU engine and 2 torchrun ranks (the tiny session model):
+
+- the controller killed with SIGKILL mid-run, then ``--resume``: the run's records show every step once, the
+  tasks in exactly the data source's order (none repeated, none skipped), and metrics for every step;
+- one trainer rank killed mid-run: the run notices, restarts the workers from the last checkpoint and
+  finishes, with the same records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from swectl.actors.data_source import DataSource, split_tasks
+from swectl.images.project import BUNDLED_TASKS
+from swectl.tasks.sources import load_tasks
+
+from .test_trainer import _rank_pids
+
+pytestmark = [pytest.mark.integration]
+STEPS = 4
+TASKS_PER_STEP = 2
+
+
+def _argv(model: Path, out: Path, run_id: str, *extra: str) -> list[str]:
+    sets = {"out_dir": repr(str(out)), "run_id": repr(run_id), "train.model": repr(str(model)),
+            "train.tasks_per_step": TASKS_PER_STEP, "train.n_samples": 2, "train.dynamic_sampling": "false",
+            "train.save_every": 1, "rollout.step_limit": 1, "rollout.max_tokens": 16, "env_pool.warm": 0,
+            "train.concurrency": 4}
+    argv = [sys.executable, "-m", "swectl.cli.main", "up", "--steps", str(STEPS)]
+    for key, value in sets.items():
+        argv += ["--set", f"{key}={value}"]
+    return argv + list(extra)
+
+
+def _lines(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(r["step"] >= step for r in _lines(run / "steps.jsonl")):
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    pytest.fail(f"step {step} not reached in {timeout_s} s")
+
+
+def _check_records(run: Path) -> None:
+    steps = _lines(run / "steps.jsonl")
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1)), steps
+    tasks = [t for r in steps for t in r["tasks"]]
+    train, _ = split_tasks(load_tasks(BUNDLED_TASKS).tasks, 0.5, 0)
+    expected = [t.instance_id for t in DataSource(train, seed=0).next(STEPS * TASKS_PER_STEP)]
+    assert tasks == expected  # nothing repeated, nothing skipped, the seeded order
+    metrics = [r for r in _lines(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
+    assert all(r["weight_version"] == r["step"] for r in metrics)
+    state = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text() / "controller.json")
+                       .read_text())
+    assert state["step"] == STEPS and state["cursor"]["consumed"] == expected
+
+
+def test_sigkill_of_the_controller_then_resume_repeats_and_skips_nothing(model: Path, tmp_path: Path) -> None:
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(_argv(model, tmp_path, "killed"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_for_step(run, 2, proc)
+        time.sleep(2)  # inside step 3 (its episodes are running)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 60  # the supervisors stop the engine and the ranks once their stdin closes
+    while _rank_pids() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _rank_pids()
+    done = subprocess.run([sys.executable, "-m", "swectl.cli.main", "up", "--resume", str(run)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming after step" in done.stderr
+    _check_records(run)
+
+
+def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint(model: Path, tmp_path: Path) -> None:
+    run = tmp_path / "rank"
+    proc = subprocess.Popen(_argv(model, tmp_path, "rank"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_for_step(run, 2, proc)
+        ranks = _rank_pids()
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "trainer lost" in err and "restart 1/" in err and "trainer0.log" in err
+    _check_records(run)
+
+
+def test_a_model_the_trainer_cannot_load_stops_the_run_at_once(model: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in model.iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    data = tmp_path / "sft.jsonl"
+    row = {"messages": [{"role": "user", "content": "list the files"},
+                        {"role": "assistant", "content": "THOUGHT: look.\n\n```bash\nls\n```"}]}
+    data.write_text(json.dumps(row) + "\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "swectl.cli.main", "up", "--steps", "2", "--set", f"out_dir={str(tmp_path)!r}",
+         "--set", "run_id='broken'", "--set", "train.algorithm='sft'", "--set", f"train.model={str(broken)!r}",
+         "--set", f"train.sft_data=[{str(data)!r}]"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "exited with" in done.stderr and "while starting" in done.stderr and "trainer0.log" in done.stderr
+    assert "restart" not in done.stderr  # a trainer that never came up is not retried
+    assert not _rank_pids()
