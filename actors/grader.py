@@ -24,6 +24,7 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import msgspec
 
 from swectl.actors.env_pool import EnvPool, Lease
@@ -140,6 +141,7 @@ class Grader:
         """The verdict on ``patch`` for ``task``. Never raises for infrastructure failures; cancellation
         propagates."""
         if not self._running:
+            await anyio.lowlevel.checkpoint()  # a caller being cancelled (the actor stopped with it) gets that
             raise RuntimeError("the Grader is not running: start it with `await tg.start(grader.run)`")
         result = GradeResult(instance_id=task.instance_id, status="error")
         async with self._limit:

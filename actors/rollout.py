@@ -25,6 +25,7 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import msgspec
 
 from swectl.actors.env_pool import EnvPool
@@ -111,6 +112,7 @@ class Rollout:
 
     async def episode(self, task: Task, sample: int) -> EpisodeResult:
         if not self._running:
+            await anyio.lowlevel.checkpoint()  # a caller being cancelled (the actor stopped with it) gets that
             raise RuntimeError("the Rollout is not running: start it with `await tg.start(rollout.run)`")
         async with self._limit:
             ep = await self._run(task, sample)

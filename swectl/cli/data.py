@@ -1,19 +1,23 @@
-"""`swectl data prepare`: a task source -> prompts.jsonl + images.txt for slime / miles (swectl/data/prepare.py)."""
+"""`swectl data prepare`: a task source -> prompts.jsonl + images.txt for slime / miles (swectl/data/prepare.py);
+`swectl data gold`: gold trajectories for SFT (swectl/eval/gold.py)."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
-from swectl.cli.common import output_dir
+from swectl.cli.common import config_args, output_dir, say
 from swectl.data.prepare import (
     SHOWN_PROBLEMS,
     PrepareSummary,
     check_not_eval_set,
     prepare,
 )
+from swectl.errors import TaskDataError
 from swectl.images.names import PLACEHOLDERS, ImageResolver
+from swectl.images.project import BUNDLED_TASKS
 from swectl.tasks.record import Task
 from swectl.tasks.sources import TASK_SOURCES, RowProblem, load_tasks
 
@@ -24,11 +28,18 @@ examples:
   swectl data prepare smith.parquet --out data/smith --image-map images.toml
   swectl data prepare tasks.jsonl --out data/mirror --image-template 'registry.local:5000/{official}'
 """
+GOLD_EPILOG = """\
+examples:
+  swectl data gold --model runs/models/tiny-qwen3 --out data/gold
+  swectl data gold --model runs/models/tiny-qwen3 --slice 0:4 --out data/gold-4
+"""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``data`` (with ``data prepare``) to a ``swectl`` sub-command parser; returns the ``data`` parser."""
-    data = subparsers.add_parser("data", help="prepare task sets (prompt files and image lists for training)")
+    """Add ``data`` (with ``data prepare`` and ``data gold``) to a ``swectl`` sub-command parser; returns the
+    ``data`` parser."""
+    data = subparsers.add_parser("data", help="prepare task sets (prompt files and image lists for training) and "
+                                 "gold trajectories for SFT")
     actions = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     prepare_parser = actions.add_parser(
         "prepare",
@@ -40,7 +51,38 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _prepare_arguments(prepare_parser)
+    gold_parser = actions.add_parser(
+        "gold",
+        help="gold trajectories for SFT: act out each task's gold patch as an agent would, in real sandboxes, "
+        "and keep the ones that resolve",
+        description="Write each task's gold patch as agent turns (look at the code, one short edit command, run the\n"
+        "failing tests, submit), play them through the real agent loop and Rollout actor in fresh sandboxes\n"
+        "(tokenized with --model's tokenizer and chat template, as a model's episodes are), grade them, and\n"
+        "keep the trajectories that resolve. Writes OUT/<instance_id>__0/traj.json per kept task, OUT/excluded/\n"
+        "(gold trajectories that did not resolve), results.jsonl and summary.json. Exit 0 when at least one\n"
+        "gold trajectory was kept, 1 when none was.",
+        epilog=GOLD_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _gold_arguments(gold_parser)
     return data
+
+
+def _gold_arguments(parser: argparse.ArgumentParser) -> None:
+    config_args(parser)
+    parser.add_argument("--tasks", default=str(BUNDLED_TASKS),
+                        help="task set: JSONL/JSON/parquet file or Hugging Face dataset name (default: the bundled "
+                        "set)")
+    parser.add_argument("--instances", nargs="+", default=[], metavar="ID", help="only these instance ids")
+    parser.add_argument("--slice", default="", metavar="A:B",
+                        help="only tasks[A:B] (after --instances), as Python slices: 0:8, -4:, :10, ::2")
+    parser._negative_number_matcher = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d*:[-\d:]*$")  # `--slice -4:`
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="the model folder (e.g. from `swectl model init`) whose tokenizer and chat template "
+                        "tokenize the trajectories")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must not hold a run)")
+    parser.add_argument("--concurrency", type=int, default=4, help="episodes at once (default 4)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="grading timeout per task, seconds")
 
 
 def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +140,49 @@ def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``swectl data prepare`` or ``swectl data gold``."""
+    if args.data_command == "gold":
+        return _run_gold(args)
+    return _run_prepare(args)
+
+
+def _run_gold(args: argparse.Namespace) -> int:
+    """``swectl data gold``: 0 when at least one gold trajectory was kept, 1 when none was."""
+    import anyio
+    import msgspec
+
+    from swectl.cli.eval import select_tasks
+    from swectl.config import load_config
+    from swectl.eval.agents import load_tokenizer
+    from swectl.eval.gold import check_out_dir, make_gold
+    from swectl.logs import write_run_log
+
+    config = load_config(args.config, args.overrides)
+    tokenizer = load_tokenizer(args.model, "--model")
+    loaded = load_tasks(args.tasks)
+    for problem in loaded.problems[:SHOWN_PROBLEMS]:
+        say(f"skipped row {problem}")
+    if not loaded.tasks:
+        raise TaskDataError(f"--tasks {args.tasks}: no usable task in it ({loaded.rows_read} rows, "
+                            f"{len(loaded.problems)} malformed)")
+    tasks = select_tasks(loaded.tasks, args.instances, args.slice)
+    out = output_dir(args.out)
+    check_out_dir(out)
+    write_run_log(out)
+    # every sandbox is for one task image: warm base-image sandboxes would be wasted
+    config = msgspec.structs.replace(config, env_pool=msgspec.structs.replace(config.env_pool, warm=0))
+    summary = anyio.run(lambda: make_gold(config, tasks, out, tokenizer, tokenizer_path=args.model,
+                                          concurrency=args.concurrency, grade_timeout_s=args.timeout,
+                                          tasks_source=str(args.tasks), status=say))
+    print(msgspec.json.format(msgspec.json.encode(summary)).decode())
+    say(f"{summary.resolved} of {summary.total} gold trajectories kept, {len(summary.excluded)} excluded; "
+        f"wrote {out / 'summary.json'}")
+    for e in summary.excluded:
+        say(f"excluded {e.instance_id} ({e.stage}): {e.reason}")
+    return 0 if summary.resolved else 1
+
+
+def _run_prepare(args: argparse.Namespace) -> int:
     """Run ``swectl data prepare``: 0 ok, 1 nothing could be loaded. Bad input raises: exit 2 through cli.main's
     one mapping (an eval set refused, a malformed row with --strict, an unwritable --out)."""
     check_not_eval_set(args.source, args.data_source or "", allow=args.allow_eval_set)

@@ -189,12 +189,15 @@ def tokenizer_knob(settings: RunSettings) -> str:
 
 
 def load_tokenizer(path: str, knob: str):  # -> a transformers tokenizer
-    """The tokenizer in folder ``path`` (given by ``knob``), or a ConfigError naming the knob."""
+    """The tokenizer in folder ``path`` (given by ``knob``), or a ConfigError naming the knob. A byte-level BPE
+    comes wrapped in swectl.model.fast_tokens.FastTokenizer (tiktoken encodes, same ids)."""
     check_tokenizer_folder(path, knob)
     from transformers import AutoTokenizer
 
+    from swectl.model.fast_tokens import fast_tokenizer
+
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return fast_tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"{knob} {path}: cannot load its tokenizer: {first}") from exc

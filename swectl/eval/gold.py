@@ -1,0 +1,214 @@
+"""``swectl data gold``: gold trajectories for supervised fine-tuning, made by acting out each task's gold patch
+as an agent would (swectl.agent.gold) through the real Rollout actor: fresh sandboxes, the real agent loop, real
+observations, grading, and a ``traj.json`` in exactly the format of model episodes.
+
+Per task: ``gold_replies(task)`` is the script; a ``ScriptedEngine`` "generates" it turn by turn; the Rollout
+runs and grades the episode as ``swectl eval --model`` does (the same actors, the same ``[rollout]`` limits).
+A gold trajectory that does not resolve, or whose model tokens are not exactly the script, is reported and
+moved to ``<out>/excluded/``, so the run folder holds only trajectories to learn from:
+``swectl.data.trajectories.samples_from_runs([out])`` reads them.
+
+Outputs in ``--out``: ``<instance_id>__0/`` per resolved task (``traj.json``, ``patch.diff``, ``meta.json``),
+``excluded/`` (the ones that failed, for a look), ``results.jsonl`` (one EpisodeResult per episode),
+``summary.json`` (a GoldSummary), ``grade-logs/`` and ``swectl.log``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import msgspec
+
+from swectl.actors.env_pool import running_pool
+from swectl.actors.grader import Grader, GraderConfig
+from swectl.actors.rollout import EpisodeResult, Rollout
+from swectl.agent.gold import GoldScriptError, gold_replies
+from swectl.agent.scripted import ScriptedEngine, end_of_turn_id
+from swectl.config import ClusterConfig
+from swectl.data.trajectories import TRAJ_FILE, samples_from_runs
+from swectl.errors import ConfigError
+from swectl.eval.agents import rollout_config
+from swectl.eval.progress import Progress
+from swectl.images.names import ImageResolver
+from swectl.rl.batch import unpack_mask
+from swectl.tasks.record import Task
+
+SUMMARY_FORMAT = 1
+EXCLUDED_DIR = "excluded"
+
+Status = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(f"swectl: {message}", file=sys.stderr, flush=True)
+
+
+class GoldExclusion(msgspec.Struct, frozen=True):
+    """A task without a gold trajectory to learn from: at which stage it dropped out, and why."""
+
+    instance_id: str
+    stage: Literal["script", "episode", "grade", "tokens"]
+    reason: str
+
+
+class TokenStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Token lengths of the kept trajectories (whole sequence, and the mask-1 part: the scripted replies)."""
+
+    count: int = 0
+    mean: float = 0.0
+    median: float = 0.0
+    min: int = 0
+    max: int = 0
+    mean_trained: float = 0.0  # mask-1 tokens per trajectory
+
+
+class GoldSummary(msgspec.Struct, kw_only=True):
+    """summary.json of a gold run: how many tasks got a resolved gold trajectory, and why the others did not."""
+
+    format_version: int = SUMMARY_FORMAT
+    tasks: str  # the task source (--tasks)
+    tokenizer: str  # the --model folder whose tokenizer and chat template made the tokens
+    total: int  # tasks selected
+    scripted: int  # tasks whose gold patch could be written as agent commands
+    resolved: int  # gold trajectories kept (resolved, tokens exactly the script)
+    excluded: list[GoldExclusion]
+    tokens: TokenStats
+    elapsed_s: float
+
+
+def check_out_dir(out: Path) -> None:
+    """A gold run writes into a folder of its own: refuse one that holds an earlier run's results."""
+    if (out / "results.jsonl").exists() or (out / "summary.json").exists():
+        raise ConfigError(f"--out {out} holds an earlier run (results.jsonl / summary.json); pick another --out or "
+                          "delete it")
+
+
+async def make_gold(config: ClusterConfig, tasks: list[Task], out: Path, tokenizer: Any, *, tokenizer_path: str,
+                    concurrency: int = 4, grade_timeout_s: float = 1800.0, resolver: ImageResolver | None = None,
+                    tasks_source: str = "", status: Status = _stderr, progress: bool = True) -> GoldSummary:
+    """Run every task's gold script through the Rollout actor (sandboxes per ``config``, episode limits from its
+    ``[rollout]`` section, one sample per task), grade it, keep what resolves; writes summary.json."""
+    check_out_dir(out)
+    started = time.monotonic()
+    excluded: list[GoldExclusion] = []
+    scripts: dict[str, list[str]] = {}
+    rollout = msgspec.structs.replace(rollout_config(config.rollout, concurrency), samples_per_task=1)
+    eot = end_of_turn_id(tokenizer)
+    for task in tasks:
+        try:
+            scripts[task.instance_id] = _fitting(gold_replies(task), tokenizer, rollout.episode.sampling.max_new_tokens)
+        except GoldScriptError as exc:
+            why = str(exc).removeprefix(f"{task.instance_id}: ")
+            excluded.append(GoldExclusion(task.instance_id, "script", why))
+            status(f"no gold script for {task.instance_id}: {why}")
+    scripted = [t for t in tasks if t.instance_id in scripts]
+    engines: dict[str, ScriptedEngine] = {}
+    kept: list[Path] = []
+
+    def engine_for(task: Task, sample: int) -> ScriptedEngine:
+        engines[task.instance_id] = ScriptedEngine(scripts[task.instance_id], tokenizer, eot_id=eot)
+        return engines[task.instance_id]
+
+    bar = Progress(len(scripted), "gold") if progress and scripted else None
+    with (out / "results.jsonl").open("ab") as results:
+
+        def record(r: EpisodeResult) -> None:
+            why = _exclusion(r, engines[r.instance_id])
+            if why is None:
+                kept.append(Path(r.artifacts) / TRAJ_FILE)
+            else:
+                excluded.append(why)
+                _move_to_excluded(r, out)
+            results.write(msgspec.json.encode(r) + b"\n")
+            results.flush()
+            if bar:
+                bar.advance("resolved" if why is None else f"excluded ({why.stage})")
+
+        if scripted:
+            status(f"{len(scripted)} gold scripts, concurrency {concurrency}, output {out}")
+            async with running_pool(config) as pool, anyio.create_task_group() as tg:
+                grader = Grader(GraderConfig(timeout_s=grade_timeout_s, concurrency=rollout.concurrency), pool,
+                                resolver=resolver, log_dir=out / "grade-logs")
+                await tg.start(grader.run, name="grader")
+                ro = Rollout(rollout, pool, grader, engine_for, tokenizer, out, resolver=resolver)
+                await tg.start(ro.run, name="rollout")
+                await ro.collect(scripted, record)
+                tg.cancel_scope.cancel("gold episodes done")
+    stats = _token_stats(sorted(kept))
+    order = {t.instance_id: n for n, t in enumerate(tasks)}
+    summary = GoldSummary(tasks=tasks_source, tokenizer=tokenizer_path, total=len(tasks), scripted=len(scripted),
+                          resolved=stats.count, excluded=sorted(excluded, key=lambda e: order.get(e.instance_id, 0)),
+                          tokens=stats, elapsed_s=round(time.monotonic() - started, 2))
+    (out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
+    return summary
+
+
+def _fitting(replies: list[str], tokenizer: Any, max_tokens: int) -> list[str]:
+    """``replies``, unless one is longer than a turn may be (``rollout.max_tokens``, counting its end-of-turn
+    token): the engine would cut it as it cuts a model's reply, and the script would go out of step."""
+    for n, reply in enumerate(replies):
+        length = len(tokenizer.encode(reply, add_special_tokens=False)) + 1
+        if length > max_tokens:
+            raise GoldScriptError(f"reply {n + 1} is {length} tokens, more than rollout.max_tokens ({max_tokens}); "
+                                  f"raise it (--set rollout.max_tokens={length})")
+    return replies
+
+
+def _exclusion(r: EpisodeResult, engine: ScriptedEngine) -> GoldExclusion | None:
+    """Why an episode's gold trajectory is not kept, or None: it submitted, resolved, and its model tokens are
+    exactly the scripted replies (no template realignment, no reply cut by max_tokens)."""
+    if r.outcome == "ABORTED" or r.exit_status != "Submitted":
+        return GoldExclusion(r.instance_id, "episode", f"{r.exit_status}: {r.reason}".rstrip(": "))
+    if not r.resolved:
+        return GoldExclusion(r.instance_id, "grade", _grade_reason(r))
+    traj = msgspec.json.decode((Path(r.artifacts) / TRAJ_FILE).read_bytes())["episode"]["trajectory"]
+    trained = [t for t, m in zip(traj["token_ids"], traj["loss_mask"], strict=True) if m]
+    expected = [t for n in range(r.turns) for t in engine.reply_ids(n)]
+    if trained != expected or traj.get("realignments"):
+        return GoldExclusion(r.instance_id, "tokens", f"the trajectory's model tokens are not the script's "
+                             f"({len(trained)} vs {len(expected)} tokens, {traj.get('realignments', 0)} realignments)")
+    return None
+
+
+def _grade_reason(r: EpisodeResult) -> str:
+    g = r.grade
+    if g is None:
+        return "not graded"
+    parts = [g.status + (f" ({g.reason})" if g.reason else "")]
+    if g.f2p_failed:
+        parts.append(f"{len(g.f2p_failed)} of {g.f2p_total} FAIL_TO_PASS tests fail")
+    if g.p2p_failed:
+        parts.append(f"{len(g.p2p_failed)} of {g.p2p_total} PASS_TO_PASS tests fail")
+    if g.log_path:
+        parts.append(f"log {g.log_path}")
+    return "; ".join(parts)
+
+
+def _move_to_excluded(r: EpisodeResult, out: Path) -> None:
+    source = Path(r.artifacts)
+    if not source.is_dir():
+        return
+    target = out / EXCLUDED_DIR / source.name
+    target.parent.mkdir(exist_ok=True)
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.move(str(source), str(target))
+    r.artifacts = str(target)
+    (target / "meta.json").write_bytes(msgspec.json.format(msgspec.json.encode(r)))
+
+
+def _token_stats(paths: list[Path]) -> TokenStats:
+    if not paths:
+        return TokenStats()
+    samples = samples_from_runs(paths)
+    lengths = [s.length for s in samples]
+    trained = [int(unpack_mask(s).sum()) for s in samples]
+    return TokenStats(count=len(samples), mean=round(statistics.fmean(lengths), 1),
+                      median=float(statistics.median(lengths)), min=min(lengths), max=max(lengths),
+                      mean_trained=round(statistics.fmean(trained), 1))

@@ -1,0 +1,74 @@
+"""`swectl data gold` on two bundled tasks: gold scripts played through the real Rollout actor in podman
+sandboxes resolve, and their traj.json files become TrainSamples whose mask-1 tokens are exactly the scripted
+replies (each with its end-of-turn token); a wrong "gold" fix is reported and set aside."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs the cpu extra (pip install 'swectl[cpu]')")
+
+from transformers import AutoTokenizer
+
+from swectl.agent.gold import gold_replies
+from swectl.agent.scripted import end_of_turn_id
+from swectl.cli.main import main
+from swectl.data.trajectories import samples_from_runs
+from swectl.images.project import BUNDLED_TASKS
+from swectl.rl.batch import unpack_mask, unpack_tokens
+from swectl.tasks.sources import load_tasks
+
+pytestmark = [pytest.mark.integration]
+
+
+def test_gold_trajectories_resolve_and_train_on_exactly_the_script(model: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "gold"
+    # two tasks of different projects and edit kinds (a sed substitution and a sed insert), and a copy of the
+    # second whose "gold" fix is wrong: it runs, does not resolve, and is reported and set aside
+    tasks = {t.instance_id: t for t in load_tasks(BUNDLED_TASKS).tasks}
+    ids = ["cachetools__cachetools-5.5.0.796cd699", "inflection__inflection-0.5.1.0af49555"]
+    rows = {json.loads(line)["instance_id"]: json.loads(line) for line in BUNDLED_TASKS.read_text().splitlines()}
+    wrong = {**rows[ids[1]], "instance_id": ids[1] + "-wrong", "patch": rows[ids[1]]["patch"].replace('"rd"', '"rx"')}
+    task_file = tmp_path / "tasks.jsonl"
+    task_file.write_text("".join(json.dumps(r) + "\n" for r in (rows[ids[0]], rows[ids[1]], wrong)))
+    assert main(["data", "gold", "--model", str(model), "--tasks", str(task_file), "--concurrency", "2",
+                 "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["total"] == summary["scripted"] == 3 and summary["resolved"] == 2, summary["excluded"]
+    [excluded] = summary["excluded"]
+    assert excluded["instance_id"] == wrong["instance_id"] and excluded["stage"] == "grade"
+    assert "unresolved" in excluded["reason"] and "FAIL_TO_PASS tests fail" in excluded["reason"]
+    assert summary["tokens"]["count"] == 2
+    assert (out / "excluded" / f"{wrong['instance_id']}__0" / "traj.json").is_file()
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["resolved"] == 2
+    assert f"excluded {wrong['instance_id']} (grade): unresolved" in captured.err
+    results = {json.loads(line)["instance_id"]: json.loads(line) for line in
+               (out / "results.jsonl").read_text().splitlines()}
+    assert sorted(results) == sorted([*ids, wrong["instance_id"]])
+    assert all(results[i]["resolved"] and results[i]["exit_status"] == "Submitted" for i in ids)
+    assert results[wrong["instance_id"]]["artifacts"].endswith(f"excluded/{wrong['instance_id']}__0")
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    eot = end_of_turn_id(tokenizer)
+    samples = samples_from_runs([out], resolved_only=True)
+    assert sorted(s.uid for s in samples) == sorted(f"{i}#0" for i in ids)
+    assert samples_from_runs([out]) == samples  # the run folder holds only what to learn from
+    for sample in samples:
+        replies = gold_replies(tasks[sample.group])
+        expected = [t for r in replies for t in [*tokenizer.encode(r, add_special_tokens=False), eot]]
+        tokens, mask = unpack_tokens(sample), unpack_mask(sample)
+        assert tokens[mask == 1].tolist() == expected
+        assert sample.advantage == 1.0 and sample.reward == 1.0 and not sample.truncated
+        episode = json.loads((out / f"{sample.group}__0" / "traj.json").read_text())["episode"]
+        assert episode["trajectory"]["weight_versions"] == ["gold"] * len(replies)
+        assert [s["action"] for s in episode["steps"]][-1].startswith("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+        observations = [m["content"] for m in episode["trajectory"]["messages"][3::2]]
+        assert "<returncode>0</returncode>" in observations[0] and "passed" in observations[-1]  # real sandbox output
+    # a rerun into the same folder is refused rather than mixed in
+    assert main(["data", "gold", "--model", str(model), "--instances", ids[0], "--out", str(out)]) == 2
+    assert "holds an earlier run" in capsys.readouterr().err
