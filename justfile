@@ -24,9 +24,13 @@ test *args:
 lint:
     {{venv}}/ruff check .
 
-# benchmarks: `just bench env`, `just bench grade`, `just bench rollout` (--quick); results in benchmarks/results/
+# benchmarks: `just bench env`, `just bench grade`, `just bench rollout`, `just bench train` (--quick)
 bench suite *args:
     {{venv}}/python benchmarks/{{suite}}.py "${@:2}"
+
+# the learning demo: gold trajectories, SFT, GRPO and its zero-advantage control run; benchmarks/results/learn.json
+learn *args:
+    {{venv}}/python benchmarks/learn.py "$@"
 
 # two sshd test nodes in network namespaces (for examples/two-nodes.toml); `just nodes-down` removes them
 nodes-up count="2":

@@ -209,3 +209,22 @@ async def test_sglang_launch_path(model: Path, tmp_path: Path) -> None:
             with pytest.raises(EngineRejectedError):
                 await stranger.generate(REQUEST)
         tg.cancel_scope.cancel()
+
+
+async def test_weight_sync_versions_and_a_rejected_update(model: Path, tmp_path: Path) -> None:
+    """update_weights reaches every server (pause, load, resume): the next generation carries the version; a folder
+    the engine cannot load is rejected with the engine's message, and the engines keep serving the old weights."""
+    engines = Engines(EngineConfig(replicas=2, **FAST), model=str(model))
+    async with anyio.create_task_group() as tg:
+        await tg.start(engines.run)
+        seconds = await engines.update_weights(str(model), "7")
+        assert seconds >= 0
+        for key in ("a", "b", "c", "d"):
+            result = await engines.route(key).generate(REQUEST)
+            assert result.weight_version == "7"
+        with pytest.raises(EngineRejectedError) as rejected:
+            await engines.update_weights(str(tmp_path / "missing"), "8")
+        assert "missing" in str(rejected.value)
+        result = await engines.route("a").generate(REQUEST)
+        assert result.weight_version == "7"
+        tg.cancel_scope.cancel()

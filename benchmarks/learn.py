@@ -1,0 +1,176 @@
+"""`just learn`: does the policy learn, on this CPU machine? The whole demo through swectl's own commands.
+
+1. the tiny model (`swectl model init`), a seeded train/test split of the bundled tasks (the split `swectl up`
+   makes with train.test_fraction 0.5 and train.seed);
+2. gold trajectories of the train split (`swectl data gold`: each gold patch acted out as agent turns);
+3. SFT on them (`swectl up` with train.algorithm = "sft") to a checkpoint that solves some train tasks;
+4. GRPO from that checkpoint (`swectl up`), and the control run: the same with every advantage zeroed
+   (train.zero_advantages), so any gain of the real run is shown to come from the reward;
+5. sampled resolve rates (temperature 1, ``--samples`` episodes per task, `swectl eval`) on the train split
+   before training, after SFT, after GRPO and after the control run, and on the held-out split after GRPO.
+
+Writes ``benchmarks/results/learn.json`` (rates, per-step GRPO curves of both runs, timings, the seed) and keeps
+every run folder under ``--work`` (default runs/learn-seed<seed>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from swectl.actors.data_source import split_tasks
+from swectl.images.project import BUNDLED_TASKS
+from swectl.tasks.sources import load_tasks
+
+RESULTS = Path(__file__).resolve().parent / "results" / "learn.json"
+SWECTL = [sys.executable, "-m", "swectl.cli.main"]
+
+
+def say(message: str) -> None:
+    print(f"learn: {message}", file=sys.stderr, flush=True)
+
+
+def run(argv: list[str], what: str) -> float:
+    """Run one swectl command; its output goes to the terminal. Returns the seconds it took."""
+    say(f"{what}: swectl {' '.join(argv)}")
+    t0 = time.monotonic()
+    done = subprocess.run([*SWECTL, *argv])
+    if done.returncode != 0:
+        raise SystemExit(f"learn: {what} failed (exit {done.returncode})")
+    return time.monotonic() - t0
+
+
+def rollout_sets(args: argparse.Namespace) -> list[str]:
+    sets = {"rollout.step_limit": args.step_limit, "rollout.max_tokens": args.max_tokens, "env_pool.warm": 0}
+    return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+
+
+def evaluate(args: argparse.Namespace, model: Path, tasks: Path, out: Path) -> dict:
+    if not (out / "summary.json").exists():
+        run(["eval", "--model", str(model), "--tasks", str(tasks), "--samples", str(args.samples), "--temperature",
+             "1.0", "--step-limit", str(args.step_limit), "--max-tokens", str(args.max_tokens), "--concurrency",
+             str(args.concurrency), "--out", str(out), "--fresh", "--set", "env_pool.warm=0"], f"eval {out.name}")
+    summary = json.loads((out / "summary.json").read_text())
+    return {"resolve_rate": summary["resolve_rate"], "resolved": summary["resolved"], "episodes": summary["finished"],
+            "aborted": summary["infra_errors"], "folder": str(out)}
+
+
+def train(args: argparse.Namespace, out_dir: Path, run_id: str, sets: dict[str, object]) -> Path:
+    folder = out_dir / run_id
+    argv = ["up", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}", *rollout_sets(args)]
+    if (folder / "checkpoints" / "latest").exists():  # go on (or stop) at the steps asked for now
+        argv = ["up", "--resume", str(folder), "--steps", str(sets["train.steps"])]
+    else:
+        for key, value in sets.items():
+            argv += ["--set", f"{key}={value}"]
+    run(argv, f"train {run_id}")
+    state = json.loads((folder / "checkpoints" / (folder / "checkpoints" / "latest").read_text().strip()
+                        / "controller.json").read_text())
+    return Path(state["weights"])
+
+
+def curve(run_dir: Path) -> list[dict]:
+    keep = ("step", "reward_mean", "resolve_rate", "loss", "groups", "groups_dropped_uninformative", "entropy",
+            "adv/nonzero_frac")
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record or "reward_mean" in record:
+            out.append({k: record[k] for k in keep if k in record})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work", type=Path, default=None, help="folder for every run (default runs/learn-seed<seed>)")
+    parser.add_argument("--samples", type=int, default=4, help="episodes per task in each evaluation")
+    parser.add_argument("--sft-steps", type=int, default=60)
+    parser.add_argument("--sft-lr", type=float, default=2e-3)
+    parser.add_argument("--grpo-steps", type=int, default=15)
+    parser.add_argument("--grpo-lr", type=float, default=5e-4)
+    parser.add_argument("--tasks-per-step", type=int, default=4)
+    parser.add_argument("--n-samples", type=int, default=4, help="GRPO group size")
+    parser.add_argument("--step-limit", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--no-control", action="store_true", help="skip the control run")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    work = (args.work or Path("runs") / f"learn-seed{args.seed}").resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    timings: dict[str, float] = {}
+
+    model = work / "model"
+    if not (model / "config.json").exists():
+        timings["model_init_s"] = run(["model", "init", "--out", str(model), "--seed", str(args.seed)], "model")
+    train_tasks, test_tasks = split_tasks(load_tasks(BUNDLED_TASKS).tasks, 0.5, args.seed)
+    for name, tasks in (("train", train_tasks), ("test", test_tasks)):
+        (work / f"{name}.jsonl").write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t in tasks))
+    gold = work / "gold"
+    if not (gold / "summary.json").exists():
+        timings["gold_s"] = run(["data", "gold", "--tasks", str(work / "train.jsonl"), "--model", str(model),
+                                 "--out", str(gold), "--concurrency", "4", *rollout_sets(args)], "gold")
+
+    rates: dict[str, dict] = {}
+    t0 = time.monotonic()
+    rates["train_before"] = evaluate(args, model, work / "train.jsonl", work / "eval-before")
+    timings["eval_before_s"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    sft_weights = train(args, work, "sft", {
+        "train.algorithm": '"sft"', "train.sft_data": f'["{gold}"]', "train.steps": args.sft_steps,
+        "train.sft_batch_size": 8, "train.lr": args.sft_lr, "train.warmup_steps": 3, "train.seed": args.seed,
+        "train.save_every": args.sft_steps})
+    timings["sft_s"] = time.monotonic() - t0
+    rates["train_after_sft"] = evaluate(args, sft_weights, work / "train.jsonl", work / "eval-sft")
+
+    grpo_sets: dict[str, object] = {
+        "train.model": repr(str(sft_weights)), "train.algorithm": '"grpo"', "train.steps": args.grpo_steps,
+        "train.lr": args.grpo_lr, "train.tasks_per_step": args.tasks_per_step, "train.n_samples": args.n_samples,
+        "train.seed": args.seed, "train.test_fraction": 0.5, "train.save_every": 5,
+        "train.concurrency": args.concurrency, "train.max_sampling_rounds": 2}
+    runs = {"grpo": grpo_sets}
+    if not args.no_control:
+        runs["control"] = {**grpo_sets, "train.zero_advantages": "true"}
+    curves = {}
+    for name, sets in runs.items():
+        t0 = time.monotonic()
+        weights = train(args, work, name, sets)
+        timings[f"{name}_s"] = time.monotonic() - t0
+        curves[name] = curve(work / name)
+        rates[f"train_after_{name}"] = evaluate(args, weights, work / "train.jsonl", work / f"eval-{name}")
+        if name == "grpo":
+            rates["test_after_grpo"] = evaluate(args, weights, work / "test.jsonl", work / "eval-grpo-test")
+
+    def pct(key: str) -> float:
+        return round(100 * rates[key]["resolve_rate"], 1) if key in rates else float("nan")
+
+    result = {
+        "seed": args.seed, "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "train_tasks": len(train_tasks), "test_tasks": len(test_tasks),
+        "resolve_rate_pct": {k: pct(k) for k in rates},
+        "grpo_gain_points": round(pct("train_after_grpo") - pct("train_after_sft"), 1),
+        "control_gain_points": round(pct("train_after_control") - pct("train_after_sft"), 1),
+        "rates": rates, "curves": curves, "timings_s": {k: round(v, 1) for k, v in timings.items()},
+        "total_minutes": round((time.monotonic() - started) / 60, 1), "work": str(work),
+    }
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(args.results.read_text()) if args.results.exists() else {}
+    runs_by_key = previous.get("runs", {}) if isinstance(previous, dict) else {}
+    runs_by_key[f"seed{args.seed}:{work.name}"] = result
+    args.results.write_text(json.dumps({"runs": runs_by_key, "latest": result}, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("seed", "resolve_rate_pct", "grpo_gain_points", "control_gain_points",
+                                                "total_minutes")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
