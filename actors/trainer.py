@@ -189,8 +189,12 @@ class Trainer:
 
     def _lost(self, launch: _Launch, what: str) -> TrainerLostError:
         tail = "\n    ".join(list(launch.tail)[-15:])
+        hint = ""
+        if "No module named 'torch'" in tail or "No module named 'swectl'" in tail:
+            hint = (f"\n  {self._config.python or sys.executable} on {launch.host.node.name} lacks torch or swectl: "
+                    "install swectl[cpu] there, or point trainer.python at an interpreter that has them")
         return TrainerLostError(f"trainer on {launch.host.node.name} {what} (log: "
-                                f"{self._log_dir / f'trainer{launch.index}.log'}); last output:\n    {tail}")
+                                f"{self._log_dir / f'trainer{launch.index}.log'}); last output:\n    {tail}{hint}")
 
     async def _connect(self) -> Ready:
         first = self._launches[0]

@@ -42,6 +42,7 @@ import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from swectl.rl.batch import TrainBatch, TrainSample
 from swectl.rl.losses import policy_loss, sft_loss, token_entropy, token_logprobs
@@ -273,7 +274,14 @@ class Trainer:
             tmp.mkdir(parents=True)
         dist.barrier()
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        try:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        except CheckpointException as exc:  # every rank gets it (the save gathers their results): free the disk
+            free = shutil.disk_usage(final.parent).free  # before the partial folder goes
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"{describe(exc)} ({free / 2**20:.1f} MiB free on the disk of {final.parent}"
+                               f"{': full' if free < 2**20 else ''})") from None
         torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state()}, tmp / f"rng{self.rank}.pt")
         if self.rank == 0:
             state = {"step": req.step, "scheduler": self.scheduler.state_dict(), "world_size": self.world,
@@ -418,15 +426,38 @@ def serve(trainer: Trainer, conn: socket.socket | None, control: Any) -> None:
         t0 = time.perf_counter()
         try:
             reply = handlers[type(request)](request)
-        except Exception as exc:  # reported to the controller; the ranks stay up for its decision
+        except (Exception, CheckpointException) as exc:  # reported to the controller; the ranks stay up for it
             log(traceback.format_exc())
-            reply = Failed(message=f"{type(exc).__name__}: {exc}", fatal=collective_failed(exc))
+            reply = Failed(message=describe(exc), fatal=collective_failed(exc))
         if isinstance(reply, Done) and not reply.seconds:
             reply = Done(path=reply.path, seconds=time.perf_counter() - t0)
         if rank0 and conn is not None:
             _send(conn, reply)
         if isinstance(reply, Failed) and reply.fatal:  # the process group is broken: torchrun tears the rest down
             raise SystemExit(f"swectl-trainer: a collective failed ({reply.message}); exiting")
+
+
+def describe(exc: BaseException) -> str:
+    """One line for the controller. torch.distributed.checkpoint gathers every rank's failure into a
+    CheckpointException (a BaseException, not an Exception) whose text is only the ranks: name the first cause."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, cause = next(iter(sorted(exc.failures.items())))
+        original = getattr(cause, "exc", cause)  # a WRAPPED_EXCEPTION (exc, traceback) tuple or the exception
+        if isinstance(original, tuple):
+            original = original[0]
+        original = _os_error_within(original) or original  # "No space left on device" under a serializer's error
+        return f"checkpoint failed on ranks {sorted(exc.failures)}: rank {rank}: {type(original).__name__}: {original}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _os_error_within(exc: BaseException) -> OSError | None:
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 10:
+        if isinstance(current, OSError):
+            return current
+        current, seen = current.__cause__ or current.__context__, seen + 1
+    return None
 
 
 def collective_failed(exc: BaseException) -> bool:

@@ -5,7 +5,12 @@
 - the weights folder the trainer writes loads with transformers and differs from the start;
 - a checkpoint, loaded by fresh workers, gives the same next step as the run that went on;
 - a NaN-producing batch is refused (the step is skipped, no weights written);
-- a killed rank is noticed: ``run`` raises TrainerLostError quoting the workers' log.
+- a killed rank is noticed: ``run`` raises TrainerLostError quoting the workers' log;
+- a trainer on an ssh node (a real sshd in a network namespace): its ranks run in the node's namespace and its
+  batches travel over the control channel (rank 0 writes them into its node's shared memory), with the same loss
+  as the golden file's first step;
+- a node whose python has no torch fails at start with one clear error;
+- a full disk during a checkpoint is a refused request: no checkpoint folder appears, the ranks go on.
 """
 
 from __future__ import annotations
@@ -14,18 +19,22 @@ import json
 import math
 import os
 import signal
+import subprocess
+import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import numpy as np
 import pytest
 
-from swectl.actors.engines import EngineHost
-from swectl.actors.trainer import Trainer, TrainerLostError
-from swectl.config import TrainerConfig
+from swectl.actors.engines import EngineHost, engine_hosts
+from swectl.actors.trainer import Trainer, TrainerFailedError, TrainerLostError
+from swectl.config import TrainerConfig, decode_config
 from swectl.rl.batch import TrainBatch, make_batch, pack_sample
 from swectl.rl.shm import BatchWriter
 from swectl.rl.wire import TrainerSettings
+from swectl.testing import nodes as testnodes
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 GOLDEN = Path(__file__).parent.parent / "golden" / "train_losses.json"
@@ -151,8 +160,9 @@ async def test_a_non_finite_step_is_refused_and_nothing_is_written(model: Path, 
     await _with_trainer(model, tmp_path, body)
 
 
-def _rank_pids() -> list[int]:
-    """The rank processes: python running the worker module itself (not the sh supervisor, not torchrun)."""
+def _rank_pids(marker: str = "") -> list[int]:
+    """The rank processes: python running the worker module itself (not the sh supervisor, not torchrun); with
+    ``marker``, only those whose command line holds it (a test's run folder is in the settings they get)."""
     ranks = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -162,7 +172,7 @@ def _rank_pids() -> list[int]:
         except OSError:
             continue
         if b"swectl.remote.programs.trainer" in argv and b"torch.distributed.run" not in argv \
-                and not argv[0].endswith(b"sh"):
+                and not argv[0].endswith(b"sh") and marker.encode() in b" ".join(argv):
             ranks.append(int(proc.name))
     return ranks
 
@@ -174,7 +184,7 @@ async def test_a_killed_rank_is_noticed_with_the_log_tail(model: Path, tmp_path:
         with anyio.fail_after(240):
             async with anyio.create_task_group() as tg:
                 await tg.start(trainer.run)
-                ranks = _rank_pids()
+                ranks = _rank_pids(str(tmp_path))
                 assert len(ranks) == 2, ranks
                 os.kill(ranks[-1], signal.SIGKILL)
                 await anyio.sleep_forever()
@@ -183,4 +193,99 @@ async def test_a_killed_rank_is_noticed_with_the_log_tail(model: Path, tmp_path:
         lost = lost.exceptions[0]
     assert isinstance(lost, TrainerLostError), repr(caught.value)
     assert "exited with" in str(lost) and "trainer0.log" in str(lost)
-    assert not _rank_pids()
+    assert not _rank_pids(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[tuple[testnodes.TestNodes, testnodes.TestNode]]:
+    reason = testnodes.can_run_test_nodes()
+    if reason is not None:
+        pytest.skip(reason)
+    with testnodes.test_nodes(1, prefix="swr", base_index=241) as tn:
+        yield tn, tn.nodes[0]
+
+
+def _first(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+async def test_a_trainer_on_an_ssh_node_gets_its_batches_over_the_channel(model: Path, node, tmp_path: Path
+                                                                         ) -> None:  # type: ignore[no-untyped-def]
+    tn, test_node = node
+    config = decode_config(tomllib.loads(tn.cluster_toml(extra_node_fields="connect_timeout_s = 5")))
+    netns_inode = os.stat(f"/run/netns/{test_node.netns}").st_ino
+    golden = json.loads(GOLDEN.read_text())
+    async with engine_hosts([config.node(test_node.name)]) as hosts:
+        trainer = Trainer(TrainerConfig(nproc_per_node=2, start_timeout_s=300, step_timeout_s=300),
+                          _settings(model, tmp_path), hosts, log_dir=tmp_path)
+        assert trainer.stream_frames
+        async with anyio.create_task_group() as tg:
+            ready = await tg.start(trainer.run)
+            assert ready.world_size == 2
+            ranks = _rank_pids(str(tmp_path))
+            assert len(ranks) == 2, ranks
+            assert all(os.stat(f"/proc/{pid}/ns/net").st_ino == netns_inode for pid in ranks)
+            with BatchWriter() as writer:
+                ref = writer.write(_batch(1, "sft", _vocab(model), seed=1))
+                reply = await trainer.step(1, ref, frame_bytes=writer.frame_bytes(ref))
+            assert not reply.skipped, reply.reason
+            assert reply.metrics["loss"] == pytest.approx(golden["sft_1"], rel=TOLERANCE)
+            tg.cancel_scope.cancel()
+    assert not _rank_pids(str(tmp_path))
+
+
+@pytest.fixture
+def bare_python() -> str:
+    """The system's python, which has no torch (setup installs torch only into .venv)."""
+    bare = "/usr/bin/python3"
+    assert subprocess.run([bare, "-c", "import torch"], capture_output=True).returncode != 0, f"{bare} has torch"
+    return bare
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 512 KiB tmpfs: smaller than one checkpoint of the tiny test model (about 2 MB)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(small)], check=True)
+    try:
+        yield small
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+async def test_a_node_without_torch_is_one_clear_error(model: Path, tmp_path: Path, bare_python: str) -> None:
+    trainer = Trainer(TrainerConfig(nproc_per_node=2, python=bare_python, start_timeout_s=120),
+                      _settings(model, tmp_path), [EngineHost.local()], log_dir=tmp_path)
+    with pytest.raises(BaseException) as caught:
+        with anyio.fail_after(150):
+            async with anyio.create_task_group() as tg:
+                await tg.start(trainer.run)
+    lost = _first(caught.value)
+    assert isinstance(lost, TrainerLostError), repr(caught.value)
+    assert "while starting" in str(lost), str(lost)
+    assert "No module named 'torch'" in str(lost), str(lost)
+    assert "point trainer.python at" in str(lost), str(lost)
+
+
+async def test_a_full_disk_during_a_checkpoint_leaves_no_checkpoint_and_the_ranks_go_on(
+        model: Path, tmp_path: Path, small_disk: Path) -> None:
+    vocab = _vocab(model)
+
+    async def body(trainer: Trainer, ready) -> None:
+        with BatchWriter() as writer:
+            await trainer.step(1, writer.write(_batch(1, "grpo", vocab, seed=1)))
+            with pytest.raises(TrainerFailedError) as failed:
+                await trainer.checkpoint(1, small_disk / "ckpt")
+            assert f"free on the disk of {small_disk}: full" in str(failed.value), str(failed.value)
+            assert not list(small_disk.iterdir())  # the partial checkpoint was removed
+            assert not (small_disk / "ckpt").exists()
+            reply = await trainer.step(2, writer.write(_batch(2, "grpo", vocab, seed=2)))
+            assert not reply.skipped
+            assert math.isfinite(reply.metrics["loss"])
+            done = await trainer.checkpoint(2, tmp_path / "ckpt")
+            assert (Path(done.path) / "trainer.json").is_file()
+
+    await _with_trainer(model, tmp_path / "run", body)

@@ -84,9 +84,9 @@ def test_sigkill_of_the_controller_then_resume_repeats_and_skips_nothing(model: 
         if proc.poll() is None:
             proc.kill()
     deadline = time.monotonic() + 60  # the supervisors stop the engine and the ranks once their stdin closes
-    while _rank_pids() and time.monotonic() < deadline:
+    while _rank_pids(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _rank_pids()
+    assert not _rank_pids(str(tmp_path))
     done = subprocess.run([sys.executable, "-m", "swectl.cli.main", "up", "--resume", str(run)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -100,7 +100,7 @@ def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint(model: Path, tm
                             text=True)
     try:
         _wait_for_step(run, 2, proc)
-        ranks = _rank_pids()
+        ranks = _rank_pids(str(tmp_path))
         assert len(ranks) == 2, ranks
         os.kill(ranks[-1], signal.SIGKILL)
         _, err = proc.communicate(timeout=900)
@@ -129,4 +129,4 @@ def test_a_model_the_trainer_cannot_load_stops_the_run_at_once(model: Path, tmp_
     assert done.returncode == 3, done.stderr[-3000:]
     assert "exited with" in done.stderr and "while starting" in done.stderr and "trainer0.log" in done.stderr
     assert "restart" not in done.stderr  # a trainer that never came up is not retried
-    assert not _rank_pids()
+    assert not _rank_pids(str(tmp_path))
