@@ -40,7 +40,7 @@ import re
 import secrets
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,11 +50,17 @@ import anyio.abc
 from swectl.config import EngineConfig, LocalNodeConfig, NodeConfig
 from swectl.engine.client import SglangClient
 from swectl.engine.errors import EngineError, EngineUnavailableError
-from swectl.engine.wire import GenerateRequest, GenerateResult
+from swectl.engine.wire import (
+    GenerateRequest,
+    GenerateResult,
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDistributedRequest,
+)
 from swectl.errors import ConfigError, NodeError
 from swectl.remote.nodes.backends import make_node
 from swectl.remote.nodes.node import LocalNode, Node, NodeProcess
 from swectl.remote.nodes.supervisor import API_KEY_PLACEHOLDER, SUPERVISOR, copy_output, stop_supervised
+from swectl.rl.weight_sync import ParamSpec, stale_servers
 from swectl.schema import EngineStatistics, ServerState, ServerStatistics
 
 _log = logging.getLogger(__name__)
@@ -218,6 +224,13 @@ class _Server:
                                 failures=self.failures, restarts=self.restarts, last_error=self.last_error)
 
 
+@dataclass
+class _WeightGroup:
+    """The weight group the servers joined: its name, and each member with its restart count at the time."""
+    name: str
+    members: list[tuple[_Server, int]]
+
+
 class Engines:
     """Start with ``await tg.start(engines.run)``; then ``route(session_key)`` gives an Engine for a session.
 
@@ -242,6 +255,7 @@ class Engines:
         if api_key is None and not url and any(h.remote for h in hosts):
             api_key = secrets.token_urlsafe(24)
         self._api_key = api_key
+        self._weight_group: _WeightGroup | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -443,6 +457,109 @@ class Engines:
         if not self._external:
             self._model = path
         return anyio.current_time() - t0
+
+    async def join_weight_group(self, address: str, port: int, group_name: str, backend: str, *,
+                                timeout_s: float | None = None) -> None:
+        """Every routable server joins the trainer's weight group (the distributed sync, DESIGN 4.10) as ranks
+        1..n, while the trainer joins as rank 0 (``weight_group_size`` tells it the size first)."""
+        servers = self._routable()
+        bound = timeout_s or self._config.request_timeout_s
+        world = 1 + len(servers)
+        errors: list[EngineError] = []
+
+        async def one(rank: int, s: _Server) -> None:
+            assert s.client is not None
+            request = InitWeightsUpdateGroupRequest(master_address=address, master_port=port, rank_offset=rank,
+                                                    world_size=world, group_name=group_name, backend=backend)
+            try:
+                await s.client.init_weights_update_group(request, timeout_s=bound)
+            except EngineError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for rank, s in enumerate(servers, start=1):
+                tg.start_soon(one, rank, s, name=f"join weight group {s.name}")
+        if errors:
+            raise errors[0]
+        self._weight_group = _WeightGroup(group_name, [(s, s.restarts) for s in servers])
+
+    def weight_group_size(self) -> int:
+        """The size a weight group formed now would have: the trainer plus every routable server."""
+        return 1 + len(self._routable())
+
+    def weight_group_broken(self) -> str | None:
+        """Why the weight group can no longer reach every server (one restarted, or none formed); None when whole.
+        A group cannot take a new member, so the caller syncs from disk then."""
+        group = self._weight_group
+        if group is None:
+            return "no weight group was formed"
+        for s, restarts in group.members:
+            if s.restarts != restarts or not s.healthy:
+                return f"engine {s.name} restarted or is down since the weight group formed"
+        if any(s.healthy for s in self._servers if all(s is not m for m, _ in group.members)):
+            return "a server that is not in the weight group serves now"
+        return None
+
+    async def update_weights_distributed(self, buckets: list[list[ParamSpec]], version: str,
+                                         push: Callable[[], Awaitable[object]], *, timeout_s: float | None = None
+                                         ) -> float:
+        """The distributed sync: pause every member in place, then at once ``push()`` (the trainer broadcasting the
+        buckets) and, bucket by bucket, ``update_weights_from_distributed`` on every member (the last bucket
+        tagged ``version``); resume; check that every member serves ``version``. Every bucket is posted even
+        after a rejection, so the trainer's broadcasts never wait on a receiver that left. Returns the seconds."""
+        group = self._weight_group
+        broken = self.weight_group_broken()
+        if group is None or broken:
+            raise EngineUnavailableError("engines", f"no distributed weight sync: {broken}")
+        t0 = anyio.current_time()
+        bound = timeout_s or self._config.request_timeout_s
+        members = [s for s, _ in group.members]
+        errors: list[EngineError] = []
+
+        async def post(s: _Server) -> None:
+            assert s.client is not None
+            for i, bucket in enumerate(buckets):
+                request = UpdateWeightsFromDistributedRequest(
+                    names=[p.name for p in bucket], dtypes=[p.dtype for p in bucket], shapes=[p.shape for p in bucket],
+                    group_name=group.name, weight_version=version if i == len(buckets) - 1 else None)
+                try:
+                    await s.client.update_weights_from_distributed(request, timeout_s=bound)
+                except EngineError as exc:
+                    errors.append(exc)
+
+        async def pushed() -> None:
+            await push()
+
+        paused: list[_Server] = []
+        try:
+            for s in members:
+                assert s.client is not None
+                await s.client.pause_generation("in_place", timeout_s=bound)
+                paused.append(s)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pushed, name="trainer broadcast")
+                for s in members:
+                    tg.start_soon(post, s, name=f"receive weights {s.name}")
+        finally:
+            with anyio.CancelScope(shield=True):
+                for s in paused:
+                    if s.client is not None:
+                        with contextlib.suppress(EngineError):
+                            await s.client.continue_generation(timeout_s=bound)
+        if errors:
+            raise errors[0]
+        reported = {s.url: await s.client.get_weight_version(timeout_s=bound) for s in members if s.client}
+        stale = stale_servers(version, reported)
+        if stale:
+            raise EngineUnavailableError(",".join(stale), f"still serve another weight version than {version} after "
+                                                         "the distributed sync")
+        return anyio.current_time() - t0
+
+    def _routable(self) -> list[_Server]:
+        servers = [s for s in self._servers if s.healthy and s.client is not None]
+        if not servers:
+            raise EngineUnavailableError("engines", "no server is up to take the new weights")
+        return servers
 
     # ------------------------------------------------------------------ routing
 

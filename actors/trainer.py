@@ -40,13 +40,16 @@ from swectl.errors import InfraError, SwectlError
 from swectl.remote.nodes.node import NodeProcess
 from swectl.remote.nodes.supervisor import SUPERVISOR, copy_output, stop_supervised
 from swectl.rl.shm import BatchRef
+from swectl.rl.weight_sync import ParamSpec
 from swectl.rl.wire import (
     FRAME_HEADER,
     MAX_FRAME,
+    BroadcastWeightsRequest,
     CheckpointRequest,
     Done,
     Failed,
     Hello,
+    JoinWeightGroupRequest,
     Ready,
     SaveWeightsRequest,
     ShutdownRequest,
@@ -296,6 +299,40 @@ class Trainer:
         reply = await self._call(SaveWeightsRequest(path=str(path)), f"saving weights to {path}")
         assert isinstance(reply, Done)
         return reply
+
+    async def join_weight_group(self, port: int, world_size: int, group_name: str, backend: str, *,
+                                timeout_s: float = 300.0) -> Done:
+        """Rank 0 hosts the weight group at ``weight_group_address:port``; returns once the engines joined it too
+        (Engines.join_weight_group runs meanwhile)."""
+        request = JoinWeightGroupRequest(address=self.weight_group_address, port=port, world_size=world_size,
+                                         group_name=group_name, backend=backend, timeout_s=timeout_s)
+        reply = await self._call(request, f"joining weight group {group_name}")
+        assert isinstance(reply, Done)
+        return reply
+
+    async def broadcast_weights(self, group_name: str, buckets: list[list[ParamSpec]]) -> Done:
+        """Rank 0 broadcasts the current weights over the weight group, bucket by bucket (the engines receive
+        them through Engines.update_weights_distributed meanwhile)."""
+        reply = await self._call(BroadcastWeightsRequest(group_name=group_name, buckets=buckets),
+                                 f"broadcasting weights over {group_name}")
+        assert isinstance(reply, Done)
+        return reply
+
+    async def free_port(self) -> int:
+        """A free port on the first trainer node (for the weight group's rendezvous)."""
+        return await self._free_port()
+
+    @property
+    def weight_group_address(self) -> str:
+        """Where engines reach rank 0's weight-group rendezvous: the first node's address (loopback for this
+        machine)."""
+        first = self._launches[0].host
+        return first.address
+
+    @property
+    def params(self) -> list[ParamSpec]:
+        """What a distributed weight sync sends (from Ready)."""
+        return list(self._ready.params) if self._ready is not None else []
 
     def statistics(self) -> TrainerStatistics:
         ready = self._ready

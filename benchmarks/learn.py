@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     sft_weights = train(args, work, "sft", {
-        "train.model": repr(str(model)), "train.algorithm": '"sft"', "train.sft_data": f'["{gold}"]', "train.steps": args.sft_steps,
+        "train.model": repr(str(model)), "train.algorithm": '"sft"', "train.sft_data": f'["{gold}"]',
+        "train.steps": args.sft_steps,
         "train.sft_batch_size": 8, "train.lr": args.sft_lr, "train.warmup_steps": 3, "train.seed": args.seed,
         "train.save_every": args.sft_steps})
     timings["sft_s"] = time.monotonic() - t0

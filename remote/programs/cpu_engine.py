@@ -5,7 +5,9 @@
 
 Loads any local Hugging Face causal-LM folder with transformers (torch, CPU, float32) and serves
 ``/health``, ``/health_generate``, ``/generate``, ``/flush_cache``, ``/update_weights_from_disk``,
-``/get_model_info``, ``/get_weight_version``, ``/get_server_info`` (with batching counters in
+``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group`` (the
+weight group over gloo: remote/programs/weight_group.py), ``/get_weights_by_name``, ``/get_model_info``,
+``/get_weight_version``, ``/get_server_info`` (with batching counters in
 ``internal_states``), ``/pause_generation``, ``/continue_generation``, ``/v1/models`` and
 ``/v1/chat/completions``, with SGLang's request and response shapes (see swectl/schema_engine.py).
 Prints ``ready on http://HOST:PORT`` once it listens (``--port 0`` picks a free port).
@@ -62,10 +64,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from swectl.engine.wire import (
     ChatMessage,
+    DestroyWeightsUpdateGroupRequest,
+    GetWeightsByNameRequest,
+    InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
     PauseMode,
     SamplingParams,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
 )
 from swectl.errors import SwectlError
 
@@ -73,6 +79,7 @@ T = TypeVar("T")
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 CONTROL_TIMEOUT_S = 600.0
+WEIGHT_GROUP_TIMEOUT_S = 300.0  # joining the trainer's weight group, and each collective in it
 PAUSE_ACK_TIMEOUT_S = 60.0
 LOGPROB_FLOOR = -1e30  # JSON has no -inf; SGLang clamps to the dtype's minimum likewise
 
@@ -154,6 +161,21 @@ class Model:
             raise ValueError(f"{path} holds a {type(fresh).__name__}, the engine serves a {type(self.net).__name__}")
         self.net.load_state_dict(fresh.state_dict(), strict=True)
         self.path = path
+
+    def load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy received tensors into the parameters of those names (update_weights_from_distributed); checks every
+        name and shape before changing anything."""
+        state = self.net.state_dict()
+        unknown = [name for name, _ in named if name not in state]
+        if unknown:
+            raise ValueError(f"the model has no parameters named {', '.join(unknown[:5])}")
+        wrong = [f"{name} {list(t.shape)} (the model's: {list(state[name].shape)})" for name, t in named
+                 if t.shape != state[name].shape]
+        if wrong:
+            raise ValueError(f"shapes differ: {'; '.join(wrong[:5])}")
+        with torch.no_grad():
+            for name, tensor in named:
+                state[name].copy_(tensor)
 
 
 # ---------------------------------------------------------------- one request, one batch
@@ -298,9 +320,11 @@ def step(model: Model, batch: Batch) -> list[Seq]:
 
 @dataclass(eq=False)
 class WeightUpdate:
-    """A weight reload waiting for the scheduler; ``done`` is set when it has happened."""
-    path: Path
+    """A weight reload waiting for the scheduler; ``done`` is set when it has happened. From a folder (``path``),
+    or received tensors (``tensors``: one bucket of a distributed sync, whose version changes only when given)."""
+    path: Path | None
     version: str | None
+    tensors: list[tuple[str, torch.Tensor]] | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
     error: str | None = None
     cancelled: bool = False
@@ -352,8 +376,9 @@ class Scheduler:
         self._waiting.append(seq)
         self._wakeup.set()
 
-    async def update_weights(self, path: Path, version: str | None, *, abort_all: bool) -> WeightUpdate:
-        update = WeightUpdate(path, version)
+    async def update_weights(self, path: Path | None, version: str | None, *, abort_all: bool,
+                             tensors: list[tuple[str, torch.Tensor]] | None = None) -> WeightUpdate:
+        update = WeightUpdate(path, version, tensors)
         if abort_all:
             self.abort_all("aborted for a weight update")
         self._controls.append(update)
@@ -431,12 +456,19 @@ class Scheduler:
 
     async def _apply(self, update: WeightUpdate) -> None:
         try:
-            await self._in_thread(self.model.load_weights, update.path)
+            if update.tensors is not None:
+                await self._in_thread(self.model.load_tensors, update.tensors)
+            else:
+                assert update.path is not None
+                await self._in_thread(self.model.load_weights, update.path)
         except Exception as exc:  # the engine keeps serving the old weights, as SGLang does
             update.error = f"{type(exc).__name__}: {exc}"
         else:
             self.updates += 1
-            self.weight_version = update.version if update.version is not None else str(self.updates)
+            if update.version is not None:
+                self.weight_version = update.version
+            elif update.tensors is None:
+                self.weight_version = str(self.updates)
         update.done.set()
 
     async def _run_batch(self, seqs: list[Seq]) -> None:
@@ -546,6 +578,7 @@ class Api:
         self.scheduler = scheduler
         self.model = scheduler.model
         self.served_model_name = served_model_name
+        self.weight_groups: dict[str, Any] = {}  # torch.distributed groups with the trainer, by name
 
     def routes(self) -> list[Route]:
         bad = _handles_bad_requests
@@ -555,6 +588,10 @@ class Api:
             Route("/generate", bad(self.generate), methods=["POST", "PUT"]),
             Route("/flush_cache", self.flush_cache, methods=["GET", "POST"]),
             Route("/update_weights_from_disk", bad(self.update_weights_from_disk), methods=["POST"]),
+            Route("/init_weights_update_group", bad(self.init_weights_update_group), methods=["POST"]),
+            Route("/update_weights_from_distributed", bad(self.update_weights_from_distributed), methods=["POST"]),
+            Route("/destroy_weights_update_group", bad(self.destroy_weights_update_group), methods=["POST"]),
+            Route("/get_weights_by_name", bad(self.get_weights_by_name), methods=["GET", "POST"]),
             Route("/get_model_info", self.get_model_info, methods=["GET"]),
             Route("/get_weight_version", self.get_weight_version, methods=["GET"]),
             Route("/get_server_info", self.get_server_info, methods=["GET"]),
@@ -676,6 +713,74 @@ class Api:
             return _json({"success": False, "message": f"Failed to update weights: {update.error}"}, 400)
         message = f"Succeeded to update model weights. Weight version is {self.scheduler.weight_version}."
         return _json({"success": True, "message": message, "num_paused_requests": held})
+
+    # ---- the distributed weight sync (remote/programs/weight_group.py; gloo on CPU)
+
+    async def init_weights_update_group(self, request: Request) -> Response:
+        body = await _decode(request, InitWeightsUpdateGroupRequest)
+        device = self.model.device
+        if body.backend == "nccl" and device.type != "cuda":
+            return _json({"success": False, "message": f"the CPU engine on {device} joins weight groups over gloo, "
+                                                       "not nccl"}, 400)
+        if body.group_name in self.weight_groups:
+            return _json({"success": False, "message": f"already in weight group {body.group_name!r}"}, 400)
+        from swectl.remote.programs import weight_group
+
+        try:
+            group = await anyio.to_thread.run_sync(
+                partial(weight_group.join, body.master_address, body.master_port, body.rank_offset, body.world_size,
+                        body.group_name, body.backend, WEIGHT_GROUP_TIMEOUT_S))
+        except Exception as exc:
+            return _json({"success": False, "message": f"Failed to init group: {type(exc).__name__}: {exc}"}, 400)
+        self.weight_groups[body.group_name] = group
+        return _json({"success": True, "message": f"Succeeded to init group {body.group_name}."})
+
+    async def update_weights_from_distributed(self, request: Request) -> Response:
+        body = await _decode(request, UpdateWeightsFromDistributedRequest)
+        group = self.weight_groups.get(body.group_name)
+        if group is None:
+            return _json({"success": False, "message": f"no weight group {body.group_name!r}: "
+                                                       "POST /init_weights_update_group first"}, 400)
+        if not len(body.names) == len(body.dtypes) == len(body.shapes):
+            return _json({"success": False, "message": "names, dtypes and shapes differ in length"}, 400)
+        from swectl.remote.programs import weight_group
+        from swectl.rl.weight_sync import DTYPE_BYTES, ParamSpec
+
+        bad = sorted({d for d in body.dtypes if d not in DTYPE_BYTES})
+        if bad:
+            return _json({"success": False, "message": f"unknown dtypes {', '.join(bad)}"}, 400)
+        specs = [ParamSpec(n, d, s) for n, d, s in zip(body.names, body.dtypes, body.shapes, strict=True)]
+        # receive first, whatever the names: the trainer is already broadcasting and must not be left waiting
+        received = await anyio.to_thread.run_sync(weight_group.receive, specs, group, self.model.device)
+        dtype = next(self.model.net.parameters()).dtype
+        named = [(spec.name, t.to(dtype) if t.is_floating_point() else t) for spec, t in zip(specs, received,
+                                                                                               strict=True)]
+        update = await self.scheduler.update_weights(None, body.weight_version, abort_all=body.abort_all_requests,
+                                                     tensors=named)
+        if update.cancelled:
+            message = f"Failed to update weights: still waiting for in-flight requests after {CONTROL_TIMEOUT_S:g} s"
+            return _json({"success": False, "message": message}, 503)
+        if update.error is not None:
+            return _json({"success": False, "message": f"Failed to update weights: {update.error}"}, 400)
+        return _json({"success": True, "message": f"Succeeded to update {len(named)} parameters."})
+
+    async def destroy_weights_update_group(self, request: Request) -> Response:
+        body = await _decode(request, DestroyWeightsUpdateGroupRequest)
+        group = self.weight_groups.pop(body.group_name, None)
+        if group is None:
+            return _json({"success": False, "message": f"no weight group {body.group_name!r}"}, 400)
+        from swectl.remote.programs import weight_group
+
+        await anyio.to_thread.run_sync(weight_group.leave, group)
+        return _json({"success": True, "message": f"Succeeded to destroy group {body.group_name}."})
+
+    async def get_weights_by_name(self, request: Request) -> Response:
+        body = await _decode(request, GetWeightsByNameRequest)
+        state = self.model.net.state_dict()
+        if body.name not in state:
+            raise BadRequest(f"the model has no parameter named {body.name!r}")
+        flat = state[body.name].detach().float().cpu().reshape(-1)[: max(body.truncate_size, 0)]
+        return _json(flat.tolist())
 
     async def get_model_info(self, request: Request) -> Response:
         return _json(

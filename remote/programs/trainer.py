@@ -48,13 +48,16 @@ from swectl.rl.batch import TrainBatch, TrainSample
 from swectl.rl.losses import policy_loss, sft_loss, token_entropy, token_logprobs
 from swectl.rl.packing import plan_micro_batches
 from swectl.rl.shm import BatchWriter, read_batch
+from swectl.rl.weight_sync import ParamSpec, engine_name, sync_dtype
 from swectl.rl.wire import (
     FRAME_HEADER,
     MAX_FRAME,
+    BroadcastWeightsRequest,
     CheckpointRequest,
     Done,
     Failed,
     Hello,
+    JoinWeightGroupRequest,
     Ready,
     SaveWeightsRequest,
     ShutdownRequest,
@@ -135,6 +138,7 @@ class Trainer:
                                            weight_decay=s.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda n: lr_factor(n, s))
         self.step = 0
+        self.weight_groups: dict[str, Any] = {}  # rank 0: weight groups with engines, by name
         self._writer: BatchWriter | None = None
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         if s.resume:
@@ -262,6 +266,58 @@ class Trainer:
             write_hf_folder(self.model, state, Path(self.s.model), path)
         dist.barrier()
         return str(path)
+
+    # ---- the distributed weight sync (rank 0 and the engines form the weight group)
+
+    def _sync_state(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """engine-side name -> (state-dict key, tensor) of what a weight sync sends (as write_hf_folder: a tied
+        lm_head is not sent)."""
+        out: dict[str, tuple[str, torch.Tensor]] = {}
+        for key, value in self.model.state_dict().items():
+            name = engine_name(key)
+            if name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False):
+                continue
+            out[name] = (key, value)
+        return out
+
+    def weight_specs(self) -> list[ParamSpec]:
+        return [ParamSpec(name=name, dtype=sync_dtype(str(t.dtype), self.s.sync_dtype), shape=list(t.shape))
+                for name, (_, t) in self._sync_state().items()]
+
+    def join_weight_group(self, req: JoinWeightGroupRequest) -> str:
+        if self.rank == 0:
+            from swectl.remote.programs import weight_group
+
+            self.weight_groups[req.group_name] = weight_group.join(req.address, req.port, 0, req.world_size,
+                                                                   req.group_name, req.backend, req.timeout_s)
+        return req.group_name
+
+    def broadcast_weights(self, req: BroadcastWeightsRequest) -> str:
+        """Each bucket: every rank gathers its tensors (FSDP's all-gather), rank 0 casts and broadcasts them."""
+        from torch.distributed.tensor import DTensor
+
+        from swectl.remote.programs import weight_group
+
+        group = self.weight_groups.get(req.group_name) if self.rank == 0 else None
+        if self.rank == 0 and group is None:
+            raise ValueError(f"no weight group {req.group_name!r} (joined: {', '.join(self.weight_groups) or 'none'})")
+        state = self._sync_state()
+        unknown = [spec.name for bucket in req.buckets for spec in bucket if spec.name not in state]
+        if unknown:
+            raise ValueError(f"the model has no parameters named {', '.join(unknown[:5])}")
+        device = self.device if _group_backend(group) == "nccl" else torch.device("cpu")
+        with torch.no_grad():
+            for bucket in req.buckets:
+                tensors = []
+                for spec in bucket:
+                    value = state[spec.name][1]
+                    full = value.full_tensor() if isinstance(value, DTensor) else value  # a collective: all ranks
+                    if group is not None:
+                        tensors.append(full.to(device=device, dtype=getattr(torch, spec.dtype)).contiguous())
+                if group is not None:
+                    weight_group.broadcast(tensors, group)
+                del tensors
+        return req.group_name
 
     def save_checkpoint(self, req: CheckpointRequest) -> str:
         import torch.distributed.checkpoint as dcp
@@ -405,6 +461,8 @@ def serve(trainer: Trainer, conn: socket.socket | None, control: Any) -> None:
         StepRequest: trainer.train_step,
         CheckpointRequest: lambda r: Done(path=trainer.save_checkpoint(r)),
         SaveWeightsRequest: lambda r: Done(path=trainer.save_weights(Path(r.path))),
+        JoinWeightGroupRequest: lambda r: Done(path=trainer.join_weight_group(r)),
+        BroadcastWeightsRequest: lambda r: Done(path=trainer.broadcast_weights(r)),
     }
     while True:
         box: list[Any] = [None]
@@ -435,6 +493,15 @@ def serve(trainer: Trainer, conn: socket.socket | None, control: Any) -> None:
             _send(conn, reply)
         if isinstance(reply, Failed) and reply.fatal:  # the process group is broken: torchrun tears the rest down
             raise SystemExit(f"swectl-trainer: a collective failed ({reply.message}); exiting")
+
+
+def _group_backend(group: Any) -> str:
+    if group is None:
+        return ""
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return ""
 
 
 def describe(exc: BaseException) -> str:
@@ -492,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         conn = accept_controller(args.listen) if trainer.rank == 0 else None
         if conn is not None:
             _send(conn, Ready(world_size=trainer.world, parameters=trainer.parameters, step=trainer.step,
+                              params=trainer.weight_specs(),
                               device=str(device)))
         serve(trainer, conn, control)
     finally:

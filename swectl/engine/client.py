@@ -44,12 +44,16 @@ from swectl.engine.wire import (
     ChatMessage,
     ChatRequest,
     ChatResult,
+    DestroyWeightsUpdateGroupRequest,
     EngineInfo,
     GenerateRequest,
     GenerateResult,
+    GetWeightsByNameRequest,
+    InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
     PauseMode,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightsResult,
     decode_body,
     decode_chat_response,
@@ -285,6 +289,36 @@ class SglangClient(_Client):
             raise EngineRejectedError(
                 self.base_url, "POST /update_weights_from_disk", response.status_code, result.message
             )
+
+    async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest, *,
+                                        timeout_s: float | None = None) -> None:
+        """``POST /init_weights_update_group``: join the trainer's weight group; returns once the whole group has
+        formed (the trainer joins meanwhile). Raises EngineRejectedError with the engine's message."""
+        await self._weights_call("/init_weights_update_group", self._encoder.encode(request), timeout_s)
+
+    async def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest, *,
+                                              timeout_s: float | None = None) -> None:
+        """``POST /update_weights_from_distributed``: receive one bucket of tensors from the weight group (the
+        trainer broadcasts it meanwhile) and load it."""
+        await self._weights_call("/update_weights_from_distributed", self._encoder.encode(request), timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str, *, timeout_s: float | None = None) -> None:
+        body = self._encoder.encode(DestroyWeightsUpdateGroupRequest(group_name=group_name))
+        await self._weights_call("/destroy_weights_update_group", body, timeout_s)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100, *,
+                                  timeout_s: float | None = None) -> list:
+        """``POST /get_weights_by_name``: the first values of a parameter, as nested lists (for checks)."""
+        body = self._encoder.encode(GetWeightsByNameRequest(name=name, truncate_size=truncate_size))
+        response = await self._http.call("POST", "/get_weights_by_name", body=body, timeout_s=timeout_s,
+                                         retries=IDEMPOTENT_RETRIES)
+        return self._http.decode(response, list, "/get_weights_by_name")
+
+    async def _weights_call(self, path: str, body: bytes, timeout_s: float | None) -> None:
+        response = await self._http.call("POST", path, body=body, timeout_s=timeout_s)
+        result = self._http.decode(response, UpdateWeightsResult, path)
+        if not result.success:
+            raise EngineRejectedError(self.base_url, f"POST {path}", response.status_code, result.message)
 
     async def get_model_info(self, *, timeout_s: float | None = None) -> EngineInfo:
         response = await self._http.call("GET", "/get_model_info", timeout_s=timeout_s, retries=IDEMPOTENT_RETRIES)

@@ -74,6 +74,44 @@ class UpdateWeightsFromDiskRequest(msgspec.Struct, frozen=True, omit_defaults=Tr
     flush_cache: bool = True
 
 
+class InitWeightsUpdateGroupRequest(msgspec.Struct, frozen=True):
+    """Body of ``POST /init_weights_update_group`` (SGLang's InitWeightsUpdateGroupReqInput): join the trainer's
+    weight group at ``master_address:master_port`` as rank ``rank_offset`` (plus the server's TP rank)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of ``POST /update_weights_from_distributed`` (SGLang's UpdateWeightsFromDistributedReqInput): receive
+    these tensors, in this order, from rank 0 of the weight group and load them."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class DestroyWeightsUpdateGroupRequest(msgspec.Struct, frozen=True):
+    """Body of ``POST /destroy_weights_update_group``."""
+
+    group_name: str = "weight_update_group"
+
+
+class GetWeightsByNameRequest(msgspec.Struct, frozen=True):
+    """Body of ``POST /get_weights_by_name``: the first ``truncate_size`` values of a parameter (for checks)."""
+
+    name: str
+    truncate_size: int = 100
+
+
 class PauseGenerationRequest(msgspec.Struct, frozen=True):
     """Body of ``POST /pause_generation``: abort in-flight requests, or hold them (in_place / retract)."""
 

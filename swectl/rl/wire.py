@@ -15,6 +15,7 @@ from typing import Literal
 import msgspec
 
 from swectl.rl.shm import BatchRef
+from swectl.rl.weight_sync import ParamSpec
 
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME = 1 << 30
@@ -45,6 +46,7 @@ class TrainerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     seed: int = 0
     resume: str = ""  # a checkpoint folder to load model, optimizer, scheduler and RNG from
+    sync_dtype: str = "auto"  # dtype of floating weights sent to engines by the distributed sync ("auto": as held)
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="op"):
@@ -73,19 +75,40 @@ class SaveWeightsRequest(msgspec.Struct, frozen=True, tag="save_weights", tag_fi
     path: str
 
 
+class JoinWeightGroupRequest(msgspec.Struct, frozen=True, tag="join_weight_group", tag_field="op"):
+    """Rank 0 hosts the weight group with the engines (remote/programs/weight_group.py) at ``address:port``; the
+    engines join it through their ``/init_weights_update_group`` meanwhile."""
+    address: str
+    port: int
+    world_size: int
+    group_name: str
+    backend: str
+    timeout_s: float = 300.0
+
+
+class BroadcastWeightsRequest(msgspec.Struct, frozen=True, tag="broadcast_weights", tag_field="op"):
+    """Every rank gathers the full tensors of each bucket in turn; rank 0 broadcasts them over the weight group, in
+    the order given (the engines receive the same buckets through ``/update_weights_from_distributed``)."""
+    group_name: str
+    buckets: list[list[ParamSpec]]
+
+
 class ShutdownRequest(msgspec.Struct, frozen=True, tag="shutdown", tag_field="op"):
     """Stop every rank cleanly."""
 
 
-TrainerRequest = Hello | StepRequest | CheckpointRequest | SaveWeightsRequest | ShutdownRequest
+TrainerRequest = (Hello | StepRequest | CheckpointRequest | SaveWeightsRequest | JoinWeightGroupRequest
+                  | BroadcastWeightsRequest | ShutdownRequest)
 
 
 class Ready(msgspec.Struct, frozen=True, tag="ready", tag_field="kind"):
-    """Every rank has the model: world size, parameters, the step it resumes after (0 for a fresh start)."""
+    """Every rank has the model: world size, parameters, the step it resumes after (0 for a fresh start), and the
+    tensors a distributed weight sync sends (engine-side names, dtypes as sent, full shapes)."""
     world_size: int
     parameters: int
     step: int
     device: str
+    params: list[ParamSpec] = []
 
 
 class StepReply(msgspec.Struct, frozen=True, tag="step", tag_field="kind"):
