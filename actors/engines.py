@@ -483,6 +483,11 @@ class Engines:
             raise errors[0]
         self._weight_group = _WeightGroup(group_name, [(s, s.restarts) for s in servers])
 
+    @property
+    def remote(self) -> bool:
+        """True when some server runs on another node (it reaches this machine only by a routable address)."""
+        return any(s.host.remote for s in self._servers)
+
     def weight_group_size(self) -> int:
         """The size a weight group formed now would have: the trainer plus every routable server."""
         return 1 + len(self._routable())

@@ -323,6 +323,11 @@ class Trainer:
         return await self._free_port()
 
     @property
+    def remote(self) -> bool:
+        """True when rank 0 runs on another node."""
+        return self._launches[0].host.remote
+
+    @property
     def weight_group_address(self) -> str:
         """Where engines reach rank 0's weight-group rendezvous: the first node's address (loopback for this
         machine)."""

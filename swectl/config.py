@@ -149,6 +149,12 @@ class TrainerConfig(_Section):
     start_timeout_s: Positive = 600.0  # until every rank has loaded the model
     step_timeout_s: Positive = 1800.0  # one optimizer step (and its weight save)
     max_restarts: NonNegative = 2  # trainer restarts from the last checkpoint before the run gives up
+    # how new weights reach the engines after a step: "disk" (a safetensors folder + update_weights_from_disk; always
+    # works) or "distributed" (rank 0 broadcasts them over a weight group with the engines: NCCL on GPU, gloo on
+    # CPU; falls back to disk for a step when an engine restarted since the group formed)
+    weight_sync: Literal["disk", "distributed"] = "disk"
+    weight_sync_bucket_mb: Positive = 512.0  # distributed: tensors per update_weights_from_distributed call
+    weight_sync_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # "auto": as the trainer holds them
 
 
 class TrainConfig(_Section):

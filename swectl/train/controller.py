@@ -44,6 +44,7 @@ from swectl.rl.advantages import advantage_stats
 from swectl.rl.batch import TrainSample, make_batch
 from swectl.rl.groups import GradedEpisode, Group, group_samples, pass_at_k, score_group
 from swectl.rl.shm import BatchWriter
+from swectl.rl.weight_sync import ParamSpec, plan_buckets
 from swectl.rl.wire import StepReply, TrainerSettings
 from swectl.tasks.record import Task
 from swectl.train.checkpoint import (
@@ -79,7 +80,7 @@ def trainer_settings(config: ClusterConfig, plan: TrainPlan, run_dir: Path, resu
         total_steps=t.steps, schedule=t.schedule, min_lr_ratio=t.min_lr_ratio, weight_decay=t.weight_decay,
         grad_clip=t.grad_clip, aggregation=t.aggregation, eps_low=t.eps_low, eps_high=t.eps_high,
         tis_cap=t.tis_cap, kl_coef=t.kl_coef, micro_batch_tokens=tr.micro_batch_tokens, threads=tr.threads_per_rank,
-        backend=tr.backend, seed=t.seed, resume=resume,
+        backend=tr.backend, seed=t.seed, resume=resume, sync_dtype=tr.weight_sync_dtype,
     )
 
 
@@ -126,6 +127,8 @@ class Controller:
         self.state = RunState(weights=plan.model)
         self.restarts = 0
         self._trainer_was_ready = False
+        self._weight_group = ""  # the distributed sync's group name; "" = weights go by disk
+        self._buckets: list[list[ParamSpec]] = []
 
     # ------------------------------------------------------------ the run, with restarts
 
@@ -187,6 +190,10 @@ class Controller:
             ready = await tg.start(trainer.run, name="trainer")
             self._trainer_was_ready = True
             self.say(f"trainer ready: {ready.world_size} ranks on {ready.device}, {ready.parameters:,} parameters")
+            self._weight_group = ""
+            if rl and cfg.trainer.weight_sync == "distributed":
+                assert engines is not None
+                await self._form_weight_group(trainer, engines, ready.device, run_id)
             source = DataSource(self.plan.train_tasks, seed=t.seed, cursor=self.state.cursor) if rl else None
             with BatchWriter() as writer:
                 if rl and t.eval_every and self.state.step == 0:
@@ -233,10 +240,10 @@ class Controller:
             self.say(f"step {step}: {reply.reason}; the weights were not pushed")
             values["skipped"] = 1.0
         elif reply is not None and engines is not None:
-            values["sync_s"] = await engines.update_weights(reply.weights_dir, str(step))
+            values["sync_s"] = await self._sync_weights(step, reply, trainer, engines)
         if values.get("skipped"):
             self.state.skipped_steps.append(step)
-        elif reply is not None:
+        elif reply is not None and reply.weights_dir:
             self.state.weights = reply.weights_dir
         self.state.step = step
         if source is not None:
@@ -256,10 +263,59 @@ class Controller:
         ref = writer.write(batch)
         values["transport_s"] = time.monotonic() - t1
         frame_bytes = writer.frame_bytes(ref) if trainer.stream_frames else None
-        weights_dir = self.run_dir / "weights" / step_name(step)
-        reply = await trainer.step(step, ref, weights_dir=str(weights_dir), frame_bytes=frame_bytes)
+        weights_dir = str(self.run_dir / "weights" / step_name(step))
+        if self._weight_group and not self._checkpoint_due(step):
+            weights_dir = ""  # broadcast to the engines; a folder only where a checkpoint needs one (resume)
+        reply = await trainer.step(step, ref, weights_dir=weights_dir, frame_bytes=frame_bytes)
         values.update(reply.metrics)
         return reply
+
+    def _checkpoint_due(self, step: int) -> bool:
+        t = self.train
+        return bool(t.save_every and step % t.save_every == 0) or step == t.steps
+
+    # ------------------------------------------------------------ weight sync
+
+    async def _form_weight_group(self, trainer: Trainer, engines: Engines, device: str, run_id: str) -> None:
+        """The distributed sync's group: trainer rank 0 and every engine server, over NCCL on GPU, gloo on CPU."""
+        remote_engines = engines.remote
+        if remote_engines and not trainer.remote:
+            raise ConfigError("trainer.weight_sync = \"distributed\": the engines run on other nodes, but trainer "
+                              "rank 0 runs on this machine (loopback); put the trainer on a node the engines reach "
+                              "(trainer.nodes) or use weight_sync = \"disk\"")
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        group = f"swectl-{run_id}-{self.restarts}"
+        port = await trainer.free_port()
+        world = engines.weight_group_size()
+        timeout = self.config.trainer.start_timeout_s
+        t0 = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: trainer.join_weight_group(port, world, group, backend, timeout_s=timeout))
+            tg.start_soon(lambda: engines.join_weight_group(trainer.weight_group_address, port, group, backend,
+                                                            timeout_s=timeout))
+        self._buckets = plan_buckets(trainer.params, int(self.config.trainer.weight_sync_bucket_mb * 2**20))
+        self._weight_group = group
+        size = sum(p.nbytes for p in trainer.params)
+        self.say(f"weight group {group}: trainer + {world - 1} engine server(s) over {backend}, {size / 1e6:,.1f} MB "
+                 f"in {len(self._buckets)} bucket(s) per sync (formed in {time.monotonic() - t0:.1f} s)")
+
+    async def _sync_weights(self, step: int, reply: StepReply, trainer: Trainer, engines: Engines) -> float:
+        """Give the engines the weights of ``step``: broadcast over the weight group, or from a folder on disk."""
+        if self._weight_group:
+            broken = engines.weight_group_broken()
+            if broken is None:
+                group, buckets = self._weight_group, self._buckets
+                return await engines.update_weights_distributed(
+                    buckets, str(step), lambda: trainer.broadcast_weights(group, buckets))
+            _log.warning("step %d: weights go by disk: %s", step, broken)
+            self.say(f"step {step}: the weight group is broken ({broken}); syncing from disk from now on")
+            self._weight_group = ""
+        folder = reply.weights_dir
+        if not folder:
+            folder = str(self.run_dir / "weights" / step_name(step))
+            await trainer.save_weights(Path(folder))
+            self.state.weights = folder
+        return await engines.update_weights(folder, str(step))
 
     def _checkpointed_weights(self) -> set[str]:
         return {p.name for p in (self.run_dir / "checkpoints").glob("step_*") if p.is_dir()}

@@ -130,3 +130,26 @@ def test_a_model_the_trainer_cannot_load_stops_the_run_at_once(model: Path, tmp_
     assert "exited with" in done.stderr and "while starting" in done.stderr and "trainer0.log" in done.stderr
     assert "restart" not in done.stderr  # a trainer that never came up is not retried
     assert not _rank_pids(str(tmp_path))
+
+
+def test_distributed_weight_sync_broadcasts_and_writes_folders_only_for_checkpoints(model: Path,
+                                                                                     tmp_path: Path) -> None:
+    """trainer.weight_sync = "distributed": rank 0 and the CPU engine form a gloo weight group; steps that save no
+    checkpoint push their weights over it (no folder on disk), a checkpoint step also writes its folder."""
+    run = tmp_path / "dist"
+    argv = _argv(model, tmp_path, "dist", "--set", "trainer.weight_sync='distributed'", "--set",
+                 "trainer.weight_sync_bucket_mb=0.1", "--set", "train.save_every=2")
+    argv[argv.index("--steps") + 1] = "3"
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "weight group swectl-dist-0: trainer + 1 engine server(s) over gloo" in done.stderr, done.stderr[-3000:]
+    assert "syncing from disk" not in done.stderr
+    metrics = [r for r in _lines(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in metrics] == [1, 2, 3]
+    assert all(r["sync_s"] > 0 for r in metrics if not r.get("skipped")), metrics
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_000002", "step_000003"]
+    # step 2's episodes ran on version 1, which reached the engine only over the weight group (no folder exists)
+    versions = set()
+    for traj in (run / "episodes" / "step_000002").glob("*/traj.json"):
+        versions.update(json.loads(traj.read_text())["episode"]["trajectory"]["weight_versions"])
+    assert versions == {"1"}, versions
