@@ -673,6 +673,8 @@ class SyncRun:
     trainer_save_s: list[float] = field(default_factory=list)  # the ranks' own time (Done.seconds)
     reload_s: list[float] = field(default_factory=list)  # controller: engines.update_weights() call to return
     total_s: list[float] = field(default_factory=list)
+    distributed_s: list[float] = field(default_factory=list)  # trainer.weight_sync = "distributed" (gloo here)
+    buckets: int = 0
     weights_bytes: int = 0
     write_reference_s: float = 0.0  # safetensors alone writing the same tensors (untimed in the sync)
     ranks_why: str = ""
@@ -759,12 +761,39 @@ async def run_weight_sync(run: SyncRun, work: Path, warmup: int, reps: int, prog
                 if previous is not None:  # the engine now serves `path`; the folder before it is no longer read
                     shutil.rmtree(previous, ignore_errors=True)
                 previous = path
+            await distributed_syncs(run, trainer, engines, warmup, reps, progress)
         finally:
             tg.cancel_scope.cancel()
     run.mem_start_mib, run.mem_peak_mib = memory.start, memory.peak
     if previous is not None:  # after the trainer and engine are gone, so it competes with nothing of ours
         with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
             run.write_reference_s = pool.submit(write_reference_s, str(previous)).result()
+
+
+async def distributed_syncs(run: SyncRun, trainer: Any, engines: Any, warmup: int, reps: int,
+                            progress: Progress) -> None:
+    """The same trainer and engine form a weight group (gloo on this CPU machine) and sync by broadcast in 512 MiB
+    buckets (trainer.weight_sync = "distributed"), each repetition checked on every engine's weight version."""
+    import anyio
+
+    from swectl.rl.weight_sync import plan_buckets
+
+    group = f"bench-{run.label}"
+    port = await trainer.free_port()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(trainer.join_weight_group, port, engines.weight_group_size(), group, "gloo")
+        tg.start_soon(engines.join_weight_group, trainer.weight_group_address, port, group, "gloo")
+    buckets = plan_buckets(trainer.params, 512 * 2**20)
+    run.buckets = len(buckets)
+    for rep in range(warmup + reps):
+        t0 = time.perf_counter()
+        await engines.update_weights_distributed(buckets, f"dist-{rep}",
+                                                 lambda: trainer.broadcast_weights(group, buckets))
+        seconds = time.perf_counter() - t0
+        progress(f"weight_sync {run.label}: {'warm-up ' if rep < warmup else ''}distributed {seconds:.2f} s "
+                 f"({len(buckets)} bucket(s))")
+        if rep >= warmup:
+            run.distributed_s.append(seconds)
 
 
 def measure_weight_sync(args: argparse.Namespace, progress: Progress) -> PartResult:
@@ -802,6 +831,7 @@ def measure_weight_sync(args: argparse.Namespace, progress: Progress) -> PartRes
     for label in ("tiny", "0p5b"):
         metrics.update({
             f"weight_sync_s_{label}": median(label, "total_s"),
+            f"weight_sync_distributed_s_{label}": median(label, "distributed_s"),
             f"weight_sync_save_s_{label}": median(label, "save_s"),
             f"weight_sync_reload_s_{label}": median(label, "reload_s"),
             f"weight_sync_mb_{label}": round(by[label].weights_bytes / 1e6, 1) if label in by else None,
@@ -813,6 +843,7 @@ def measure_weight_sync(args: argparse.Namespace, progress: Progress) -> PartRes
             "trainer_ranks_why": run.ranks_why, "start_s": run.start_s, "weights_bytes": run.weights_bytes,
             "write_reference_s": round(run.write_reference_s, 3),
             "total_s": summarize(run.total_s), "save_s": summarize(run.save_s),
+            "distributed_s": summarize(run.distributed_s), "distributed_buckets": run.buckets,
             "trainer_save_s": summarize(run.trainer_save_s), "reload_s": summarize(run.reload_s),
             "loadavg_before": run.loadavg_before, "loadavg_after": run.loadavg_after,
             "mem_used_mib_start": round(run.mem_start_mib), "mem_used_mib_peak": round(run.mem_peak_mib),
