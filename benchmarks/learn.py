@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=None, help="folder for every run (default runs/learn-seed<seed>)")
     parser.add_argument("--samples", type=int, default=4, help="episodes per task in each evaluation")
-    parser.add_argument("--sft-steps", type=int, default=60)
+    parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--sft-lr", type=float, default=2e-3)
     parser.add_argument("--grpo-steps", type=int, default=15)
     parser.add_argument("--grpo-lr", type=float, default=5e-4)

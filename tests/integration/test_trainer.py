@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -289,3 +290,25 @@ async def test_a_full_disk_during_a_checkpoint_leaves_no_checkpoint_and_the_rank
             assert (Path(done.path) / "trainer.json").is_file()
 
     await _with_trainer(model, tmp_path / "run", body)
+
+
+async def test_a_rank_that_dies_before_a_checkpoint_makes_it_a_lost_trainer(model: Path, tmp_path: Path) -> None:
+    """The peer of a dead rank fails inside a collective (gloo: connection closed) before torchrun reports the
+    death: the request must come back as TrainerLostError (restart from the checkpoint), not as a refused request."""
+    seen: dict[str, BaseException] = {}
+
+    async def body(trainer: Trainer, ready) -> None:
+        ranks = _rank_pids(str(tmp_path))
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGKILL)
+        try:
+            await trainer.checkpoint(1, tmp_path / "ckpt")
+        except (TrainerLostError, TrainerFailedError) as exc:
+            seen["error"] = exc
+
+    # the watcher may raise TrainerLostError too (the exit), alone or in a group, unless cancelled first
+    with contextlib.suppress(TrainerLostError, BaseExceptionGroup), anyio.fail_after(240):
+        await _with_trainer(model, tmp_path, body)
+    assert isinstance(seen.get("error"), TrainerLostError), repr(seen.get("error"))
+    assert "trainer0.log" in str(seen["error"])
+    assert not (tmp_path / "ckpt").exists()
