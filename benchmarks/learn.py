@@ -47,7 +47,8 @@ def run(argv: list[str], what: str) -> float:
 
 
 def rollout_sets(args: argparse.Namespace) -> list[str]:
-    sets = {"rollout.step_limit": args.step_limit, "rollout.max_tokens": args.max_tokens, "env_pool.warm": 0}
+    sets = {"rollout.step_limit": args.step_limit, "rollout.max_tokens": args.max_tokens,
+            "rollout.max_format_errors": args.max_format_errors, "env_pool.warm": 0}
     return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
 
 
@@ -55,7 +56,8 @@ def evaluate(args: argparse.Namespace, model: Path, tasks: Path, out: Path) -> d
     if not (out / "summary.json").exists():
         run(["eval", "--model", str(model), "--tasks", str(tasks), "--samples", str(args.samples), "--temperature",
              "1.0", "--step-limit", str(args.step_limit), "--max-tokens", str(args.max_tokens), "--concurrency",
-             str(args.concurrency), "--out", str(out), "--fresh", "--set", "env_pool.warm=0"], f"eval {out.name}")
+             str(args.concurrency), "--out", str(out), "--fresh", "--set", "env_pool.warm=0", "--set",
+             f"rollout.max_format_errors={args.max_format_errors}"], f"eval {out.name}")
     summary = json.loads((out / "summary.json").read_text())
     return {"resolve_rate": summary["resolve_rate"], "resolved": summary["resolved"], "episodes": summary["finished"],
             "aborted": summary["infra_errors"], "folder": str(out)}
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-samples", type=int, default=4, help="GRPO group size")
     parser.add_argument("--step-limit", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--max-format-errors", type=int, default=3,
+                        help="malformed replies in a row that end an episode (rollout.max_format_errors)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--no-control", action="store_true", help="skip the control run")
     parser.add_argument("--results", type=Path, default=RESULTS)

@@ -125,6 +125,7 @@ class RolloutOptions(_Section):
     step_limit: Count = 30  # model turns per episode
     max_tokens: Count = 512  # new tokens per turn
     context: Count = 8192  # context budget in tokens (prompt + reply)
+    max_format_errors: Count = 3  # malformed replies in a row that end an episode (FormatError)
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # 0: greedy
     # Head+tail context management when a conversation outgrows `context` (keeps system, problem, the
     # earliest ~30% and the latest ~70% of turns).

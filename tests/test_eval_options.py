@@ -67,7 +67,8 @@ def test_check_config_shows_the_rollout_section() -> None:
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["rollout"] == {"samples": 3, "step_limit": 30, "max_tokens": 512, "context": 8192,
-                                                  "temperature": 0.0, "manage_context": False}
+                                                  "max_format_errors": 3, "temperature": 0.0,
+                                                  "manage_context": False}
 
 
 # ------------------------------------------------------------------ selection

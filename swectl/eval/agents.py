@@ -251,7 +251,8 @@ def rollout_config(options: RolloutOptions, concurrency: int) -> RolloutConfig:
     """The Rollout actor's config from the ``[rollout]`` section."""
     return RolloutConfig(concurrency=concurrency, samples_per_task=options.samples, episode=EpisodeConfig(
         manage_context=options.manage_context,
-        limits=AgentLimits(step_limit=options.step_limit, max_context_tokens=options.context),
+        limits=AgentLimits(step_limit=options.step_limit, max_context_tokens=options.context,
+                           max_format_errors=options.max_format_errors),
         sampling=SamplingParams(max_new_tokens=options.max_tokens, temperature=options.temperature)))
 
 

@@ -88,7 +88,8 @@ def episode_config(config: ClusterConfig, *, temperature: float) -> EpisodeConfi
     r = config.rollout
     return EpisodeConfig(
         manage_context=r.manage_context, per_step_samples=config.train.sample_mode == "step",
-        limits=AgentLimits(step_limit=r.step_limit, max_context_tokens=r.context),
+        limits=AgentLimits(step_limit=r.step_limit, max_context_tokens=r.context,
+                           max_format_errors=r.max_format_errors),
         sampling=SamplingParams(max_new_tokens=r.max_tokens, temperature=temperature))
 
 
