@@ -59,6 +59,18 @@ def test_echo_with_key_and_known_hosts(nodes: tn.TestNodes) -> None:
     asyncio.run(main())
 
 
+def test_commands_skip_the_login_shells_startup_files(nodes: tn.TestNodes) -> None:
+    """bash under sshd sources ~/.bashrc when SHLVL < 2; on the dev and CI machines that runs `pyenv
+    rehash`, whose stale lock made every command of a node wait 60 s. Nodes set SHLVL so bash skips it."""
+
+    async def main() -> None:
+        async with await _connect(nodes, nodes.nodes[0]) as conn:
+            result = await conn.run("echo $SHLVL", check=True, timeout=10)
+            assert int(result.stdout) >= 2
+
+    asyncio.run(main())
+
+
 def test_unknown_or_wrong_host_key_is_rejected(nodes: tn.TestNodes, tmp_path: Path) -> None:
     empty = tmp_path / "empty_known_hosts"
     empty.write_text("")

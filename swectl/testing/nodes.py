@@ -301,6 +301,10 @@ def _sshd_config(node_dir: Path, addr: str, authorized_keys: Path) -> str:
             "MaxStartups 100:30:200",
             "LogLevel ERROR",
             "Subsystem sftp internal-sftp",
+            # bash run by sshd sources ~/.bashrc when SHLVL < 2; on these machines that runs
+            # `pyenv rehash`, whose lock file a killed session leaves behind, after which every
+            # command waits 60 s for it. A node's commands get the plain sshd environment instead.
+            "SetEnv SHLVL=1",
             "",
         ]
     )
