@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--sft-lr", type=float, default=2e-3)
     parser.add_argument("--grpo-steps", type=int, default=15)
-    parser.add_argument("--grpo-lr", type=float, default=5e-4)
+    parser.add_argument("--grpo-lr", type=float, default=2e-4)
     parser.add_argument("--tasks-per-step", type=int, default=4)
     parser.add_argument("--n-samples", type=int, default=4, help="GRPO group size")
     parser.add_argument("--step-limit", type=int, default=6)
@@ -104,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-format-errors", type=int, default=3,
                         help="malformed replies in a row that end an episode (rollout.max_format_errors)")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--mask-truncated", action=argparse.BooleanOptionalAction, default=True,
+                        help="GRPO: truncated episodes (step limit, malformed replies) carry no gradient")
+    parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="more `--set` overrides for the GRPO and control runs (repeatable)")
+    parser.add_argument("--tag", default="", help="suffix of the GRPO and control run folders (to compare settings)")
     parser.add_argument("--no-control", action="store_true", help="skip the control run")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -141,19 +146,26 @@ def main(argv: list[str] | None = None) -> int:
         "train.model": repr(str(sft_weights)), "train.algorithm": '"grpo"', "train.steps": args.grpo_steps,
         "train.lr": args.grpo_lr, "train.tasks_per_step": args.tasks_per_step, "train.n_samples": args.n_samples,
         "train.seed": args.seed, "train.test_fraction": 0.5, "train.save_every": 5,
-        "train.concurrency": args.concurrency, "train.max_sampling_rounds": 2}
+        "train.concurrency": args.concurrency, "train.max_sampling_rounds": 2,
+        "train.mask_truncated": str(args.mask_truncated).lower()}
+    for item in args.grpo_set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--grpo-set wants KEY=VALUE, got {item!r}")
+        grpo_sets[key] = value
     runs = {"grpo": grpo_sets}
     if not args.no_control:
         runs["control"] = {**grpo_sets, "train.zero_advantages": "true"}
+    suffix = f"-{args.tag}" if args.tag else ""
     curves = {}
     for name, sets in runs.items():
         t0 = time.monotonic()
-        weights = train(args, work, name, sets)
+        weights = train(args, work, name + suffix, sets)
         timings[f"{name}_s"] = time.monotonic() - t0
-        curves[name] = curve(work / name)
-        rates[f"train_after_{name}"] = evaluate(args, weights, work / "train.jsonl", work / f"eval-{name}")
+        curves[name] = curve(work / (name + suffix))
+        rates[f"train_after_{name}"] = evaluate(args, weights, work / "train.jsonl", work / f"eval-{name}{suffix}")
         if name == "grpo":
-            rates["test_after_grpo"] = evaluate(args, weights, work / "test.jsonl", work / "eval-grpo-test")
+            rates["test_after_grpo"] = evaluate(args, weights, work / "test.jsonl", work / f"eval-grpo{suffix}-test")
 
     def pct(key: str) -> float:
         return round(100 * rates[key]["resolve_rate"], 1) if key in rates else float("nan")
@@ -170,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args.results.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(args.results.read_text()) if args.results.exists() else {}
     runs_by_key = previous.get("runs", {}) if isinstance(previous, dict) else {}
-    runs_by_key[f"seed{args.seed}:{work.name}"] = result
+    runs_by_key[f"seed{args.seed}:{work.name}{suffix}"] = result
     args.results.write_text(json.dumps({"runs": runs_by_key, "latest": result}, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("seed", "resolve_rate_pct", "grpo_gain_points", "control_gain_points",
                                                 "total_minutes")}, indent=1))
