@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -63,11 +64,21 @@ def evaluate(args: argparse.Namespace, model: Path, tasks: Path, out: Path) -> d
             "aborted": summary["infra_errors"], "folder": str(out)}
 
 
-def train(args: argparse.Namespace, out_dir: Path, run_id: str, sets: dict[str, object]) -> Path:
+def train(args: argparse.Namespace, out_dir: Path, run_id: str, sets: dict[str, object],
+          continue_from: Path | None = None) -> Path:
+    """One `swectl up` run in ``out_dir/run_id``: a new run with ``sets``, or (``continue_from``, an SFT run folder)
+    a copy of that run resumed from its last checkpoint with ``sets`` as overrides, so the GRPO steps go on with
+    the SFT's optimizer state (Adam's moments) and learning rate instead of a fresh optimizer."""
     folder = out_dir / run_id
     argv = ["up", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}", *rollout_sets(args)]
-    if (folder / "checkpoints" / "latest").exists():  # go on (or stop) at the steps asked for now
+    if (folder / "checkpoints" / "latest").exists() and continue_from is None:  # go on at the steps asked for now
         argv = ["up", "--resume", str(folder), "--steps", str(sets["train.steps"])]
+    elif continue_from is not None:
+        if not folder.exists():
+            shutil.copytree(continue_from, folder)
+        argv = ["up", "--resume", str(folder), *rollout_sets(args)]
+        for key, value in sets.items():
+            argv += ["--set", f"{key}={value}"]
     else:
         for key, value in sets.items():
             argv += ["--set", f"{key}={value}"]
@@ -77,13 +88,13 @@ def train(args: argparse.Namespace, out_dir: Path, run_id: str, sets: dict[str, 
     return Path(state["weights"])
 
 
-def curve(run_dir: Path) -> list[dict]:
+def curve(run_dir: Path, after: int = 0) -> list[dict]:
     keep = ("step", "reward_mean", "resolve_rate", "loss", "groups", "groups_dropped_uninformative", "entropy",
             "adv/nonzero_frac")
     out = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if "loss" in record or "reward_mean" in record:
+        if ("loss" in record or "reward_mean" in record) and record.get("step", 0) > after:
             out.append({k: record[k] for k in keep if k in record})
     return out
 
@@ -96,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--sft-lr", type=float, default=2e-3)
     parser.add_argument("--grpo-steps", type=int, default=15)
-    parser.add_argument("--grpo-lr", type=float, default=2e-4)
+    parser.add_argument("--grpo-lr", type=float, default=2e-4, help="GRPO learning rate (--grpo-start weights)")
+    parser.add_argument("--grpo-start", choices=("checkpoint", "weights"), default="checkpoint",
+                        help="checkpoint: GRPO goes on from the SFT run's last checkpoint (its optimizer state and "
+                             "learning rate); weights: a new run from the SFT weights with a fresh optimizer")
     parser.add_argument("--tasks-per-step", type=int, default=4)
     parser.add_argument("--n-samples", type=int, default=4, help="GRPO group size")
     parser.add_argument("--step-limit", type=int, default=6)
@@ -142,12 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     timings["sft_s"] = time.monotonic() - t0
     rates["train_after_sft"] = evaluate(args, sft_weights, work / "train.jsonl", work / "eval-sft")
 
+    continue_sft = args.grpo_start == "checkpoint"
     grpo_sets: dict[str, object] = {
-        "train.model": repr(str(sft_weights)), "train.algorithm": '"grpo"', "train.steps": args.grpo_steps,
-        "train.lr": args.grpo_lr, "train.tasks_per_step": args.tasks_per_step, "train.n_samples": args.n_samples,
+        "train.algorithm": '"grpo"', "train.tasks_per_step": args.tasks_per_step, "train.n_samples": args.n_samples,
         "train.seed": args.seed, "train.test_fraction": 0.5, "train.save_every": 5,
         "train.concurrency": args.concurrency, "train.max_sampling_rounds": 2,
         "train.mask_truncated": str(args.mask_truncated).lower()}
+    if continue_sft:  # steps 1..sft_steps were the SFT run's; the optimizer's learning rate is the SFT's
+        grpo_sets.update({"train.sft_steps": args.sft_steps, "train.steps": args.sft_steps + args.grpo_steps})
+    else:
+        grpo_sets.update({"train.model": repr(str(sft_weights)), "train.steps": args.grpo_steps,
+                          "train.lr": args.grpo_lr})
     for item in args.grpo_set:
         key, sep, value = item.partition("=")
         if not sep:
@@ -160,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     curves = {}
     for name, sets in runs.items():
         t0 = time.monotonic()
-        weights = train(args, work, name + suffix, sets)
+        weights = train(args, work, name + suffix, sets, continue_from=work / "sft" if continue_sft else None)
         timings[f"{name}_s"] = time.monotonic() - t0
-        curves[name] = curve(work / (name + suffix))
+        curves[name] = curve(work / (name + suffix), after=args.sft_steps if continue_sft else 0)
         rates[f"train_after_{name}"] = evaluate(args, weights, work / "train.jsonl", work / f"eval-{name}{suffix}")
         if name == "grpo":
             rates["test_after_grpo"] = evaluate(args, weights, work / "test.jsonl", work / f"eval-grpo{suffix}-test")
