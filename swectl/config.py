@@ -169,6 +169,7 @@ class TrainConfig(_Section):
     # grpo: the first sft_steps steps are SFT on sft_data (default: gold trajectories of the train split, made
     # at the start by running each task's gold patch as agent turns), then GRPO from there
     sft_steps: NonNegative = 0
+    sft_strict: bool = False  # a malformed sft_data row stops the run (else it is skipped with file:line and field)
     steps: Count = 20
     tasks_per_step: Count = 4  # groups per grpo step
     n_samples: Count = 4  # episodes per task (the group)

@@ -38,12 +38,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--resume", metavar="RUN_DIR", default=None,
                     help="go on from the latest checkpoint of this run folder (same config)")
     up.add_argument("--steps", type=int, default=None, metavar="N", help="shorthand for --set train.steps=N")
+    up.add_argument("--strict", action="store_true",
+                    help="a malformed row of train.sft_data stops the run (exit 2) instead of being skipped with a "
+                         "warning naming file:line and field (shorthand for --set train.sft_strict=true)")
 
 
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
+    if args.strict:
+        overrides.append("train.sft_strict=true")
     from swectl.train.controller import new_run_dir, run_training
 
     if args.resume:
@@ -142,7 +147,7 @@ def _sft_samples(config: ClusterConfig, model: str) -> list:
             raise ConfigError(f"train.sft_data: {path} does not exist")
         if path.is_file() and path.suffix in (".jsonl", ".json") and path.name != "traj.json":
             tokenizer = tokenizer or load_tokenizer(model, "train.model")
-            samples += samples_from_messages_jsonl(path, tokenizer)
+            samples += samples_from_messages_jsonl(path, tokenizer, strict=config.train.sft_strict)
         else:
             samples += samples_from_runs([path], resolved_only=True)  # rejection-sampling fine-tuning
     if not samples:

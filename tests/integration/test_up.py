@@ -153,3 +153,23 @@ def test_distributed_weight_sync_broadcasts_and_writes_folders_only_for_checkpoi
     for traj in (run / "episodes" / "step_000002").glob("*/traj.json"):
         versions.update(json.loads(traj.read_text())["episode"]["trajectory"]["weight_versions"])
     assert versions == {"1"}, versions
+
+
+def test_a_malformed_sft_row_is_skipped_with_its_line_or_stops_the_run_with_strict(model: Path,
+                                                                                  tmp_path: Path) -> None:
+    data = tmp_path / "sft.jsonl"
+    good = {"messages": [{"role": "user", "content": "list the files"},
+                         {"role": "assistant", "content": "THOUGHT: look.\n\n```bash\nls\n```"}]}
+    data.write_text(json.dumps(good) + "\n" + json.dumps({"messages": "not a list"}) + "\n")
+    argv = [sys.executable, "-m", "swectl.cli.main", "up", "--steps", "1", "--set", f"out_dir={str(tmp_path)!r}",
+            "--set", "train.algorithm='sft'", "--set", f"train.model={str(model)!r}",
+            "--set", f"train.sft_data=[{str(data)!r}]"]
+    strict = subprocess.run([*argv, "--set", "run_id='strict'", "--strict"], capture_output=True, text=True,
+                            timeout=300)
+    assert strict.returncode == 2, strict.stderr[-3000:]
+    assert f"{data}:2" in strict.stderr and "messages" in strict.stderr
+    assert not (tmp_path / "strict" / "checkpoints").exists()
+    lenient = subprocess.run([*argv, "--set", "run_id='lenient'"], capture_output=True, text=True, timeout=300)
+    assert lenient.returncode == 0, lenient.stderr[-3000:]
+    assert f"{data}:2" in lenient.stderr
+    assert (tmp_path / "lenient" / "checkpoints" / "latest").exists()
