@@ -189,6 +189,8 @@ class TrainConfig(_Section):
     resolved_reward: float = 1.0
     unresolved_reward: float = 0.0
     mask_truncated: bool = False  # truncated (overlong) episodes carry no gradient
+    # an episode that never submitted (TRUNCATED) gets unresolved_reward even if the diff it left resolves the task
+    reward_requires_submit: bool = False
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal and draw more tasks
     max_sampling_rounds: Count = 3  # rounds of drawing more tasks per step before training on what there is
     sample_mode: Literal["episode", "step"] = "episode"  # step: one sample per agent turn (context management)

@@ -66,6 +66,15 @@ def test_truncated_episodes_can_be_masked() -> None:
     assert unpack_mask(group_samples([group])[0]).sum() == 2
 
 
+def test_a_resolved_episode_that_never_submitted_can_count_as_unresolved() -> None:
+    episodes = [_episode(0, True, "TRUNCATED"), _episode(1, True), _episode(2, False)]
+    graded = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo")
+    assert graded.rewards == [1.0, 1.0, 0.0]
+    strict = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo", requires_submit=True)
+    assert strict.rewards == [0.0, 1.0, 0.0]
+    assert strict.advantages[0] < 0 < strict.advantages[1]
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("train.n_samples=1", "n_samples"),
     ("train.algorithm='ppo'", "algorithm"),

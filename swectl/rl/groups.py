@@ -47,15 +47,21 @@ class Group(msgspec.Struct, kw_only=True):
         return informative(self.rewards)
 
 
-def reward(episode: GradedEpisode, *, resolved_reward: float = 1.0, unresolved_reward: float = 0.0) -> float:
-    return resolved_reward if episode.resolved else unresolved_reward
+def reward(episode: GradedEpisode, *, resolved_reward: float = 1.0, unresolved_reward: float = 0.0,
+           requires_submit: bool = False) -> float:
+    """``resolved_reward`` for a resolved episode, else ``unresolved_reward``. With ``requires_submit`` an episode
+    that never submitted (TRUNCATED: the step limit or malformed replies ended it) counts as unresolved even when
+    the diff it left behind resolves the task."""
+    solved = episode.resolved and not (requires_submit and episode.outcome == "TRUNCATED")
+    return resolved_reward if solved else unresolved_reward
 
 
 def score_group(group: Group, *, estimator: str, resolved_reward: float = 1.0, unresolved_reward: float = 0.0,
-                zero_advantages: bool = False) -> Group:
-    """Fill in rewards and advantages. ``zero_advantages``: the control run (no learning signal)."""
-    group.rewards = [reward(e, resolved_reward=resolved_reward, unresolved_reward=unresolved_reward)
-                     for e in group.episodes]
+                zero_advantages: bool = False, requires_submit: bool = False) -> Group:
+    """Fill in rewards and advantages. ``zero_advantages``: the control run (no learning signal);
+    ``requires_submit``: see ``reward``."""
+    group.rewards = [reward(e, resolved_reward=resolved_reward, unresolved_reward=unresolved_reward,
+                            requires_submit=requires_submit) for e in group.episodes]
     advs = group_advantages(group.rewards, estimator)  # type: ignore[arg-type]
     group.advantages = [0.0] * len(advs) if zero_advantages else list(advs)
     return group

@@ -358,7 +358,8 @@ class Controller:
                         dropped["aborted"] += 1
                         continue
                     score_group(g, estimator=t.estimator, resolved_reward=t.resolved_reward,
-                                unresolved_reward=t.unresolved_reward, zero_advantages=t.zero_advantages)
+                                unresolved_reward=t.unresolved_reward, zero_advantages=t.zero_advantages,
+                                requires_submit=t.reward_requires_submit)
                     every.append(g)
                     if t.dynamic_sampling and not g.informative:
                         dropped["uninformative"] += 1
