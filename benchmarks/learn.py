@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-lr", type=float, default=2e-3)
     parser.add_argument("--grpo-steps", type=int, default=15)
     parser.add_argument("--grpo-lr", type=float, default=2e-4, help="GRPO learning rate (--grpo-start weights)")
-    parser.add_argument("--grpo-start", choices=("checkpoint", "weights"), default="checkpoint",
-                        help="checkpoint: GRPO goes on from the SFT run's last checkpoint (its optimizer state and "
-                             "learning rate); weights: a new run from the SFT weights with a fresh optimizer")
+    parser.add_argument("--grpo-start", choices=("checkpoint", "weights"), default="weights",
+                        help="weights (default): a new run from the SFT weights with a fresh optimizer; checkpoint: "
+                             "GRPO goes on from the SFT run's last checkpoint (its optimizer state and learning rate)")
     parser.add_argument("--tasks-per-step", type=int, default=4)
     parser.add_argument("--n-samples", type=int, default=4, help="GRPO group size")
     parser.add_argument("--step-limit", type=int, default=6)
