@@ -47,10 +47,14 @@ def run(argv: list[str], what: str) -> float:
     return time.monotonic() - t0
 
 
-def rollout_sets(args: argparse.Namespace) -> list[str]:
-    sets = {"rollout.step_limit": args.step_limit, "rollout.max_tokens": args.max_tokens,
-            "rollout.max_format_errors": args.max_format_errors, "env_pool.warm": 0}
+def set_flags(sets: dict[str, object]) -> list[str]:
+    """``--set KEY=VALUE`` arguments of `swectl up`, one pair per entry."""
     return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+
+
+def rollout_sets(args: argparse.Namespace) -> list[str]:
+    return set_flags({"rollout.step_limit": args.step_limit, "rollout.max_tokens": args.max_tokens,
+                      "rollout.max_format_errors": args.max_format_errors, "env_pool.warm": 0})
 
 
 def evaluate(args: argparse.Namespace, model: Path, tasks: Path, out: Path) -> dict:
@@ -70,18 +74,16 @@ def train(args: argparse.Namespace, out_dir: Path, run_id: str, sets: dict[str, 
     a copy of that run resumed from its last checkpoint with ``sets`` as overrides, so the GRPO steps go on with
     the SFT's optimizer state (Adam's moments) and learning rate instead of a fresh optimizer."""
     folder = out_dir / run_id
-    argv = ["up", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}", *rollout_sets(args)]
-    if (folder / "checkpoints" / "latest").exists() and continue_from is None:  # go on at the steps asked for now
-        argv = ["up", "--resume", str(folder), "--steps", str(sets["train.steps"])]
-    elif continue_from is not None:
+    overrides = set_flags(sets)
+    if continue_from is not None:
         if not folder.exists():
             shutil.copytree(continue_from, folder)
-        argv = ["up", "--resume", str(folder), *rollout_sets(args)]
-        for key, value in sets.items():
-            argv += ["--set", f"{key}={value}"]
+        argv = ["up", "--resume", str(folder), *rollout_sets(args), *overrides]
+    elif (folder / "checkpoints" / "latest").exists():  # go on (or stop) at the steps asked for now
+        argv = ["up", "--resume", str(folder), "--steps", str(sets["train.steps"])]
     else:
-        for key, value in sets.items():
-            argv += ["--set", f"{key}={value}"]
+        argv = ["up", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}", *rollout_sets(args),
+                *overrides]
     run(argv, f"train {run_id}")
     state = json.loads((folder / "checkpoints" / (folder / "checkpoints" / "latest").read_text().strip()
                         / "controller.json").read_text())
