@@ -33,6 +33,11 @@ class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
     weight_version: int = 0
     steps: list[tuple[list[int], list[int], list[float]]] = []  # per step: prompt ids, output ids, logprobs
 
+    @property
+    def truncated(self) -> bool:
+        """The step limit or malformed replies ended it before it submitted."""
+        return self.outcome == "TRUNCATED"
+
 
 class Group(msgspec.Struct, kw_only=True):
     """The episodes of one task with their rewards and advantages."""
@@ -52,7 +57,7 @@ def reward(episode: GradedEpisode, *, resolved_reward: float = 1.0, unresolved_r
     """``resolved_reward`` for a resolved episode, else ``unresolved_reward``. With ``requires_submit`` an episode
     that never submitted (TRUNCATED: the step limit or malformed replies ended it) counts as unresolved even when
     the diff it left behind resolves the task."""
-    solved = episode.resolved and not (requires_submit and episode.outcome == "TRUNCATED")
+    solved = episode.resolved and not (requires_submit and episode.truncated)
     return resolved_reward if solved else unresolved_reward
 
 
@@ -72,7 +77,7 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
     """The training samples of one episode. A truncated episode with ``mask_truncated`` keeps its tokens but no
     loss (mask all 0), so it still counts in nothing but the logs."""
     uid = f"{episode.instance_id}#{episode.sample}"
-    truncated = episode.outcome == "TRUNCATED"
+    truncated = episode.truncated
     keep = not (mask_truncated and truncated)
     common = {"advantage": advantage, "reward": reward_value, "weight_version": episode.weight_version,
               "truncated": truncated}
