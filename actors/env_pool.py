@@ -98,7 +98,10 @@ class Lease:
         self.heartbeat()
 
     @asynccontextmanager
-    async def _use(self) -> AsyncIterator[None]:
+    async def in_use(self) -> AsyncIterator[None]:
+        """The lease is in use while the block runs (it cannot expire); raises its failure if it has one.
+        Every sandbox call goes through this; a holder doing long work elsewhere for the lease (grading its
+        patch in another sandbox) wraps that work in it too."""
         self._check()
         self.busy += 1
         try:
@@ -114,23 +117,23 @@ class Lease:
     async def exec(
         self, command: str, timeout: float, *, cwd: str | None = None, env: dict[str, str] | None = None
     ) -> ExecResult:
-        async with self._use():
+        async with self.in_use():
             return await self.sandbox.exec(command, timeout, cwd=cwd, env=env)
 
     async def write_file(self, path: str, data: bytes, *, mode: int | None = None) -> None:
-        async with self._use():
+        async with self.in_use():
             await self.sandbox.write_file(path, data, mode=mode)
 
     async def read_file(self, path: str) -> bytes:
-        async with self._use():
+        async with self.in_use():
             return await self.sandbox.read_file(path)
 
     async def diff(self, repo: str | None = None) -> bytes:
-        async with self._use():
+        async with self.in_use():
             return await self.sandbox.diff(repo)
 
     async def ping(self) -> None:
-        async with self._use():
+        async with self.in_use():
             await self.sandbox.ping()
 
 

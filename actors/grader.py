@@ -20,6 +20,8 @@ between ``await tg.start(grader.run)`` and the cancellation of that task.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -88,6 +90,21 @@ class _GradeError(SwectlError):
         self.detail = detail
 
 
+@contextmanager
+def _failures_into(result: GradeResult) -> Iterator[None]:
+    """A grading's failure becomes the result's status "error" with its reason (infrastructure or not)."""
+    try:
+        yield
+    except _GradeError as exc:
+        result.status, result.reason, result.detail = "error", exc.reason, exc.detail
+    except SandboxLostError as exc:
+        result.status, result.reason, result.detail = "error", "sandbox_lost", str(exc)
+    except NodeLostError as exc:
+        result.status, result.reason, result.detail = "error", "node_lost", str(exc)
+    except InfraError as exc:
+        result.status, result.reason, result.detail = "error", "infra", str(exc)
+
+
 async def prepare_task(lease: Lease, task: Task) -> bool:
     """Apply and commit the task's setup patch in TESTBED (factory tasks carry their bug there), so that the
     agent and the grader both start from the task's state and ``git diff`` shows only their own edits.
@@ -137,34 +154,61 @@ class Grader:
             infra_errors=c["infra_errors"],
         )
 
-    async def grade(self, task: Task, patch: str, *, label: str = "") -> GradeResult:
+    async def grade(
+        self, task: Task, patch: str, *, label: str = "", timeout_s: float | None = None
+    ) -> GradeResult:
         """The verdict on ``patch`` for ``task``. Never raises for infrastructure failures; cancellation
-        propagates."""
-        if not self._running:
-            await anyio.lowlevel.checkpoint()  # a caller being cancelled (the actor stopped with it) gets that
-            raise RuntimeError("the Grader is not running: start it with `await tg.start(grader.run)`")
+        propagates. ``timeout_s`` overrides the eval script's wall time of the config for this grading."""
+        await self._check_running()
         result = GradeResult(instance_id=task.instance_id, status="error")
         async with self._limit:
             started = time.monotonic()  # grading time, not the wait for a slot
-            try:
+            with _failures_into(result):
                 script = with_exit_code(eval_script_for(task, self._specs))
                 parser = log_parser_for(task)
                 image = self._resolver.resolve(task)
                 async with self._pool.lease(image) as lease:
                     result.node = lease.node
-                    await self._grade_in(lease, task, patch, script, parser, result, label)
-            except _GradeError as exc:
-                result.status, result.reason, result.detail = "error", exc.reason, exc.detail
-            except SandboxLostError as exc:
-                result.status, result.reason, result.detail = "error", "sandbox_lost", str(exc)
-            except NodeLostError as exc:
-                result.status, result.reason, result.detail = "error", "node_lost", str(exc)
-            except InfraError as exc:
-                result.status, result.reason, result.detail = "error", "infra", str(exc)
+                    await self._grade_in(lease, task, patch, script, parser, result, label,
+                                         timeout_s or self._timeout_s)
             result.duration_s = round(time.monotonic() - started, 3)
         result.infra = result.status == "error" and result.reason in INFRA_REASONS
         self._count(result)
         return result
+
+    async def grade_by_exit_code(
+        self, image: str, patch: str, script: str, *, cwd: str = TESTBED, timeout_s: float | None = None,
+        label: str = "",
+    ) -> GradeResult:
+        """The verdict of a caller's own eval script on ``patch`` in a fresh sandbox of ``image``: resolved when
+        the script exits 0 (for rows without tests to judge, e.g. a client's task that is not in the task set).
+        Applies the patch with the same ladder; infrastructure failures are errors with ``infra=True``."""
+        await self._check_running()
+        timeout_s = timeout_s or self._timeout_s
+        result = GradeResult(instance_id=label or image, status="error")
+        async with self._limit:
+            started = time.monotonic()
+            with _failures_into(result):
+                async with self._pool.lease(image) as lease:
+                    result.node = lease.node
+                    result.apply_method = await self._apply(lease, patch, cwd)
+                    await lease.write_file(EVAL_FILE, script.encode("utf-8", errors="surrogateescape"))
+                    run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", timeout_s, cwd=cwd)
+                    log = (await lease.read_file(LOG_FILE)).decode("utf-8", errors="replace")
+                    result.log_path = self._save_log(label or "script", "", log)
+                    if run.timed_out:
+                        raise _GradeError("eval_timeout", f"the eval script ran past its timeout ({timeout_s:g} s)")
+                    result.test_exit_code = run.exit_code
+                    result.status = "resolved" if run.exit_code == 0 else "unresolved"
+            result.duration_s = round(time.monotonic() - started, 3)
+        result.infra = result.status == "error" and result.reason in INFRA_REASONS
+        self._count(result)
+        return result
+
+    async def _check_running(self) -> None:
+        if not self._running:
+            await anyio.lowlevel.checkpoint()  # a caller being cancelled (the actor stopped with it) gets that
+            raise RuntimeError("the Grader is not running: start it with `await tg.start(grader.run)`")
 
     def _count(self, result: GradeResult) -> None:
         self._counts["graded"] += 1
@@ -172,19 +216,20 @@ class Grader:
         self._counts["infra_errors"] += result.infra
 
     async def _grade_in(
-        self, lease: Lease, task: Task, patch: str, script: str, parser: str, result: GradeResult, label: str
+        self, lease: Lease, task: Task, patch: str, script: str, parser: str, result: GradeResult, label: str,
+        timeout_s: float,
     ) -> None:
         if not await prepare_task(lease, task):
             raise _GradeError("setup_failed", "the task's setup patch did not apply")
         test_files = frozenset(test_files_of(task.test_patch)) if task.test_patch else frozenset()
         patch, result.dropped_test_files = drop_test_edits(patch, test_files)
-        result.apply_method = await self._apply(lease, patch)
+        result.apply_method = await self._apply(lease, patch, TESTBED)
         await lease.write_file(EVAL_FILE, script.encode())
-        run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", self._timeout_s, cwd=TESTBED)
+        run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", timeout_s, cwd=TESTBED)
         if run.timed_out:
-            raise _GradeError("eval_timeout", f"the eval script ran past the grading timeout ({self._timeout_s:g} s)")
+            raise _GradeError("eval_timeout", f"the eval script ran past the grading timeout ({timeout_s:g} s)")
         log = (await lease.read_file(LOG_FILE)).decode("utf-8", errors="replace")
-        result.log_path = self._save_log(task, label, log)
+        result.log_path = self._save_log(task.instance_id, label, log)
         verdict = grade_log(task, parser, log)
         if verdict is None:
             raise _GradeError("no_test_output", f"the eval log has no test output markers (script exit "
@@ -201,29 +246,29 @@ class Grader:
         result.f2p_total, result.p2p_total = len(task.FAIL_TO_PASS), len(task.PASS_TO_PASS)
         result.test_exit_code = test_exit_code(log)
 
-    async def _apply(self, lease: Lease, patch: str) -> str:
+    async def _apply(self, lease: Lease, patch: str, repo: str) -> str:
         if not patch.strip():
             return "empty"
         await lease.write_file(PATCH_FILE, patch.encode("utf-8", errors="surrogateescape"))
         outputs = []
         for i, (name, command) in enumerate(APPLY_LADDER):
             if i:
-                await lease.exec(RESET, STEP_TIMEOUT_S, cwd=TESTBED)
-            r = await lease.exec(command, STEP_TIMEOUT_S, cwd=TESTBED)
+                await lease.exec(RESET, STEP_TIMEOUT_S, cwd=repo)
+            r = await lease.exec(command, STEP_TIMEOUT_S, cwd=repo)
             if r.exit_code == 0 and not r.timed_out:
                 return name
             outputs.append(f"$ {command}\n{r.output[-600:]}")
         # As the official harness does: a patch whose reverse applies is already in the tree (a no-op).
-        await lease.exec(RESET, STEP_TIMEOUT_S, cwd=TESTBED)
-        r = await lease.exec(f"git apply --check --reverse {PATCH_FILE}", STEP_TIMEOUT_S, cwd=TESTBED)
+        await lease.exec(RESET, STEP_TIMEOUT_S, cwd=repo)
+        r = await lease.exec(f"git apply --check --reverse {PATCH_FILE}", STEP_TIMEOUT_S, cwd=repo)
         if r.exit_code == 0 and not r.timed_out:
             return "already applied"
         raise _GradeError("patch_apply_failed", "the patch did not apply:\n" + "\n".join(outputs))
 
-    def _save_log(self, task: Task, label: str, log: str) -> str:
+    def _save_log(self, instance_id: str, label: str, log: str) -> str:
         if self._log_dir is None:
             return ""
-        name = task.instance_id + (f".{label}" if label else "")
+        name = instance_id + (f".{label}" if label else "")
         path = self._log_dir / f"{name}.log"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(log)

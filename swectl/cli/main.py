@@ -35,6 +35,7 @@ examples:
   swectl data prepare tasks.jsonl --out data/   prompt JSONL for slime/miles + the image list
   swectl model init                      create the tiny Qwen3 policy (tokenizer trained on local code)
   swectl eval --model runs/models/tiny-qwen3 --slice 0:4   run the agent with it and grade
+  swectl serve --port 18090               the sandbox fleet over HTTP for slime / OpenClaw-RL swe-rl rollouts
   swectl plot runs/train-1               draw a training run's learning curves into runs/train-1/plots/
   swectl -v eval --gold                  also print what happens inside the run (restarts, retries, ...)
 """
@@ -50,6 +51,7 @@ COMMANDS = {
     "data": "data",
     "model": "model",
     "plot": "plot",
+    "serve": "serve",
 }
 # signals that stop a command like Ctrl-C does
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -113,7 +115,7 @@ def interrupted_message(args: argparse.Namespace) -> str:
             return ("interrupted; the containers of this run were removed and any engine servers it started "
                     "stopped; to resume, run the same command with --out set to this run's output folder (finished "
                     "episodes are kept)")
-        case "up" | "tasks" | "eval":
+        case "up" | "tasks" | "eval" | "serve":
             return "interrupted; the containers of this run were removed"
         case "model":
             return "interrupted; the model folder is moved into place only when complete, so it was not written"

@@ -1,0 +1,139 @@
+"""`swectl serve`: the sandbox fleet as an HTTP service that speaks the pool-server API of OpenClaw-RL's
+``swe-rl`` rollouts (allocate, exec, diff, evaluate, heartbeat, close); the service lives in swectl/serve/."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import time
+from pathlib import Path
+
+import anyio
+
+from swectl.cli.common import config_args, output_dir, say
+from swectl.config import load_config
+from swectl.errors import ConfigError, TaskDataError
+from swectl.images.project import BUNDLED_TASKS
+from swectl.logs import write_run_log
+
+DEFAULT_PORT = 18090
+API_KEY_ENV = "SWECTL_SERVE_API_KEY"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    sv = sub.add_parser(
+        "serve",
+        help="serve the sandbox fleet over HTTP with the pool-server API of OpenClaw-RL's swe-rl rollouts",
+        description="Serve the sandbox fleet of the config (its nodes, caps, lease TTL) over HTTP with the API "
+        "of OpenClaw-RL's swe-rl pool server: POST /allocate, /exec, /diff, /evaluate, /heartbeat, /close; GET "
+        "/healthz, /status. Point the rollouts' SWE_ENV_SERVER_URL at the printed URL. /evaluate grades in a "
+        "fresh sandbox: by the task's tests (F2P/P2P, official parsers) when the lease's instance_id is a task "
+        "of --tasks, otherwise by the eval script's exit code. A lease whose client stops calling and "
+        "heartbeating for env_pool.lease_ttl_s (--lease-ttl) is reclaimed. Stop with Ctrl-C or SIGTERM: every "
+        "sandbox of the service is removed.",
+    )
+    config_args(sv)
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default 127.0.0.1; any other address needs an API key in "
+                    f"${API_KEY_ENV} or --api-key-file)")
+    sv.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: a free one)")
+    sv.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                    help=f"file holding the bearer key clients must send (default: ${API_KEY_ENV}); never on "
+                    "the command line, where other users can read it")
+    sv.add_argument("--tasks", default=str(BUNDLED_TASKS),
+                    help="task set whose instance ids are graded by their tests (default: the bundled set)")
+    sv.add_argument("--image-template", default=None, metavar="T",
+                    help="image name template for the tasks, as in swectl eval (e.g. "
+                    "'registry.local/sweb.eval.x86_64.{id_docker}:latest')")
+    sv.add_argument("--image-map", default=None, metavar="FILE",
+                    help="JSON/TOML mapping instance_id -> image (wins over the template and the client's image)")
+    sv.add_argument("--lease-ttl", type=float, default=None, metavar="S",
+                    help="seconds without a call or heartbeat after which a lease is reclaimed "
+                    "(env_pool.lease_ttl_s, default 300)")
+    sv.add_argument("--warm", type=int, default=0, metavar="N",
+                    help="sandboxes of sandbox.image (--set sandbox.image=...) kept started ahead of /allocate "
+                    "(env_pool.warm; default 0: every allocation starts one)")
+    sv.add_argument("--allocate-timeout", type=float, default=600.0, metavar="S",
+                    help="how long /allocate waits for a free slot under the nodes' caps (default 600)")
+    sv.add_argument("--grade-concurrency", type=int, default=8, metavar="N",
+                    help="/evaluate gradings at once, each in its own fresh sandbox (default 8)")
+    sv.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB",
+                    help="largest request body accepted, in MiB (default 32)")
+    sv.add_argument("--out", type=Path, default=None,
+                    help="folder for the service's log and the eval logs of /evaluate (default runs/serve-<time>)")
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = [*args.overrides, f"env_pool.warm={args.warm}"]
+    if args.lease_ttl is not None:
+        overrides.append(f"env_pool.lease_ttl_s={args.lease_ttl!r}")
+    config = load_config(args.config, overrides)
+    api_key = _api_key(args)
+    _check_exposure(args.host, api_key)
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: expected 0..65535")
+    if args.max_body_mb <= 0 or args.allocate_timeout <= 0 or args.grade_concurrency < 1 or args.warm < 0:
+        raise ConfigError("--max-body-mb and --allocate-timeout must be > 0, --grade-concurrency >= 1, --warm >= 0")
+    from swectl.tasks.sources import load_tasks
+
+    loaded = load_tasks(args.tasks)
+    for p in loaded.problems[:10]:
+        say(f"skipped row {p.location}: {p.field}: {p.message}")
+    if not loaded.tasks and loaded.rows_read:
+        raise TaskDataError(f"--tasks {args.tasks}: none of its {loaded.rows_read} rows is a usable task")
+    from swectl.images.names import ImageResolver
+    from swectl.serve.service import ServeOptions, run_service
+
+    resolver = ImageResolver.from_options(args.image_template, args.image_map)
+    out = output_dir(args.out or Path(config.out_dir) / f"serve-{time.strftime('%Y%m%d-%H%M%S')}")
+    write_run_log(out)
+    options = ServeOptions(api_key=api_key, max_body=int(args.max_body_mb * 1024 * 1024),
+                           allocate_timeout_s=args.allocate_timeout, grade_concurrency=args.grade_concurrency,
+                           log_dir=str(out / "eval-logs"))
+    sock = _listen(args.host, args.port)
+
+    def ready(url: str) -> None:
+        nodes = ", ".join(n.name for n in config.nodes)
+        say(f"serving the fleet on {url} (nodes: {nodes}; {len(loaded.tasks)} tasks graded by their tests; lease "
+            f"TTL {config.env_pool.lease_ttl_s:g} s; {'API key required' if api_key else 'no API key: loopback only'})")
+        say(f"point the rollouts at it: export SWE_ENV_SERVER_URL={url}; logs in {out}; Ctrl-C stops and removes "
+            "every sandbox")
+
+    with sock:
+        anyio.run(lambda: run_service(config, loaded.tasks, resolver, sock, options, ready=ready))
+    return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file is not None:
+        try:
+            key = args.api_key_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file {args.api_key_file}: cannot read: {exc.strerror or exc}") from exc
+        if not key:
+            raise ConfigError(f"--api-key-file {args.api_key_file}: the file is empty")
+        return key
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+def _check_exposure(host: str, api_key: str | None) -> None:
+    """Anything but loopback needs a key: the API runs arbitrary commands in the fleet's sandboxes."""
+    if api_key is not None:
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ConfigError(f"--host {host} is reachable from other machines and the API runs commands in sandboxes: "
+                          f"set an API key (${API_KEY_ENV} or --api-key-file FILE), or bind 127.0.0.1")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((host, port), backlog=4096, reuse_port=False)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+                          + (" (another swectl serve? pick --port)" if exc.errno == 98 else "")) from exc

@@ -1,0 +1,64 @@
+"""The pool-server API of OpenClaw-RL's ``swe-rl`` rollouts, as msgspec messages (JSON over HTTP).
+
+Requests are decoded strictly into these types (a missing field or a wrong type is a 400 naming the field);
+fields the client sends beyond these are ignored, as the original server does. Responses are plain objects
+built by ``swectl.serve.fleet``; every one carries ``ok``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+TESTBED = "/testbed"
+# Bounds on what one request may ask for: a command's timeout, an evaluation's timeout (seconds).
+Timeout = Annotated[float, msgspec.Meta(gt=0, le=24 * 3600)]
+
+
+class AllocateRequest(msgspec.Struct, kw_only=True):
+    """A fresh sandbox: of ``image``, or of the image of ``instance_id`` when it is a task of the served set."""
+    image: str = ""
+    instance_id: str = ""
+
+
+class LeaseRequest(msgspec.Struct, kw_only=True):
+    """``/heartbeat`` and ``/close``."""
+    lease_id: str
+
+
+class ExecRequest(msgspec.Struct, kw_only=True):
+    lease_id: str
+    command: str
+    cwd: str = TESTBED
+    timeout: Timeout = 180.0
+    env: dict[str, str] = {}
+
+
+class DiffRequest(msgspec.Struct, kw_only=True):
+    lease_id: str
+    cwd: str = TESTBED
+
+
+class EvaluateRequest(msgspec.Struct, kw_only=True):
+    """Grade ``patch`` in a fresh sandbox: by the task's tests when the lease's instance is a task of the served
+    set, otherwise by ``eval_script``'s exit code (0 = resolved)."""
+    lease_id: str
+    patch: str = ""
+    eval_script: str = ""
+    cwd: str = TESTBED
+    timeout: Timeout = 3600.0
+
+
+class ApiError(Exception):
+    """A request that fails: the HTTP status, the message, and whether the infrastructure failed (the client's
+    sample is then aborted, never scored)."""
+
+    def __init__(self, status: int, message: str, *, infra: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.infra = infra
+
+    def body(self) -> dict[str, object]:
+        return {"ok": False, "error": self.message, **({"infra": True} if self.infra else {})}
