@@ -37,6 +37,8 @@ Classes defined elsewhere are marked with their module (they live next to the co
     +-- TrainerFailedError       the trainer ranks refused a request (bad batch, disk full); they stay up
     |                                (swectl.actors.trainer)
     +-- BadRequest                   the CPU engine's HTTP 400 (swectl.remote.programs.cpu_engine)
+    +-- ApiError                     a `swectl serve` request that fails: HTTP status, message, infra flag
+    |                                (swectl.serve.wire)
     +-- TransportError               a TrainBatch cannot be written to or read from shared memory; the message
                                      names the segment
 

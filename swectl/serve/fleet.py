@@ -14,6 +14,7 @@ never scored), as does any failure of the infrastructure while grading.
 from __future__ import annotations
 
 import logging
+import shlex
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
@@ -27,7 +28,15 @@ import msgspec
 
 from swectl.actors.env_pool import EnvPool, Lease
 from swectl.actors.grader import Grader, GradeResult, prepare_task
-from swectl.errors import InfraError, LeaseExpiredError, PoolClosedError, SwectlError
+from swectl.errors import (
+    InfraError,
+    LeaseError,
+    LeaseExpiredError,
+    NodeError,
+    PoolClosedError,
+    SandboxLostError,
+    SwectlError,
+)
 from swectl.images.names import ImageResolver
 from swectl.serve.wire import AllocateRequest, ApiError, DiffRequest, EvaluateRequest, ExecRequest, LeaseRequest
 from swectl.tasks.record import Task
@@ -124,7 +133,9 @@ class Fleet:
         served = self._get(req.lease_id)
         async with served.lock:  # one command at a time per lease, in arrival order
             with self._failures_of(served):
-                result = await served.lease.exec(req.command, req.timeout, cwd=req.cwd, env=req.env or None)
+                # A cwd that does not exist fails the command (as `docker exec -w` does), not the sandbox.
+                command = f"cd -- {shlex.quote(req.cwd)} || exit 1\n{req.command}"
+                result = await served.lease.exec(command, req.timeout, cwd="/", env=req.env or None)
         self._counts["execs"] += 1
         if result.timed_out:
             self._counts["exec_timeouts"] += 1
@@ -208,16 +219,18 @@ class Fleet:
 
     @contextmanager
     def _failures_of(self, served: ServedLease) -> Iterator[None]:
-        """A failure of the lease's sandbox ends the lease (its slot goes back to the pool) with a 410 (expired)
-        or a 503 that says what broke."""
+        """A lost sandbox or node ends the lease (its slot goes back to the pool) with a 410 (expired) or a 503
+        that says what broke; an error the sandbox answered with is a 502 and the lease stays."""
         try:
             yield
         except LeaseExpiredError as exc:
             self._end(served, exc)
             raise ApiError(410, f"lease {served.id} has ended: {_ended_reason(exc)}") from exc
-        except InfraError as exc:
+        except (SandboxLostError, NodeError, LeaseError) as exc:
             self._end(served, exc)
             raise ApiError(503, f"lease {served.id} has ended: {_ended_reason(exc)}", infra=True) from exc
+        except InfraError as exc:  # the sandbox answered with an error: the lease stays
+            raise ApiError(502, f"lease {served.id}: the sandbox could not do it: {exc}", infra=True) from exc
         except PoolClosedError as exc:
             raise ApiError(503, f"the service is shutting down: {exc}", infra=True) from exc
 

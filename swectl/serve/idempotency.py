@@ -30,6 +30,8 @@ class _Entry:
 
 
 class IdempotencyCache:
+    """Answers by (endpoint, Idempotency-Key): the first request runs, its retries get its answer."""
+
     def __init__(self, *, ttl_s: float = 3600.0, max_keys: int = 100_000) -> None:
         self._ttl_s = ttl_s
         self._max_keys = max_keys

@@ -11,6 +11,8 @@ from typing import Annotated
 
 import msgspec
 
+from swectl.errors import SwectlError
+
 TESTBED = "/testbed"
 # Bounds on what one request may ask for: a command's timeout, an evaluation's timeout (seconds).
 Timeout = Annotated[float, msgspec.Meta(gt=0, le=24 * 3600)]
@@ -28,6 +30,7 @@ class LeaseRequest(msgspec.Struct, kw_only=True):
 
 
 class ExecRequest(msgspec.Struct, kw_only=True):
+    """One command in the lease's sandbox, killed inside it after ``timeout`` seconds."""
     lease_id: str
     command: str
     cwd: str = TESTBED
@@ -36,6 +39,7 @@ class ExecRequest(msgspec.Struct, kw_only=True):
 
 
 class DiffRequest(msgspec.Struct, kw_only=True):
+    """Every change under ``cwd`` (a git repository) as a patch."""
     lease_id: str
     cwd: str = TESTBED
 
@@ -50,7 +54,7 @@ class EvaluateRequest(msgspec.Struct, kw_only=True):
     timeout: Timeout = 3600.0
 
 
-class ApiError(Exception):
+class ApiError(SwectlError):
     """A request that fails: the HTTP status, the message, and whether the infrastructure failed (the client's
     sample is then aborted, never scored)."""
 
