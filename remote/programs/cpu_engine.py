@@ -956,6 +956,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = Model(args.model, attn_implementation=args.attn_implementation, device=args.device)
     print(f"loaded {args.model} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     sock = socket.create_server((args.host, args.port))
+    # Accepted connections inherit it: without it a keep-alive client waits ~40 ms per response for the
+    # delayed ACK of the response's first segment (Nagle), as uvicorn writes headers and body apart.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     anyio.run(serve, args, model, sock, backend="asyncio")
 
 
