@@ -16,6 +16,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import anyio
 
@@ -55,16 +56,33 @@ for _ in 1 2 3 4 5; do kill -9 "-$pid" 2>/dev/null || break; done
 exit "$rc"
 """
 DIFF_TIMEOUT_S = 300.0
+REMOVE_CONCURRENCY = 2  # `podman rm` processes at once per node (each removes a batch)
+
+
+@dataclass(eq=False)
+class _RemovalBatch:
+    """Container ids waiting to be removed by one `podman rm`; ``done`` is set when it has run."""
+    ids: list[str] = field(default_factory=list)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    error: InfraError | None = None
 
 
 class PodmanBackend:
-    """Creates, lists and removes swectl's containers on one node."""
+    """Creates, lists and removes swectl's containers on one node.
+
+    Sandboxes destroyed together are removed together: ``remove_one`` joins the open batch, and at most
+    REMOVE_CONCURRENCY `podman rm` processes run at once, each for every id that joined while it waited. A burst
+    of releases (a service closing 256 leases) costs a few podman processes instead of one each, which had
+    starved the node's health probe and left killed containers behind when their removals timed out.
+    """
 
     def __init__(self, node: Node, config: SandboxConfig, containers_conf: str = "bundled") -> None:
         self.name = node.name
         self.node = node
         self.podman = PodmanCli(node, containers_conf)
         self.config = config
+        self._removing = anyio.CapacityLimiter(REMOVE_CONCURRENCY)
+        self._open_removal: _RemovalBatch | None = None
 
     @property
     def prepared(self) -> bool:
@@ -111,6 +129,35 @@ class PodmanBackend:
     async def remove(self, ids: list[str]) -> None:
         with _translate(self.node, "removing containers"):
             await self.podman.remove(ids)
+
+    async def remove_one(self, cid: str) -> None:
+        """Remove one container in the next batch (see the class docstring); raises the batch's InfraError."""
+        batch = self._open_removal
+        leader = batch is None
+        if batch is None:
+            batch = self._open_removal = _RemovalBatch()
+        batch.ids.append(cid)
+        if leader:
+            try:
+                async with self._removing:  # while this waits, more ids join the batch
+                    if self._open_removal is batch:
+                        self._open_removal = None
+                    try:
+                        await self.remove(batch.ids)
+                    except InfraError as exc:
+                        batch.error = exc
+            except BaseException:
+                if self._open_removal is batch:
+                    self._open_removal = None
+                if not batch.done.is_set() and batch.error is None:
+                    batch.error = SandboxError(f"removing {len(batch.ids)} container(s) on {self.name} was cancelled")
+                raise
+            finally:
+                batch.done.set()
+        else:
+            await batch.done.wait()
+        if batch.error is not None:
+            raise batch.error
 
     async def aclose(self) -> None:
         await self.node.aclose()
@@ -230,7 +277,7 @@ class PodmanSandbox:
             if self._agent is not None:
                 await self._agent.aclose()
             try:
-                await self._backend.remove([self.id])
+                await self._backend.remove_one(self.id)
             except InfraError:
                 pass  # node gone: the orphan reaper removes it when the node comes back
 

@@ -521,3 +521,30 @@ async def test_missing_image_raises_command_error(backend: PodmanBackend) -> Non
     assert image in str(caught.value)
     with anyio.fail_after(BOUND_S):
         assert await backend.list({"swectl.run": run_label}) == []
+
+
+async def test_sandboxes_destroyed_together_are_removed_in_a_few_podman_calls(backend: PodmanBackend) -> None:
+    run_label = f"burst-{SESSION_ID}"
+    boxes = []
+    with anyio.fail_after(120):
+        for _ in range(12):
+            boxes.append(await create_sandbox(backend, make_spec(labels={"swectl.run": run_label})))
+    calls: list[list[str]] = []
+    real_remove = backend.remove
+
+    async def counted(ids: list[str]) -> None:  # the real removal, counted
+        calls.append(list(ids))
+        await real_remove(ids)
+
+    backend.remove = counted  # type: ignore[method-assign]
+    try:
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for box in boxes:
+                    tg.start_soon(box.destroy)
+    finally:
+        del backend.remove
+    assert sorted(i for ids in calls for i in ids) == sorted(b.id for b in boxes)  # each exactly once
+    assert len(calls) < len(boxes) / 2, calls
+    with anyio.fail_after(BOUND_S):
+        assert await backend.list({"swectl.run": run_label}) == []
