@@ -9,13 +9,16 @@ Phases (one `swectl serve` process on this machine, the client here, both on the
   agent-like step (``ls | head && grep``: four processes of its own work, which both paths pay);
 * the baseline: the same commands as ``podman exec CID bash -c CMD``, one process per command (what the swe-rl
   exec server does for every /exec), one after another on an idle machine: the baseline's best case;
-* concurrency: N leases (256) allocated, then every lease runs C commands through HTTP with a think time between
-  them (the model generating its next turn: uniform 0.5-1.5 s), all leases at once; exec round trip p50/p99
-  over every command (the two commands alternate), and how many leases got every call answered
-  (``serve_concurrent_ok``).
+* concurrency: N leases (256) allocated, then three rounds over all of them at once, each lease running C commands
+  (echo and the agent-like step alternating) with a think time between them (the model generating its next turn):
+  ``rollout/serve`` at the rollout pace (2-10 s) through HTTP; ``rollout/podman`` the same with one
+  ``podman exec`` process per command instead (the swe-rl exec server's way; at most 64 at once, queueing
+  counted); ``stress/serve`` at a stress pace (0.5-1.5 s) through HTTP, to show where this machine saturates.
 
-``serve_exec_speedup`` is the baseline's unloaded p50 over the service's p50 under the 256-lease load (the
-service is measured loaded, the baseline idle: the ratio is conservative).
+``serve_exec_speedup``: the baseline's unloaded p50 over the service's p50 at the rollout pace with 256 leases (the
+service measured loaded, the baseline idle: conservative); ``serve_exec_speedup_loaded``: both at the rollout pace.
+The bench's HTTP client is a minimal keep-alive connection per lease (``Connection``), so that the numbers are
+the service's, not a client library's.
 
 Run: ``.venv/bin/python benchmarks/serve.py [--quick]`` (``--quick``: 32 leases, fewer samples).
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import httpx
 from common import Goal, Progress, host_meta, loadavg, mem_used_mib, ms_since, report, summarize
 
@@ -50,7 +54,12 @@ COMMANDS = {"echo": "echo ok", "agentlike": "ls -la / | head -5 && grep -c root 
 WARM = 8
 START_TIMEOUT_S = 120
 ALLOCATE_CONCURRENCY = 16  # allocations in flight while the concurrency phase fills up
-THINK_S = (0.5, 1.5)
+# Think time between one lease's commands: the model generating its next turn. In an RL rollout of a 7-32B
+# policy on SGLang a turn of a few hundred tokens takes seconds (tens of tokens/s per sequence at a large batch):
+# 2-10 s is the rollout pace; 0.5-1.5 s is a stress pace (a very fast policy).
+THINK_S = (2.0, 10.0)
+STRESS_THINK_S = (0.5, 1.5)
+PODMAN_INFLIGHT = 64  # the baseline's `podman exec` processes at once (each ~40 MB; 256 would risk the machine)
 
 
 def podman_env() -> dict[str, str]:
@@ -97,17 +106,58 @@ class Service:
         return len(leftover)
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 connection speaking just enough HTTP for JSON POSTs: what one rollout worker holds.
+
+    The concurrency phase uses it instead of one shared httpx pool, whose bookkeeping with 256 connections cost
+    about 9 ms of CPU per request here (as much as the service and the sandbox together): the bench measures the
+    service, not its client."""
+
+    def __init__(self, stream: anyio.abc.ByteStream, host: str) -> None:
+        self._stream = stream
+        self._host = host
+        self._buffer = b""
+
+    @classmethod
+    async def open(cls, url: str) -> Connection:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        stream = await anyio.connect_tcp(host, int(port))
+        return cls(stream, f"{host}:{port}")
+
+    async def post(self, path: str, body: dict) -> dict:
+        data = json.dumps(body).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self._host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        await self._stream.send(head + data)
+        while b"\r\n\r\n" not in self._buffer:
+            self._buffer += await self._stream.receive()
+        header, self._buffer = self._buffer.split(b"\r\n\r\n", 1)
+        status = int(header.split(b" ", 2)[1])
+        length = next(int(line.split(b":", 1)[1]) for line in header.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        while len(self._buffer) < length:
+            self._buffer += await self._stream.receive()
+        payload, self._buffer = self._buffer[:length], self._buffer[length:]
+        answer = json.loads(payload)
+        if status != 200 or not answer.get("ok"):
+            raise RuntimeError(f"{path} -> {status}: {answer}")
+        return answer
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
 class ServeBench:
     def __init__(self, *, quick: bool) -> None:
         self.quick = quick
         self.leases = 32 if quick else 256
-        self.commands = 5 if quick else 10  # per lease in the concurrency phase
+        self.commands = 4 if quick else 6  # per lease and round in the concurrency phase
         self.samples = 30 if quick else 100
         self.progress = Progress(SUITE)
         self.metrics: dict[str, Any] = {}
         self.details: dict[str, Any] = {}
         self.distributions: dict[str, Any] = {}
-        self.errors: list[str] = []
+        self.failures: list[str] = []
 
     async def run(self, url: str) -> None:
         limits = httpx.Limits(max_connections=self.leases + 32, max_keepalive_connections=self.leases + 32)
@@ -133,6 +183,7 @@ class ServeBench:
                 await anyio.sleep(0.1)
 
     async def phase_allocate(self, http: httpx.AsyncClient) -> None:
+        """Through httpx (allocations are few; its own cost is in the number)."""
         n = self.samples // 2
         self.progress(f"allocate: {n} x /allocate from the warm pool ({WARM} warm), each closed and refilled")
         times = []
@@ -153,14 +204,16 @@ class ServeBench:
         lease, container = allocation["lease_id"], allocation["container_id"]
         env = podman_env()
         for name, command in COMMANDS.items():
+            connection = await Connection.open(str(http.base_url).rstrip("/"))
             for _ in range(5):
-                await self.call(http, "/exec", {"lease_id": lease, "command": command, "cwd": "/"})
+                await connection.post("/exec", {"lease_id": lease, "command": command, "cwd": "/"})
             served = []
             for _ in range(n):
                 start = time.perf_counter_ns()
-                answer = await self.call(http, "/exec", {"lease_id": lease, "command": command, "cwd": "/"})
+                answer = await connection.post("/exec", {"lease_id": lease, "command": command, "cwd": "/"})
                 served.append(ms_since(start))
                 assert answer["returncode"] == 0, answer
+            await connection.aclose()
             baseline = []
             for i in range(n + 3):
                 start = time.perf_counter_ns()
@@ -180,51 +233,96 @@ class ServeBench:
         self.metrics["podman_exec_agentlike_p50_ms"] = d["podman_exec_agentlike_ms"]["p50"]
 
     async def phase_concurrent(self, http: httpx.AsyncClient) -> None:
-        n, c = self.leases, self.commands
-        self.progress(f"concurrent: {n} leases ({ALLOCATE_CONCURRENCY} allocations in flight), then {c} commands "
-                      f"each with {THINK_S[0]}-{THINK_S[1]} s think time between them, all leases at once")
+        n = self.leases
+        self.progress(f"concurrent: allocating {n} leases ({ALLOCATE_CONCURRENCY} allocations in flight)")
         mem_before = mem_used_mib()
-        leases: list[str] = []
-        failures: list[str] = []
+        leases: list[dict] = []
         limiter = anyio.CapacityLimiter(ALLOCATE_CONCURRENCY)
         start = time.perf_counter_ns()
 
         async def allocate() -> None:
             async with limiter:
                 try:
-                    leases.append((await self.call(http, "/allocate", {"image": IMAGE}))["lease_id"])
+                    leases.append(await self.call(http, "/allocate", {"image": IMAGE}))
                 except (RuntimeError, httpx.HTTPError) as exc:
-                    failures.append(f"allocate: {exc}")
+                    self.failures.append(f"allocate: {exc}")
 
         async with anyio.create_task_group() as tg:
             for _ in range(n):
                 tg.start_soon(allocate)
         self.details["concurrent_allocate_s"] = round(ms_since(start) / 1000, 1)
         self.details["concurrent_mem_per_lease_mib"] = round((mem_used_mib() - mem_before) / max(len(leases), 1), 2)
-        took = self.details["concurrent_allocate_s"]
-        self.progress(f"concurrent: {len(leases)} leases in {took} s; running commands")
+        complete = {}
+        for round_name, think, via in (("rollout", THINK_S, "serve"), ("rollout", THINK_S, "podman"),
+                                       ("stress", STRESS_THINK_S, "serve")):
+            complete[(round_name, via)] = await self.concurrent_round(http, leases, round_name, think, via)
+        self.progress(f"concurrent: closing {len(leases)} leases")
+        async with anyio.create_task_group() as tg:
+            for lease in leases:
+                tg.start_soon(self.call, http, "/close", {"lease_id": lease["lease_id"]})
+        d = self.distributions
+        self.metrics.update(
+            serve_exec_p50_ms=d["rollout_serve_echo_ms"].get("p50"),
+            serve_exec_p99_ms=d["rollout_serve_echo_ms"].get("p99"),
+            podman_exec_loaded_p50_ms=d["rollout_podman_echo_ms"].get("p50"),
+            serve_exec_agentlike_p50_ms=d["rollout_serve_agentlike_ms"].get("p50"),
+            serve_exec_agentlike_p99_ms=d["rollout_serve_agentlike_ms"].get("p99"),
+            podman_exec_agentlike_loaded_p50_ms=d["rollout_podman_agentlike_ms"].get("p50"),
+            serve_exec_stress_p50_ms=d["stress_serve_echo_ms"].get("p50"),
+            serve_exec_stress_p99_ms=d["stress_serve_echo_ms"].get("p99"),
+            serve_concurrent_ok=min(complete[("rollout", "serve")], complete[("stress", "serve")])
+            if len(leases) == n else 0,
+            serve_concurrent_tried=n,
+            serve_errors=len(self.failures),
+        )
+
+    async def concurrent_round(self, http: httpx.AsyncClient, leases: list[dict], round_name: str,
+                               think: tuple[float, float], via: str) -> int:
+        """Every lease runs ``self.commands`` commands (echo and agent-like alternating) with ``think`` seconds
+        between them, all leases at once: through the service (``via="serve"``) or as one ``podman exec`` process
+        per command (``"podman"``, the swe-rl exec server's way; at most PODMAN_INFLIGHT at once, queueing
+        counted, so the machine survives). Returns how many leases got every command answered."""
+        c = self.commands
+        self.progress(f"{round_name}/{via}: {len(leases)} leases x {c} commands, think {think[0]}-{think[1]} s")
         times: dict[str, list[float]] = {name: [] for name in COMMANDS}
         complete = 0
         rng = random.Random(0)
+        podman_slots = anyio.CapacityLimiter(PODMAN_INFLIGHT)
+        env = podman_env()
 
-        async def agent(lease: str) -> None:
+        async def run(connection: Connection | None, lease: dict, command: str) -> int:
+            if connection is not None:
+                answer = await connection.post("/exec", {"lease_id": lease["lease_id"], "command": command, "cwd": "/"})
+                await connection.post("/heartbeat", {"lease_id": lease["lease_id"]})
+                return answer["returncode"]
+            async with podman_slots:
+                done = await anyio.run_process(["podman", "exec", "-w", "/", lease["container_id"], "bash", "-c",
+                                                command], env=env, check=False)
+            return done.returncode
+
+        async def agent(lease: dict) -> None:
             nonlocal complete
             ok = True
-            await anyio.sleep(rng.uniform(0, THINK_S[1]))  # episodes are not in lockstep
-            for i in range(c):
-                name = list(COMMANDS)[i % len(COMMANDS)]
-                begin = time.perf_counter_ns()
-                try:
-                    answer = await self.call(http, "/exec", {"lease_id": lease, "command": COMMANDS[name], "cwd": "/"})
-                    times[name].append(ms_since(begin))
-                    if answer["returncode"] != 0:
+            await anyio.sleep(rng.uniform(0, think[1]))  # episodes are not in lockstep
+            connection = await Connection.open(str(http.base_url).rstrip("/")) if via == "serve" else None
+            try:
+                for i in range(c):
+                    name = list(COMMANDS)[i % len(COMMANDS)]
+                    begin = time.perf_counter_ns()
+                    try:
+                        code = await run(connection, lease, COMMANDS[name])
+                        times[name].append(ms_since(begin))
+                        if code != 0:
+                            ok = False
+                            self.failures.append(f"{round_name}/{via}: exit {code}")
+                    except (RuntimeError, OSError, anyio.EndOfStream) as exc:
                         ok = False
-                        failures.append(f"exec exit {answer['returncode']}: {answer['output'][:200]}")
-                except (RuntimeError, httpx.HTTPError) as exc:
-                    ok = False
-                    failures.append(f"exec: {exc}")
-                await self.call(http, "/heartbeat", {"lease_id": lease})
-                await anyio.sleep(rng.uniform(*THINK_S))
+                        self.failures.append(f"{round_name}/{via}: {exc!r}")
+                        break
+                    await anyio.sleep(rng.uniform(*think))
+            finally:
+                if connection is not None:
+                    await connection.aclose()
             complete += ok
 
         start = time.perf_counter_ns()
@@ -233,31 +331,20 @@ class ServeBench:
                 tg.start_soon(agent, lease)
         wall = ms_since(start) / 1000
         commands = sum(len(t) for t in times.values())
-        self.progress(f"concurrent: {commands} commands in {wall:.1f} s; closing the leases")
-        async with anyio.create_task_group() as tg:
-            for lease in leases:
-                tg.start_soon(self.call, http, "/close", {"lease_id": lease})
         for name, samples in times.items():
-            self.distributions[f"exec_concurrent_{name}_ms"] = summarize(samples)
-        self.details.update(concurrent_commands=commands, concurrent_wall_s=round(wall, 1),
-                            concurrent_exec_per_s=round(commands / wall, 1), failures=failures[:20],
-                            failure_count=len(failures))
-        d = self.distributions
-        self.metrics.update(
-            serve_exec_p50_ms=d["exec_concurrent_echo_ms"].get("p50"),
-            serve_exec_p99_ms=d["exec_concurrent_echo_ms"].get("p99"),
-            serve_exec_agentlike_p50_ms=d["exec_concurrent_agentlike_ms"].get("p50"),
-            serve_exec_agentlike_p99_ms=d["exec_concurrent_agentlike_ms"].get("p99"),
-            serve_concurrent_ok=complete if len(leases) == n else 0,
-            serve_concurrent_tried=n,
-            serve_errors=len(failures),
-        )
+            self.distributions[f"{round_name}_{via}_{name}_ms"] = summarize(samples)
+        self.details[f"{round_name}_{via}"] = {"commands": commands, "wall_s": round(wall, 1),
+                                               "exec_per_s": round(commands / wall, 1), "leases_complete": complete}
+        self.progress(f"{round_name}/{via}: {commands} commands in {wall:.1f} s, p50 "
+                      f"{self.distributions[f'{round_name}_{via}_echo_ms'].get('p50')} ms (echo)")
+        return complete
 
     def finish(self) -> None:
         m = self.metrics
         for served, base, key in (("serve_exec_p50_ms", "podman_exec_p50_ms", "serve_exec_speedup"),
                                   ("serve_exec_agentlike_p50_ms", "podman_exec_agentlike_p50_ms",
-                                   "serve_exec_agentlike_speedup")):
+                                   "serve_exec_agentlike_speedup"),
+                                  ("serve_exec_p50_ms", "podman_exec_loaded_p50_ms", "serve_exec_speedup_loaded")):
             if m.get(served) and m.get(base):
                 m[key] = round(m[base] / m[served], 1)
 
@@ -291,12 +378,14 @@ def main() -> int:
         bench.details["leftover_containers_after_stop"] = leftovers
     bench.finish()
     meta = {**host, "loadavg_end": loadavg(), "quick": args.quick, "image": IMAGE, "commands": COMMANDS,
-            "leases": bench.leases, "commands_per_lease": bench.commands, "think_s": list(THINK_S), "warm": WARM,
+            "leases": bench.leases, "commands_per_lease": bench.commands, "think_s": list(THINK_S),
+            "stress_think_s": list(STRESS_THINK_S), "podman_inflight": PODMAN_INFLIGHT, "warm": WARM,
+            "failures": bench.failures[:20],
             "distributions_ms": bench.distributions, "details": bench.details,
             "service_log_tail": service.log.read_text(errors="replace")[-1500:]}
     report(SUITE, bench.metrics, meta, bench.goals())
     print(json.dumps(bench.details, indent=1)[:1500])
-    return 0 if not bench.details.get("failure_count") else 1
+    return 0 if not bench.failures else 1
 
 
 if __name__ == "__main__":

@@ -361,11 +361,29 @@ class Trainer:
         set_state_dict(self.model, self.optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
+        self._apply_settings_after_resume(state.get("settings", {}))
         rng_file = path / f"rng{self.rank}.pt"
         if rng_file.exists() and state.get("world_size") == self.world:
             rng = torch.load(rng_file, weights_only=False)
             torch.set_rng_state(rng["torch"])
             np.random.set_state(rng["numpy"])
+
+
+    def _apply_settings_after_resume(self, saved: dict) -> None:
+        """The run's optimizer settings win over the checkpoint's: loading the optimizer and scheduler state brings
+        back the lr, weight decay and betas they were saved with, so a resumed run's ``--set train.lr=...`` would
+        be ignored. The moments, the step count and the schedule's position stay the checkpoint's."""
+        lr = self.s.lr * lr_factor(self.scheduler.last_epoch, self.s)
+        self.scheduler.base_lrs = [self.s.lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=self.s.lr, lr=lr, weight_decay=self.s.weight_decay, betas=tuple(self.s.betas))
+        self.scheduler._last_lr = [lr for _ in self.optimizer.param_groups]  # what get_last_lr() reports
+        changed = {key: (saved[key], now) for key, now in (("lr", self.s.lr), ("weight_decay", self.s.weight_decay),
+                                                          ("betas", list(self.s.betas)))
+                   if key in saved and saved[key] != now}
+        if changed and self.rank == 0:
+            print("resumed with new optimizer settings: " + ", ".join(f"{k} {old} -> {new}" for k, (old, new)
+                                                                     in changed.items()), file=sys.stderr, flush=True)
 
 
 def write_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path, path: Path) -> None:

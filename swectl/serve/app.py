@@ -33,6 +33,7 @@ _log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 GRACEFUL_SHUTDOWN_S = 5.0  # requests still running when the service stops get this long, then are cancelled
 START_TIMEOUT_S = 30.0
+KEEP_ALIVE_S = 120  # an idle client connection is kept this long (a rollout's model turn can take a minute)
 REPLAY_WAIT_S = 4 * 3600.0  # a retry waits for its first request at most this long (bounded by its timeouts)
 
 
@@ -170,7 +171,8 @@ async def serve_http(app: Starlette, sock: socket.socket, *,
     """Serve ``app`` on ``sock`` until cancelled; then stop accepting, give running requests
     GRACEFUL_SHUTDOWN_S, and return (the listening socket is closed)."""
     server = _Server(uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning",
-                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, backlog=4096))
+                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, backlog=4096,
+                                    timeout_keep_alive=KEEP_ALIVE_S))
 
     async def run_server() -> None:
         with anyio.CancelScope(shield=True):  # stopped by should_exit, bounded by the graceful shutdown

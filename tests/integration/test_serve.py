@@ -66,9 +66,9 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        leftover = self.containers()
-        if leftover:
-            podman("rm", "-f", "-t", "0", *leftover)
+        self.leftover = self.containers()  # what the service left behind (removed here, for the next tests)
+        if self.leftover:
+            podman("rm", "-f", "-t", "0", *self.leftover)
         return self.proc.returncode
 
 
@@ -293,3 +293,26 @@ def test_a_public_address_without_an_api_key_is_refused(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "swectl.cli.main", "serve", "--host", "0.0.0.0", "--port", "0",
                         "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and "set an API key" in r.stderr
+
+
+def test_the_service_runs_on_ssh_nodes(tmp_path: Path) -> None:
+    from swectl.testing import nodes as testnodes
+
+    reason = testnodes.can_run_test_nodes()
+    if reason is not None:
+        pytest.skip(reason)
+    with testnodes.test_nodes(2, prefix="swv", base_index=210) as tn:
+        config = tmp_path / "cluster.toml"
+        config.write_text(tn.cluster_toml(local=False) + "\n[env_pool]\nwarm = 0\n")
+        svc = Service(tmp_path, str(config))
+        try:
+            client = Client(svc.url)
+            allocations = [client.ok("/allocate", {"image": DEFAULT_IMAGE}) for _ in range(4)]
+            assert {a["node"] for a in allocations} == {n.name for n in tn.nodes}  # spread over both nodes
+            for a in allocations:
+                assert client.exec(a["lease_id"], "echo $((6 * 7))", cwd="/")["output"] == "42\n"
+            client.ok("/close", {"lease_id": allocations[0]["lease_id"]})
+            assert len(svc.containers()) == 3
+        finally:
+            assert svc.stop() == 130
+        assert svc.leftover == []

@@ -59,8 +59,8 @@ def _batch(step: int, algorithm: str, vocab: int, *, seed: int, n: int = 6, nan:
 
 
 def _settings(model: Path, out: Path, **kw) -> TrainerSettings:
-    return TrainerSettings(model=str(model), out_dir=str(out), lr=1e-3, total_steps=8, micro_batch_tokens=128,
-                           seed=0, **kw)
+    return TrainerSettings(**{"model": str(model), "out_dir": str(out), "lr": 1e-3, "total_steps": 8,
+                              "micro_batch_tokens": 128, "seed": 0, **kw})
 
 
 def _vocab(model: Path) -> int:
@@ -138,10 +138,20 @@ async def test_a_checkpoint_resumes_to_the_same_next_step(model: Path, tmp_path:
             seen["resumed"] = reply.metrics["loss"]
             seen["resumed_norm"] = reply.metrics["grad_norm"]
 
+    async def resumed_with_a_new_lr(trainer: Trainer, ready) -> None:
+        with BatchWriter() as writer:
+            reply = await trainer.step(2, writer.write(_batch(2, "grpo", vocab, seed=12)))
+            seen["new_lr"] = reply.metrics["lr"]
+            seen["new_lr_loss"] = reply.metrics["loss"]
+
     await _with_trainer(model, tmp_path / "a", straight)
     await _with_trainer(model, tmp_path / "b", resumed, resume=str(ckpt))
     assert seen["resumed"] == pytest.approx(seen["straight"], rel=1e-5)
     assert seen["resumed_norm"] == pytest.approx(seen["straight_norm"], rel=1e-4)
+    # `--set train.lr=...` on a resumed run: the checkpoint's optimizer state must not bring its old lr back
+    await _with_trainer(model, tmp_path / "c", resumed_with_a_new_lr, resume=str(ckpt), lr=5e-3)
+    assert seen["new_lr"] == pytest.approx(5e-3)
+    assert seen["new_lr_loss"] == pytest.approx(seen["straight"], rel=1e-5)  # same weights, same batch
 
 
 async def test_a_non_finite_step_is_refused_and_nothing_is_written(model: Path, tmp_path: Path) -> None:
