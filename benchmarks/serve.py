@@ -11,9 +11,9 @@ Phases (one `swectl serve` process on this machine, the client here, both on the
   exec server does for every /exec), one after another on an idle machine: the baseline's best case;
 * concurrency: N leases (256) allocated, then three rounds over all of them at once, each lease running C commands
   (echo and the agent-like step alternating) with a think time between them (the model generating its next turn):
-  ``rollout/serve`` at the rollout pace (2-10 s) through HTTP; ``rollout/podman`` the same with one
-  ``podman exec`` process per command instead (the swe-rl exec server's way; at most 64 at once, queueing
-  counted); ``stress/serve`` at a stress pace (0.5-1.5 s) through HTTP, to show where this machine saturates.
+  ``rollout/serve`` at the rollout pace (2-10 s) through HTTP; ``stress/serve`` at a stress pace (0.5-1.5 s)
+  through HTTP, to show where this machine saturates; ``rollout/podman`` the rollout pace with one ``podman exec``
+  process per command instead (the swe-rl exec server's way; at most 64 at once, queueing counted).
 
 ``serve_exec_speedup``: the baseline's unloaded p50 over the service's p50 at the rollout pace with 256 leases (the
 service measured loaded, the baseline idle: conservative); ``serve_exec_speedup_loaded``: both at the rollout pace.
@@ -39,6 +39,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import httpx
 from common import Goal, Progress, host_meta, loadavg, mem_used_mib, ms_since, report, summarize
 
@@ -59,6 +60,8 @@ ALLOCATE_CONCURRENCY = 16  # allocations in flight while the concurrency phase f
 # 2-10 s is the rollout pace; 0.5-1.5 s is a stress pace (a very fast policy).
 THINK_S = (2.0, 10.0)
 STRESS_THINK_S = (0.5, 1.5)
+SETTLE_IDLE = 0.85  # a timed phase starts once the CPUs are this idle (over 2 s) ...
+SETTLE_MAX_S = 120.0  # ... or after this long (recorded either way)
 PODMAN_INFLIGHT = 64  # the baseline's `podman exec` processes at once (each ~40 MB; 256 would risk the machine)
 
 
@@ -147,6 +150,18 @@ class Connection:
         await self._stream.aclose()
 
 
+def cpu_idle_fraction(seconds: float) -> float:
+    """The share of the machine's CPU time that was idle over the next ``seconds`` (from /proc/stat)."""
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return (idle1 - idle0) / max(total1 - total0, 1)
+
+
 class ServeBench:
     def __init__(self, *, quick: bool) -> None:
         self.quick = quick
@@ -184,6 +199,7 @@ class ServeBench:
 
     async def phase_allocate(self, http: httpx.AsyncClient) -> None:
         """Through httpx (allocations are few; its own cost is in the number)."""
+        await self.settle("allocate")
         n = self.samples // 2
         self.progress(f"allocate: {n} x /allocate from the warm pool ({WARM} warm), each closed and refilled")
         times = []
@@ -197,6 +213,7 @@ class ServeBench:
         self.metrics["serve_allocate_p50_ms"] = self.distributions["allocate_warm_ms"]["p50"]
 
     async def phase_unloaded(self, http: httpx.AsyncClient) -> None:
+        await self.settle("unloaded")
         n = self.samples
         self.progress(f"unloaded: {n} x /exec on one lease, then {n} x `podman exec CID bash -c CMD` (the baseline), "
                       f"for each of {', '.join(COMMANDS)}")
@@ -253,8 +270,9 @@ class ServeBench:
         self.details["concurrent_allocate_s"] = round(ms_since(start) / 1000, 1)
         self.details["concurrent_mem_per_lease_mib"] = round((mem_used_mib() - mem_before) / max(len(leases), 1), 2)
         complete = {}
-        for round_name, think, via in (("rollout", THINK_S, "serve"), ("rollout", THINK_S, "podman"),
-                                       ("stress", STRESS_THINK_S, "serve")):
+        # The podman round last: its processes leave the machine loaded for a while after it.
+        for round_name, think, via in (("rollout", THINK_S, "serve"), ("stress", STRESS_THINK_S, "serve"),
+                                       ("rollout", THINK_S, "podman")):
             complete[(round_name, via)] = await self.concurrent_round(http, leases, round_name, think, via)
         self.progress(f"concurrent: closing {len(leases)} leases")
         async with anyio.create_task_group() as tg:
@@ -276,6 +294,18 @@ class ServeBench:
             serve_errors=len(self.failures),
         )
 
+    async def settle(self, phase: str) -> None:
+        """Wait (up to SETTLE_MAX_S) until the machine is quiet: what the previous phase started (256 containers,
+        podman processes) keeps the CPUs busy for a while after it, and a timed round must not pay for it."""
+        started = time.monotonic()
+        idle = 0.0
+        while time.monotonic() - started < SETTLE_MAX_S:
+            idle = await anyio.to_thread.run_sync(cpu_idle_fraction, 2.0)
+            if idle >= SETTLE_IDLE:
+                break
+        self.details.setdefault("settle", {})[phase] = {"waited_s": round(time.monotonic() - started, 1),
+                                                        "idle": round(idle, 2)}
+
     async def concurrent_round(self, http: httpx.AsyncClient, leases: list[dict], round_name: str,
                                think: tuple[float, float], via: str) -> int:
         """Every lease runs ``self.commands`` commands (echo and agent-like alternating) with ``think`` seconds
@@ -283,7 +313,9 @@ class ServeBench:
         per command (``"podman"``, the swe-rl exec server's way; at most PODMAN_INFLIGHT at once, queueing
         counted, so the machine survives). Returns how many leases got every command answered."""
         c = self.commands
-        self.progress(f"{round_name}/{via}: {len(leases)} leases x {c} commands, think {think[0]}-{think[1]} s")
+        await self.settle(f"{round_name}/{via}")
+        self.progress(f"{round_name}/{via}: {len(leases)} leases x {c} commands, think {think[0]}-{think[1]} s "
+                      f"(machine {self.details['settle'][f'{round_name}/{via}']['idle']:.0%} idle at the start)")
         times: dict[str, list[float]] = {name: [] for name in COMMANDS}
         complete = 0
         rng = random.Random(0)
@@ -292,8 +324,8 @@ class ServeBench:
 
         async def run(connection: Connection | None, lease: dict, command: str) -> int:
             if connection is not None:
+                # Every call keeps the lease alive; a client heartbeats on a timer only through long silences.
                 answer = await connection.post("/exec", {"lease_id": lease["lease_id"], "command": command, "cwd": "/"})
-                await connection.post("/heartbeat", {"lease_id": lease["lease_id"]})
                 return answer["returncode"]
             async with podman_slots:
                 done = await anyio.run_process(["podman", "exec", "-w", "/", lease["container_id"], "bash", "-c",

@@ -164,6 +164,17 @@ def test_a_timed_out_command_is_killed_inside_the_sandbox(client: Client) -> Non
     client.ok("/close", {"lease_id": lease})
 
 
+def test_huge_binary_and_non_utf8_output_comes_back_as_json(client: Client) -> None:
+    lease = client.allocate(image=DEFAULT_IMAGE)
+    huge = client.exec(lease, "head -c 20000000 /dev/urandom; echo; echo THE-END", cwd="/")
+    assert huge["returncode"] == 0 and len(huge["output"]) < 200_000 and huge["output"].endswith("THE-END\n")
+    odd = client.exec(lease, r"printf 'a\xff\xfeb\x00c\n'", cwd="/")
+    assert odd["output"].startswith("a") and "\ufffd" in odd["output"] and odd["output"].endswith("c\n"), odd
+    big_command = client.exec(lease, "echo " + "x" * 100_000 + " | wc -c", cwd="/")  # a large body in, fine
+    assert big_command["output"].strip() == "100001"
+    client.ok("/close", {"lease_id": lease})
+
+
 def test_commands_on_one_lease_run_one_at_a_time(client: Client) -> None:
     lease = client.allocate(image=DEFAULT_IMAGE)
     exclusive = "mkdir /tmp/held || exit 9; sleep 0.3; rmdir /tmp/held"
