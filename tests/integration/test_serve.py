@@ -269,8 +269,11 @@ def test_bad_requests_get_clear_json_errors(client: Client) -> None:
     assert http.get("/healthz").json() == {"ok": True}
 
 
-def test_body_limit_and_api_key(tmp_path: Path) -> None:
-    svc = Service(tmp_path, "--max-body-mb", "0.01", env={"SWECTL_SERVE_API_KEY": "s3cret"})
+def test_body_limit_api_key_and_image_map(tmp_path: Path) -> None:
+    image_map = tmp_path / "images.json"
+    image_map.write_text(json.dumps({"mapped__instance-1": DEFAULT_IMAGE}))
+    svc = Service(tmp_path, "--max-body-mb", "0.01", "--image-map", str(image_map),
+                  env={"SWECTL_SERVE_API_KEY": "s3cret"})
     try:
         assert httpx.get(f"{svc.url}/healthz").json() == {"ok": True}  # probes need no key
         for headers in ({}, {"Authorization": "Bearer wrong"}):
@@ -282,6 +285,8 @@ def test_body_limit_and_api_key(tmp_path: Path) -> None:
         assert status == 413 and "over the limit" in answer["error"]
         lease = authorized.allocate(image=DEFAULT_IMAGE)
         assert authorized.exec(lease, "echo hi", cwd="/")["output"] == "hi\n"
+        mapped = authorized.ok("/allocate", {"instance_id": "mapped__instance-1", "image": "docker.io/x/y:z"})
+        assert mapped["image"] == DEFAULT_IMAGE  # the image map wins over the client's image
     finally:
         assert svc.stop() == 130
 
