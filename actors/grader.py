@@ -20,8 +20,8 @@ between ``await tg.start(grader.run)`` and the cancellation of that task.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import anyio
@@ -159,21 +159,14 @@ class Grader:
     ) -> GradeResult:
         """The verdict on ``patch`` for ``task``. Never raises for infrastructure failures; cancellation
         propagates. ``timeout_s`` overrides the eval script's wall time of the config for this grading."""
-        await self._check_running()
         result = GradeResult(instance_id=task.instance_id, status="error")
-        async with self._limit:
-            started = time.monotonic()  # grading time, not the wait for a slot
-            with _failures_into(result):
-                script = with_exit_code(eval_script_for(task, self._specs))
-                parser = log_parser_for(task)
-                image = self._resolver.resolve(task)
-                async with self._pool.lease(image) as lease:
-                    result.node = lease.node
-                    await self._grade_in(lease, task, patch, script, parser, result, label,
-                                         timeout_s or self._timeout_s)
-            result.duration_s = round(time.monotonic() - started, 3)
-        result.infra = result.status == "error" and result.reason in INFRA_REASONS
-        self._count(result)
+        async with self._grading(result):
+            script = with_exit_code(eval_script_for(task, self._specs))
+            parser = log_parser_for(task)
+            image = self._resolver.resolve(task)
+            async with self._pool.lease(image) as lease:
+                result.node = lease.node
+                await self._grade_in(lease, task, patch, script, parser, result, label, timeout_s or self._timeout_s)
         return result
 
     async def grade_by_exit_code(
@@ -183,32 +176,35 @@ class Grader:
         """The verdict of a caller's own eval script on ``patch`` in a fresh sandbox of ``image``: resolved when
         the script exits 0 (for rows without tests to judge, e.g. a client's task that is not in the task set).
         Applies the patch with the same ladder; infrastructure failures are errors with ``infra=True``."""
-        await self._check_running()
         timeout_s = timeout_s or self._timeout_s
         result = GradeResult(instance_id=label or image, status="error")
-        async with self._limit:
-            started = time.monotonic()
-            with _failures_into(result):
-                async with self._pool.lease(image) as lease:
-                    result.node = lease.node
-                    result.apply_method = await self._apply(lease, patch, cwd)
-                    await lease.write_file(EVAL_FILE, script.encode("utf-8", errors="surrogateescape"))
-                    run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", timeout_s, cwd=cwd)
-                    log = (await lease.read_file(LOG_FILE)).decode("utf-8", errors="replace")
-                    result.log_path = self._save_log(label or "script", "", log)
-                    if run.timed_out:
-                        raise _GradeError("eval_timeout", f"the eval script ran past its timeout ({timeout_s:g} s)")
-                    result.test_exit_code = run.exit_code
-                    result.status = "resolved" if run.exit_code == 0 else "unresolved"
-            result.duration_s = round(time.monotonic() - started, 3)
-        result.infra = result.status == "error" and result.reason in INFRA_REASONS
-        self._count(result)
+        async with self._grading(result), self._pool.lease(image) as lease:
+            result.node = lease.node
+            result.apply_method = await self._apply(lease, patch, cwd)
+            await lease.write_file(EVAL_FILE, script.encode("utf-8", errors="surrogateescape"))
+            run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", timeout_s, cwd=cwd)
+            log = (await lease.read_file(LOG_FILE)).decode("utf-8", errors="replace")
+            result.log_path = self._save_log(label or "script", "", log)
+            if run.timed_out:
+                raise _GradeError("eval_timeout", f"the eval script ran past its timeout ({timeout_s:g} s)")
+            result.test_exit_code = run.exit_code
+            result.status = "resolved" if run.exit_code == 0 else "unresolved"
         return result
 
-    async def _check_running(self) -> None:
+    @asynccontextmanager
+    async def _grading(self, result: GradeResult) -> AsyncIterator[None]:
+        """One grading: a slot, its time (not the wait for the slot), its failures into ``result`` (never raised,
+        except cancellation), the infra flag and the counters."""
         if not self._running:
             await anyio.lowlevel.checkpoint()  # a caller being cancelled (the actor stopped with it) gets that
             raise RuntimeError("the Grader is not running: start it with `await tg.start(grader.run)`")
+        async with self._limit:
+            started = time.monotonic()
+            with _failures_into(result):
+                yield
+            result.duration_s = round(time.monotonic() - started, 3)
+        result.infra = result.status == "error" and result.reason in INFRA_REASONS
+        self._count(result)
 
     def _count(self, result: GradeResult) -> None:
         self._counts["graded"] += 1

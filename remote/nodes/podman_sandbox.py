@@ -149,7 +149,7 @@ class PodmanBackend:
             except BaseException:
                 if self._open_removal is batch:
                     self._open_removal = None
-                if not batch.done.is_set() and batch.error is None:
+                if batch.error is None:
                     batch.error = SandboxError(f"removing {len(batch.ids)} container(s) on {self.name} was cancelled")
                 raise
             finally:

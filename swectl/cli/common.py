@@ -1,17 +1,45 @@
-"""What every command module shares: the config arguments and the stderr status line."""
+"""What every command module shares: the config arguments, the stderr status line and loading a --tasks set."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from swectl.errors import ConfigError
+from swectl.errors import ConfigError, TaskDataError
+
+if TYPE_CHECKING:
+    from swectl.tasks.record import Task
+
+SHOWN_SKIPPED_ROWS = 10
 
 
 def say(msg: str) -> None:
     """A status line on stderr (stdout stays for results)."""
     print(f"swectl: {msg}", file=sys.stderr, flush=True)
+
+
+def load_task_set(source: str) -> list[Task]:
+    """The usable tasks of ``--tasks source``; skipped rows are named on stderr (the first few), and a set with no
+    usable task is a TaskDataError that says why."""
+    from swectl.tasks.sources import load_tasks
+
+    loaded = load_tasks(source)
+    for p in loaded.problems[:SHOWN_SKIPPED_ROWS]:
+        say(f"skipped row {p.location}: {p.field}: {p.message}")
+    if len(loaded.problems) > SHOWN_SKIPPED_ROWS:
+        say(f"... and {len(loaded.problems) - SHOWN_SKIPPED_ROWS} more skipped rows")
+    if not loaded.tasks:
+        raise TaskDataError(_why_no_tasks(source, loaded.rows_read, len(loaded.problems)))
+    return loaded.tasks
+
+
+def _why_no_tasks(source: str, rows: int, problems: int) -> str:
+    if rows == 0:
+        return f"--tasks {source}: no task rows in it (an empty file or dataset split)"
+    return (f"--tasks {source}: none of its {rows} rows is a usable task ({problems} malformed, listed above); "
+            "is it a SWE-bench-style JSONL/JSON/parquet task file?")
 
 
 def config_args(parser: argparse.ArgumentParser, *, required: bool = False) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
-from swectl.cli.common import config_args, output_dir, say
+from swectl.cli.common import config_args, load_task_set, output_dir, say
 from swectl.config import ClusterConfig, load_config
 from swectl.errors import ConfigError, TaskDataError
 from swectl.images.project import BUNDLED_TASKS
@@ -102,19 +102,11 @@ def run(args: argparse.Namespace) -> int:
         from swectl.eval.agents import check_tokenizer_folder, tokenizer_knob
 
         check_tokenizer_folder(settings.tokenizer, tokenizer_knob(settings))
-    from swectl.tasks.sources import load_tasks
-
-    loaded = load_tasks(args.tasks)
-    for p in loaded.problems[:10]:
-        say(f"skipped row {p.location}: {p.field}: {p.message}")
-    if len(loaded.problems) > 10:
-        say(f"... and {len(loaded.problems) - 10} more skipped rows")
-    if not loaded.tasks:
-        raise TaskDataError(_why_no_tasks(args.tasks, loaded.rows_read, len(loaded.problems)))
-    tasks = select_tasks(loaded.tasks, args.instances, args.slice)
+    every = load_task_set(args.tasks)
+    tasks = select_tasks(every, args.instances, args.slice)
     mode = ("gold" if args.gold else "empty" if args.empty else "predictions" if args.predictions
             else settings.mode if settings else "")
-    jobs, model = ([], "") if settings else _patch_jobs(args, mode, loaded.tasks, tasks)
+    jobs, model = ([], "") if settings else _patch_jobs(args, mode, every, tasks)
     out = output_dir(args.out or Path(config.out_dir) / f"eval-{mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     write_run_log(out)  # what happens inside the run: restarts, node loss, retries, reaped orphans
     # Every sandbox of an eval run is for one task image: warm base-image sandboxes would be wasted.
@@ -210,13 +202,6 @@ def _eval_patches(args: argparse.Namespace, config: ClusterConfig, mode: str, jo
     if mode == "predictions":
         return 0
     return 0 if report.expectations_met == report.total else 1
-
-
-def _why_no_tasks(source: str, rows: int, problems: int) -> str:
-    if rows == 0:
-        return f"--tasks {source}: no task rows in it (an empty file or dataset split)"
-    return (f"--tasks {source}: none of its {rows} rows is a usable task ({problems} malformed, listed above); "
-            "is it a SWE-bench-style JSONL/JSON/parquet task file?")
 
 
 def parse_slice(text: str) -> slice:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import anyio
 
-from swectl.cli.common import config_args, output_dir, say
+from swectl.cli.common import config_args, load_task_set, output_dir, say
 from swectl.config import load_config
-from swectl.errors import ConfigError, TaskDataError
+from swectl.errors import ConfigError
 from swectl.images.project import BUNDLED_TASKS
 from swectl.logs import write_run_log
 
@@ -76,13 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port}: expected 0..65535")
     if args.max_body_mb <= 0 or args.allocate_timeout <= 0 or args.grade_concurrency < 1 or args.warm < 0:
         raise ConfigError("--max-body-mb and --allocate-timeout must be > 0, --grade-concurrency >= 1, --warm >= 0")
-    from swectl.tasks.sources import load_tasks
-
-    loaded = load_tasks(args.tasks)
-    for p in loaded.problems[:10]:
-        say(f"skipped row {p.location}: {p.field}: {p.message}")
-    if not loaded.tasks and loaded.rows_read:
-        raise TaskDataError(f"--tasks {args.tasks}: none of its {loaded.rows_read} rows is a usable task")
+    tasks = load_task_set(args.tasks)
     from swectl.images.names import ImageResolver
     from swectl.serve.service import ServeOptions, run_service
 
@@ -96,13 +90,13 @@ def run(args: argparse.Namespace) -> int:
 
     def ready(url: str) -> None:
         nodes = ", ".join(n.name for n in config.nodes)
-        say(f"serving the fleet on {url} (nodes: {nodes}; {len(loaded.tasks)} tasks graded by their tests; lease "
+        say(f"serving the fleet on {url} (nodes: {nodes}; {len(tasks)} tasks graded by their tests; lease "
             f"TTL {config.env_pool.lease_ttl_s:g} s; {'API key required' if api_key else 'no API key: loopback only'})")
         say(f"point the rollouts at it: export SWE_ENV_SERVER_URL={url}; logs in {out}; Ctrl-C stops and removes "
             "every sandbox")
 
     with sock:
-        anyio.run(lambda: run_service(config, loaded.tasks, resolver, sock, options, ready=ready))
+        anyio.run(lambda: run_service(config, tasks, resolver, sock, options, ready=ready))
     return 0
 
 

@@ -58,7 +58,7 @@ class Api:
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/status", self.status, methods=["GET"]),
             Route("/allocate", self._endpoint(f.allocate, AllocateRequest, once=True), methods=["POST"]),
-            Route("/heartbeat", self._endpoint(_sync(f.heartbeat), LeaseRequest), methods=["POST"]),
+            Route("/heartbeat", self._endpoint(f.heartbeat, LeaseRequest), methods=["POST"]),
             Route("/exec", self._endpoint(f.exec, ExecRequest, once=True), methods=["POST"]),
             Route("/diff", self._endpoint(f.diff, DiffRequest), methods=["POST"]),
             Route("/evaluate", self._endpoint(f.evaluate, EvaluateRequest), methods=["POST"]),
@@ -74,11 +74,7 @@ class Api:
             self._authorize(request)
         except ApiError as exc:
             return json_response(exc.status, exc.body())
-        body = self._fleet.status()
-        pool = body["pool"]
-        assert isinstance(pool, dict)
-        pool["idempotent_replays"] = self._cache.replays
-        return json_response(200, body)
+        return json_response(200, self._fleet.status(idempotent_replays=self._cache.replays))
 
     def _endpoint(self, call: Callable[[Any], Awaitable[dict[str, object]]], request_type: type, *,
                   once: bool = False) -> Callable[[Request], Awaitable[Response]]:
@@ -143,14 +139,6 @@ async def _answer(call: Callable[[Any], Awaitable[dict[str, object]]], request: 
     except Exception as exc:
         _log.exception("internal error in %s", getattr(call, "__name__", call))
         return 500, {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
-
-
-def _sync(call: Callable[[Any], dict[str, object]]) -> Callable[[Any], Awaitable[dict[str, object]]]:
-    async def wrapped(request: Any) -> dict[str, object]:
-        return call(request)
-
-    wrapped.__name__ = getattr(call, "__name__", "call")
-    return wrapped
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -88,10 +88,11 @@ class Fleet:
 
     # ------------------------------------------------------------------ the API
 
-    def status(self) -> dict[str, object]:
+    def status(self, **extra: object) -> dict[str, object]:
+        """``/status``: the pool's statistics, the served leases' counters, the grader's, and ``extra``."""
         pool = msgspec.to_builtins(self._pool.statistics())
         return {"ok": True, "pool": {**pool, "served_leases": len(self._leases), **dict(sorted(self._counts.items())),
-                                     "grader": msgspec.to_builtins(self._grader.statistics())}}
+                                     "grader": msgspec.to_builtins(self._grader.statistics()), **extra}}
 
     async def allocate(self, req: AllocateRequest) -> dict[str, object]:
         task = self._tasks.get(req.instance_id) if req.instance_id else None
@@ -124,7 +125,7 @@ class Fleet:
         return {"ok": True, "lease_id": served.id, "container_id": lease.sandbox.id, "node_url": self.url,
                 "node": lease.node, "image": image, "task_known": task is not None}
 
-    def heartbeat(self, req: LeaseRequest) -> dict[str, object]:
+    async def heartbeat(self, req: LeaseRequest) -> dict[str, object]:
         served = self._get(req.lease_id)
         served.lease.heartbeat()
         return {"ok": True}
@@ -155,13 +156,13 @@ class Fleet:
             raise ApiError(400, f"eval_script is required: the lease's instance {served.instance_id or '(none)'} "
                            "is not a task of the served set (see --tasks), so its exit code is the verdict")
         served.evaluations += 1
-        label = _safe_name(f"{served.instance_id or 'script'}.{served.id[-8:]}.{served.evaluations}")
+        suffix = f"{served.id[-8:]}.{served.evaluations}"  # eval logs: <instance>.<lease>.<n>.log
         with self._failures_of(served):
             async with served.lease.in_use():  # the lease must not expire while its patch is graded elsewhere
                 if served.task is not None:
-                    result = await self._grader.grade(served.task, req.patch, timeout_s=req.timeout,
-                                                      label=label.removeprefix(served.task.instance_id + "."))
+                    result = await self._grader.grade(served.task, req.patch, timeout_s=req.timeout, label=suffix)
                 else:
+                    label = _safe_name(f"{served.instance_id or 'script'}.{suffix}")
                     result = await self._grader.grade_by_exit_code(served.image, req.patch, req.eval_script,
                                                                    cwd=req.cwd, timeout_s=req.timeout, label=label)
         self._counts["evaluations"] += 1
