@@ -14,35 +14,19 @@ Not covered: what the container runtime does not isolate (kernel, devices podman
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import anyio
 
 from swectl.config import SandboxConfig
-from swectl.errors import InfraError, NodeLostError, SandboxError, SandboxLostError
+from swectl.errors import InfraError, SandboxError, SandboxLostError
 from swectl.remote.nodes.agent_client import AgentClient, agent_command
+from swectl.remote.nodes.agent_sandbox import AgentSandbox, RemovalBatcher, translate_lost
 from swectl.remote.nodes.node import Node
 from swectl.remote.nodes.podman import PodmanCli
 from swectl.remote.programs.exec_agent import HeadTail
-from swectl.sandbox import DIFF_FILE, diff_command, format_output
-from swectl.schema import (
-    ErrorReply,
-    ExecReply,
-    ExecRequest,
-    ExecResult,
-    PingRequest,
-    PongReply,
-    ReadReply,
-    ReadRequest,
-    SandboxInfo,
-    SandboxSpec,
-    WriteReply,
-    WriteRequest,
-)
+from swectl.sandbox import format_output
+from swectl.schema import ExecResult, SandboxInfo, SandboxSpec
 
-CHUNK = 8 * 1024 * 1024
 # podman's own failures (125-127), a container killed under a command (137), a stopped container (255)
 PODMAN_FAILURE_CODES = (125, 126, 127, 137, 255)
 # The no-python path: `timeout` leads its own process group; once it returns, whatever the command left
@@ -55,34 +39,18 @@ wait "$pid" 2>/dev/null; rc=$?
 for _ in 1 2 3 4 5; do kill -9 "-$pid" 2>/dev/null || break; done
 exit "$rc"
 """
-DIFF_TIMEOUT_S = 300.0
 REMOVE_CONCURRENCY = 2  # `podman rm` processes at once per node (each removes a batch)
 
 
-@dataclass(eq=False)
-class _RemovalBatch:
-    """Container ids waiting to be removed by one `podman rm`; ``done`` is set when it has run."""
-    ids: list[str] = field(default_factory=list)
-    done: anyio.Event = field(default_factory=anyio.Event)
-    error: InfraError | None = None
-
-
 class PodmanBackend:
-    """Creates, lists and removes swectl's containers on one node.
-
-    Sandboxes destroyed together are removed together: ``remove_one`` joins the open batch, and at most
-    REMOVE_CONCURRENCY `podman rm` processes run at once, each for every id that joined while it waited. A burst
-    of releases (a service closing 256 leases) costs a few podman processes instead of one each, which had
-    starved the node's health probe and left killed containers behind when their removals timed out.
-    """
+    """Creates, lists and removes swectl's containers on one node; removals are batched (RemovalBatcher)."""
 
     def __init__(self, node: Node, config: SandboxConfig, containers_conf: str = "bundled") -> None:
         self.name = node.name
         self.node = node
         self.podman = PodmanCli(node, containers_conf)
         self.config = config
-        self._removing = anyio.CapacityLimiter(REMOVE_CONCURRENCY)
-        self._open_removal: _RemovalBatch | None = None
+        self._removals = RemovalBatcher(lambda ids: self.remove(ids), node.name, REMOVE_CONCURRENCY)
 
     @property
     def prepared(self) -> bool:
@@ -103,7 +71,7 @@ class PodmanBackend:
     async def create(self, spec: SandboxSpec) -> PodmanSandbox:
         name = f"swectl-{secrets.token_hex(6)}"
         try:
-            with _translate(self.node, f"creating a sandbox from {spec.image}"):
+            with translate_lost(self.node, f"creating a sandbox from {spec.image}"):
                 cid = await self.podman.create(spec, name)
         except BaseException:
             # Cancelled or failed mid-`podman run`: the container may exist without our knowing its id.
@@ -115,7 +83,7 @@ class PodmanBackend:
             raise
         sandbox = PodmanSandbox(self, cid, name, spec)
         try:
-            with _translate(self.node, f"starting the exec agent in {name}"):
+            with translate_lost(self.node, f"starting the exec agent in {name}"):
                 await sandbox.start()
         except BaseException:
             await sandbox.destroy()
@@ -123,62 +91,27 @@ class PodmanBackend:
         return sandbox
 
     async def list(self, labels: dict[str, str]) -> list[SandboxInfo]:
-        with _translate(self.node, "listing containers"):
+        with translate_lost(self.node, "listing containers"):
             return await self.podman.list_containers(labels)
 
     async def remove(self, ids: list[str]) -> None:
-        with _translate(self.node, "removing containers"):
+        with translate_lost(self.node, "removing containers"):
             await self.podman.remove(ids)
 
     async def remove_one(self, cid: str) -> None:
-        """Remove one container in the next batch (see the class docstring); raises the batch's InfraError."""
-        batch = self._open_removal
-        leader = batch is None
-        if batch is None:
-            batch = self._open_removal = _RemovalBatch()
-        batch.ids.append(cid)
-        if leader:
-            try:
-                async with self._removing:  # while this waits, more ids join the batch
-                    if self._open_removal is batch:
-                        self._open_removal = None
-                    try:
-                        await self.remove(batch.ids)
-                    except InfraError as exc:
-                        batch.error = exc
-            except BaseException:
-                if self._open_removal is batch:
-                    self._open_removal = None
-                if batch.error is None:
-                    batch.error = SandboxError(f"removing {len(batch.ids)} container(s) on {self.name} was cancelled")
-                raise
-            finally:
-                batch.done.set()
-        else:
-            await batch.done.wait()
-        if batch.error is not None:
-            raise batch.error
+        """Remove one container in the next batch; raises the batch's InfraError."""
+        await self._removals.remove_one(cid)
 
     async def aclose(self) -> None:
         await self.node.aclose()
 
 
-class PodmanSandbox:
+class PodmanSandbox(AgentSandbox):
     """A podman container as a Sandbox, driven through the exec agent (or `podman exec`)."""
 
     def __init__(self, backend: PodmanBackend, cid: str, name: str, spec: SandboxSpec) -> None:
-        self.id = cid
-        self.name = name
-        self.node = backend.name
-        self.spec = spec
+        super().__init__(backend.node, backend.config, cid, name, spec)
         self._backend = backend
-        self._config = backend.config
-        self._agent: AgentClient | None = None
-        self._destroyed = False
-
-    @property
-    def uses_agent(self) -> bool:
-        return self._agent is not None
 
     async def start(self) -> None:
         podman = self._backend.podman
@@ -198,116 +131,40 @@ class PodmanSandbox:
     async def exec(
         self, command: str, timeout: float, *, cwd: str | None = None, env: dict[str, str] | None = None
     ) -> ExecResult:
+        if self._agent is not None:
+            return await super().exec(command, timeout, cwd=cwd, env=env)
         self._check_alive()
-        head, tail = self._config.output_head_bytes, self._config.output_tail_bytes
         with self._guard(timeout, "exec"):
-            if self._agent is None:
-                return await self._plain_exec(command, timeout, cwd, env)
-            request = ExecRequest(
-                id=self._agent.new_id(), command=command, timeout=timeout,
-                cwd=cwd or self.spec.workdir, env=env, head=head, tail=tail,
-            )
-            reply = await self._agent.call(request)
-        if not isinstance(reply, ExecReply):
-            raise self._unexpected(reply)
-        return ExecResult(
-            output=format_output(reply.output, reply.elided, head),
-            exit_code=reply.exit_code,
-            timed_out=reply.timed_out,
-            elided_bytes=reply.elided,
-            duration_s=reply.duration_s,
-        )
+            return await self._plain_exec(command, timeout, cwd, env)
 
     async def write_file(self, path: str, data: bytes, *, mode: int | None = None) -> None:
+        if self._agent is not None:
+            return await super().write_file(path, data, mode=mode)
         self._check_alive()
         with self._guard(60 + len(data) / 5e6, "write_file"):
-            if self._agent is None:
-                await self._plain_write(path, data, mode)
-                return
-            for offset in range(0, max(len(data), 1), CHUNK):
-                request = WriteRequest(
-                    id=self._agent.new_id(), path=path, data=data[offset : offset + CHUNK],
-                    append=offset > 0, mode=mode,
-                )
-                reply = await self._agent.call(request)
-                if not isinstance(reply, WriteReply):
-                    raise self._unexpected(reply)
+            await self._plain_write(path, data, mode)
 
     async def read_file(self, path: str) -> bytes:
+        if self._agent is not None:
+            return await super().read_file(path)
         self._check_alive()
         with self._guard(600, "read_file"):
-            if self._agent is None:
-                return await self._plain_read(path)
-            parts: list[bytes] = []
-            offset = 0
-            while True:
-                request = ReadRequest(id=self._agent.new_id(), path=path, offset=offset, length=CHUNK)
-                reply = await self._agent.call(request)
-                if not isinstance(reply, ReadReply):
-                    raise self._unexpected(reply)
-                parts.append(reply.data)
-                offset += len(reply.data)
-                if offset >= reply.size or not reply.data:
-                    return b"".join(parts)
-
-    async def diff(self, repo: str | None = None) -> bytes:
-        result = await self.exec(diff_command(repo or self.spec.workdir), DIFF_TIMEOUT_S)
-        if result.exit_code != 0 or result.timed_out:
-            raise SandboxError(f"sandbox {self.name}: git diff failed ({result.exit_code}): {result.output}")
-        return await self.read_file(DIFF_FILE)
+            return await self._plain_read(path)
 
     async def ping(self) -> None:
+        if self._agent is not None:
+            return await super().ping()
         self._check_alive()
         with self._guard(5, "ping"):
-            if self._agent is None:
-                result = await self._plain_exec("true", 5, None, None)
-                if result.exit_code != 0:
-                    await self._raise_if_gone("ping failed")
-                    raise SandboxError(f"sandbox {self.name}: ping failed: {result.output[-500:]}")
-                return
-            reply = await self._agent.call(PingRequest(id=self._agent.new_id()))
-        if not isinstance(reply, PongReply):
-            raise self._unexpected(reply)
+            result = await self._plain_exec("true", 5, None, None)
+            if result.exit_code != 0:
+                await self._raise_if_gone("ping failed")
+                raise SandboxError(f"sandbox {self.name}: ping failed: {result.output[-500:]}")
 
-    async def destroy(self) -> None:
-        if self._destroyed:
-            return
-        self._destroyed = True
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self._config.destroy_timeout_s):
-            if self._agent is not None:
-                await self._agent.aclose()
-            try:
-                await self._backend.remove_one(self.id)
-            except InfraError:
-                pass  # node gone: the orphan reaper removes it when the node comes back
+    async def _remove(self) -> None:
+        await self._backend.remove_one(self.id)
 
-    async def break_transport(self) -> None:
-        """Close the exec agent's pipe: any call blocked on it wakes up (the no-python path holds none)."""
-        if self._agent is not None:
-            await self._agent.aclose()
-
-    # ------------------------------------------------------------------ internals
-
-    def _check_alive(self) -> None:
-        if self._destroyed:
-            raise SandboxLostError(f"sandbox {self.name} was destroyed")
-
-    @contextmanager
-    def _guard(self, seconds: float, what: str) -> Iterator[None]:
-        try:
-            with _translate(self._backend.node, f"{what} in sandbox {self.name}"):
-                with anyio.fail_after(seconds + self._config.exec_grace_s):
-                    yield
-        except TimeoutError as exc:
-            raise SandboxLostError(
-                f"sandbox {self.name} on {self.node}: {what} got no answer within "
-                f"{seconds + self._config.exec_grace_s:.0f}s (agent hung or node unreachable)"
-            ) from exc
-
-    def _unexpected(self, reply: object) -> SandboxError:
-        if isinstance(reply, ErrorReply):
-            return SandboxError(f"sandbox {self.name}: exec agent error: {reply.error}")
-        return SandboxError(f"sandbox {self.name}: unexpected reply {type(reply).__name__}")
+    # ------------------------------------------------------------------ the no-python path
 
     async def _plain_exec(
         self, command: str, timeout: float, cwd: str | None, env: dict[str, str] | None
@@ -362,14 +219,3 @@ class PodmanSandbox:
         )
         if out.stdout.strip() != b"true":
             raise SandboxLostError(f"sandbox {self.name}: container is gone ({what})")
-
-
-@contextmanager
-def _translate(node: Node, what: str) -> Iterator[None]:
-    """A broken sandbox on a node whose connection dropped is a lost node, not a lost sandbox."""
-    try:
-        yield
-    except SandboxLostError as exc:
-        if not node.alive:
-            raise NodeLostError(node.name, f"connection lost while {what}") from exc
-        raise
