@@ -67,8 +67,13 @@ NodeConfig = LocalNodeConfig | SshNodeConfig
 
 
 class SandboxConfig(_Section):
-    """The [sandbox] section: backend, image, workdir, network and resource limits."""
-    backend: Literal["podman"] = "podman"
+    """The [sandbox] section: backend, image, workdir, network and resource limits.
+
+    ``backend``: ``podman`` (a container per sandbox) or ``namespace`` (Linux namespaces over the image's
+    layers from the node's Podman store, no container engine per sandbox; needs root on the node). The
+    ``ns_*`` settings apply to ``namespace`` only.
+    """
+    backend: Literal["podman", "namespace"] = "podman"
     image: str = DEFAULT_IMAGE
     workdir: str = "/"
     network: bool = False
@@ -82,6 +87,10 @@ class SandboxConfig(_Section):
     exec_grace_s: Positive = 10.0
     start_timeout_s: Positive = 120.0
     destroy_timeout_s: Positive = 30.0
+    ns_state_dir: str = "/var/lib/swectl/ns"  # on the node: the daemon's socket, records, disk scratch
+    ns_scratch: Literal["disk", "tmpfs"] = "disk"  # where a sandbox's writable layer lives
+    ns_scratch_size: str = "4g"  # the tmpfs scratch's size (a write past it fails inside with ENOSPC)
+    ns_python: str = "python3"  # the node's interpreter for the daemon (a local node uses the controller's)
 
 
 class EnvPoolConfig(_Section):

@@ -13,7 +13,7 @@ from importlib import resources
 import anyio
 import msgspec
 
-from swectl.errors import AgentProtocolError, SandboxLostError
+from swectl.errors import AgentProtocolError, SandboxError, SandboxLostError
 from swectl.remote.nodes.node import NodeProcess
 from swectl.remote.programs.exec_agent import BOOTSTRAP
 from swectl.schema import AgentHello, AgentReply, AgentRequest, ErrorReply
@@ -61,12 +61,20 @@ class AgentClient:
         first = await self._read_exactly(4)
         if first == NO_PYTHON:
             return False
-        (length,) = _HEADER.unpack(first)
+        await self.read_hello(first)
+        return True
+
+    async def read_hello(self, header: bytes | None = None) -> AgentHello:
+        """Wait for the agent's hello (its source already sent). An error frame with id 0 in its place is the
+        launcher's report of why the agent could not start: a SandboxError with that message."""
+        (length,) = _HEADER.unpack(header or await self._read_exactly(4))
         reply = self._decode(await self._read_exactly(length))
+        if isinstance(reply, ErrorReply) and reply.id == 0:
+            raise SandboxError(f"{self._where}: {reply.error}")
         if not isinstance(reply, AgentHello):
             raise AgentProtocolError(f"{self._where}: exec agent did not say hello: {reply!r}")
         self.hello = reply
-        return True
+        return reply
 
     def new_id(self) -> int:
         self._next_id += 1

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from swectl.config import ClusterConfig, LocalNodeConfig, NodeConfig, SshNodeConfig
+from swectl.remote.nodes.namespace_sandbox import NamespaceBackend
 from swectl.remote.nodes.node import LocalNode, Node
 from swectl.remote.nodes.podman_sandbox import PodmanBackend
 from swectl.remote.nodes.ssh import SshNode
 from swectl.sandbox import SandboxBackend
 
-BACKENDS = ("podman",)
+BACKENDS = ("podman", "namespace")
 
 
 def make_node(config: NodeConfig) -> Node:
@@ -21,13 +22,17 @@ def make_node(config: NodeConfig) -> Node:
             return SshNode(config)
 
 
-def make_backends(config: ClusterConfig) -> list[tuple[NodeConfig, PodmanBackend]]:
-    if config.sandbox.backend not in BACKENDS:
-        raise ValueError(f"sandbox.backend: unknown backend {config.sandbox.backend!r}; valid: {BACKENDS}")
-    return [
-        (node, PodmanBackend(make_node(node), config.sandbox, node.containers_conf))
-        for node in config.sandbox_nodes()
-    ]
+def make_backend(node: NodeConfig, config: ClusterConfig) -> PodmanBackend | NamespaceBackend:
+    match config.sandbox.backend:
+        case "podman":
+            return PodmanBackend(make_node(node), config.sandbox, node.containers_conf)
+        case "namespace":
+            return NamespaceBackend(make_node(node), config.sandbox, node.containers_conf)
+    raise ValueError(f"sandbox.backend: unknown backend {config.sandbox.backend!r}; valid: {BACKENDS}")
+
+
+def make_backends(config: ClusterConfig) -> list[tuple[NodeConfig, PodmanBackend | NamespaceBackend]]:
+    return [(node, make_backend(node, config)) for node in config.sandbox_nodes()]
 
 
 async def close_backends(backends: Sequence[tuple[NodeConfig, SandboxBackend]]) -> None:

@@ -21,7 +21,8 @@ and limits (pids, memory, cpu) are the container's job, and requests are trusted
 command's output takes, and its time, by SIGKILL to the command's process group at the deadline.
 Background children still holding the output pipe when the shell exits get 0.5 s, then the group is
 killed; ones that redirected their output survive (servers). A process that calls setsid() or setpgid()
-escapes the group kill. Orphans are reaped by the container's init, not here.
+escapes the group kill. Orphans are reaped by the container's init; where the agent is that init (PID 1 of
+a namespace sandbox), it reaps them between requests.
 """
 
 import contextlib
@@ -338,6 +339,18 @@ def _send(obj: dict) -> None:
             view = view[os.write(1, view) :]
 
 
+def _reap_orphans() -> None:
+    """As a namespace's PID 1 the agent inherits every orphan: collect the dead ones between requests
+    (never during a command, whose own exit status must reach its Popen)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def main() -> None:
     # The bootstrap already read through this buffered reader, so frames must come from it too.
     stdin = sys.stdin.buffer
@@ -349,6 +362,8 @@ def main() -> None:
         if len(body) < length:
             return
         _send(_handle(body, stdin))
+        if os.getpid() == 1:
+            _reap_orphans()
 
 
 if __name__ in ("__main__", "__swectl_agent__"):

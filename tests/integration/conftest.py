@@ -1,8 +1,11 @@
-"""Fixtures for integration tests against real podman containers on this machine.
+"""Fixtures for integration tests against real podman containers and namespace sandboxes on this machine.
 
-Every container a test creates carries the label ``swectl.test=<session id>``; a session-scoped finalizer
-force-removes every container with that label, so nothing is left behind even when a test fails.
-The whole directory is skipped (with the reason) when podman or the base image is missing.
+Every sandbox a test creates carries the label ``swectl.test=<session id>``; a session-scoped finalizer
+force-removes every container and namespace sandbox with that label, so nothing is left behind even when a
+test fails. The whole directory is skipped (with the reason) when podman or the base image is missing.
+
+``backend`` (and so ``sandbox``) is parametrised over the sandbox backends: ``podman`` and ``namespace``.
+Fault injection goes through ``kill_from_outside`` and ``wait_for_file``, which know each backend.
 """
 
 from __future__ import annotations
@@ -19,10 +22,15 @@ import anyio
 import pytest
 
 from swectl.config import DEFAULT_IMAGE, SandboxConfig
+from swectl.remote.nodes.namespace_sandbox import NamespaceBackend, NamespaceSandbox
 from swectl.remote.nodes.node import LocalNode
 from swectl.remote.nodes.podman import bundled_containers_conf
 from swectl.remote.nodes.podman_sandbox import PodmanBackend, PodmanSandbox
 from swectl.schema import SandboxSpec
+
+Backend = PodmanBackend | NamespaceBackend
+Sandbox = PodmanSandbox | NamespaceSandbox
+BACKEND_KINDS = ("podman", "namespace")
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -58,13 +66,25 @@ UNAVAILABLE = _unavailable()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip every test of this directory, with the reason, when podman or the base image is missing."""
+    """Skip every test of this directory, with the reason, when podman or the base image is missing.
+
+    The no-python image exercises Podman's `podman exec` fallback; a namespace sandbox has no such path
+    (its agent needs no python3 in the image), so those combinations are not collected."""
+    kept = [item for item in items if not _namespace_plain(item)]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if _namespace_plain(item)])
+        items[:] = kept
     if UNAVAILABLE is None:
         return
     skip = pytest.mark.skip(reason=UNAVAILABLE)
     for item in items:
         if HERE in Path(str(item.path)).resolve().parents:
             item.add_marker(skip)
+
+
+def _namespace_plain(item: pytest.Item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("backend_kind") == "namespace" and params.get("image") == "plain"
 
 
 def session_labels(**extra: str) -> dict[str, str]:
@@ -88,17 +108,47 @@ async def apodman(*args: str) -> subprocess.CompletedProcess[bytes]:
 STARTED_MARK = "/tmp/swectl-test-started"  # a command under test creates it once it runs (see wait_for_file)
 
 
-async def wait_for_file(container: str, path: str = STARTED_MARK, timeout_s: float = 30) -> None:
-    """Wait (bounded) until ``path`` exists in the container: a test's command creates it when it has started,
+async def host_pid(box: NamespaceSandbox) -> int:
+    """The host pid of a namespace sandbox's PID 1 (its exec agent), from the node's daemon."""
+    pids = await box._backend.host_pids()
+    return pids[box.id]
+
+
+async def file_exists(box: Sandbox, path: str) -> bool:
+    """Whether ``path`` exists inside the sandbox, looked at from outside it (not through its agent)."""
+    if isinstance(box, NamespaceSandbox):
+        return await anyio.Path(f"/proc/{await host_pid(box)}/root{path}").exists()
+    return (await apodman("exec", box.id, "test", "-e", path)).returncode == 0
+
+
+async def wait_for_file(box: Sandbox, path: str = STARTED_MARK, timeout_s: float = 30) -> None:
+    """Wait (bounded) until ``path`` exists in the sandbox: a test's command creates it when it has started,
     so fault injection begins on that event instead of after a guessed sleep."""
     with anyio.fail_after(timeout_s):
-        while (await apodman("exec", container, "test", "-e", path)).returncode != 0:  # noqa: ASYNC110 (in the container)
+        while not await file_exists(box, path):  # noqa: ASYNC110 (in the sandbox)
             await anyio.sleep(0.1)
+
+
+async def kill_from_outside(box: Sandbox) -> None:
+    """Kill the sandbox the way a node would (OOM killer, an operator): `podman kill`, or SIGKILL to the
+    namespace's PID 1 from the host."""
+    if isinstance(box, NamespaceSandbox):
+        os.kill(await host_pid(box), 9)
+        return
+    killed = await apodman("kill", box.id)
+    assert killed.returncode == 0, killed.stderr
 
 
 def session_containers() -> list[str]:
     out = podman("ps", "-a", "-q", "--no-trunc", "--filter", f"label={TEST_LABEL}={SESSION_ID}")
     return out.stdout.decode().split()
+
+
+async def _remove_session_namespace_sandboxes() -> None:
+    backend = NamespaceBackend(LocalNode(), SandboxConfig())
+    await backend.prepare()
+    boxes = await backend.list({TEST_LABEL: SESSION_ID})
+    await backend.remove([box.id for box in boxes])
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -109,6 +159,7 @@ def _remove_session_containers() -> Iterator[None]:
     ids = session_containers()
     if ids:
         podman("rm", "-f", "-t", "0", *ids)
+    anyio.run(_remove_session_namespace_sandboxes)
 
 
 @pytest.fixture(scope="session")
@@ -148,28 +199,35 @@ def image(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue("nopython_image")
 
 
-async def new_backend(config: SandboxConfig | None = None) -> PodmanBackend:
-    backend = PodmanBackend(LocalNode(), config or SandboxConfig(), containers_conf="bundled")
-    await backend.prepare()
+async def new_backend(config: SandboxConfig | None = None, kind: str = "podman") -> Backend:
+    cls = NamespaceBackend if kind == "namespace" else PodmanBackend
+    backend = cls(LocalNode(), config or SandboxConfig(), containers_conf="bundled")
+    with anyio.fail_after(60):
+        await backend.prepare()
     return backend
 
 
-async def create_sandbox(backend: PodmanBackend, spec: SandboxSpec) -> PodmanSandbox:
+async def create_sandbox(backend: Backend, spec: SandboxSpec) -> Sandbox:
     with anyio.fail_after(60):
         return await backend.create(spec)
 
 
-@pytest.fixture
-async def backend() -> PodmanBackend:
-    return await new_backend()
+@pytest.fixture(params=BACKEND_KINDS)
+def backend_kind(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 @pytest.fixture
-async def sandbox(backend: PodmanBackend, image: str) -> AsyncIterator[PodmanSandbox]:
+async def backend(backend_kind: str) -> Backend:
+    return await new_backend(kind=backend_kind)
+
+
+@pytest.fixture
+async def sandbox(backend: Backend, image: str) -> AsyncIterator[Sandbox]:
     """A fresh sandbox per test (both exec paths), with a workdir and env from the spec."""
     box = await create_sandbox(backend, make_spec(image, workdir=SPEC_WORKDIR, env=SPEC_ENV))
-    try:
-        assert box.uses_agent == (image == BASE_IMAGE)
+    try:  # a namespace sandbox runs its agent on the node's python: no image needs python3
+        assert box.uses_agent == (image == BASE_IMAGE or isinstance(box, NamespaceSandbox))
         yield box
     finally:
         await box.destroy()

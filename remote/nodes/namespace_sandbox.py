@@ -1,0 +1,328 @@
+"""Namespace sandboxes on one node (local or over SSH): the container-free SandboxBackend.
+
+A per-node daemon (remote/programs/nsbox.py, started by ``prepare``) starts each sandbox as new mount, PID,
+IPC, UTS and network namespaces over an overlay of the image's read-only layers, with cgroup limits and
+Podman's capability set; the sandbox's PID 1 is the exec agent, speaking over the channel it was handed.
+On this machine that channel is a socket pair whose far end the controller passes to the daemon (no
+process spawned per sandbox); on an SSH node it is the pipe of one short ``attach`` process that hands its
+stdin/stdout to the daemon and exits. Nothing of a sandbox lives outside its namespaces on the node, and
+closing the channel ends it (the agent exits, and with it the namespace).
+
+Images come from the node's Podman store (``podman image inspect``: layer directories and environment),
+resolved once per image and backend. The exec agent needs no python3 in the image: it runs on the node's
+interpreter, loaded before the sandbox's root is entered.
+
+Covered: filesystem (overlay over read-only layers, old root detached), processes (PID namespace), network
+(loopback only unless ``network``), memory, pids and CPU limits (cgroups; a controller the node lacks is
+reported by ``swectl nodes check`` and logged once), capabilities and ``no_new_privs``. Not covered: user
+namespaces and seccomp (root inside is root with Podman's capability set); the kernel itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import socket
+import sys
+from importlib import resources
+
+import anyio
+import anyio.abc
+import msgspec
+
+from swectl.config import SandboxConfig
+from swectl.errors import CommandError, SandboxError
+from swectl.remote.nodes.agent_client import AgentClient, agent_source
+from swectl.remote.nodes.agent_sandbox import AgentSandbox, RemovalBatcher, translate_lost
+from swectl.remote.nodes.node import LocalNode, Node, NodeProcess
+from swectl.remote.nodes.podman import PodmanCli, qualify_image
+from swectl.remote.programs.nsbox import BOOTSTRAP
+from swectl.schema import SandboxInfo, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "TERM": "xterm",
+    "HOME": "/root",
+    "container": "swectl-namespace",
+}
+CALL_TIMEOUT_S = 60.0
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([bkmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, what: str) -> int:
+    """``"300m"`` -> bytes (binary units, as Podman reads ``--memory``)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise SandboxError(f"{what}: {text!r} is not a size (examples: 512m, 2g)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * 1024 ** "bkmgt".index(unit or "b"))
+
+
+def nsbox_source() -> bytes:
+    return resources.files("swectl.remote.programs").joinpath("nsbox.py").read_bytes()
+
+
+def _blob(data: bytes) -> bytes:
+    return b"%d\n" % len(data) + data
+
+
+class ImageRoot(msgspec.Struct, frozen=True):
+    """An image as the daemon needs it: its read-only layer directories (top first) and environment."""
+    image_id: str
+    layers: list[str]
+    env: dict[str, str]
+
+
+class SocketChannel:
+    """The controller's end of a sandbox's socket pair, as a NodeProcess."""
+
+    def __init__(self, stream: anyio.abc.SocketStream) -> None:
+        self._stream = stream
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self._stream.send(data)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            raise BrokenPipeError("sandbox channel is closed") from exc
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        try:
+            return await self._stream.receive(max_bytes)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            return b""
+
+    async def close_input(self) -> None:
+        try:
+            await self._stream.send_eof()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+
+    async def wait(self) -> int:
+        return 0
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self._stream.aclose()
+
+
+class NamespaceBackend:
+    """Creates, lists and removes namespace sandboxes on one node through its nsbox daemon."""
+
+    def __init__(self, node: Node, config: SandboxConfig, containers_conf: str = "bundled") -> None:
+        self.name = node.name
+        self.node = node
+        self.config = config
+        self.podman = PodmanCli(node, containers_conf)  # the image store the layers come from
+        self._local = isinstance(node, LocalNode)
+        self._python = sys.executable if self._local else config.ns_python
+        self._socket: str | None = None
+        self._roots: dict[str, ImageRoot] = {}
+        self._removals = RemovalBatcher(lambda ids: self.remove(ids), node.name)
+        self._warned_limits = False
+        self.daemon_version = ""
+
+    @property
+    def prepared(self) -> bool:
+        return self._socket is not None
+
+    @property
+    def alive(self) -> bool:
+        return self.node.alive
+
+    def _argv(self, *args: str) -> list[str]:
+        return [self._python, "-S", "-I", "-c", BOOTSTRAP, *args]
+
+    async def check(self) -> dict:
+        """What the node offers this backend (``nsbox check``): ok, problems, limits, ..."""
+        await self.node.connect()
+        out = await self.node.run(self._argv("check"), input=_blob(nsbox_source()))
+        if out.exit_code != 0:
+            raise CommandError(self.name, self._argv("check")[:4], out.exit_code, out.stderr.decode(errors="replace"))
+        return json.loads(out.stdout)
+
+    async def prepare(self) -> None:
+        await self.node.connect()
+        await self.podman.prepare()
+        report = await self.check()
+        if not report["ok"]:
+            raise SandboxError(
+                f"node {self.name} cannot run namespace sandboxes: {'; '.join(report['problems'])} "
+                '-- hint: use sandbox.backend = "podman" there'
+            )
+        if report["unenforced_limits"] and not self._warned_limits:
+            self._warned_limits = True
+            log.warning("node %s: namespace sandboxes run without %s limits (no cgroup controller for them)",
+                        self.name, ", ".join(report["unenforced_limits"]))  # fmt: skip
+        argv = self._argv("ensure", self.config.ns_state_dir)
+        out = await self.node.run(argv, input=_blob(nsbox_source()) + _blob(agent_source()))
+        if out.exit_code != 0:
+            raise CommandError(self.name, argv[:4] + argv[5:], out.exit_code, out.stderr.decode(errors="replace"))
+        reply = json.loads(out.stdout)
+        self.daemon_version = reply.get("version", "")
+        self._socket = reply["socket"]
+
+    async def probe(self) -> str:
+        await self.node.connect()
+        reply = await self._call({"op": "ping"})
+        return f"nsbox {reply.get('version', '?')} ({reply.get('sandboxes', 0)} sandboxes)"
+
+    async def create(self, spec: SandboxSpec) -> NamespaceSandbox:
+        root = await self._image_root(spec.image)
+        sandbox_id = f"ns-{secrets.token_hex(6)}"
+        request = {
+            "op": "launch", "id": sandbox_id, "name": sandbox_id, "image": spec.image, "labels": spec.labels,
+            "layers": root.layers, "env": {**DEFAULT_ENV, **root.env, **spec.env}, "workdir": spec.workdir,
+            "hostname": sandbox_id, "network": spec.network,
+            "memory_bytes": parse_size(spec.memory, "sandbox.memory"), "pids": spec.pids_limit, "cpus": spec.cpus,
+            "upper": self.config.ns_scratch,
+            "upper_size": parse_size(self.config.ns_scratch_size, "sandbox.ns_scratch_size"),
+        }  # fmt: skip
+        sandbox = NamespaceSandbox(self, sandbox_id, spec)
+        try:
+            with translate_lost(self.node, f"starting namespace sandbox {sandbox_id}"):
+                with anyio.fail_after(self.config.start_timeout_s):
+                    channel = await self._launch(request)
+                    client = AgentClient(channel, f"sandbox {sandbox_id} on {self.name}")
+                    sandbox._agent = client
+                    await client.read_hello()
+        except SandboxError as exc:
+            await sandbox.destroy()
+            if "is gone" in str(exc):
+                self._roots.pop(spec.image, None)  # the image was rebuilt or removed: look it up again
+            raise
+        except BaseException:
+            await sandbox.destroy()
+            raise
+        return sandbox
+
+    async def list(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        reply = await self._call({"op": "list"})
+        return [
+            SandboxInfo(
+                id=row["id"], name=row["name"], node=self.name, image=row["image"], state=row["state"],
+                labels=row["labels"],
+            )
+            for row in reply["sandboxes"]
+            if row["labels"].items() >= labels.items()
+        ]
+
+    async def host_pids(self) -> dict[str, int]:
+        """{sandbox id: host pid of its PID 1} (for measurements and fault injection on the node)."""
+        reply = await self._call({"op": "list"})
+        return {row["id"]: row["pid"] for row in reply["sandboxes"]}
+
+    async def remove(self, ids: list[str]) -> None:
+        """Kill the sandboxes and wait until the daemon has reaped and cleaned them up."""
+        if ids:
+            await self._call({"op": "remove", "ids": list(ids)})
+
+    async def remove_one(self, sandbox_id: str) -> None:
+        await self._removals.remove_one(sandbox_id)
+
+    async def aclose(self) -> None:
+        await self.node.aclose()
+
+    # ------------------------------------------------------------------ internals
+
+    async def _image_root(self, image: str) -> ImageRoot:
+        cached = self._roots.get(image)
+        if cached is not None:
+            return cached
+        out = await self.podman.run("image", "inspect", "--format", "{{json .}}", qualify_image(image), check=False)
+        if out.exit_code != 0:
+            raise CommandError(
+                self.name, self.podman.argv("image", "inspect", image), out.exit_code,
+                out.stderr.decode(errors="replace") + " -- the namespace backend takes images from the node's "
+                "Podman store: build or load the image there",
+            )
+        data = json.loads(out.stdout)
+        data = data[0] if isinstance(data, list) else data
+        driver = data.get("GraphDriver") or {}
+        info = driver.get("Data") or {}
+        if driver.get("Name") == "overlay":
+            layers = [info["UpperDir"], *[d for d in (info.get("LowerDir") or "").split(":") if d]]
+        elif driver.get("Name") == "vfs" and info.get("Dir"):
+            layers = [info["Dir"]]
+        else:
+            raise SandboxError(
+                f"image {image} on {self.name}: Podman storage driver {driver.get('Name')!r} is not supported by "
+                "the namespace backend (overlay or vfs)"
+            )
+        env = dict(item.split("=", 1) for item in (data.get("Config") or {}).get("Env") or [] if "=" in item)
+        root = ImageRoot(image_id=data.get("Id", ""), layers=layers, env=env)
+        self._roots[image] = root
+        return root
+
+    def _require_socket(self) -> str:
+        if self._socket is None:
+            raise SandboxError(f"node {self.name}: namespace backend used before prepare()")
+        return self._socket
+
+    async def _call(self, request: dict) -> dict:
+        path = self._require_socket()
+        payload = json.dumps(request).encode() + b"\n"
+        with anyio.fail_after(CALL_TIMEOUT_S):
+            if self._local:
+                try:
+                    async with await anyio.connect_unix(path) as stream:
+                        await stream.send(payload)
+                        data = await _read_line(stream)
+                except OSError as exc:
+                    raise SandboxError(f"node {self.name}: the nsbox daemon at {path} does not answer: {exc}") from exc
+            else:
+                argv = self._argv("call", path)
+                out = await self.node.run(argv, input=_blob(nsbox_source()) + payload)
+                if out.exit_code != 0:
+                    stderr = out.stderr.decode(errors="replace")
+                    raise CommandError(self.name, argv[:4] + argv[5:], out.exit_code, stderr)
+                data = out.stdout
+        reply = json.loads(data or b"{}")
+        if not reply.get("ok"):
+            raise SandboxError(f"node {self.name}: nsbox {request.get('op')}: {reply.get('error', 'no answer')}")
+        return reply
+
+    async def _launch(self, request: dict) -> NodeProcess:
+        path = self._require_socket()
+        if not self._local:
+            process = await self.node.spawn(self._argv("attach", path, json.dumps(request)))
+            await process.send(_blob(nsbox_source()))
+            return process
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            async with await anyio.connect_unix(path) as daemon:
+                await daemon.send_fds(json.dumps(request).encode() + b"\n", [theirs.fileno()])
+                theirs.close()
+                reply = json.loads(await _read_line(daemon) or b"{}")
+        except BaseException:
+            ours.close()
+            theirs.close()
+            raise
+        if not reply.get("ok"):
+            ours.close()
+            raise SandboxError(f"namespace sandbox {request['id']} on {self.name}: {reply.get('error', 'no answer')}")
+        return SocketChannel(await anyio.abc.UNIXSocketStream.from_socket(ours))
+
+
+async def _read_line(stream: anyio.abc.ByteReceiveStream) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        try:
+            data += await stream.receive()
+        except anyio.EndOfStream:
+            break
+    return data
+
+
+class NamespaceSandbox(AgentSandbox):
+    """A namespace sandbox: its exec agent is its PID 1."""
+
+    def __init__(self, backend: NamespaceBackend, sandbox_id: str, spec: SandboxSpec) -> None:
+        super().__init__(backend.node, backend.config, sandbox_id, sandbox_id, spec)
+        self._backend = backend
+
+    async def _remove(self) -> None:
+        await self._backend.remove_one(self.id)

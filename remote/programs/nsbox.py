@@ -1,0 +1,806 @@
+"""Namespace sandboxes on a node: a per-node daemon that starts each sandbox as Linux namespaces over a
+read-only image root, and the small commands the controller runs to reach it. Standard library only; runs
+on the node's own python3 (3.8+) as root, shipped over the node channel like the exec agent.
+
+Started as ``python3 -S -I -c BOOTSTRAP MODE ARGS`` with ``b"%d\\n" % len(src) + src`` on stdin:
+
+- ``ensure STATE_DIR``: make sure this version's daemon serves ``STATE_DIR/nsd.sock`` (a daemon of another
+  version is retired first: it kills its sandboxes and exits); print ``{"socket", "version", "pid"}``.
+- ``call SOCKET``: send the JSON request that follows the source on stdin, print the JSON reply.
+- ``attach SOCKET REQUEST``: hand this process's stdin and stdout to the daemon as a new sandbox's channel
+  (the SSH path; a local controller passes a socket instead) and exit; a launch failure is written to
+  stdout as an exec-agent error frame.
+- ``check``: what this host supports, as JSON (no daemon needed).
+
+The daemon (one per node, not per sandbox) answers one JSON line per connection on its unix socket:
+``ping``, ``launch`` (with the channel's fds passed as SCM_RIGHTS), ``list``, ``remove`` (answered once the
+sandboxes are gone and cleaned up), ``retire``. It is every sandbox's parent (a child subreaper), reaps
+them, and removes each one's cgroups, scratch directory and record when it dies, whoever killed it.
+
+A sandbox is: new mount, PID, IPC, UTS and (unless ``network``) network namespaces; an overlay whose
+lower layers are the image's read-only layer directories and whose upper is on the node's disk (or a
+sized tmpfs) as its root, entered with ``pivot_root`` and the old root detached; a private /proc (kernel
+files masked or read-only), read-only /sys, a minimal /dev (null zero full random urandom tty, its own
+devpts and /dev/shm); memory, pids and CPU limits in its own cgroups (v1 or v2, whichever the node has for
+each controller), visible read-only under /sys/fs/cgroup; Podman's default capability bounding set,
+``no_new_privs``. Its first process (PID 1 inside) is the exec agent itself, run by this interpreter on
+the inherited channel: nothing of the sandbox lives outside its namespaces, and one SIGKILL to that
+process ends everything in it. No user namespace: root inside is root with reduced capabilities, as in
+rootful Podman. No seccomp filter (Podman has one): kernel attack surface is out of scope.
+"""
+
+import array
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import hashlib
+import io
+import json
+import os
+import platform
+import select
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+# Runs as `python3 -S -I -c BOOTSTRAP MODE ...`: read this file's source from stdin and run it.
+BOOTSTRAP = (
+    "import sys\n"
+    "n = int(sys.stdin.buffer.readline())\n"
+    "src = sys.stdin.buffer.read(n)\n"
+    "exec(compile(src, 'swectl_nsbox.py', 'exec'), {'__name__': '__swectl_nsbox__', '__nsbox_source__': src})\n"
+)
+
+SOCKET_NAME = "nsd.sock"
+MAX_REQUEST = 1 << 20
+SETUP_TIMEOUT_S = 30.0
+CONTROLLERS = ("memory", "pids", "cpu")
+CGROUP_GROUP = "swectl-ns"
+CPU_PERIOD_US = 100_000
+
+# Podman's default capability set (containers.conf `default_capabilities`); all others leave the bounding set.
+KEEP_CAPS = {
+    0: "CHOWN", 1: "DAC_OVERRIDE", 3: "FOWNER", 4: "FSETID", 5: "KILL", 6: "SETGID", 7: "SETUID",
+    8: "SETPCAP", 10: "NET_BIND_SERVICE", 18: "SYS_CHROOT", 31: "SETFCAP",
+}  # fmt: skip
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 36, 24, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine(), 155)
+SYS_CAPSET = {"x86_64": 126, "aarch64": 91}.get(platform.machine(), 126)
+
+MASKED_PROC = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "acpi", "scsi")
+READONLY_PROC = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+class SetupError(Exception):
+    """A sandbox could not be set up: the message says which step."""
+
+
+def _check(result: int, what: str) -> int:
+    if result == -1:
+        code = ctypes.get_errno()
+        raise SetupError(f"{what}: {os.strerror(code)} (errno {code})")
+    return result
+
+
+def _mount(source, target, fstype, flags=0, data=None, what=""):
+    _check(
+        _libc.mount(
+            None if source is None else os.fsencode(source), os.fsencode(target),
+            None if fstype is None else os.fsencode(fstype), ctypes.c_ulong(flags),
+            None if data is None else os.fsencode(data),
+        ),
+        what or f"mount {fstype or source} on {target}",
+    )
+
+
+def _bind_readonly(source, target, flags=0):
+    _mount(source, target, None, MS_BIND | MS_REC, what=f"bind {source} on {target}")
+    _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags, what=f"remount {target} read-only")
+
+
+# ------------------------------------------------------------------------------------------- host facts
+
+
+def cgroup_mounts():
+    """{controller: (version, mountpoint)} for the controllers swectl limits, from /proc/self/mountinfo."""
+    found, v2_root = {}, None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            pre, _, post = line.partition(" - ")
+            fields, extra = pre.split(), post.split()
+            if len(extra) < 3:
+                continue
+            fstype, options, mountpoint = extra[0], extra[2].split(","), fields[4]
+            if fstype == "cgroup":
+                for controller in CONTROLLERS:
+                    if controller in options and controller not in found:
+                        found[controller] = (1, mountpoint)
+            elif fstype == "cgroup2" and v2_root is None:
+                v2_root = mountpoint
+    if v2_root is not None:
+        try:
+            with open(os.path.join(v2_root, "cgroup.controllers")) as f:
+                available = f.read().split()
+        except OSError:
+            available = []
+        for controller in CONTROLLERS:
+            if controller not in found and controller in available:
+                found[controller] = (2, v2_root)
+    return found
+
+
+def check_host():
+    """What this host offers the namespace backend: {"ok", "problems", "limits", ...}."""
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("not root: namespace sandboxes need root on the node (mounts, namespaces, cgroups)")
+    try:
+        with open("/proc/filesystems") as f:
+            filesystems = f.read().split()
+    except OSError:
+        filesystems = []
+    if "overlay" not in filesystems:
+        problems.append("the kernel has no overlay filesystem (modprobe overlay)")
+    for name in ("mnt", "pid", "net", "ipc", "uts"):
+        if not os.path.exists(f"/proc/self/ns/{name}"):
+            problems.append(f"the kernel has no {name} namespaces")
+    limits = cgroup_mounts()
+    missing = [c for c in CONTROLLERS if c not in limits]
+    userns = "unknown"
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/user/max_user_namespaces") as f:
+            userns = "yes" if int(f.read()) > 0 else "no"
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "limits": {c: f"cgroup v{v} at {m}" for c, (v, m) in limits.items()},
+        "unenforced_limits": missing,
+        "user_namespaces": userns,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
+
+
+def _starttime(pid):
+    """The process's start time in clock ticks (tells a pid from its reuse), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------- one sandbox's setup
+
+
+class Box:
+    """One sandbox as the daemon keeps it: its request, host pid and host-side paths."""
+
+    def __init__(self, request, state_dir):
+        self.request = request
+        self.id = request["id"]
+        self.dir = os.path.join(state_dir, "boxes", self.id)
+        self.record = os.path.join(state_dir, "boxes", self.id + ".json")
+        self.cgroups = {}  # controller -> cgroup directory
+        self.pid = 0
+        self.starttime = None
+        self.state = "creating"
+        self.cleaning = 0  # pid of the `rm -rf` removing the scratch directory
+
+    def describe(self):
+        r = self.request
+        return {
+            "id": self.id, "name": r.get("name", self.id), "image": r.get("image", ""),
+            "labels": r.get("labels", {}), "state": self.state, "pid": self.pid,
+        }
+
+    def save(self):
+        data = {**self.describe(), "starttime": self.starttime, "cgroups": self.cgroups, "dir": self.dir}
+        tmp = self.record + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.record)
+
+
+def _write(path, value):
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def make_cgroups(box, mounts):
+    """Create the sandbox's cgroups with its limits; {controller: dir}. Missing controllers are skipped."""
+    r = box.request
+    made = {}
+    for controller in CONTROLLERS:
+        if controller not in mounts:
+            continue
+        version, root = mounts[controller]
+        parent = os.path.join(root, CGROUP_GROUP)
+        os.makedirs(parent, exist_ok=True)
+        if version == 2:
+            with contextlib.suppress(OSError):
+                _write(os.path.join(root, "cgroup.subtree_control"), f"+{controller}")
+            with contextlib.suppress(OSError):
+                _write(os.path.join(parent, "cgroup.subtree_control"), f"+{controller}")
+        path = os.path.join(parent, box.id)
+        os.makedirs(path, exist_ok=True)
+        made[controller] = path
+        if controller == "memory" and r.get("memory_bytes"):
+            limit = str(int(r["memory_bytes"]))
+            if version == 1:
+                _write(os.path.join(path, "memory.limit_in_bytes"), limit)
+                with contextlib.suppress(OSError):  # without swap accounting the file is absent
+                    _write(os.path.join(path, "memory.memsw.limit_in_bytes"), limit)
+            else:
+                _write(os.path.join(path, "memory.max"), limit)
+                with contextlib.suppress(OSError):
+                    _write(os.path.join(path, "memory.swap.max"), "0")
+        elif controller == "pids" and r.get("pids"):
+            _write(os.path.join(path, "pids.max"), str(int(r["pids"])))
+        elif controller == "cpu" and r.get("cpus"):
+            quota = max(1000, int(float(r["cpus"]) * CPU_PERIOD_US))
+            if version == 1:
+                _write(os.path.join(path, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+                _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
+            else:
+                _write(os.path.join(path, "cpu.max"), f"{quota} {CPU_PERIOD_US}")
+    return made
+
+
+def _remove_cgroup(path):
+    for _ in range(50):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                return
+            time.sleep(0.01)
+
+
+def _lower_option(layers):
+    """Overlay's lowerdir, with podman's short layer links (``l/ID``) when they exist: mount options are
+    limited to one page, and a deep image's full paths do not fit. Returns (option, directory to chdir to)."""
+    if not layers:
+        raise SetupError("no image layers")
+    short, base = [], None
+    for layer in layers:
+        layer_dir = os.path.dirname(layer.rstrip("/"))
+        try:
+            with open(os.path.join(layer_dir, "link")) as f:
+                link = f.read().strip()
+        except OSError:
+            short = None
+            break
+        here = os.path.dirname(layer_dir)
+        if base not in (None, here) or not link:
+            short = None
+            break
+        base = here
+        short.append(f"l/{link}")
+    if short and os.path.isdir(os.path.join(base, "l")):
+        return ":".join(short), base
+    return ":".join(layers), "/"
+
+
+def _drop_privileges():
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        if cap not in KEEP_CAPS:
+            _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"dropping capability {cap} from the bounding set")
+    keep = 0
+    for cap in KEEP_CAPS:
+        keep |= 1 << cap
+    header = struct.pack("=Ii", LINUX_CAPABILITY_VERSION_3, 0)
+    low, high = keep & 0xFFFFFFFF, keep >> 32
+    data = struct.pack("=6I", low, low, 0, high, high, 0)  # effective, permitted, inheritable per word
+    hbuf, dbuf = ctypes.create_string_buffer(header), ctypes.create_string_buffer(data)
+    _check(_libc.syscall(SYS_CAPSET, hbuf, dbuf), "capset")
+    _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def _loopback_up():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifr = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, ifr))[1]
+        fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+
+
+def _mkdirs(path):
+    with contextlib.suppress(FileExistsError):
+        os.makedirs(path)
+
+
+def _touch(path):
+    if not os.path.exists(path):
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+
+
+def setup_root(box):
+    """In the sandbox's new mount namespace, as its PID 1: build its root and enter it."""
+    r = box.request
+    _mount(None, "/", None, MS_REC | MS_PRIVATE, what="making mounts private")
+    scratch = box.dir
+    if r.get("upper") == "tmpfs":
+        scratch = os.path.join(box.dir, "rw")
+        _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(r['upper_size'])},mode=755")
+    upper, work, root = (os.path.join(scratch, d) for d in ("upper", "work", "root"))
+    for d in (upper, work, root):
+        _mkdirs(d)
+    lower, base = _lower_option(r["layers"])
+    for layer in r["layers"]:
+        if not os.path.isdir(layer):
+            raise SetupError(f"image layer {layer} is gone (image removed?)")
+    os.chdir(base)
+    _mount("overlay", root, "overlay", 0, f"lowerdir={lower},upperdir={upper},workdir={work}",
+           what="mounting the overlay root")  # fmt: skip
+    os.chdir(root)
+    for d in ("proc", "sys", "dev", "tmp", ".swectl-oldroot", r.get("workdir", "/").lstrip("/")):
+        if d:
+            _mkdirs(os.path.join(root, d))
+    if os.stat(os.path.join(root, "tmp")).st_mode & 0o7777 != 0o1777:
+        os.chmod(os.path.join(root, "tmp"), 0o1777)
+    proc = os.path.join(root, "proc")
+    _mount("proc", proc, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    sysfs = os.path.join(root, "sys")
+    _mount("sysfs", sysfs, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    cgroup_root = os.path.join(sysfs, "fs", "cgroup")
+    if os.path.isdir(cgroup_root) and box.cgroups:
+        _mount("tmpfs", cgroup_root, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=755,size=64k")
+        for controller, path in box.cgroups.items():
+            target = os.path.join(cgroup_root, controller)
+            _mkdirs(target)
+            _bind_readonly(path, target, MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        _mount(None, cgroup_root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               what="remounting /sys/fs/cgroup read-only")  # fmt: skip
+    dev = os.path.join(root, "dev")
+    _mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k")
+    for name in DEVICES:
+        target = os.path.join(dev, name)
+        _touch(target)
+        _mount(f"/dev/{name}", target, None, MS_BIND)
+    for name, link in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                       ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):  # fmt: skip
+        os.symlink(link, os.path.join(dev, name))
+    for name in ("pts", "shm"):
+        _mkdirs(os.path.join(dev, name))
+    _mount("devpts", os.path.join(dev, "pts"), "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
+    _mount("shm", os.path.join(dev, "shm"), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=1777,size=64m")
+    _mount(None, dev, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC, what="remounting /dev read-only")
+    for name in MASKED_PROC:
+        target = os.path.join(proc, name)
+        if os.path.isdir(target):
+            _mount("tmpfs", target, "tmpfs", MS_RDONLY, "size=0")
+        elif os.path.exists(target):
+            _mount("/dev/null", target, None, MS_BIND)
+    for name in READONLY_PROC:
+        target = os.path.join(proc, name)
+        if os.path.exists(target):
+            _bind_readonly(target, target)
+    _check(_libc.syscall(SYS_PIVOT_ROOT, b".", b".swectl-oldroot"), "pivot_root")
+    os.chdir("/")
+    _check(_libc.umount2(b"/.swectl-oldroot", MNT_DETACH), "detaching the old root")
+    os.rmdir("/.swectl-oldroot")
+
+
+def run_sandbox(box, channel_fds, status_w, agent_source):
+    """PID 1 of a new sandbox: set it up, report, become the exec agent. Never returns."""
+    r = box.request
+    try:
+        setup_root(box)
+        name = r.get("hostname") or box.id[:12]
+        _check(_libc.sethostname(name.encode(), len(name.encode())), "sethostname")
+        if not r.get("network"):
+            _loopback_up()
+        stdin_fd, stdout_fd = channel_fds[0], channel_fds[-1]
+        os.dup2(stdin_fd, 0)
+        os.dup2(stdout_fd, 1)
+        null = os.open("/dev/null", os.O_RDWR)
+        os.dup2(null, 2)
+        os.closerange(3, status_w)
+        os.closerange(status_w + 1, 65536)
+        os.environ.clear()
+        os.environ.update(r.get("env", {}))
+        os.environ["HOSTNAME"] = name
+        workdir = r.get("workdir") or "/"
+        os.chdir(workdir if os.path.isdir(workdir) else "/")
+        _drop_privileges()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        os.write(status_w, b"ok\n")
+        os.close(status_w)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.write(status_w, f"error {exc}\n".encode(errors="replace")[:4000])
+        os._exit(1)
+    try:
+        sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "rb", closefd=False)), encoding="utf-8")
+        code = compile(agent_source, "swectl_exec_agent.py", "exec")
+        exec(code, {"__name__": "__swectl_agent__"})
+    finally:
+        os._exit(0)
+
+
+def launch(box, channel_fds, state_dir, agent_source, mounts):
+    """Start the sandbox (daemon side); returns its host pid or raises SetupError."""
+    os.makedirs(box.dir, exist_ok=True)
+    box.cgroups = make_cgroups(box, mounts)
+    status_r, status_w = os.pipe()
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    if not box.request.get("network"):
+        flags |= CLONE_NEWNET
+    first = os.fork()
+    if first == 0:  # joins the cgroups, unshares, forks PID 1 of the sandbox, reports its pid, exits
+        try:
+            os.close(status_r)
+            for path in box.cgroups.values():
+                _write(os.path.join(path, "cgroup.procs"), str(os.getpid()))
+            _check(_libc.unshare(flags), "unshare")
+            pid = os.fork()
+            if pid == 0:
+                run_sandbox(box, channel_fds, status_w, agent_source)
+            os.write(status_w, f"pid {pid}\n".encode())
+            os._exit(0)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.write(status_w, f"error {exc}\n".encode(errors="replace")[:4000])
+            os._exit(1)
+    os.close(status_w)
+    report = b""
+    deadline = time.monotonic() + SETUP_TIMEOUT_S
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(first, 0)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([status_r], [], [], left)[0]:
+            break
+        chunk = os.read(status_r, 4096)
+        if not chunk:
+            break
+        report += chunk
+    os.close(status_r)
+    lines = report.decode(errors="replace").splitlines()
+    pid = next((int(line.split()[1]) for line in lines if line.startswith("pid ")), 0)
+    box.pid = pid
+    box.starttime = _starttime(pid) if pid else None
+    errors = [line[6:] for line in lines if line.startswith("error ")]
+    if errors or "ok" not in lines:
+        if pid:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        raise SetupError("; ".join(errors) or "sandbox setup did not finish in time")
+    return pid
+
+
+# ------------------------------------------------------------------------------------------------ daemon
+
+
+class Daemon:
+    """The node's namespace-sandbox daemon: a single-threaded loop over its socket and SIGCHLD."""
+
+    def __init__(self, state_dir, version, agent_source):
+        self.state_dir = state_dir
+        self.version = version
+        self.agent_source = agent_source
+        self.boxes = {}  # id -> Box
+        self.by_pid = {}  # host pid -> Box
+        self.waiting = []  # (conn, ids) of remove requests answered once those sandboxes are gone
+        self.cleaners = {}  # pid of an `rm -rf` -> Box
+        self.retiring = False
+        self.mounts = cgroup_mounts()
+        self.selector = selectors.DefaultSelector()
+
+    def serve(self, listener):
+        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        os.set_blocking(wake_r, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: self.retire())
+        self.selector.register(listener, selectors.EVENT_READ, "accept")
+        self.selector.register(wake_r, selectors.EVENT_READ, "signal")
+        self.reclaim_stale()
+        while not (self.retiring and not self.boxes and not self.cleaners):
+            for key, _ in self.selector.select(1.0):
+                if key.data == "accept":
+                    with contextlib.suppress(OSError):
+                        conn, _ = listener.accept()
+                        self.handle(conn)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.read(wake_r, 4096)
+            self.reap()
+
+    def handle(self, conn):
+        conn.settimeout(5)
+        try:
+            data, fds = _receive_request(conn)
+            request = json.loads(data)
+            op = request.get("op")
+            if op == "remove":
+                self.remove(conn, request.get("ids", []))
+                return
+            reply = self.answer(op, request, fds)
+        except Exception as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            fds = []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _reply(conn, reply)
+
+    def answer(self, op, request, fds):
+        if op == "ping":
+            return {"ok": True, "version": self.version, "pid": os.getpid(), "sandboxes": len(self.boxes)}
+        if op == "list":
+            return {"ok": True, "sandboxes": [box.describe() for box in self.boxes.values()]}
+        if op == "retire":
+            self.retire()
+            return {"ok": True}
+        if op == "launch":
+            if self.retiring:
+                return {"ok": False, "error": "the namespace daemon is retiring (a newer swectl replaced it)"}
+            if not fds:
+                return {"ok": False, "error": "launch needs the sandbox channel's file descriptors"}
+            box = Box(request, self.state_dir)
+            if box.id in self.boxes or not box.id.replace("-", "").isalnum():
+                return {"ok": False, "error": f"bad or duplicate sandbox id {box.id!r}"}
+            self.boxes[box.id] = box
+            try:
+                pid = launch(box, fds, self.state_dir, self.agent_source, self.mounts)
+            except Exception as exc:
+                box.state = "exited"
+                self.cleanup(box)
+                return {"ok": False, "error": str(exc)}
+            box.state = "running"
+            self.by_pid[pid] = box
+            box.save()
+            unenforced = [c for c in CONTROLLERS if c not in box.cgroups]
+            return {"ok": True, "pid": pid, "unenforced_limits": unenforced}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def remove(self, conn, ids):
+        for sandbox_id in ids:
+            box = self.boxes.get(sandbox_id)
+            if box is not None and box.pid:
+                with contextlib.suppress(OSError):
+                    os.kill(box.pid, signal.SIGKILL)
+        self.waiting.append((conn, set(ids)))
+        self.answer_waiting()
+
+    def answer_waiting(self):
+        still = []
+        for conn, ids in self.waiting:
+            if ids & set(self.boxes):
+                still.append((conn, ids))
+            else:
+                _reply(conn, {"ok": True})
+        self.waiting = still
+
+    def retire(self):
+        self.retiring = True
+        for box in list(self.boxes.values()):
+            if box.pid:
+                with contextlib.suppress(OSError):
+                    os.kill(box.pid, signal.SIGKILL)
+
+    def reap(self):
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid in self.cleaners:
+                box = self.cleaners.pop(pid)
+                self.forget(box)
+            elif pid in self.by_pid:
+                box = self.by_pid.pop(pid)
+                box.state = "exited"
+                self.cleanup(box)
+        self.answer_waiting()
+
+    def cleanup(self, box):
+        """After the sandbox died: its cgroups, scratch directory (in the background) and record go."""
+        for path in box.cgroups.values():
+            _remove_cgroup(path)
+        if os.path.isdir(box.dir):
+            trash = box.dir + ".removing"
+            with contextlib.suppress(OSError):
+                os.rename(box.dir, trash)
+                proc = subprocess.Popen(["rm", "-rf", "--one-file-system", trash], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                self.cleaners[proc.pid] = box
+                proc.returncode = 0  # reaped by our own waitpid loop, not by Popen
+                return
+        self.forget(box)
+
+    def forget(self, box):
+        with contextlib.suppress(OSError):
+            os.unlink(box.record)
+        self.boxes.pop(box.id, None)
+
+    def reclaim_stale(self):
+        """Sandboxes recorded by an earlier daemon that died: kill what is left and clean up."""
+        boxes_dir = os.path.join(self.state_dir, "boxes")
+        os.makedirs(boxes_dir, exist_ok=True)
+        for entry in os.listdir(boxes_dir):
+            path = os.path.join(boxes_dir, entry)
+            if entry.endswith(".removing"):
+                shutil.rmtree(path, ignore_errors=True)
+            if not entry.endswith(".json"):
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                with open(path) as f:
+                    record = json.load(f)
+                pid = record.get("pid") or 0
+                if pid and _starttime(pid) == record.get("starttime"):
+                    os.kill(pid, signal.SIGKILL)
+                for cgroup in record.get("cgroups", {}).values():
+                    _remove_cgroup(cgroup)
+                shutil.rmtree(record.get("dir", ""), ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _receive_request(conn):
+    fds = array.array("i")
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk, ancdata, _, _ = conn.recvmsg(65536, socket.CMSG_SPACE(16 * fds.itemsize))
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > MAX_REQUEST:
+            raise ValueError("request too large")
+    return data, list(fds)
+
+
+def _reply(conn, reply):
+    with contextlib.suppress(OSError):
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+    with contextlib.suppress(OSError):
+        conn.close()
+
+
+# ----------------------------------------------------------------------------------------------- clients
+
+
+def call(socket_path, request, fds=(), timeout=60.0):
+    """One request to the daemon; its JSON reply."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(socket_path)
+        payload = json.dumps(request).encode() + b"\n"
+        if fds:
+            s.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        else:
+            s.sendall(payload)
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return json.loads(data or b'{"ok": false, "error": "the daemon closed the connection"}')
+
+
+def ensure(state_dir, source, agent_source):
+    """Start this version's daemon unless it already answers; returns its ping reply plus the socket."""
+    version = hashlib.sha256(source + agent_source).hexdigest()[:16]
+    os.makedirs(state_dir, exist_ok=True)
+    path = os.path.join(state_dir, SOCKET_NAME)
+    with contextlib.suppress(OSError, ValueError):
+        reply = call(path, {"op": "ping"}, timeout=5)
+        if reply.get("version") == version:
+            return {**reply, "socket": path, "started": False}
+        call(path, {"op": "retire"}, timeout=5)
+        for _ in range(100):  # the old daemon kills its sandboxes and leaves; wait for it a little
+            if not _pid_alive(reply.get("pid", 0)):
+                break
+            time.sleep(0.05)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, 0o600)
+    listener.listen(128)
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if os.fork() != 0:
+            os._exit(0)
+        log = os.open(os.path.join(state_dir, "nsd.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        for fd in (null, log):
+            os.close(fd)
+        os.chdir("/")
+        try:
+            Daemon(state_dir, version, agent_source).serve(listener)
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    listener.close()
+    reply = call(path, {"op": "ping"}, timeout=10)
+    return {**reply, "socket": path, "started": True}
+
+
+def _pid_alive(pid):
+    return bool(pid) and _starttime(pid) is not None
+
+
+def attach(socket_path, request):
+    """Hand stdin/stdout to the daemon as the new sandbox's channel (the SSH path)."""
+    reply = call(socket_path, request, fds=(0, 1))
+    if not reply.get("ok"):
+        body = _error_frame(reply.get("error", "launch failed"))
+        os.write(1, struct.pack(">I", len(body)) + body)
+        return 1
+    return 0
+
+
+def _error_frame(message):
+    """An exec-agent error frame with id 0 (msgpack map: kind, id, error, errno)."""
+    raw = message.encode(errors="replace")[:60000]
+    return b"\x84\xa4kind\xa5error\xa2id\x00\xa5error\xda" + struct.pack(">H", len(raw)) + raw + b"\xa5errno\xc0"
+
+
+def _read_blob(stream):
+    n = int(stream.readline())
+    return stream.read(n)
+
+
+def main(argv, source):
+    mode = argv[1] if len(argv) > 1 else ""
+    stdin = sys.stdin.buffer
+    if mode == "check":
+        print(json.dumps(check_host()))
+        return 0
+    if mode == "ensure":
+        agent_source = _read_blob(stdin)
+        print(json.dumps(ensure(argv[2], source, agent_source)))
+        return 0
+    if mode == "call":
+        print(json.dumps(call(argv[2], json.loads(stdin.read() or b"{}"))))
+        return 0
+    if mode == "attach":
+        return attach(argv[2], json.loads(argv[3]))
+    print(f"usage: nsbox check | ensure STATE_DIR | call SOCKET | attach SOCKET REQUEST (got {argv[1:]})",
+          file=sys.stderr)  # fmt: skip
+    return 2
+
+
+if __name__ == "__swectl_nsbox__":
+    sys.exit(main(sys.argv, globals().get("__nsbox_source__", b"")))
