@@ -4,9 +4,10 @@ A per-node daemon (remote/programs/nsbox.py, started by ``prepare``) starts each
 IPC, UTS and network namespaces over an overlay of the image's read-only layers, with cgroup limits and
 Podman's capability set; the sandbox's PID 1 is the exec agent, speaking over the channel it was handed.
 On this machine that channel is a socket pair whose far end the controller passes to the daemon (no
-process spawned per sandbox); on an SSH node it is the pipe of one short ``attach`` process that hands its
-stdin/stdout to the daemon and exits. Nothing of a sandbox lives outside its namespaces on the node, and
-closing the channel ends it (the agent exits, and with it the namespace).
+process spawned per sandbox); on an SSH node it is the pipe of an ``attach`` process that hands its
+stdin/stdout to the daemon and then waits as ``tail --pid`` (sshd closes a channel whose process exited).
+Nothing else of a sandbox lives outside its namespaces on the node, and closing the channel ends it (the
+agent exits, and with it the namespace).
 
 Images come from the node's Podman store (``podman image inspect``: layer directories and environment),
 resolved once per image and backend. The exec agent needs no python3 in the image: it runs on the node's

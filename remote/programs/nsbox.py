@@ -8,8 +8,9 @@ Started as ``python3 -S -I -c BOOTSTRAP MODE ARGS`` with ``b"%d\\n" % len(src) +
   version is retired first: it kills its sandboxes and exits); print ``{"socket", "version", "pid"}``.
 - ``call SOCKET``: send the JSON request that follows the source on stdin, print the JSON reply.
 - ``attach SOCKET REQUEST``: hand this process's stdin and stdout to the daemon as a new sandbox's channel
-  (the SSH path; a local controller passes a socket instead) and exit; a launch failure is written to
-  stdout as an exec-agent error frame.
+  (the SSH path; a local controller passes a socket instead), then wait as ``tail --pid`` until the sandbox
+  ends (sshd closes a channel whose process exited); a launch failure is written to stdout as an
+  exec-agent error frame.
 - ``check``: what this host supports, as JSON (no daemon needed).
 
 The daemon (one per node, not per sandbox) answers one JSON line per connection on its unix socket:
@@ -762,12 +763,20 @@ def _pid_alive(pid):
 
 
 def attach(socket_path, request):
-    """Hand stdin/stdout to the daemon as the new sandbox's channel (the SSH path)."""
+    """Hand stdin/stdout to the daemon as the new sandbox's channel (the SSH path), then wait for the
+    sandbox to end: sshd closes a session's channel once its process exits, so this process must outlive
+    the handover. It becomes ``tail --pid`` (about 1 MiB; it exits within a second of the sandbox)."""
     reply = call(socket_path, request, fds=(0, 1))
     if not reply.get("ok"):
         body = _error_frame(reply.get("error", "launch failed"))
         os.write(1, struct.pack(">I", len(body)) + body)
         return 1
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 2)
+    with contextlib.suppress(OSError):
+        os.execvp("tail", ["tail", f"--pid={reply['pid']}", "-f", "/dev/null"])
+    while _pid_alive(reply["pid"]):  # no coreutils tail: wait here
+        time.sleep(1)
     return 0
 
 

@@ -466,3 +466,40 @@ def test_nodes_check_wrong_port(nodes: testnodes.TestNodes, tmp_path: Path) -> N
     assert b.name in problem[0], output
     assert "2222" in problem[0], output
     assert "hint:" in problem[0], output
+
+
+# ---------------------------------------------------------------------------------------------- namespace backend
+
+
+async def test_namespace_sandboxes_over_ssh(nodes: testnodes.TestNodes, run_id: str, tmp_path: Path) -> None:
+    """The namespace backend on SSH nodes: the daemon is started over the node channel and each sandbox's
+    channel is one `attach` process's pipe, handed to the daemon. Killing a sandbox on the node is noticed,
+    and releasing every lease leaves nothing on the node."""
+    from swectl.remote.programs import nsbox
+
+    state_dir = tmp_path / "ns"
+    doc = ssh_document(nodes)
+    doc["sandbox"] = {"backend": "namespace", "ns_state_dir": str(state_dir)}
+    try:
+        async with running_pool(decode_config(doc), run_id) as pool:
+            leases = [await acquire(pool) for _ in range(2)]
+            assert {lease.node for lease in leases} == {n.name for n in nodes.nodes}
+            for lease in leases:
+                with anyio.fail_after(60):
+                    result = await lease.exec("echo $((6 * 7)) $(hostname); cat /proc/1/cmdline | head -c 6", 20)
+                    assert result.output.startswith(f"42 {lease.sandbox.id}\n"), result
+                    await lease.write_file("/tmp/blob", bytes(range(256)) * 64)
+                    assert await lease.read_file("/tmp/blob") == bytes(range(256)) * 64
+            listed = nsbox.call(str(state_dir / nsbox.SOCKET_NAME), {"op": "list"})
+            assert sorted(box["id"] for box in listed["sandboxes"]) == sorted(lease.sandbox.id for lease in leases)
+            victim = next(box for box in listed["sandboxes"] if box["id"] == leases[0].sandbox.id)
+            os.kill(victim["pid"], 9)
+            with pytest.raises(InfraError), anyio.fail_after(20):
+                await leases[0].exec("echo never", 10)
+            for lease in leases:
+                await release(pool, lease)
+        listed = nsbox.call(str(state_dir / nsbox.SOCKET_NAME), {"op": "list"})
+        assert listed["sandboxes"] == []
+    finally:
+        if (state_dir / nsbox.SOCKET_NAME).exists():
+            nsbox.call(str(state_dir / nsbox.SOCKET_NAME), {"op": "retire"})
