@@ -8,11 +8,15 @@ Measures on this machine (and, with ``--ssh``, on a throwaway sshd node in a net
 * a lease served from the EnvPool's warm pool vs a cold start (``podman run`` + agent + first exec)
   and the plain ``podman run --rm IMAGE true``;
 * how many sandboxes one node holds at once with every exec succeeding, and the host memory they take;
+* the namespace backend (``sandbox.backend = "namespace"``) beside Podman: exec, cold start to first exec,
+  the disk an episode leaves in a sandbox's writable layer, host memory (PSS) and host processes per sandbox
+  next to Podman's counted the same way, and how many namespace sandboxes one node holds at once;
 * over SSH: exec through the agent vs ``ssh ... podman exec`` per command, next to the ssh round trip.
 
 Goals come from DESIGN.md section 6. Results: a table on stdout and ``benchmarks/results/env.json``.
-Every container it creates carries ``swectl.bench=<id>``, except the EnvPool's, which the pool labels
-itself (``swectl.run=<bench run id>``); both kinds are removed at the end, also on error or Ctrl-C.
+Every container and namespace sandbox it creates carries ``swectl.bench=<id>``, except the EnvPool's, which
+the pool labels itself (``swectl.run=<bench run id>``); all of them are removed at the end, also on error or
+Ctrl-C (the nsbox daemon, shared by every namespace sandbox on the node, stays).
 
 Run: ``.venv/bin/python benchmarks/env.py [--quick] [--ssh]`` (``--quick``: under a minute).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -29,7 +34,8 @@ import sys
 import time
 import tomllib
 import uuid
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +59,9 @@ from common import (
 from swectl.actors.env_pool import running_pool
 from swectl.config import DEFAULT_IMAGE, SandboxConfig, decode_config, load_config
 from swectl.errors import InfraError
+from swectl.remote.nodes.agent_sandbox import AgentSandbox
 from swectl.remote.nodes.backends import close_backends, make_backends
+from swectl.remote.nodes.namespace_sandbox import NamespaceBackend
 from swectl.remote.nodes.node import LocalNode
 from swectl.remote.nodes.podman import bundled_containers_conf, local_podman_env, run_local_podman
 from swectl.remote.nodes.podman_sandbox import PodmanBackend, PodmanSandbox
@@ -100,15 +108,24 @@ class Sizes:
     ssh_exec: int
     ssh_rtt: int
     ssh_podman_exec: int
+    ns_cold_run: int  # namespace sandboxes: create + first exec (exec and ping counts are exec's and ping's)
+    ns_concurrent: int  # namespace sandboxes live at once (the first `concurrent` of them are measured apart)
 
 
 FULL = Sizes(
     exec=1000, ping=1000, podman_exec=200, bash_spawn=500, warm_lease=50, cold_run=20, podman_run=10,
-    concurrent=128, ssh_exec=500, ssh_rtt=500, ssh_podman_exec=50,
+    concurrent=128, ssh_exec=500, ssh_rtt=500, ssh_podman_exec=50, ns_cold_run=50, ns_concurrent=512,
 )
 QUICK = Sizes(
     exec=200, ping=200, podman_exec=50, bash_spawn=100, warm_lease=15, cold_run=5, podman_run=3,
-    concurrent=32, ssh_exec=100, ssh_rtt=100, ssh_podman_exec=10,
+    concurrent=32, ssh_exec=100, ssh_rtt=100, ssh_podman_exec=10, ns_cold_run=10, ns_concurrent=64,
+)
+NS_CONCURRENT_GOAL = 512  # namespace sandboxes one node should hold at once (the podman goal is 128)
+# A short "episode" in a fresh namespace sandbox, for the disk its writable layer keeps afterwards.
+NS_EPISODE = (
+    "cd /srv && git init -q . && echo x > f && git add f && "
+    "git -c user.name=bench -c user.email=bench@localhost commit -qm x && "
+    "python3 -c 'import json, subprocess; print(1)' && ls -la / > /dev/null"
 )
 
 # Table and JSON order; every key is present (null when its phase failed).
@@ -116,6 +133,10 @@ METRICS = (
     "exec_p50_ms", "exec_p99_ms", "podman_exec_p50_ms", "exec_speedup", "ping_p50_ms", "bash_spawn_p50_ms",
     "warm_lease_p50_ms", "warm_hits", "cold_run_p50_ms", "podman_run_p50_ms",
     "concurrent_ok", "concurrent_tried", "concurrent_create_s", "concurrent_mem_mib",
+    "podman_mem_per_sandbox_mib", "podman_host_procs_per_sandbox",
+    "ns_exec_p50_ms", "ns_cold_start_ms", "ns_cold_start_speedup", "ns_disk_frac",
+    "ns_mem_per_sandbox_mib", "ns_host_procs_per_sandbox", "ns_concurrent_ok", "ns_concurrent_tried",
+    "ns_concurrent_mem_mib",
 )  # fmt: skip
 SSH_METRICS = ("ssh_exec_p50_ms", "ssh_podman_exec_p50_ms", "ssh_exec_speedup", "ssh_rtt_ms")
 
@@ -138,6 +159,8 @@ class EnvBench:
         self.test_nodes: TestNodes | None = None
         self.interrupted = ""  # the signal's name once Ctrl-C / SIGTERM arrived
         self._gc_runs = 0
+        self._ns_backend: NamespaceBackend | None = None  # shared by the ns_* phases, made by the first
+        self.ns_leftovers = 0  # namespace sandboxes of this run still there at cleanup (then removed)
 
     # ------------------------------------------------------------------ driver
 
@@ -163,6 +186,10 @@ class EnvBench:
             ("warm_lease", self.phase_warm_lease),
             ("cold_run", self.phase_cold_run),
             ("concurrent", self.phase_concurrent),
+            ("ns_exec", self.phase_ns_exec),
+            ("ns_cold_run", self.phase_ns_cold_run),
+            ("ns_disk", self.phase_ns_disk),
+            ("ns_concurrent", self.phase_ns_concurrent),
         ]
         if self.ssh:
             phases.append(("ssh", self.phase_ssh))
@@ -178,6 +205,7 @@ class EnvBench:
                 self.details.setdefault("loadavg_at_phase_start", {})[name] = load
         finally:
             gc.callbacks.remove(self._on_gc)
+            await self.remove_ns_sandboxes()
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -190,6 +218,33 @@ class EnvBench:
         backend = PodmanBackend(LocalNode(), SandboxConfig())
         await backend.prepare()
         return backend
+
+    async def ns_backend(self) -> NamespaceBackend:
+        """The namespace backend of the ns_* phases; preparing it starts the node's nsbox daemon (shared by every
+        namespace sandbox on the node, ours or not, and left running) or finds it running."""
+        if self._ns_backend is None:
+            self._ns_backend = NamespaceBackend(LocalNode(), SandboxConfig())
+        if not self._ns_backend.prepared:
+            await self._ns_backend.prepare()
+            self.details["ns_daemon_version"] = self._ns_backend.daemon_version
+        return self._ns_backend
+
+    async def remove_ns_sandboxes(self) -> None:
+        """Remove every namespace sandbox labelled with this run's bench id (shielded, bounded): the phases
+        destroy their own, this catches what a failure or Ctrl-C left. Safe to call twice."""
+        backend = self._ns_backend
+        if backend is None:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_S):
+            try:
+                await self.ns_backend()
+                leftovers = [info.id for info in await backend.list(self.labels)]
+                await backend.remove(leftovers)
+                self.ns_leftovers += len(leftovers)
+                await backend.aclose()
+                self._ns_backend = None
+            except (InfraError, OSError) as exc:
+                self.progress(f"cleanup: could not list or remove this run's namespace sandboxes: {exc}")
 
     def summary(self, name: str, samples: list[float]) -> dict[str, float]:
         self.summaries[name] = summarize(samples)
@@ -206,29 +261,7 @@ class EnvBench:
         backend = await self.local_backend()
         sandbox = await backend.create(self.spec())
         try:
-            for _ in range(WARMUP):
-                await _exec_true(sandbox)
-            totals, inside, gc_hit = [], [], []
-            for _ in range(n.exec):
-                gc_before = self._gc_runs
-                start = time.perf_counter_ns()
-                result = await _exec_true(sandbox)
-                totals.append(ms_since(start))
-                inside.append(result.duration_s * 1000)
-                gc_hit.append(self._gc_runs != gc_before)
-            exec_stats = self.summary("exec_ms", totals)
-            self.summary("exec_inside_agent_ms", inside)
-            self.summary("exec_outside_agent_ms", [t - i for t, i in zip(totals, inside, strict=True)])
-            self.details["exec_outliers"] = _outliers(totals, inside, gc_hit)
-
-            for _ in range(WARMUP):
-                await sandbox.ping()
-            pings = []
-            for _ in range(n.ping):
-                start = time.perf_counter_ns()
-                await sandbox.ping()
-                pings.append(ms_since(start))
-            ping_stats = self.summary("ping_ms", pings)
+            exec_stats, ping_stats = await self._time_agent(sandbox, "")
 
             argv = ["podman", "exec", sandbox.id, "true"]
             podman_stats = self.summary("podman_exec_ms", await _time_cli(argv, n.podman_exec, local_podman_env()))
@@ -247,6 +280,34 @@ class EnvBench:
             ping_p50_ms=ping_stats["p50"],
             bash_spawn_p50_ms=spawn_stats["p50"],
         )
+
+    async def _time_agent(self, sandbox: AgentSandbox, prefix: str) -> tuple[dict[str, float], dict[str, float]]:
+        """exec('true') and ping round trips through a sandbox's agent, each after WARMUP untimed calls; the
+        summaries go under ``<prefix>exec_ms`` etc.; returns (exec, ping) summaries."""
+        n = self.sizes
+        for _ in range(WARMUP):
+            await _exec_true(sandbox)
+        totals, inside, gc_hit = [], [], []
+        for _ in range(n.exec):
+            gc_before = self._gc_runs
+            start = time.perf_counter_ns()
+            result = await _exec_true(sandbox)
+            totals.append(ms_since(start))
+            inside.append(result.duration_s * 1000)
+            gc_hit.append(self._gc_runs != gc_before)
+        exec_stats = self.summary(f"{prefix}exec_ms", totals)
+        self.summary(f"{prefix}exec_inside_agent_ms", inside)
+        self.summary(f"{prefix}exec_outside_agent_ms", [t - i for t, i in zip(totals, inside, strict=True)])
+        self.details[f"{prefix}exec_outliers"] = _outliers(totals, inside, gc_hit)
+
+        for _ in range(WARMUP):
+            await sandbox.ping()
+        pings = []
+        for _ in range(n.ping):
+            start = time.perf_counter_ns()
+            await sandbox.ping()
+            pings.append(ms_since(start))
+        return exec_stats, self.summary(f"{prefix}ping_ms", pings)
 
     async def phase_warm_lease(self) -> None:
         n = self.sizes.warm_lease
@@ -284,8 +345,19 @@ class EnvBench:
         n = self.sizes
         self.progress(f"cold_run: {n.cold_run} x create + first exec; {n.podman_run} x `podman run --rm IMAGE true`")
         backend = await self.local_backend()
+        totals = await self._cold_starts(backend, n.cold_run, "")
+        label = f"{BENCH_LABEL}={self.bench_id}"
+        argv = ["podman", "run", "--rm", "--network", "none", "--label", label, IMAGE, "true"]
+        podman_run = self.summary("podman_run_ms", await _time_cli(argv, n.podman_run, local_podman_env()))
+        self.metrics.update(
+            cold_run_p50_ms=self.summary("cold_run_ms", totals)["p50"], podman_run_p50_ms=podman_run["p50"]
+        )
+
+    async def _cold_starts(self, backend: PodmanBackend | NamespaceBackend, n: int, prefix: str) -> list[float]:
+        """n x (create + first exec('true')), each sandbox destroyed after its timing; returns the totals (ms),
+        and records the create part as ``<prefix>cold_create_ms``."""
         totals, creates = [], []
-        for _ in range(n.cold_run):
+        for _ in range(n):
             sandbox = None
             try:
                 start = time.perf_counter_ns()
@@ -296,88 +368,169 @@ class EnvBench:
             finally:
                 if sandbox is not None:
                     await sandbox.destroy()
-        self.summary("cold_create_ms", creates)
-        label = f"{BENCH_LABEL}={self.bench_id}"
-        argv = ["podman", "run", "--rm", "--network", "none", "--label", label, IMAGE, "true"]
-        podman_run = self.summary("podman_run_ms", await _time_cli(argv, n.podman_run, local_podman_env()))
-        self.metrics.update(
-            cold_run_p50_ms=self.summary("cold_run_ms", totals)["p50"], podman_run_p50_ms=podman_run["p50"]
-        )
+        self.summary(f"{prefix}cold_create_ms", creates)
+        return totals
 
     async def phase_concurrent(self) -> None:
         tried = self.sizes.concurrent
         self.progress(f"concurrent: {tried} sandboxes ({CREATE_CONCURRENCY} started at once), then one exec in each")
-        backend = await self.local_backend()
-        sandboxes: list[PodmanSandbox] = []
-        problems: list[str] = []
-        limiter = anyio.CapacityLimiter(CREATE_CONCURRENCY)
-
-        async def create() -> None:
-            async with limiter:
-                try:
-                    with anyio.fail_after(300):
-                        sandboxes.append(await backend.create(self.spec()))
-                except (InfraError, TimeoutError) as exc:
-                    problems.append(f"create: {type(exc).__name__}: {exc}")
-
-        exec_ok = 0
-
-        async def exec_echo(sandbox: PodmanSandbox) -> None:
-            nonlocal exec_ok
-            try:
-                result = await sandbox.exec("echo ok", 60)
-            except InfraError as exc:
-                problems.append(f"exec in {sandbox.name}: {type(exc).__name__}: {exc}")
-                return
-            if result.exit_code == 0 and result.output == "ok\n":
-                exec_ok += 1
-            else:
-                problems.append(f"exec in {sandbox.name}: exit {result.exit_code}, output {result.output[:200]!r}")
-
-        async def destroy(sandbox: PodmanSandbox) -> None:
-            async with limiter:
-                await sandbox.destroy()
-
+        batch = _Batch(await self.local_backend(), self.spec())
         mem_before = mem_used_mib()
         try:
-            start = time.perf_counter_ns()
-            async with anyio.create_task_group() as tg:
-                for i in range(tried):
-                    tg.start_soon(create, name=f"create sandbox {i}")
-            create_s = ms_since(start) / 1000
-            self.progress(f"concurrent: {len(sandboxes)} created in {create_s:.1f}s; exec('echo ok') in all at once")
-            start = time.perf_counter_ns()
-            async with anyio.create_task_group() as tg:
-                for sandbox in sandboxes:
-                    tg.start_soon(exec_echo, sandbox, name=f"exec in {sandbox.name}")
-            exec_s = ms_since(start) / 1000
+            create_s = await batch.create(tried)
+            self.progress(f"concurrent: {len(batch.sandboxes)} created in {create_s:.1f}s; exec('echo ok') in all at once")
+            exec_s = await batch.exec_all()
             mem_after = mem_used_mib()
             attach_pss = _children_pss_mib()
+            # What each container costs on the host, in PSS: its conmon, catatonit (podman-init) and everything
+            # in its PID namespace (the idle `sleep`, the exec agent), the exec session's own conmon, and the
+            # `podman exec -i` process holding the agent's stdio here (a child of this process).
+            footprint = await anyio.to_thread.run_sync(_podman_footprint, [s.id for s in batch.sandboxes])
         finally:
-            self.progress(f"concurrent: destroying {len(sandboxes)} sandboxes")
-            with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_S):
-                start = time.perf_counter_ns()
-                async with anyio.create_task_group() as tg:
-                    for sandbox in sandboxes:
-                        tg.start_soon(destroy, sandbox, name=f"destroy {sandbox.name}")
-                self.details["concurrent_destroy_s"] = round(ms_since(start) / 1000, 2)
+            self.progress(f"concurrent: destroying {len(batch.sandboxes)} sandboxes")
+            self.details["concurrent_destroy_s"] = await batch.destroy_all()
         mem = mem_after - mem_before
+        created = len(batch.sandboxes)
         self.details.update(
-            concurrent_created=len(sandboxes),
-            concurrent_exec_ok=exec_ok,
+            concurrent_created=created,
+            concurrent_exec_ok=batch.exec_ok,
             concurrent_exec_s=round(exec_s, 3),
             concurrent_mem_before_mib=round(mem_before, 1),
             concurrent_mem_after_mib=round(mem_after, 1),
-            concurrent_mem_per_sandbox_mib=round(mem / max(len(sandboxes), 1), 2),
+            concurrent_mem_per_sandbox_mib=round(mem / max(created, 1), 2),
             concurrent_host_attach_pss_mib=round(attach_pss, 1),
-            concurrent_problems=problems[:10],
+            concurrent_problems=batch.problems[:10],
+            podman_footprint=footprint.record(),
         )
         self.metrics.update(
-            concurrent_ok=exec_ok if exec_ok == tried else 0,
+            concurrent_ok=batch.exec_ok if batch.exec_ok == tried else 0,
             concurrent_tried=tried,
             concurrent_create_s=round(create_s, 2),
             concurrent_mem_mib=round(mem, 1),
+            podman_mem_per_sandbox_mib=footprint.pss_per_sandbox_mib,
+            podman_host_procs_per_sandbox=footprint.outside_per_sandbox,
         )
+
+    # ------------------------------------------------------------------ the namespace backend
+
+    async def phase_ns_exec(self) -> None:
+        n = self.sizes
+        self.progress(
+            f"ns_exec: {n.exec} x exec('true') through a namespace sandbox's agent, {n.ping} pings "
+            f"(after {WARMUP} warm-up calls)"
+        )
+        backend = await self.ns_backend()
+        sandbox = await backend.create(self.spec())
+        try:
+            exec_stats, _ = await self._time_agent(sandbox, "ns_")
+        finally:
+            await sandbox.destroy()
+        self.metrics.update(ns_exec_p50_ms=exec_stats["p50"])
+
+    async def phase_ns_cold_run(self) -> None:
+        n = self.sizes.ns_cold_run
+        self.progress(f"ns_cold_run: {n} x create + first exec on the namespace backend")
+        backend = await self.ns_backend()
+        # One untimed start first: it resolves the image's layers (`podman image inspect`), which a backend
+        # does once per image, as a pool's first start would.
+        start = time.perf_counter_ns()
+        await (await backend.create(self.spec())).destroy()
+        self.details["ns_first_start_and_destroy_ms"] = round(ms_since(start), 3)
+        ns_cold = self.summary("ns_cold_run_ms", await self._cold_starts(backend, n, "ns_"))["p50"]
+        podman_cold = self.metrics.get("cold_run_p50_ms")  # the cold_run phase's, this run
+        self.metrics.update(
+            ns_cold_start_ms=ns_cold,
+            ns_cold_start_speedup=round(podman_cold / ns_cold, 1) if podman_cold else None,
+        )
+
+    async def phase_ns_disk(self) -> None:
+        self.progress("ns_disk: a short episode in a namespace sandbox, then `du -sb` of its writable layer")
+        backend = await self.ns_backend()
+        inspect = await anyio.to_thread.run_sync(
+            lambda: run_local_podman("image", "inspect", "--format", "{{.Size}}", IMAGE, timeout=60)
+        )
+        image_bytes = int(inspect.stdout.decode().strip())
+        sandbox = await backend.create(self.spec())
+        try:
+            # The writable layer (overlay upper) of a disk-scratch sandbox, on the node while the sandbox lives.
+            upper = Path(backend.config.ns_state_dir) / "boxes" / sandbox.id / "upper"
+            fresh = await anyio.to_thread.run_sync(_du_bytes, upper)
+            result = await sandbox.exec(NS_EPISODE, 120)
+            if result.exit_code != 0 or result.timed_out:
+                raise RuntimeError(f"the episode failed ({result.exit_code}): {result.output[-500:]}")
+            after = await anyio.to_thread.run_sync(_du_bytes, upper)
+        finally:
+            await sandbox.destroy()
+        self.details.update(
+            ns_disk_image_bytes=image_bytes,
+            ns_disk_upper_fresh_bytes=fresh,
+            ns_disk_upper_after_episode_bytes=after,
+            ns_disk_episode=NS_EPISODE,
+        )
+        self.metrics.update(ns_disk_frac=round(after / image_bytes, 5))
+
+    async def phase_ns_concurrent(self) -> None:
+        first, tried = self.sizes.concurrent, max(self.sizes.ns_concurrent, self.sizes.concurrent)
+        self.progress(
+            f"ns_concurrent: {first} namespace sandboxes (podman's count), exec in each, host memory and processes; "
+            f"then up to {tried} ({CREATE_CONCURRENCY} started at once) and one exec in each"
+        )
+        backend = await self.ns_backend()
+        batch = _Batch(backend, self.spec())
+        # Children of this process that exist before: not the namespace sandboxes' (a local controller hands the
+        # daemon a socket; it spawns nothing per sandbox).
+        before = await anyio.to_thread.run_sync(_own_descendants)
+        mem_before = mem_used_mib()
+        try:
+            create_s = await batch.create(first)
+            exec_s = await batch.exec_all()
+            self.progress(f"ns_concurrent: {len(batch.sandboxes)} created in {create_s:.1f}s, {batch.exec_ok} execs ok")
+            step = await self._ns_footprint(backend, batch, before)
+            mem_step = mem_used_mib()
+            full = step
+            if tried > first:
+                create_s += await batch.create(tried - first)
+                self.progress(f"ns_concurrent: {len(batch.sandboxes)} created; exec('echo ok') in all at once")
+                batch.exec_ok = 0
+                exec_s = await batch.exec_all()
+                full = await self._ns_footprint(backend, batch, before)
+            mem_after = mem_used_mib()
+        finally:
+            self.progress(f"ns_concurrent: destroying {len(batch.sandboxes)} sandboxes")
+            self.details["ns_concurrent_destroy_s"] = await batch.destroy_all()
+        created = len(batch.sandboxes)
+        mem = mem_after - mem_before
+        self.details.update(
+            ns_concurrent_created=created,
+            ns_concurrent_exec_ok=batch.exec_ok,
+            ns_concurrent_create_s=round(create_s, 2),
+            ns_concurrent_exec_s=round(exec_s, 3),
+            ns_concurrent_mem_per_sandbox_mib=round(mem / max(created, 1), 2),
+            ns_mem_used_per_sandbox_mib_at_podman_count=round((mem_step - mem_before) / max(step.sandboxes, 1), 2),
+            ns_concurrent_problems=batch.problems[:10],
+            ns_footprint_at_podman_count=step.record(),
+            ns_footprint_at_full_count=full.record(),
+        )
+        self.metrics.update(
+            # Per sandbox at podman's count (the same number of sandboxes as the concurrent phase's).
+            ns_mem_per_sandbox_mib=step.pss_per_sandbox_mib,
+            ns_host_procs_per_sandbox=max(step.outside_per_sandbox, full.outside_per_sandbox),
+            ns_concurrent_ok=batch.exec_ok if batch.exec_ok == tried else 0,
+            ns_concurrent_tried=tried,
+            ns_concurrent_mem_mib=round(mem, 1),
+        )
+
+    async def _ns_footprint(
+        self, backend: NamespaceBackend, batch: _Batch, before: set[tuple[int, int]]
+    ) -> Footprint:
+        """Host processes and PSS of the batch's namespace sandboxes: each one's PID 1 (its exec agent) and
+        everything in its PID namespace, plus any process outside them made for them: one naming a sandbox id
+        (the SSH path's `attach`, for instance), a child of the nsbox daemon that is no sandbox (a launch
+        helper, a scratch cleaner), or a new child of this process. The daemon itself is shared by every
+        sandbox on the node: not counted, its PSS is recorded apart."""
+        ids = {s.id for s in batch.sandboxes}
+        pids = [pid for sandbox_id, pid in (await backend.host_pids()).items() if sandbox_id in ids]
+        return await anyio.to_thread.run_sync(_ns_footprint, sorted(ids), pids, before)
 
     async def phase_ssh(self) -> None:
         self.progress(f"ssh: starting test node {SSH_PREFIX}{SSH_INDEX} (sshd in a network namespace)")

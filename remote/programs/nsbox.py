@@ -347,6 +347,7 @@ def setup_root(box):
     scratch = box.dir
     if r.get("upper") == "tmpfs":
         scratch = os.path.join(box.dir, "rw")
+        _mkdirs(scratch)
         _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(r['upper_size'])},mode=755")
     upper, work, root = (os.path.join(scratch, d) for d in ("upper", "work", "root"))
     for d in (upper, work, root):

@@ -1,0 +1,201 @@
+"""What only the namespace backend has to prove: it leaks nothing (mounts, processes, cgroups, records, the
+daemon's file descriptors) over many sandboxes, sandboxes end with their controller, limits are enforced
+(not only visible), a full scratch layer fails the command and not the node, bad images get clear errors,
+and the EnvPool runs on it unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import anyio
+import pytest
+
+from swectl.config import SandboxConfig, load_config
+from swectl.errors import InfraError
+from swectl.remote.nodes.namespace_sandbox import NamespaceBackend
+from swectl.remote.nodes.node import LocalNode
+from swectl.remote.programs import nsbox
+
+from .conftest import SESSION_ID, TEST_LABEL, create_sandbox, make_spec, new_backend
+from .pools import running_pool
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
+
+STATE_DIR = Path(SandboxConfig().ns_state_dir)
+
+
+def daemon_pid() -> int:
+    return nsbox.call(str(STATE_DIR / nsbox.SOCKET_NAME), {"op": "ping"})["pid"]
+
+
+def node_footprint() -> dict[str, object]:
+    """What sandboxes could leave behind on this node, counted from outside."""
+    pid = daemon_pid()
+    cgroups = {}
+    for controller, (_version, root) in nsbox.cgroup_mounts().items():
+        group = Path(root) / nsbox.CGROUP_GROUP
+        cgroups[controller] = sorted(p.name for p in group.iterdir() if p.is_dir()) if group.is_dir() else []
+    children = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid="], capture_output=True, text=True).stdout.split()
+    return {
+        "daemon_fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "daemon_children": len(children),
+        "records": sorted(os.listdir(STATE_DIR / "boxes")),
+        "cgroups": cgroups,
+        "host_mounts": len(Path("/proc/self/mountinfo").read_text().splitlines()),
+    }
+
+
+async def test_many_sandboxes_leave_nothing_behind() -> None:
+    backend = await new_backend(kind="namespace")
+    before = node_footprint()
+    rounds, width = 40, 8  # 320 sandboxes, 8 alive at a time
+    with anyio.fail_after(300):
+        for _ in range(rounds):
+            boxes: list = []
+
+            async def one(boxes: list = boxes) -> None:
+                box = await backend.create(make_spec(pids_limit=64))
+                boxes.append(box)
+                result = await box.exec("echo x > /tmp/f; sleep 60 & echo started", 10)
+                assert result.output == "started\n", result
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(width):
+                    tg.start_soon(one)
+            async with anyio.create_task_group() as tg:
+                for box in boxes:
+                    tg.start_soon(box.destroy)
+    assert node_footprint() == before
+
+
+async def test_sandboxes_end_with_their_controller(tmp_path: Path) -> None:
+    """A controller killed with SIGKILL: its sandboxes' channels close, the agents exit, the daemon cleans up."""
+    label = f"dead-controller-{SESSION_ID}"
+    script = textwrap.dedent(f"""
+        import anyio
+        from swectl.config import SandboxConfig
+        from swectl.remote.nodes.namespace_sandbox import NamespaceBackend
+        from swectl.remote.nodes.node import LocalNode
+        from swectl.schema import SandboxSpec
+
+        async def main():
+            backend = NamespaceBackend(LocalNode(), SandboxConfig())
+            await backend.prepare()
+            boxes = []  # held: a sandbox whose channel is garbage-collected ends
+            for _ in range(3):
+                boxes.append(box := await backend.create(SandboxSpec(image={SandboxConfig().image!r},
+                                                       labels={{{TEST_LABEL!r}: {SESSION_ID!r}, "why": {label!r}}})))
+                await box.exec("setsid nohup sleep 1000 >/dev/null 2>&1 < /dev/null &", 10)
+            print("ready", flush=True)
+            await anyio.sleep(600)
+
+        anyio.run(main)
+    """)
+    controller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
+    backend = await new_backend(kind="namespace")
+    try:
+        with anyio.fail_after(60):
+            assert (await anyio.to_thread.run_sync(controller.stdout.readline)).strip() == "ready"
+        assert len(await backend.list({"why": label})) == 3
+    finally:
+        controller.send_signal(signal.SIGKILL)
+        controller.wait()
+    with anyio.fail_after(10):
+        while await backend.list({"why": label}):  # noqa: ASYNC110 (state on the node)
+            await anyio.sleep(0.1)
+
+
+async def test_memory_limit_is_enforced_and_the_sandbox_survives() -> None:
+    backend = await new_backend(kind="namespace")
+    box = await create_sandbox(backend, make_spec(memory="128m"))
+    try:
+        hog = await box.exec("python3 -c 'x = bytearray(400 * 1024 * 1024); print(len(x))'", 60)
+        assert hog.exit_code != 0 and "419430400" not in hog.output, hog
+        assert (await box.exec("echo alive", 10)).output == "alive\n"
+    finally:
+        await box.destroy()
+
+
+async def test_cpu_limit_is_enforced() -> None:
+    backend = await new_backend(kind="namespace")
+    box = await create_sandbox(backend, make_spec(cpus=0.25))
+    try:
+        # a busy loop for 2 s of wall time gets about a quarter of a core
+        spin = "import time, os; end = time.time() + 2\nwhile time.time() < end: pass\nprint(os.times().user)"
+        result = await box.exec(f"python3 -c '{spin}'", 30)
+        assert result.exit_code == 0, result
+        assert float(result.output) < 1.0, result.output
+    finally:
+        await box.destroy()
+
+
+async def test_a_full_scratch_layer_fails_the_command_not_the_node() -> None:
+    config = SandboxConfig(ns_scratch="tmpfs", ns_scratch_size="16m")
+    backend = await new_backend(config, kind="namespace")
+    box = await create_sandbox(backend, make_spec())
+    other = await create_sandbox(backend, make_spec())
+    try:
+        full = await box.exec("head -c 64M /dev/zero > /tmp/big; echo rc=$?", 30)
+        assert "No space left on device" in full.output and "rc=1" in full.output, full
+        assert (await box.exec("rm /tmp/big; echo fine > /tmp/small; cat /tmp/small", 10)).output == "fine\n"
+        assert (await other.exec("echo other", 10)).output == "other\n"
+    finally:
+        await box.destroy()
+        await other.destroy()
+
+
+async def test_missing_and_removed_images_get_clear_errors() -> None:
+    backend = await new_backend(kind="namespace")
+    with pytest.raises(InfraError, match="namespace backend takes images from the node's Podman store"):
+        with anyio.fail_after(60):
+            await backend.create(make_spec(f"localhost/swectl-missing-{SESSION_ID}:x"))
+    # an image whose layers vanished after it was looked up (removed or rebuilt): a clear error, and the
+    # next create looks the image up again
+    spec = make_spec()
+    await (await create_sandbox(backend, spec)).destroy()
+    real = backend._roots[spec.image]
+    backend._roots[spec.image] = type(real)(image_id=real.image_id, layers=["/nonexistent/diff"], env=real.env)
+    with pytest.raises(InfraError, match="is gone"), anyio.fail_after(60):
+        await backend.create(spec)
+    await (await create_sandbox(backend, spec)).destroy()
+
+
+async def test_a_node_without_support_is_told_why() -> None:
+    backend = NamespaceBackend(LocalNode(), SandboxConfig())
+    report = await backend.check()
+    assert report["ok"], report
+    assert set(report["limits"]) == {"memory", "pids", "cpu"}
+    # the same check as an unprivileged user: refused with the reason
+    out = subprocess.run(  # noqa: ASYNC221 (a quick local check)
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-S", "-I", "-c",
+         nsbox.BOOTSTRAP, "check"],
+        input=b"%d\n" % len(src := nsbox_source()) + src, capture_output=True, check=True,
+    )  # fmt: skip
+    report = json.loads(out.stdout)
+    assert not report["ok"] and "not root" in report["problems"][0]
+
+
+def nsbox_source() -> bytes:
+    return Path(nsbox.__file__).read_bytes()
+
+
+async def test_env_pool_runs_on_the_namespace_backend() -> None:
+    run_id = f"ns-pool-{SESSION_ID}"
+    config = load_config(None, ["sandbox.backend=namespace", "env_pool.warm=2"])
+    async with running_pool(config, run_id) as pool:
+        with anyio.fail_after(60):
+            lease = await pool.acquire()
+            result = await lease.exec("echo $((6 * 7))", 10)
+            assert result.output == "42\n"
+            await pool.wait_warm(2)
+            await pool.release(lease)
+        backend = await new_backend(kind="namespace")
+        assert len(await backend.list({"swectl.run": run_id})) >= 2
+    assert await backend.list({"swectl.run": run_id}) == []
