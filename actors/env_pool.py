@@ -178,6 +178,8 @@ class EnvPool:
                         "no node is usable: "
                         + "; ".join(f"{s.config.name}: {s.last_problem}" for s in self._slots)
                     )
+                _log.info("env pool %s: %s sandboxes on %d node(s)", self.run_id, self._sandbox.backend,
+                          sum(slot.healthy for slot in self._slots))  # fmt: skip
                 tg.start_soon(self._health_loop, name="env_pool health")
                 tg.start_soon(self._expiry_loop, name="env_pool lease expiry")
                 tg.start_soon(self._warm_loop, name="env_pool warm")

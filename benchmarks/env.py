@@ -229,6 +229,10 @@ class EnvBench:
             self.details["ns_daemon_version"] = self._ns_backend.daemon_version
         return self._ns_backend
 
+    @property
+    def ns_backend_open(self) -> bool:
+        return self._ns_backend is not None
+
     async def remove_ns_sandboxes(self) -> None:
         """Remove every namespace sandbox labelled with this run's bench id (shielded, bounded): the phases
         destroy their own, this catches what a failure or Ctrl-C left. Safe to call twice."""
@@ -243,7 +247,7 @@ class EnvBench:
                 self.ns_leftovers += len(leftovers)
                 await backend.aclose()
                 self._ns_backend = None
-            except (InfraError, OSError) as exc:
+            except (InfraError, OSError, ValueError) as exc:
                 self.progress(f"cleanup: could not list or remove this run's namespace sandboxes: {exc}")
 
     def summary(self, name: str, samples: list[float]) -> dict[str, float]:
@@ -378,7 +382,8 @@ class EnvBench:
         mem_before = mem_used_mib()
         try:
             create_s = await batch.create(tried)
-            self.progress(f"concurrent: {len(batch.sandboxes)} created in {create_s:.1f}s; exec('echo ok') in all at once")
+            created = len(batch.sandboxes)
+            self.progress(f"concurrent: {created} created in {create_s:.1f}s; exec('echo ok') in all at once")
             exec_s = await batch.exec_all()
             mem_after = mem_used_mib()
             attach_pss = _children_pss_mib()
@@ -603,6 +608,8 @@ class EnvBench:
     # ------------------------------------------------------------------ report
 
     def goals(self) -> list[Goal]:
+        podman_mem = self.metrics.get("podman_mem_per_sandbox_mib")
+        ns_tried = max(self.sizes.ns_concurrent, self.sizes.concurrent)
         goals = [
             Goal("exec_p50_ms", "<=", 2.0),
             Goal("exec_speedup", ">=", 10.0),
@@ -610,6 +617,18 @@ class EnvBench:
             Goal(
                 "concurrent_ok", ">=", 128,
                 not_applicable=f"--quick tries {self.sizes.concurrent}" if self.sizes.concurrent < 128 else "",
+            ),
+            Goal("ns_cold_start_speedup", ">=", 10.0),
+            Goal(
+                "ns_mem_per_sandbox_mib", "<=", round((podman_mem or 0.0) / 3, 3),
+                text="<= podman_mem_per_sandbox_mib / 3",
+                not_applicable="" if podman_mem is not None else "no podman_mem_per_sandbox_mib",
+            ),
+            Goal("ns_host_procs_per_sandbox", "<=", 0),
+            Goal("ns_disk_frac", "<=", 0.05),
+            Goal(
+                "ns_concurrent_ok", ">=", NS_CONCURRENT_GOAL,
+                not_applicable=f"--quick tries {ns_tried}" if ns_tried < NS_CONCURRENT_GOAL else "",
             ),
         ]  # fmt: skip
         if self.ssh:
@@ -652,6 +671,48 @@ class EnvBench:
                 f"destroyed in {d['concurrent_destroy_s']} s"
             )
 
+        def podman_footprint_note() -> str:
+            f = d["podman_footprint"]
+            return (
+                f"podman footprint at {f['sandboxes']} sandboxes: {f['pss_per_sandbox_mib']} MiB PSS per sandbox over "
+                f"{f['processes']} processes (conmon, catatonit, the container's processes, the exec session's conmon, "
+                f"the host-side `podman exec -i`), {f['outside_per_sandbox']} of them per sandbox on the host's side"
+            )
+
+        def ns_exec_note() -> str:
+            return (
+                f"namespace exec: p50 {s['ns_exec_ms']['p50']} ms = {s['ns_exec_inside_agent_ms']['p50']} ms inside "
+                f"the agent + {s['ns_exec_outside_agent_ms']['p50']} ms transport, p99 {s['ns_exec_ms']['p99']} ms; "
+                f"ping p50 {s['ns_ping_ms']['p50']} ms (podman sandbox: exec {s['exec_ms']['p50']} ms, ping "
+                f"{s['ping_ms']['p50']} ms)"
+            )
+
+        def ns_cold_note() -> str:
+            return (
+                f"namespace cold start: p50 {s['ns_cold_run_ms']['p50']} ms (create {s['ns_cold_create_ms']['p50']} "
+                f"ms) / p99 {s['ns_cold_run_ms']['p99']} ms vs podman {s['cold_run_ms']['p50']} ms (create "
+                f"{s['cold_create_ms']['p50']} ms); the first start with the image lookup took "
+                f"{d['ns_first_start_and_destroy_ms']} ms with its destroy"
+            )
+
+        def ns_disk_note() -> str:
+            return (
+                f"namespace disk: the writable layer holds {d['ns_disk_upper_fresh_bytes']} bytes fresh, "
+                f"{d['ns_disk_upper_after_episode_bytes']} after the episode; image {d['ns_disk_image_bytes']} bytes"
+            )
+
+        def ns_concurrent_note() -> str:
+            step, full = d["ns_footprint_at_podman_count"], d["ns_footprint_at_full_count"]
+            return (
+                f"namespace concurrent: {d['ns_concurrent_created']} created in {d['ns_concurrent_create_s']} s, "
+                f"{d['ns_concurrent_exec_ok']} execs ok in {d['ns_concurrent_exec_s']} s, destroyed in "
+                f"{d['ns_concurrent_destroy_s']} s; PSS per sandbox {step['pss_per_sandbox_mib']} MiB at "
+                f"{step['sandboxes']}, {full['pss_per_sandbox_mib']} MiB at {full['sandboxes']} (the shared nsbox "
+                f"daemon: {full['daemon_pss_mib']} MiB, not counted); host memory in use per sandbox "
+                f"{d['ns_mem_used_per_sandbox_mib_at_podman_count']} MiB at {step['sandboxes']} (podman: "
+                f"{d.get('concurrent_mem_per_sandbox_mib', '-')} MiB, kernel memory included)"
+            )
+
         def ssh_note() -> str:
             return (
                 f"ssh: exec p50 {s['ssh_exec_ms']['p50']} ms, agent ping {s['ssh_ping_ms']['p50']} ms, echo rtt "
@@ -663,7 +724,11 @@ class EnvBench:
             return "load average (1 min) at phase start: " + ", ".join(f"{k} {v[0]}" for k, v in loads.items() if v)
 
         out = []
-        for note in (exec_note, warm_note, concurrent_note, ssh_note, load_note):
+        notes = (
+            exec_note, warm_note, concurrent_note, podman_footprint_note, ns_exec_note, ns_cold_note, ns_disk_note,
+            ns_concurrent_note, ssh_note, load_note,
+        )  # fmt: skip
+        for note in notes:
             try:
                 out.append(note())
             except KeyError:
@@ -693,6 +758,7 @@ class EnvBench:
             "details": self.details,
             "errors": self.errors,
             "leftover_containers_removed_at_exit": leftovers,
+            "leftover_ns_sandboxes_removed_at_exit": self.ns_leftovers,
             "wall_s": round(self.progress.elapsed_s(), 1),
         }
 
@@ -791,6 +857,200 @@ def _children_pss_mib() -> float:
     return total_kib / 1024
 
 
+class _Batch:
+    """Sandboxes of one backend held at once (the concurrency phases): started CREATE_CONCURRENCY at a time,
+    then one exec('echo ok') in each, all at once; destroyed CREATE_CONCURRENCY at a time."""
+
+    def __init__(self, backend: PodmanBackend | NamespaceBackend, spec: SandboxSpec) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.sandboxes: list[AgentSandbox] = []
+        self.problems: list[str] = []
+        self.exec_ok = 0
+        self._limiter = anyio.CapacityLimiter(CREATE_CONCURRENCY)
+
+    async def create(self, count: int) -> float:
+        """Start ``count`` more sandboxes (failures go to ``problems``); returns the seconds it took."""
+
+        async def create_one() -> None:
+            async with self._limiter:
+                try:
+                    with anyio.fail_after(300):
+                        self.sandboxes.append(await self.backend.create(self.spec))
+                except (InfraError, TimeoutError) as exc:
+                    self.problems.append(f"create: {type(exc).__name__}: {exc}")
+
+        start = time.perf_counter_ns()
+        async with anyio.create_task_group() as tg:
+            for i in range(count):
+                tg.start_soon(create_one, name=f"create sandbox {len(self.sandboxes) + i}")
+        return ms_since(start) / 1000
+
+    async def exec_all(self) -> float:
+        """exec('echo ok') in every sandbox at once, counting successes in ``exec_ok``; returns seconds."""
+
+        async def exec_echo(sandbox: AgentSandbox) -> None:
+            try:
+                result = await sandbox.exec("echo ok", 60)
+            except InfraError as exc:
+                self.problems.append(f"exec in {sandbox.name}: {type(exc).__name__}: {exc}")
+                return
+            if result.exit_code == 0 and result.output == "ok\n":
+                self.exec_ok += 1
+            else:
+                self.problems.append(f"exec in {sandbox.name}: exit {result.exit_code}, output {result.output[:200]!r}")
+
+        start = time.perf_counter_ns()
+        async with anyio.create_task_group() as tg:
+            for sandbox in self.sandboxes:
+                tg.start_soon(exec_echo, sandbox, name=f"exec in {sandbox.name}")
+        return ms_since(start) / 1000
+
+    async def destroy_all(self) -> float | None:
+        """Destroy them all (shielded, at most CLEANUP_TIMEOUT_S); the seconds it took, None when cut off."""
+
+        async def destroy(sandbox: AgentSandbox) -> None:
+            async with self._limiter:
+                await sandbox.destroy()
+
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_S):
+            start = time.perf_counter_ns()
+            async with anyio.create_task_group() as tg:
+                for sandbox in self.sandboxes:
+                    tg.start_soon(destroy, sandbox, name=f"destroy {sandbox.name}")
+            return round(ms_since(start) / 1000, 2)
+        return None
+
+
+@dataclass(frozen=True)
+class _Proc:
+    ppid: int
+    pidns: str  # the /proc/PID/ns/pid link, e.g. "pid:[4026531836]"
+    start: int  # start time in clock ticks (tells a pid from its reuse)
+    cmdline: str
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """The host processes of a set of sandboxes and their memory (PSS: each shared page split among the
+    processes that map it, so summing over processes counts every page once)."""
+
+    sandboxes: int
+    processes: int
+    pss_mib: float
+    outside: list[str]  # command lines of the processes outside the sandboxes' PID namespaces
+    extra: dict[str, Any]
+
+    @property
+    def pss_per_sandbox_mib(self) -> float | None:
+        return round(self.pss_mib / self.sandboxes, 2) if self.sandboxes else None
+
+    @property
+    def outside_per_sandbox(self) -> float | None:
+        return round(len(self.outside) / self.sandboxes, 2) if self.sandboxes else None
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "sandboxes": self.sandboxes, "processes": self.processes, "pss_mib": round(self.pss_mib, 1),
+            "pss_per_sandbox_mib": self.pss_per_sandbox_mib, "outside_processes": len(self.outside),
+            "outside_per_sandbox": self.outside_per_sandbox,
+            "outside_examples": sorted({cmd[:160] for cmd in self.outside})[:5], **self.extra,
+        }  # fmt: skip
+
+
+def _processes() -> dict[int, _Proc]:
+    """Every process on the host that we can read: {pid: _Proc}."""
+    out: dict[int, _Proc] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            out[int(entry.name)] = _Proc(int(fields[1]), os.readlink(entry / "ns" / "pid"), int(fields[19]), cmdline)
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile, or a kernel thread we cannot look into
+    return out
+
+
+def _descendants(procs: dict[int, _Proc], roots: Iterable[int]) -> set[int]:
+    """The roots (those still alive) and all their descendants."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, proc in procs.items():
+        children[proc.ppid].append(pid)
+    seen: set[int] = set()
+    todo = [pid for pid in roots if pid in procs]
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo.extend(children[pid])
+    return seen
+
+
+def _pss_kib(pid: int) -> int:
+    try:
+        for row in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if row.startswith("Pss:"):
+                return int(row.split()[1])
+    except (OSError, IndexError, ValueError):
+        pass  # exited meanwhile
+    return 0
+
+
+def _footprint(
+    ids: Collection[str], roots: Iterable[int], procs: dict[int, _Proc] | None = None, **extra: Any
+) -> Footprint:
+    """The host processes of these sandboxes: the roots, every process whose command line names one of the
+    ids (as a word: podman's conmon names its container in its options and paths), all their descendants,
+    and every process in a PID namespace (other than ours) that one of those is in. ``outside``: those of
+    them in our PID namespace, i.e. on the host's side of the sandboxes."""
+    procs = _processes() if procs is None else procs
+    host_ns = os.readlink("/proc/self/ns/pid")
+    wanted = set(ids)
+    named = {pid for pid, proc in procs.items() if wanted.intersection(re.findall(r"[\w.-]+", proc.cmdline))}
+    members = _descendants(procs, {*roots, *named})
+    sandbox_ns = {procs[pid].pidns for pid in members} - {host_ns}
+    members |= {pid for pid, proc in procs.items() if proc.pidns in sandbox_ns}
+    outside = [procs[pid].cmdline for pid in sorted(members) if procs[pid].pidns not in sandbox_ns]
+    pss_mib = sum(_pss_kib(pid) for pid in members) / 1024
+    return Footprint(len(wanted), len(members), pss_mib, outside, extra)
+
+
+def _podman_footprint(cids: list[str]) -> Footprint:
+    """Podman containers: found through the processes naming them (the container's conmon, each exec session's
+    conmon, the `podman exec -i` attach process); catatonit and the agent are their descendants."""
+    return _footprint(cids, [])
+
+
+def _ns_footprint(ids: list[str], pids: list[int], before: set[tuple[int, int]]) -> Footprint:
+    """Namespace sandboxes (their PID 1s' host pids given), see EnvBench._ns_footprint."""
+    procs = _processes()
+    host_ns = os.readlink("/proc/self/ns/pid")
+    daemons = {procs[pid].ppid for pid in pids if pid in procs}
+    helpers = [pid for pid, proc in procs.items() if proc.ppid in daemons and proc.pidns == host_ns]
+    me = os.getpid()
+    new_children = [pid for pid in _descendants(procs, [me]) - {me} if (pid, procs[pid].start) not in before]
+    return _footprint(
+        ids, [*pids, *helpers, *new_children], procs,
+        daemon_pids=sorted(daemons), daemon_pss_mib=round(sum(_pss_kib(pid) for pid in daemons) / 1024, 2),
+    )  # fmt: skip
+
+
+def _own_descendants() -> set[tuple[int, int]]:
+    """(pid, start time) of this process's descendants now."""
+    procs = _processes()
+    return {(pid, procs[pid].start) for pid in _descendants(procs, [os.getpid()]) - {os.getpid()}}
+
+
+def _du_bytes(path: Path) -> int:
+    """``du -sb PATH``: apparent bytes of the files and directories under it."""
+    done = subprocess.run(["du", "-sb", str(path)], capture_output=True, timeout=120, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"du -sb {path} exited {done.returncode}: {done.stderr.decode(errors='replace')[-300:]}")
+    return int(done.stdout.split()[0])
+
+
 def _podman_version() -> str:
     out = run_local_podman("version", "--format", "{{.Client.Version}}", timeout=60, check=False)
     return out.stdout.decode().strip() or f"unknown ({out.stderr.decode(errors='replace').strip()[:200]})"
@@ -830,6 +1090,10 @@ def main(argv: list[str] | None = None) -> int:
         leftovers = remove_leftovers(bench)
         if leftovers:
             bench.progress(f"removed {leftovers} leftover containers of this run")
+        if bench.ns_backend_open:  # the in-loop cleanup was cut short (a second Ctrl-C)
+            anyio.run(bench.remove_ns_sandboxes, backend="asyncio")
+        if bench.ns_leftovers:
+            bench.progress(f"removed {bench.ns_leftovers} leftover namespace sandboxes of this run")
     if bench.interrupted:
         bench.progress("interrupted: no results written; everything this run created is removed")
         return 130

@@ -1,5 +1,5 @@
-"""`swectl eval` in validation mode on the whole bundled set (every gold patch resolves, no empty patch
-does) and on a SWE-bench predictions file."""
+"""`swectl eval` in validation mode on the whole bundled set, on both sandbox backends (every gold patch
+resolves, no empty patch does), and on a SWE-bench predictions file."""
 
 from __future__ import annotations
 
@@ -32,9 +32,13 @@ def test_bundled_set_is_big_enough_and_diverse() -> None:
         assert t.patch not in t.problem_statement
 
 
+@pytest.mark.parametrize("backend", ["podman", "namespace"])
 @pytest.mark.parametrize("mode", ["gold", "empty"])
-def test_validation_on_bundled_set(mode: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["eval", f"--{mode}", "--concurrency", "4", "--out", str(tmp_path)])
+def test_validation_on_bundled_set(
+    mode: str, backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(["eval", f"--{mode}", "--concurrency", "4", "--set", f'sandbox.backend="{backend}"',
+               "--out", str(tmp_path)])  # fmt: skip
     r = report(tmp_path)
     assert rc == 0, capsys.readouterr().out[-3000:]
     assert r["total"] == len(load_tasks(BUNDLED_TASKS).tasks)

@@ -62,6 +62,16 @@ def test_eval_with_the_tiny_model(model: Path, tmp_path: Path, capsys: pytest.Ca
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
 
 
+def test_eval_with_the_tiny_model_on_namespace_sandboxes(model: Path, tmp_path: Path) -> None:
+    args = ["eval", "--model", str(model), "--slice", "0:2", "--step-limit", "2", "--max-tokens", "24",
+            "--concurrency", "2", "--set", 'sandbox.backend="namespace"', "--out", str(tmp_path)]
+    assert main(args) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["finished"] == summary["total"] == 2
+    assert summary["infra_errors"] == 0
+    assert ": namespace sandboxes on 1 node(s)" in (tmp_path / "swectl.log").read_text()
+
+
 @contextlib.contextmanager
 def replay_server(model: Path, replies: dict[str, list[str]], tmp_path: Path) -> Iterator[str]:
     """remote/programs/replay_server.py answering with ``replies`` per instance; yields its URL."""
