@@ -159,6 +159,9 @@ class NodeReport(msgspec.Struct, frozen=True):
     swectl_containers: int = 0
     exec_ok: bool = False
     problems: list[str] = []  # each "<problem> -- hint: <what to do>"
+    backend: str = "podman"  # the configured sandbox backend the check exercised
+    namespace: str = ""  # whether the node can run namespace sandboxes: "yes", or "no: <why>"
+    unenforced_limits: list[str] = []  # limits namespace sandboxes could not enforce there (no cgroup controller)
 
 
 class NodeStatistics(msgspec.Struct, frozen=True):

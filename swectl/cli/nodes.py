@@ -12,6 +12,7 @@ from swectl.cli.common import config_args
 from swectl.config import ClusterConfig, SshNodeConfig, load_config
 from swectl.errors import InfraError
 from swectl.remote.nodes.backends import close_backends, make_backends
+from swectl.remote.nodes.namespace_sandbox import NamespaceBackend
 from swectl.remote.nodes.podman_sandbox import PodmanBackend
 from swectl.sandbox import LABEL_MANAGED
 from swectl.schema import NodeReport, SandboxSpec
@@ -24,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     nodes = sub.add_parser("nodes", help="inspect and clean container nodes")
     nodes_sub = nodes.add_subparsers(dest="nodes_command", required=True, metavar="ACTION")
     check = nodes_sub.add_parser(
-        "check", help="connect to every node; report podman version, images, disk, swectl containers, problems"
+        "check", help="connect to every node; report podman version, images, disk, swectl sandboxes, whether it "
+        "can run namespace sandboxes, problems"
     )
     config_args(check)
     check.add_argument("--json", action="store_true", help="print the reports as JSON")
@@ -53,14 +55,20 @@ async def check_nodes(config: ClusterConfig, *, timeout_s: float = 60.0) -> list
 
 
 async def _check_one(
-    config: ClusterConfig, node_config, backend: PodmanBackend, out: dict[str, NodeReport], timeout_s: float
+    config: ClusterConfig,
+    node_config,
+    backend: PodmanBackend | NamespaceBackend,
+    out: dict[str, NodeReport],
+    timeout_s: float,
 ) -> None:
-    report = dict(node=node_config.name, ok=False, problems=[])
+    report = dict(node=node_config.name, ok=False, problems=[], backend=config.sandbox.backend)
     problems: list[str] = report["problems"]
     with anyio.move_on_after(timeout_s) as scope:
         try:
+            await _check_namespace_support(config, backend, report)
             await backend.prepare()
-            report["podman_version"] = await backend.probe()
+            await backend.probe()
+            report["podman_version"] = await backend.podman.version()
         except InfraError as exc:
             problems.append(f"{exc} -- hint: {_connect_hint(node_config, str(exc))}")
             out[node_config.name] = NodeReport(**report)
@@ -98,6 +106,25 @@ async def _check_one(
     out[node_config.name] = NodeReport(**report)
 
 
+async def _check_namespace_support(
+    config: ClusterConfig, backend: PodmanBackend | NamespaceBackend, report: dict
+) -> None:
+    """Whether the node could run namespace sandboxes, and why not (for every backend: it is a choice)."""
+    await backend.node.connect()
+    try:
+        support = await NamespaceBackend(backend.node, config.sandbox).check()
+    except InfraError as exc:
+        report["namespace"] = f"no: the check did not run ({exc})"
+        return
+    report["namespace"] = "yes" if support["ok"] else "no: " + "; ".join(support["problems"])
+    report["unenforced_limits"] = support["unenforced_limits"]
+    if config.sandbox.backend == "namespace" and support["unenforced_limits"]:
+        report["problems"].append(
+            f"namespace sandboxes here cannot enforce {', '.join(support['unenforced_limits'])} limits (no cgroup "
+            "controller for them) -- hint: enable the controllers, or use sandbox.backend = \"podman\""
+        )
+
+
 def _connect_hint(node_config, message: str) -> str:
     if isinstance(node_config, SshNodeConfig):
         if "host key" in message or "known_hosts" in message:
@@ -117,7 +144,8 @@ def format_reports(reports: list[NodeReport]) -> str:
         disk = f"{r.free_disk_gb} GB free" if r.free_disk_gb is not None else "disk ?"
         lines.append(
             f"{r.node:<12} {status:<8} podman {r.podman_version or '?':<8} {len(r.images)} images  {disk}  "
-            f"{r.swectl_containers} swectl containers  exec {'ok' if r.exec_ok else 'FAILED'}"
+            f"{r.swectl_containers} swectl sandboxes  exec on {r.backend} {'ok' if r.exec_ok else 'FAILED'}  "
+            f"namespace sandboxes: {r.namespace or '?'}"
         )
         lines += [f"    - {p}" for p in r.problems]
     return "\n".join(lines)
