@@ -91,6 +91,9 @@ class SandboxConfig(_Section):
     ns_scratch: Literal["disk", "tmpfs"] = "disk"  # where a sandbox's writable layer lives
     ns_scratch_size: str = "4g"  # the tmpfs scratch's size (a write past it fails inside with ENOSPC)
     ns_python: str = "python3"  # the node's interpreter for the daemon (a local node uses the controller's)
+    # image name -> a rootfs tarball on this machine (`podman export`, debootstrap + tar): shipped to each node
+    # once, unpacked there by content hash; the way to run images on nodes without Podman
+    ns_rootfs: dict[str, str] = {}
 
 
 class EnvPoolConfig(_Section):

@@ -10,7 +10,9 @@ Nothing else of a sandbox lives outside its namespaces on the node, and closing 
 agent exits, and with it the namespace).
 
 Images come from the node's Podman store (``podman image inspect``: layer directories and environment),
-resolved once per image and backend. The exec agent needs no python3 in the image: it runs on the node's
+resolved once per image and backend, or, for nodes without Podman, from a rootfs tarball on this machine
+(``sandbox.ns_rootfs``) that is shipped once and unpacked on the node under its content hash (unsafe
+members refused by name). The exec agent needs no python3 in the image: it runs on the node's
 interpreter, loaded before the sandbox's root is entered.
 
 Covered: filesystem (overlay over read-only layers, old root detached), processes (PID namespace), network
@@ -21,6 +23,7 @@ namespaces and seccomp (root inside is root with Podman's capability set); the k
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -233,6 +236,10 @@ class NamespaceBackend:
         cached = self._roots.get(image)
         if cached is not None:
             return cached
+        if image in self.config.ns_rootfs:
+            root = await self._tarball_root(image, self.config.ns_rootfs[image])
+            self._roots[image] = root
+            return root
         out = await self.podman.run("image", "inspect", "--format", "{{json .}}", qualify_image(image), check=False)
         if out.exit_code != 0:
             raise CommandError(
@@ -257,6 +264,26 @@ class NamespaceBackend:
         root = ImageRoot(image_id=data.get("Id", ""), layers=layers, env=env)
         self._roots[image] = root
         return root
+
+    async def _tarball_root(self, image: str, tarball: str) -> ImageRoot:
+        """The image's rootfs tarball, unpacked once on the node under its content hash."""
+        try:
+            data = await (await anyio.Path(tarball).expanduser()).read_bytes()
+        except OSError as exc:
+            raise SandboxError(f"sandbox.ns_rootfs[{image!r}]: cannot read {tarball}: {exc}") from exc
+        digest = await anyio.to_thread.run_sync(lambda: hashlib.sha256(data).hexdigest())
+        target = f"{self.config.ns_state_dir}/rootfs/{digest}"
+        exists = await self.node.run(["test", "-d", target])
+        if exists.exit_code != 0:
+            argv = self._argv("unpack", self.config.ns_state_dir, digest)
+            out = await self.node.run(argv, input=_blob(nsbox_source()) + data)
+            if out.exit_code != 0:
+                stderr = out.stderr.decode(errors="replace")
+                raise CommandError(self.name, argv[:4] + argv[5:], out.exit_code, stderr)
+            reply = json.loads(out.stdout or b"{}")
+            if not reply.get("ok"):
+                raise SandboxError(f"rootfs tarball {tarball} for {image} on {self.name}: {reply.get('error')}")
+        return ImageRoot(image_id=f"sha256:{digest}", layers=[target], env={})
 
     def _require_socket(self) -> str:
         if self._socket is None:

@@ -11,6 +11,8 @@ Started as ``python3 -S -I -c BOOTSTRAP MODE ARGS`` with ``b"%d\\n" % len(src) +
   (the SSH path; a local controller passes a socket instead), then wait as ``tail --pid`` until the sandbox
   ends (sshd closes a channel whose process exited); a launch failure is written to stdout as an
   exec-agent error frame.
+- ``unpack STATE_DIR SHA256``: extract the rootfs tarball that follows on stdin into STATE_DIR/rootfs/SHA256
+  (for nodes without Podman), refusing unsafe members by name and a content that does not match.
 - ``check``: what this host supports, as JSON (no daemon needed).
 
 The daemon (one per node, not per sandbox) answers one JSON line per connection on its unix socket:
@@ -787,6 +789,80 @@ def _error_frame(message):
     return b"\x84\xa4kind\xa5error\xa2id\x00\xa5error\xda" + struct.pack(">H", len(raw)) + raw + b"\xa5errno\xc0"
 
 
+class UnsafeMember(Exception):
+    """A rootfs tarball member that would land outside the tree, or a device file."""
+
+
+def _safe_member(member, dest):
+    """Keep a member only if it stays inside ``dest``: no absolute name, no ``..``, no device or fifo (those
+    under ``dev/`` are skipped: a sandbox mounts its own /dev over it), no hard link out of the tree, and no
+    parent directory that is a symlink (which would redirect the write). Symlinks themselves may point
+    anywhere: they resolve inside the sandbox's root. None: skip the member."""
+    name = member.name
+    parts = name.split("/")
+    if name.startswith("/") or ".." in parts:
+        raise UnsafeMember(f"{name!r}: absolute or '..' path")
+    if member.ischr() or member.isblk() or member.isfifo():
+        if parts[0] == "dev" or parts[:2] == [".", "dev"]:
+            return None  # an export's /dev/console and the like: the sandbox mounts its own /dev there
+        raise UnsafeMember(f"{name!r}: device file or fifo")
+    if member.islnk() and (member.linkname.startswith("/") or ".." in member.linkname.split("/")):
+        raise UnsafeMember(f"{name!r}: hard link to {member.linkname!r} outside the tree")
+    parent = dest
+    for part in parts[:-1]:
+        if not part or part == ".":
+            continue
+        parent = os.path.join(parent, part)
+        if os.path.islink(parent):
+            raise UnsafeMember(f"{name!r}: its directory {part!r} is a symlink")
+    return member
+
+
+def unpack(state_dir, digest, stream):
+    """Extract a rootfs tarball from ``stream`` into STATE_DIR/rootfs/DIGEST (atomically; the content's
+    sha256 must match DIGEST). Returns the directory."""
+    import tarfile
+
+    final = os.path.join(state_dir, "rootfs", digest)
+    if os.path.isdir(final):
+        return final
+    work = f"{final}.tmp-{os.getpid()}"
+    os.makedirs(work)
+    hasher = hashlib.sha256()
+
+    class Hashing:
+        def read(self, n=-1):
+            data = stream.read(n)
+            hasher.update(data)
+            return data
+
+    try:
+        try:
+            with tarfile.open(fileobj=Hashing(), mode="r|*") as tar:
+                for member in tar:
+                    member = _safe_member(member, work)
+                    if member is None:
+                        continue
+                    try:  # our own checks ran; tarfile's filters (3.12+, backported) would refuse absolute symlinks
+                        tar.extract(member, work, filter="fully_trusted")
+                    except TypeError:  # an interpreter without extraction filters
+                        tar.extract(member, work)
+            while Hashing().read(1 << 20):  # tar's end-of-archive padding counts toward the digest
+                pass
+        except (tarfile.TarError, EOFError) as exc:
+            raise UnsafeMember(f"not a complete tar archive ({exc})") from exc
+        if hasher.hexdigest() != digest:
+            got = hasher.hexdigest()[:16]
+            raise UnsafeMember(f"content sha256 {got} is not the expected {digest[:16]} (truncated?)")
+        for d in ("proc", "sys", "dev", "tmp"):
+            _mkdirs(os.path.join(work, d))
+        os.rename(work, final)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return final
+
+
 def _read_blob(stream):
     n = int(stream.readline())
     return stream.read(n)
@@ -807,8 +883,16 @@ def main(argv, source):
         return 0
     if mode == "attach":
         return attach(argv[2], json.loads(argv[3]))
-    print(f"usage: nsbox check | ensure STATE_DIR | call SOCKET | attach SOCKET REQUEST (got {argv[1:]})",
-          file=sys.stderr)  # fmt: skip
+    if mode == "unpack":
+        try:
+            print(json.dumps({"ok": True, "dir": unpack(argv[2], argv[3], stdin)}))
+        except (UnsafeMember, OSError) as exc:
+            while stdin.read(1 << 20):  # take the rest, so that the sender sees an answer, not a broken pipe
+                pass
+            print(json.dumps({"ok": False, "error": str(exc)}))
+        return 0
+    usage = "check | ensure STATE_DIR | call SOCKET | attach SOCKET REQUEST | unpack STATE_DIR SHA256"
+    print(f"usage: nsbox {usage} (got {argv[1:]})", file=sys.stderr)
     return 2
 
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -199,3 +200,111 @@ async def test_env_pool_runs_on_the_namespace_backend() -> None:
         backend = await new_backend(kind="namespace")
         assert len(await backend.list({"swectl.run": run_id})) >= 2
     assert await backend.list({"swectl.run": run_id}) == []
+
+
+# ------------------------------------------------------------------------------ rootfs tarballs (no Podman)
+
+
+@pytest.fixture(scope="module")
+def base_rootfs_tar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The base image as a rootfs tarball, the way a user makes one for a node without Podman."""
+    from .conftest import BASE_IMAGE, podman
+
+    out = tmp_path_factory.mktemp("rootfs") / "base.tar"
+    created = podman("create", BASE_IMAGE, "true")
+    assert created.returncode == 0, created.stderr
+    cid = created.stdout.decode().strip()
+    try:
+        exported = podman("export", "-o", str(out), cid, timeout=300)
+        assert exported.returncode == 0, exported.stderr
+    finally:
+        podman("rm", "-f", cid)
+    yield out
+    import hashlib
+    import shutil
+
+    unpacked = STATE_DIR / "rootfs" / hashlib.sha256(out.read_bytes()).hexdigest()
+    shutil.rmtree(unpacked, ignore_errors=True)  # the node's rootfs cache keeps what it unpacked
+
+
+async def test_a_rootfs_tarball_runs_without_the_podman_store(base_rootfs_tar: Path) -> None:
+    image = f"rootfs-test-{SESSION_ID}"
+    backend = await new_backend(SandboxConfig(ns_rootfs={image: str(base_rootfs_tar)}), kind="namespace")
+    box = await create_sandbox(backend, make_spec(image, workdir="/srv"))
+    try:
+        result = await box.exec("python3 -c 'print(6 * 7)'; git --version | cut -d' ' -f1; pwd; echo $PATH", 30)
+        assert result.output.splitlines()[:3] == ["42", "git", "/srv"], result
+        assert "/usr/bin" in result.output
+    finally:
+        await box.destroy()
+    assert backend._roots[image].image_id.startswith("sha256:")
+
+
+def _tar(path: Path, members: list[tuple[str, str, str]]) -> Path:
+    """A small tarball: (name, kind, payload) with kind file | dir | symlink | chr | hardlink."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for name, kind, payload in members:
+            info = tarfile.TarInfo(name)
+            data = None
+            if kind == "file":
+                data = payload.encode()
+                info.size = len(data)
+            elif kind == "dir":
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+            elif kind == "symlink":
+                info.type, info.linkname = tarfile.SYMTYPE, payload
+            elif kind == "hardlink":
+                info.type, info.linkname = tarfile.LNKTYPE, payload
+            elif kind == "chr":
+                info.type, info.devmajor, info.devminor = tarfile.CHRTYPE, 1, 1
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("members", "named"),
+    [
+        pytest.param([("bin", "dir", ""), ("/etc/swectl-pwned", "file", "x")], "/etc/swectl-pwned", id="absolute"),
+        pytest.param(
+            [("bin", "dir", ""), ("bin/../../swectl-pwned", "file", "x")], "bin/../../swectl-pwned", id="dotdot"
+        ),
+        pytest.param([("bin", "dir", ""), ("bin/mem", "chr", "")], "bin/mem", id="device"),
+        pytest.param(
+            [("etc", "symlink", "/tmp"), ("etc/swectl-pwned", "file", "x")], "etc/swectl-pwned",
+            id="through-a-symlink",
+        ),
+        pytest.param([("shadow", "hardlink", "/etc/shadow")], "shadow", id="hardlink-out"),
+    ],
+)
+async def test_unsafe_rootfs_tarballs_are_refused_by_name(
+    tmp_path: Path, members: list[tuple[str, str, str]], named: str
+) -> None:
+    image = f"unsafe-{uuid4_hex()}"
+    tarball = _tar(tmp_path / "bad.tar", members)
+    backend = await new_backend(SandboxConfig(ns_rootfs={image: str(tarball)}), kind="namespace")
+    with pytest.raises(InfraError) as caught, anyio.fail_after(60):
+        await backend.create(make_spec(image))
+    assert repr(named) in str(caught.value), caught.value
+    assert not await anyio.Path("/tmp/swectl-pwned").exists()
+    assert not await anyio.Path("/etc/swectl-pwned").exists()
+    assert not [p for p in (STATE_DIR / "rootfs").iterdir() if ".tmp-" in p.name]
+
+
+async def test_a_truncated_rootfs_tarball_is_refused(base_rootfs_tar: Path, tmp_path: Path) -> None:
+    image = f"truncated-{uuid4_hex()}"
+    cut = tmp_path / "cut.tar"
+    with base_rootfs_tar.open("rb") as f:
+        cut.write_bytes(f.read(3_000_000))
+    backend = await new_backend(SandboxConfig(ns_rootfs={image: str(cut)}), kind="namespace")
+    with pytest.raises(InfraError, match="not a complete tar archive"), anyio.fail_after(60):
+        await backend.create(make_spec(image))
+    assert not [p for p in (STATE_DIR / "rootfs").iterdir() if ".tmp-" in p.name]
+
+
+def uuid4_hex() -> str:
+    import uuid
+
+    return uuid.uuid4().hex[:12]
