@@ -1,9 +1,11 @@
 """just bench grade: seconds per graded task and tasks graded per minute on one node, next to the swebench harness.
 
 Grades the gold patches of bundled tasks with swectl's Grader at concurrency 1, 4 and 8 (fresh sandbox per
-task, setup patch, apply ladder, eval script, swebench parser), then the same tasks with the official
-swebench 5.x harness (``run_instance``) through Podman's Docker-compatible API, sequentially. Writes
-benchmarks/results/grade.json with grade_p50_s, grades_per_min_c1/c4/c8 and swebench_grade_p50_s.
+task, setup patch, apply ladder, eval script, swebench parser) on each sandbox backend (``sandbox.backend``
+podman, then namespace), then the same tasks with the official swebench 5.x harness (``run_instance``) through
+Podman's Docker-compatible API, sequentially. Writes benchmarks/results/grade.json with grade_p50_s,
+grades_per_min_c1/c4/c8 (podman), the same with an ``ns_`` prefix (namespace: ns_grade_p50_s, ...),
+ns_grade_speedup (grade_p50_s / ns_grade_p50_s) and swebench_grade_p50_s.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from swectl.tasks.record import Task  # noqa: E402
 from swectl.tasks.sources import load_tasks  # noqa: E402
 
 SUITE = "grade"
+BACKENDS = {"podman": "", "namespace": "ns_"}  # sandbox.backend -> prefix of its metric keys and meta sections
 
 
 def pick(tasks: list[Task], n: int) -> list[Task]:
@@ -44,8 +47,10 @@ def pick(tasks: list[Task], n: int) -> list[Task]:
     return out
 
 
-async def grade_all(tasks: list[Task], concurrency: int) -> tuple[float, list[float], list[str]]:
-    config = load_config(None, ["env_pool.warm=0"])
+async def grade_all(
+    tasks: list[Task], concurrency: int, backend: str = "podman"
+) -> tuple[float, list[float], list[str]]:
+    config = load_config(None, ["env_pool.warm=0", f"sandbox.backend={backend}"])
     durations: list[float] = []
     statuses: list[str] = []
     async with running_pool(config) as pool, anyio.create_task_group() as actors:
@@ -72,34 +77,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=16, help="tasks per measurement (default 16)")
     parser.add_argument("--quick", action="store_true", help="8 tasks, skip concurrency 4")
     parser.add_argument("--no-swebench", action="store_true", help="skip the swebench harness baseline")
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help=f"sandbox backends to grade on, comma-separated (default: {','.join(BACKENDS)})")
     args = parser.parse_args(argv)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if unknown := sorted(set(backends) - set(BACKENDS)):
+        parser.error(f"--backends: unknown {', '.join(unknown)} (known: {', '.join(BACKENDS)})")
     n = 8 if args.quick else args.n
     tasks = pick(load_tasks(args.tasks).tasks, n)
     host = host_meta()
     print(f"grading {len(tasks)} gold patches; load {host['loadavg_start']}", file=sys.stderr)
     metrics: dict[str, float] = {}
-    meta: dict = {"tasks": [t.instance_id for t in tasks], "host": host}
-    for c in (1, 4, 8):
-        if args.quick and c == 4:
-            continue
-        elapsed, durations, statuses = anyio.run(grade_all, tasks, c)
-        metrics[f"grades_per_min_c{c}"] = round(len(tasks) / elapsed * 60, 2)
-        meta[f"c{c}"] = {"elapsed_s": round(elapsed, 2), "per_task_s": summarize(durations),
-                         "statuses": {s: statuses.count(s) for s in set(statuses)}}
-        if c == 1:
-            metrics["grade_p50_s"] = round(percentile(sorted(durations), 50), 3)
-        print(f"  concurrency {c}: {metrics[f'grades_per_min_c{c}']}/min", file=sys.stderr)
+    meta: dict = {"tasks": [t.instance_id for t in tasks], "host": host, "backends": backends}
+    for backend in backends:
+        p = BACKENDS[backend]
+        for c in (1, 4, 8):
+            if args.quick and c == 4:
+                continue
+            elapsed, durations, statuses = anyio.run(grade_all, tasks, c, backend)
+            metrics[f"{p}grades_per_min_c{c}"] = round(len(tasks) / elapsed * 60, 2)
+            meta[f"{p}c{c}"] = {"elapsed_s": round(elapsed, 2), "per_task_s": summarize(durations),
+                                "statuses": {s: statuses.count(s) for s in set(statuses)}}
+            if c == 1:
+                metrics[f"{p}grade_p50_s"] = round(percentile(sorted(durations), 50), 3)
+            print(f"  {backend}, concurrency {c}: {metrics[f'{p}grades_per_min_c{c}']}/min", file=sys.stderr)
+    if metrics.get("grade_p50_s") and metrics.get("ns_grade_p50_s"):
+        metrics["ns_grade_speedup"] = round(metrics["grade_p50_s"] / metrics["ns_grade_p50_s"], 2)
     if not args.no_swebench:
         for t in tasks:
             task_image(t)  # made once, outside the timing
         verdicts = grade_official([(t, t.patch) for t in tasks])
         secs = sorted(v.seconds for v in verdicts)
         metrics["swebench_grade_p50_s"] = round(percentile(secs, 50), 3)
-        metrics["speedup_vs_swebench"] = round(metrics["swebench_grade_p50_s"] / metrics["grade_p50_s"], 2)
+        for p in (BACKENDS[b] for b in backends):
+            metrics[f"{p}speedup_vs_swebench"] = round(metrics["swebench_grade_p50_s"] / metrics[f"{p}grade_p50_s"], 2)
         meta["swebench"] = {"per_task_s": summarize(secs),
                             "resolved": sum(v.resolved for v in verdicts), "n": len(verdicts)}
-    goals = [Goal("grades_per_min_c8", ">=", metrics.get("grades_per_min_c1", 0.0),
-                  text=">= grades_per_min_c1 (concurrency helps)")]
+    goals = [Goal(f"{BACKENDS[b]}grades_per_min_c8", ">=", metrics.get(f"{BACKENDS[b]}grades_per_min_c1", 0.0),
+                  text=f">= {BACKENDS[b]}grades_per_min_c1 (concurrency helps)") for b in backends]
     report(SUITE, metrics, meta, goals)
     return 0
 
