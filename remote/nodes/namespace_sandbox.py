@@ -42,6 +42,7 @@ from swectl.remote.nodes.agent_client import AgentClient, agent_source
 from swectl.remote.nodes.agent_sandbox import AgentSandbox, RemovalBatcher, translate_lost
 from swectl.remote.nodes.node import LocalNode, Node, NodeProcess
 from swectl.remote.nodes.podman import PodmanCli, qualify_image
+from swectl.remote.programs import nsbox
 from swectl.remote.programs.nsbox import BOOTSTRAP
 from swectl.schema import SandboxInfo, SandboxSpec
 
@@ -68,6 +69,11 @@ def parse_size(text: str, what: str) -> int:
 
 def nsbox_source() -> bytes:
     return resources.files("swectl.remote.programs").joinpath("nsbox.py").read_bytes()
+
+
+def daemon_socket(state_dir: str) -> str:
+    """Where this version's nsbox daemon listens on a node with ``state_dir`` (one daemon per version)."""
+    return nsbox.socket_path(state_dir, nsbox.version_of(nsbox_source(), agent_source()))
 
 
 def _blob(data: bytes) -> bytes:
@@ -121,6 +127,7 @@ class NamespaceBackend:
         self.node = node
         self.config = config
         self.podman = PodmanCli(node, containers_conf)  # the image store the layers come from
+        self.cli = self.podman  # the container engine on the node, as the other backends name it
         self._local = isinstance(node, LocalNode)
         self._python = sys.executable if self._local else config.ns_python
         self._socket: str | None = None

@@ -351,7 +351,21 @@ def _reap_orphans() -> None:
             return
 
 
+def _not_dumpable() -> None:
+    """Commands run as the agent's own user, so they could open /proc/<agent>/fd/1 and write frames into
+    the controller's channel (a forged reply: a grading command passing itself off as its test run), or read
+    /proc/<agent>/exe and environ. A process that is not dumpable keeps those files to holders of
+    CAP_SYS_PTRACE, which no sandbox has. Commands it starts are dumpable again (execve)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except (ImportError, OSError, AttributeError):  # a python without ctypes: the escape tests notice
+        pass
+
+
 def main() -> None:
+    _not_dumpable()
     # The bootstrap already read through this buffered reader, so frames must come from it too.
     stdin = sys.stdin.buffer
     version = platform.python_version()

@@ -4,8 +4,8 @@ on the node's own python3 (3.8+) as root, shipped over the node channel like the
 
 Started as ``python3 -S -I -c BOOTSTRAP MODE ARGS`` with ``b"%d\\n" % len(src) + src`` on stdin:
 
-- ``ensure STATE_DIR``: make sure this version's daemon serves ``STATE_DIR/nsd.sock`` (a daemon of another
-  version is retired first: it kills its sandboxes and exits); print ``{"socket", "version", "pid"}``.
+- ``ensure STATE_DIR``: make sure this version's daemon serves ``STATE_DIR/nsd-VERSION.sock`` (daemons of
+  other versions keep serving their own sandboxes, and exit once idle); print ``{"socket", "version", "pid"}``.
 - ``call SOCKET``: send the JSON request that follows the source on stdin, print the JSON reply.
 - ``attach SOCKET REQUEST``: hand this process's stdin and stdout to the daemon as a new sandbox's channel
   (the SSH path; a local controller passes a socket instead), then wait as ``tail --pid`` until the sandbox
@@ -15,10 +15,11 @@ Started as ``python3 -S -I -c BOOTSTRAP MODE ARGS`` with ``b"%d\\n" % len(src) +
   (for nodes without Podman), refusing unsafe members by name and a content that does not match.
 - ``check``: what this host supports, as JSON (no daemon needed).
 
-The daemon (one per node, not per sandbox) answers one JSON line per connection on its unix socket:
-``ping``, ``launch`` (with the channel's fds passed as SCM_RIGHTS), ``list``, ``remove`` (answered once the
-sandboxes are gone and cleaned up), ``retire``. It is every sandbox's parent (a child subreaper), reaps
-them, and removes each one's cgroups, scratch directory and record when it dies, whoever killed it.
+The daemon (one per node and version, not per sandbox) answers one JSON line per connection on its unix
+socket: ``ping``, ``launch`` (with the channel's fds passed as SCM_RIGHTS; answered once the sandbox has set
+itself up, while other requests and launches go on), ``list``, ``remove`` (answered once the sandboxes are
+gone and cleaned up), ``retire``. It is every sandbox's parent (a child subreaper), reaps them, and removes
+each one's cgroups, scratch directory and record when it dies, whoever killed it.
 
 A sandbox is: new mount, PID, IPC, UTS and (unless ``network``) network namespaces; an overlay whose
 lower layers are the image's read-only layer directories and whose upper is on the node's disk (or a
@@ -43,7 +44,6 @@ import io
 import json
 import os
 import platform
-import select
 import selectors
 import shutil
 import signal
@@ -61,7 +61,7 @@ BOOTSTRAP = (
     "exec(compile(src, 'swectl_nsbox.py', 'exec'), {'__name__': '__swectl_nsbox__', '__nsbox_source__': src})\n"
 )
 
-SOCKET_NAME = "nsd.sock"
+IDLE_EXIT_S = 900.0  # a daemon with no sandboxes for this long exits (the next `ensure` starts it again)
 MAX_REQUEST = 1 << 20
 SETUP_TIMEOUT_S = 30.0
 CONTROLLERS = ("memory", "pids", "cpu")
@@ -207,7 +207,8 @@ class Box:
         self.pid = 0
         self.starttime = None
         self.state = "creating"
-        self.cleaning = 0  # pid of the `rm -rf` removing the scratch directory
+        self.doomed = False  # a remove came while it was starting
+        self.daemon = None  # [pid, starttime] of the daemon that started it
 
     def describe(self):
         r = self.request
@@ -217,7 +218,8 @@ class Box:
         }
 
     def save(self):
-        data = {**self.describe(), "starttime": self.starttime, "cgroups": self.cgroups, "dir": self.dir}
+        data = {**self.describe(), "starttime": self.starttime, "cgroups": self.cgroups, "dir": self.dir,
+                "daemon": self.daemon}  # fmt: skip
         tmp = self.record + ".tmp"
         with open(tmp, "w") as f:
             json.dump(data, f)
@@ -410,7 +412,7 @@ def setup_root(box):
     os.rmdir("/.swectl-oldroot")
 
 
-def run_sandbox(box, channel_fds, status_w, agent_source):
+def run_sandbox(box, channel_fds, status_w, agent_code):
     """PID 1 of a new sandbox: set it up, report, become the exec agent. Never returns."""
     r = box.request
     try:
@@ -443,14 +445,15 @@ def run_sandbox(box, channel_fds, status_w, agent_source):
         os._exit(1)
     try:
         sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "rb", closefd=False)), encoding="utf-8")
-        code = compile(agent_source, "swectl_exec_agent.py", "exec")
-        exec(code, {"__name__": "__swectl_agent__"})
+        exec(agent_code, {"__name__": "__swectl_agent__"})
     finally:
         os._exit(0)
 
 
-def launch(box, channel_fds, state_dir, agent_source, mounts):
-    """Start the sandbox (daemon side); returns its host pid or raises SetupError."""
+def start_launch(box, channel_fds, agent_code, mounts):
+    """Fork the sandbox (daemon side): returns the read end of its status pipe. The first child joins the
+    cgroups, unshares and forks PID 1 of the sandbox, reports its pid and exits; PID 1 reports ``ok`` or
+    ``error ...`` once set up. ``finish_launch`` reads the report."""
     os.makedirs(box.dir, exist_ok=True)
     box.cgroups = make_cgroups(box, mounts)
     status_r, status_w = os.pipe()
@@ -458,7 +461,7 @@ def launch(box, channel_fds, state_dir, agent_source, mounts):
     if not box.request.get("network"):
         flags |= CLONE_NEWNET
     first = os.fork()
-    if first == 0:  # joins the cgroups, unshares, forks PID 1 of the sandbox, reports its pid, exits
+    if first == 0:
         try:
             os.close(status_r)
             for path in box.cgroups.values():
@@ -466,7 +469,7 @@ def launch(box, channel_fds, state_dir, agent_source, mounts):
             _check(_libc.unshare(flags), "unshare")
             pid = os.fork()
             if pid == 0:
-                run_sandbox(box, channel_fds, status_w, agent_source)
+                run_sandbox(box, channel_fds, status_w, agent_code)
             os.write(status_w, f"pid {pid}\n".encode())
             os._exit(0)
         except BaseException as exc:
@@ -474,19 +477,13 @@ def launch(box, channel_fds, state_dir, agent_source, mounts):
                 os.write(status_w, f"error {exc}\n".encode(errors="replace")[:4000])
             os._exit(1)
     os.close(status_w)
-    report = b""
-    deadline = time.monotonic() + SETUP_TIMEOUT_S
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(first, 0)
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([status_r], [], [], left)[0]:
-            break
-        chunk = os.read(status_r, 4096)
-        if not chunk:
-            break
-        report += chunk
-    os.close(status_r)
+    os.set_blocking(status_r, False)
+    return status_r
+
+
+def finish_launch(box, report):
+    """Parse a launch's status report (``pid N``, then ``ok`` or ``error ...``); returns the host pid of the
+    sandbox's PID 1 or raises SetupError (after killing what was started)."""
     lines = report.decode(errors="replace").splitlines()
     pid = next((int(line.split()[1]) for line in lines if line.startswith("pid ")), 0)
     box.pid = pid
@@ -496,25 +493,42 @@ def launch(box, channel_fds, state_dir, agent_source, mounts):
         if pid:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        raise SetupError("; ".join(errors) or "sandbox setup did not finish in time")
+        raise SetupError("; ".join(errors) or f"sandbox setup did not finish within {SETUP_TIMEOUT_S:.0f}s")
     return pid
 
 
 # ------------------------------------------------------------------------------------------------ daemon
 
 
-class Daemon:
-    """The node's namespace-sandbox daemon: a single-threaded loop over its socket and SIGCHLD."""
+class Launch:
+    """A launch in progress: its request's connection, the sandbox, the status pipe and what it said."""
 
-    def __init__(self, state_dir, version, agent_source):
+    def __init__(self, conn, box, status_r, fds):
+        self.conn = conn
+        self.box = box
+        self.status_r = status_r
+        self.fds = fds
+        self.report = b""
+        self.deadline = time.monotonic() + SETUP_TIMEOUT_S
+
+
+class Daemon:
+    """The node's namespace-sandbox daemon: a single-threaded loop over its socket, SIGCHLD and the status
+    pipes of launches in progress (sandboxes set themselves up in parallel; the loop never waits on one)."""
+
+    def __init__(self, state_dir, version, agent_source, socket_path):
         self.state_dir = state_dir
         self.version = version
-        self.agent_source = agent_source
+        self.socket_path = socket_path
+        self.agent_code = compile(agent_source, "swectl_exec_agent.py", "exec")  # once, not per sandbox
+        self.identity = [os.getpid(), _starttime(os.getpid())]
         self.boxes = {}  # id -> Box
         self.by_pid = {}  # host pid -> Box
+        self.launches = {}  # status pipe fd -> Launch
         self.waiting = []  # (conn, ids) of remove requests answered once those sandboxes are gone
         self.cleaners = {}  # pid of an `rm -rf` -> Box
         self.retiring = False
+        self.idle_since = time.monotonic()
         self.mounts = cgroup_mounts()
         self.selector = selectors.DefaultSelector()
 
@@ -530,18 +544,34 @@ class Daemon:
         self.selector.register(wake_r, selectors.EVENT_READ, "signal")
         self.reclaim_stale()
         while not (self.retiring and not self.boxes and not self.cleaners):
-            for key, _ in self.selector.select(1.0):
+            for key, _ in self.selector.select(self.next_timeout()):
                 if key.data == "accept":
                     with contextlib.suppress(OSError):
                         conn, _ = listener.accept()
                         self.handle(conn)
-                else:
+                elif key.data == "signal":
                     with contextlib.suppress(OSError):
                         os.read(wake_r, 4096)
+                else:
+                    self.progress(key.data)
             self.reap()
+            self.expire_launches()
+            if self.boxes or self.launches or self.cleaners:
+                self.idle_since = time.monotonic()
+            elif time.monotonic() - self.idle_since > IDLE_EXIT_S:
+                break  # nobody used this version for a while: the next `ensure` starts one again
+        with contextlib.suppress(OSError):
+            if os.stat(self.socket_path).st_ino == os.fstat(listener.fileno()).st_ino:
+                os.unlink(self.socket_path)
+
+    def next_timeout(self):
+        if not self.launches:
+            return 1.0
+        return max(0.0, min(1.0, min(launch.deadline for launch in self.launches.values()) - time.monotonic()))
 
     def handle(self, conn):
         conn.settimeout(5)
+        fds = []
         try:
             data, fds = _receive_request(conn)
             request = json.loads(data)
@@ -549,16 +579,18 @@ class Daemon:
             if op == "remove":
                 self.remove(conn, request.get("ids", []))
                 return
-            reply = self.answer(op, request, fds)
+            if op == "launch":
+                reply = self.launch(conn, request, fds)
+                if reply is None:
+                    return  # answered when the sandbox has set itself up
+            else:
+                reply = self.answer(op, request)
         except Exception as exc:
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            fds = []
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        _close_all(fds)
         _reply(conn, reply)
 
-    def answer(self, op, request, fds):
+    def answer(self, op, request):
         if op == "ping":
             return {"ok": True, "version": self.version, "pid": os.getpid(), "sandboxes": len(self.boxes)}
         if op == "list":
@@ -566,32 +598,82 @@ class Daemon:
         if op == "retire":
             self.retire()
             return {"ok": True}
-        if op == "launch":
-            if self.retiring:
-                return {"ok": False, "error": "the namespace daemon is retiring (a newer swectl replaced it)"}
-            if not fds:
-                return {"ok": False, "error": "launch needs the sandbox channel's file descriptors"}
-            box = Box(request, self.state_dir)
-            if box.id in self.boxes or not box.id.replace("-", "").isalnum():
-                return {"ok": False, "error": f"bad or duplicate sandbox id {box.id!r}"}
-            self.boxes[box.id] = box
-            try:
-                pid = launch(box, fds, self.state_dir, self.agent_source, self.mounts)
-            except Exception as exc:
-                box.state = "exited"
-                self.cleanup(box)
-                return {"ok": False, "error": str(exc)}
-            box.state = "running"
-            self.by_pid[pid] = box
-            box.save()
-            unenforced = [c for c in CONTROLLERS if c not in box.cgroups]
-            return {"ok": True, "pid": pid, "unenforced_limits": unenforced}
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def launch(self, conn, request, fds):
+        """Start a sandbox; None when the answer comes later (from ``progress``), else the error reply."""
+        if self.retiring:
+            return {"ok": False, "error": "the namespace daemon is retiring"}
+        if not fds:
+            return {"ok": False, "error": "launch needs the sandbox channel's file descriptors"}
+        box = Box(request, self.state_dir)
+        box.daemon = self.identity
+        if box.id in self.boxes or not box.id.replace("-", "").isalnum():
+            return {"ok": False, "error": f"bad or duplicate sandbox id {box.id!r}"}
+        self.boxes[box.id] = box
+        try:
+            status_r = start_launch(box, fds, self.agent_code, self.mounts)
+        except Exception as exc:
+            box.state = "exited"
+            self.cleanup(box)
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        self.launches[status_r] = Launch(conn, box, status_r, fds)
+        self.selector.register(status_r, selectors.EVENT_READ, status_r)
+        return None
+
+    def progress(self, status_r):
+        launch = self.launches.get(status_r)
+        if launch is None:
+            return
+        try:
+            chunk = os.read(status_r, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            launch.report += chunk
+            return
+        self.complete(launch)
+
+    def expire_launches(self):
+        now = time.monotonic()
+        for launch in [launch for launch in self.launches.values() if launch.deadline <= now]:
+            self.complete(launch)
+
+    def complete(self, launch):
+        """The launch's status pipe closed (or its time ran out): answer its request."""
+        self.launches.pop(launch.status_r, None)
+        self.selector.unregister(launch.status_r)
+        os.close(launch.status_r)
+        _close_all(launch.fds)
+        box = launch.box
+        try:
+            pid = finish_launch(box, launch.report)
+        except SetupError as exc:
+            box.state = "exited"
+            if box.pid:
+                self.by_pid[box.pid] = box  # cleaned up when reaped
+            else:
+                self.cleanup(box)
+            _reply(launch.conn, {"ok": False, "error": str(exc)})
+            return
+        box.state = "running"
+        self.by_pid[pid] = box
+        box.save()
+        if box.doomed:  # removed while it was starting
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        unenforced = [c for c in CONTROLLERS if c not in box.cgroups]
+        _reply(launch.conn, {"ok": True, "pid": pid, "unenforced_limits": unenforced})
 
     def remove(self, conn, ids):
         for sandbox_id in ids:
             box = self.boxes.get(sandbox_id)
-            if box is not None and box.pid:
+            if box is None:
+                continue
+            box.doomed = True
+            if box.pid:
                 with contextlib.suppress(OSError):
                     os.kill(box.pid, signal.SIGKILL)
         self.waiting.append((conn, set(ids)))
@@ -609,6 +691,7 @@ class Daemon:
     def retire(self):
         self.retiring = True
         for box in list(self.boxes.values()):
+            box.doomed = True
             if box.pid:
                 with contextlib.suppress(OSError):
                     os.kill(box.pid, signal.SIGKILL)
@@ -651,26 +734,34 @@ class Daemon:
         self.boxes.pop(box.id, None)
 
     def reclaim_stale(self):
-        """Sandboxes recorded by an earlier daemon that died: kill what is left and clean up."""
+        """Sandboxes recorded by a daemon that died (not one of another version that still runs): kill what
+        is left of them and clean up."""
         boxes_dir = os.path.join(self.state_dir, "boxes")
         os.makedirs(boxes_dir, exist_ok=True)
         for entry in os.listdir(boxes_dir):
             path = os.path.join(boxes_dir, entry)
-            if entry.endswith(".removing"):
-                shutil.rmtree(path, ignore_errors=True)
             if not entry.endswith(".json"):
                 continue
             with contextlib.suppress(OSError, ValueError):
                 with open(path) as f:
                     record = json.load(f)
+                owner = record.get("daemon") or [0, None]
+                if owner[0] and _starttime(owner[0]) == owner[1]:
+                    continue  # its daemon lives: not ours to touch
                 pid = record.get("pid") or 0
                 if pid and _starttime(pid) == record.get("starttime"):
                     os.kill(pid, signal.SIGKILL)
                 for cgroup in record.get("cgroups", {}).values():
                     _remove_cgroup(cgroup)
                 shutil.rmtree(record.get("dir", ""), ignore_errors=True)
-            with contextlib.suppress(OSError):
+                shutil.rmtree(record.get("dir", "") + ".removing", ignore_errors=True)
                 os.unlink(path)
+
+
+def _close_all(fds):
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _receive_request(conn):
@@ -718,20 +809,25 @@ def call(socket_path, request, fds=(), timeout=60.0):
     return json.loads(data or b'{"ok": false, "error": "the daemon closed the connection"}')
 
 
+def version_of(source, agent_source):
+    return hashlib.sha256(source + agent_source).hexdigest()[:16]
+
+
+def socket_path(state_dir, version):
+    """Each version of the daemon has its own socket: a node shared by two swectl versions runs one daemon
+    of each (an idle one exits after IDLE_EXIT_S), and neither disturbs the other's sandboxes."""
+    return os.path.join(state_dir, f"nsd-{version}.sock")
+
+
 def ensure(state_dir, source, agent_source):
     """Start this version's daemon unless it already answers; returns its ping reply plus the socket."""
-    version = hashlib.sha256(source + agent_source).hexdigest()[:16]
+    version = version_of(source, agent_source)
     os.makedirs(state_dir, exist_ok=True)
-    path = os.path.join(state_dir, SOCKET_NAME)
+    path = socket_path(state_dir, version)
     with contextlib.suppress(OSError, ValueError):
         reply = call(path, {"op": "ping"}, timeout=5)
-        if reply.get("version") == version:
+        if reply.get("ok"):
             return {**reply, "socket": path, "started": False}
-        call(path, {"op": "retire"}, timeout=5)
-        for _ in range(100):  # the old daemon kills its sandboxes and leaves; wait for it a little
-            if not _pid_alive(reply.get("pid", 0)):
-                break
-            time.sleep(0.05)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -752,7 +848,7 @@ def ensure(state_dir, source, agent_source):
             os.close(fd)
         os.chdir("/")
         try:
-            Daemon(state_dir, version, agent_source).serve(listener)
+            Daemon(state_dir, version, agent_source, path).serve(listener)
         finally:
             os._exit(0)
     os.waitpid(child, 0)

@@ -20,7 +20,7 @@ import pytest
 
 from swectl.config import SandboxConfig, load_config
 from swectl.errors import InfraError
-from swectl.remote.nodes.namespace_sandbox import NamespaceBackend
+from swectl.remote.nodes.namespace_sandbox import NamespaceBackend, daemon_socket
 from swectl.remote.nodes.node import LocalNode
 from swectl.remote.programs import nsbox
 
@@ -33,7 +33,7 @@ STATE_DIR = Path(SandboxConfig().ns_state_dir)
 
 
 def daemon_pid() -> int:
-    return nsbox.call(str(STATE_DIR / nsbox.SOCKET_NAME), {"op": "ping"})["pid"]
+    return nsbox.call(daemon_socket(str(STATE_DIR)), {"op": "ping"})["pid"]
 
 
 def node_footprint() -> dict[str, object]:
@@ -82,7 +82,7 @@ async def test_sandboxes_end_with_their_controller(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import anyio
         from swectl.config import SandboxConfig
-        from swectl.remote.nodes.namespace_sandbox import NamespaceBackend
+        from swectl.remote.nodes.namespace_sandbox import NamespaceBackend, daemon_socket
         from swectl.remote.nodes.node import LocalNode
         from swectl.schema import SandboxSpec
 

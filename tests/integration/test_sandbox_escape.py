@@ -161,3 +161,16 @@ def _host_processes_with(args: str) -> list[int]:
     out = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True, check=True).stdout
     return [int(line.split()[0]) for line in out.splitlines() if line.split(None, 2)[2:] == [args]
             and not line.split()[1].startswith("Z")]  # fmt: skip
+
+
+async def test_the_agents_channel_and_memory_are_out_of_reach(box: Sandbox) -> None:
+    """Commands run as the agent's user; the agent is not dumpable, so its /proc files need CAP_SYS_PTRACE:
+    a command cannot write forged replies into the controller's channel or read the agent's binary."""
+    _, out = await attempt(
+        box, "agent=$PPID; "
+             "printf 'XXXX' >> /proc/$agent/fd/1 && echo wrote; head -c 4 /proc/$agent/exe >/dev/null && echo read; "
+             "cat /proc/$agent/environ >/dev/null && echo environ; true",
+    )  # fmt: skip
+    for leak in ("wrote", "read", "environ"):
+        assert leak not in out.split(), out
+    assert (await box.exec("echo still fine", 10)).output == "still fine\n"  # no forged bytes in the channel

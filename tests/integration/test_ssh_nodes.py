@@ -475,9 +475,11 @@ async def test_namespace_sandboxes_over_ssh(nodes: testnodes.TestNodes, run_id: 
     """The namespace backend on SSH nodes: the daemon is started over the node channel and each sandbox's
     channel is one `attach` process's pipe, handed to the daemon. Killing a sandbox on the node is noticed,
     and releasing every lease leaves nothing on the node."""
+    from swectl.remote.nodes.namespace_sandbox import daemon_socket
     from swectl.remote.programs import nsbox
 
     state_dir = tmp_path / "ns"
+    socket = daemon_socket(str(state_dir))
     doc = ssh_document(nodes)
     doc["sandbox"] = {"backend": "namespace", "ns_state_dir": str(state_dir)}
     try:
@@ -490,7 +492,7 @@ async def test_namespace_sandboxes_over_ssh(nodes: testnodes.TestNodes, run_id: 
                     assert result.output.startswith(f"42 {lease.sandbox.id}\n"), result
                     await lease.write_file("/tmp/blob", bytes(range(256)) * 64)
                     assert await lease.read_file("/tmp/blob") == bytes(range(256)) * 64
-            listed = nsbox.call(str(state_dir / nsbox.SOCKET_NAME), {"op": "list"})
+            listed = nsbox.call(socket, {"op": "list"})
             assert sorted(box["id"] for box in listed["sandboxes"]) == sorted(lease.sandbox.id for lease in leases)
             victim = next(box for box in listed["sandboxes"] if box["id"] == leases[0].sandbox.id)
             os.kill(victim["pid"], 9)
@@ -498,8 +500,8 @@ async def test_namespace_sandboxes_over_ssh(nodes: testnodes.TestNodes, run_id: 
                 await leases[0].exec("echo never", 10)
             for lease in leases:
                 await release(pool, lease)
-        listed = nsbox.call(str(state_dir / nsbox.SOCKET_NAME), {"op": "list"})
+        listed = nsbox.call(socket, {"op": "list"})
         assert listed["sandboxes"] == []
     finally:
-        if (state_dir / nsbox.SOCKET_NAME).exists():
-            nsbox.call(str(state_dir / nsbox.SOCKET_NAME), {"op": "retire"})
+        if await anyio.Path(socket).exists():
+            nsbox.call(socket, {"op": "retire"})
