@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up swectl on a fresh Debian 12 machine (idempotent; safe to re-run).
-#   1. system packages: podman, runc, catatonit, debootstrap, uidmap, openssh-server, iproute2, git
+#   1. system packages: podman, runc, catatonit, debootstrap, uidmap, openssh-server, iproute2, git;
+#      docker.io (the docker sandbox backend and its tests; installed, never started: tests run a private dockerd)
 #   2. a virtualenv in .venv with swectl installed editable (extras from $SWECTL_EXTRAS, default "dev,cpu")
 #   3. the offline base image localhost/swectl-base:bookworm (debootstrap + podman import)
 # Podman is configured through CONTAINERS_CONF=remote/nodes/containers.conf for swectl's own calls only;
@@ -24,6 +25,21 @@ if [ ${#missing[@]} -gt 0 ]; then
     say "installing system packages: ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+# Docker from Debian's apt. Its service is not started: a policy-rc.d answering 101 ("action forbidden") keeps
+# the package scripts from starting dockerd and containerd on hosts with an init system; one already there is kept.
+if ! dpkg-query -W -f='${Status}' docker.io 2>/dev/null | grep -q "install ok installed"; then
+    need_root "installing docker.io"
+    say "installing system packages: docker.io (not started)"
+    policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        policy=/usr/sbin/policy-rc.d
+        printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy"
+        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+    fi
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io >/dev/null
+    if [ -n "$policy" ]; then rm -f "$policy"; trap - EXIT; fi
 fi
 
 # --- 2. python environment ----------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The podman CLI on one node: create, list and remove containers; version, images, disk. Also podman on
 this machine, synchronously (``run_local_podman``), for image builds and the official harness.
+``ContainerCli`` holds what the podman and docker CLIs share (remote/nodes/docker_sandbox.py has DockerCli).
 
 We drive the CLI rather than podman-py: measured on these machines a ``podman exec`` process costs
 23-140 ms and podman-py's ``exec_run`` 80 ms, and the hot path (commands in a sandbox) goes through our
@@ -72,36 +73,28 @@ def run_local_podman(
     return CommandOutput(exit_code=done.returncode, stdout=done.stdout, stderr=done.stderr)
 
 
-class PodmanCli:
-    """The podman command line on one node, with swectl's containers.conf."""
+class ContainerCli:
+    """A container engine's command line on one node: what ``podman`` and ``docker`` share (their ``run``
+    flags, images, version). Subclasses say how to reach the engine (``prepare``), how to list and remove."""
 
-    def __init__(self, node: Node, containers_conf: str = "bundled") -> None:
+    binary = ""
+    # Exit codes of `<binary> exec` that may mean the engine failed or the container is gone, not the command.
+    exec_failure_codes: tuple[int, ...] = ()
+
+    def __init__(self, node: Node) -> None:
         self.node = node
-        self._conf = containers_conf
         self._prefix: list[str] | None = None
 
     async def prepare(self) -> None:
-        """Put swectl's containers.conf on the node (idempotent)."""
-        if self._conf == "system":
-            self._prefix = []
-            return
-        if self._conf != "bundled":
-            self._prefix = ["env", f"CONTAINERS_CONF={self._conf}"]
-            return
-        text = bundled_containers_conf().read_bytes()
-        argv = ["sh", "-c", _UPLOAD_CONF]
-        out = await self.node.run(argv, input=text)
-        if out.exit_code != 0:
-            raise CommandError(self.node.name, argv, out.exit_code, out.stderr.decode(errors="replace"))
-        self._prefix = ["env", f"CONTAINERS_CONF={out.stdout.decode()}"]
+        raise NotImplementedError
 
     @property
     def ready(self) -> bool:
         return self._prefix is not None
 
     def argv(self, *args: str) -> list[str]:
-        assert self._prefix is not None, "PodmanCli.prepare() must run first"
-        return [*self._prefix, "podman", *args]
+        assert self._prefix is not None, f"{type(self).__name__}.prepare() must run first"
+        return [*self._prefix, self.binary, *args]
 
     async def run(self, *args: str, input: bytes | None = None, check: bool = True) -> CommandOutput:
         argv = self.argv(*args)
@@ -118,14 +111,12 @@ class PodmanCli:
         out = await self.run("images", "--format", "{{.Repository}}:{{.Tag}}")
         return [line for line in out.stdout.decode().split() if line and "<none>" not in line]
 
-    async def free_disk_gb(self) -> float:
-        root = (await self.run("info", "--format", "{{.Store.GraphRoot}}")).stdout.decode().strip()
-        out = await self.node.run(["df", "-Pk", root or "/"])
-        fields = out.stdout.decode().splitlines()[-1].split()
-        return int(fields[3]) / 1024 / 1024
+    def security_args(self) -> list[str]:
+        """Extra `run` flags for capabilities and the like (podman's come from containers.conf)."""
+        return []
 
-    async def create(self, spec: SandboxSpec, name: str) -> str:
-        """Start a container that idles until removed; returns its id."""
+    def run_args(self, spec: SandboxSpec, name: str) -> list[str]:
+        """The `run` command line of a container that idles until removed."""
         args = ["run", "-d", "--init", "--name", name, "--stop-timeout", "0"]
         for key, value in sorted(spec.labels.items()):
             args += ["--label", f"{key}={value}"]
@@ -134,9 +125,53 @@ class PodmanCli:
         if not spec.network:
             args += ["--network", "none"]
         args += ["--memory", spec.memory, "--pids-limit", str(spec.pids_limit), "--cpus", str(spec.cpus)]
+        args += self.security_args()
         args += ["--workdir", spec.workdir, "--entrypoint", "sleep", qualify_image(spec.image), "infinity"]
-        out = await self.run(*args)
+        return args
+
+    async def create(self, spec: SandboxSpec, name: str) -> str:
+        """Start a container that idles until removed; returns its id."""
+        out = await self.run(*self.run_args(spec, name))
         return out.stdout.decode().strip()
+
+    async def list_containers(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        raise NotImplementedError
+
+    async def remove(self, ids: list[str]) -> None:
+        raise NotImplementedError
+
+
+class PodmanCli(ContainerCli):
+    """The podman command line on one node, with swectl's containers.conf."""
+
+    binary = "podman"
+    # podman's own failures (125-127), a container killed under a command (137), a stopped container (255)
+    exec_failure_codes = (125, 126, 127, 137, 255)
+
+    def __init__(self, node: Node, containers_conf: str = "bundled") -> None:
+        super().__init__(node)
+        self._conf = containers_conf
+
+    async def prepare(self) -> None:
+        """Put swectl's containers.conf on the node (idempotent)."""
+        if self._conf == "system":
+            self._prefix = []
+            return
+        if self._conf != "bundled":
+            self._prefix = ["env", f"CONTAINERS_CONF={self._conf}"]
+            return
+        text = bundled_containers_conf().read_bytes()
+        argv = ["sh", "-c", _UPLOAD_CONF]
+        out = await self.node.run(argv, input=text)
+        if out.exit_code != 0:
+            raise CommandError(self.node.name, argv, out.exit_code, out.stderr.decode(errors="replace"))
+        self._prefix = ["env", f"CONTAINERS_CONF={out.stdout.decode()}"]
+
+    async def free_disk_gb(self) -> float:
+        root = (await self.run("info", "--format", "{{.Store.GraphRoot}}")).stdout.decode().strip()
+        out = await self.node.run(["df", "-Pk", root or "/"])
+        fields = out.stdout.decode().splitlines()[-1].split()
+        return int(fields[3]) / 1024 / 1024
 
     async def list_containers(self, labels: dict[str, str]) -> list[SandboxInfo]:
         args = ["ps", "-a", "--format", "json"]

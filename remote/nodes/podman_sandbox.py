@@ -9,6 +9,9 @@ own wait is ``timeout + exec_grace_s`` and, when it expires, the sandbox is decl
 
 Covered: filesystem, pids, memory and CPU limits, no network by default (``--network none``).
 Not covered: what the container runtime does not isolate (kernel, devices podman exposes by default).
+
+``ContainerBackend`` and ``ContainerSandbox`` hold all of this for any ContainerCli; the Docker backend
+(remote/nodes/docker_sandbox.py) is the same code over ``docker``.
 """
 
 from __future__ import annotations
@@ -22,13 +25,12 @@ from swectl.errors import InfraError, SandboxError, SandboxLostError
 from swectl.remote.nodes.agent_client import AgentClient, agent_command
 from swectl.remote.nodes.agent_sandbox import AgentSandbox, RemovalBatcher, translate_lost
 from swectl.remote.nodes.node import Node
-from swectl.remote.nodes.podman import PodmanCli
+from swectl.remote.nodes.podman import ContainerCli, PodmanCli
 from swectl.remote.programs.exec_agent import HeadTail
 from swectl.sandbox import format_output
 from swectl.schema import ExecResult, SandboxInfo, SandboxSpec
 
-# podman's own failures (125-127), a container killed under a command (137), a stopped container (255)
-PODMAN_FAILURE_CODES = (125, 126, 127, 137, 255)
+PODMAN_FAILURE_CODES = PodmanCli.exec_failure_codes
 # The no-python path: `timeout` leads its own process group; once it returns, whatever the command left
 # running in that group (background jobs, a fork bomb) is killed too, as the exec agent does.
 PLAIN_EXEC_SCRIPT = """exec 2>&1
@@ -42,19 +44,23 @@ exit "$rc"
 REMOVE_CONCURRENCY = 2  # `podman rm` processes at once per node (each removes a batch)
 
 
-class PodmanBackend:
-    """Creates, lists and removes swectl's containers on one node; removals are batched (RemovalBatcher)."""
+class ContainerBackend:
+    """Creates, lists and removes swectl's containers on one node through ``self.cli``; removals are batched
+    (RemovalBatcher)."""
 
-    def __init__(self, node: Node, config: SandboxConfig, containers_conf: str = "bundled") -> None:
+    def __init__(self, node: Node, config: SandboxConfig, cli: ContainerCli) -> None:
         self.name = node.name
         self.node = node
-        self.podman = PodmanCli(node, containers_conf)
+        self.cli = cli
         self.config = config
         self._removals = RemovalBatcher(lambda ids: self.remove(ids), node.name, REMOVE_CONCURRENCY)
 
+    def _sandbox(self, cid: str, name: str, spec: SandboxSpec) -> ContainerSandbox:
+        return ContainerSandbox(self, cid, name, spec)
+
     @property
     def prepared(self) -> bool:
-        return self.podman.ready
+        return self.cli.ready
 
     @property
     def alive(self) -> bool:
@@ -62,26 +68,26 @@ class PodmanBackend:
 
     async def prepare(self) -> None:
         await self.node.connect()
-        await self.podman.prepare()
+        await self.cli.prepare()
 
     async def probe(self) -> str:
         await self.node.connect()
-        return await self.podman.version()
+        return await self.cli.version()
 
-    async def create(self, spec: SandboxSpec) -> PodmanSandbox:
+    async def create(self, spec: SandboxSpec) -> ContainerSandbox:
         name = f"swectl-{secrets.token_hex(6)}"
         try:
             with translate_lost(self.node, f"creating a sandbox from {spec.image}"):
-                cid = await self.podman.create(spec, name)
+                cid = await self.cli.create(spec, name)
         except BaseException:
             # Cancelled or failed mid-`podman run`: the container may exist without our knowing its id.
             with anyio.CancelScope(shield=True), anyio.move_on_after(self.config.destroy_timeout_s):
                 try:
-                    await self.podman.remove([name])
+                    await self.cli.remove([name])
                 except InfraError:
                     pass
             raise
-        sandbox = PodmanSandbox(self, cid, name, spec)
+        sandbox = self._sandbox(cid, name, spec)
         try:
             with translate_lost(self.node, f"starting the exec agent in {name}"):
                 await sandbox.start()
@@ -92,11 +98,11 @@ class PodmanBackend:
 
     async def list(self, labels: dict[str, str]) -> list[SandboxInfo]:
         with translate_lost(self.node, "listing containers"):
-            return await self.podman.list_containers(labels)
+            return await self.cli.list_containers(labels)
 
     async def remove(self, ids: list[str]) -> None:
         with translate_lost(self.node, "removing containers"):
-            await self.podman.remove(ids)
+            await self.cli.remove(ids)
 
     async def remove_one(self, cid: str) -> None:
         """Remove one container in the next batch; raises the batch's InfraError."""
@@ -106,16 +112,27 @@ class PodmanBackend:
         await self.node.aclose()
 
 
-class PodmanSandbox(AgentSandbox):
-    """A podman container as a Sandbox, driven through the exec agent (or `podman exec`)."""
+class PodmanBackend(ContainerBackend):
+    """Podman containers on one node, with swectl's containers.conf."""
 
-    def __init__(self, backend: PodmanBackend, cid: str, name: str, spec: SandboxSpec) -> None:
+    def __init__(self, node: Node, config: SandboxConfig, containers_conf: str = "bundled") -> None:
+        self.podman = PodmanCli(node, containers_conf)
+        super().__init__(node, config, self.podman)
+
+    def _sandbox(self, cid: str, name: str, spec: SandboxSpec) -> PodmanSandbox:
+        return PodmanSandbox(self, cid, name, spec)
+
+
+class ContainerSandbox(AgentSandbox):
+    """A container as a Sandbox, driven through the exec agent (or one `<cli> exec` per command)."""
+
+    def __init__(self, backend: ContainerBackend, cid: str, name: str, spec: SandboxSpec) -> None:
         super().__init__(backend.node, backend.config, cid, name, spec)
         self._backend = backend
+        self._cli = backend.cli
 
     async def start(self) -> None:
-        podman = self._backend.podman
-        process = await self._backend.node.spawn(podman.argv("exec", "-i", self.id, *agent_command()))
+        process = await self._backend.node.spawn(self._cli.argv("exec", "-i", self.id, *agent_command()))
         client = AgentClient(process, f"sandbox {self.name} on {self.node}")
         try:
             with anyio.fail_after(self._config.start_timeout_s):
@@ -176,7 +193,7 @@ class PodmanSandbox(AgentSandbox):
         head, tail = self._config.output_head_bytes, self._config.output_tail_bytes
         buffer = HeadTail(head, tail)
         started = anyio.current_time()
-        process = await self._backend.node.spawn(self._backend.podman.argv(*args))
+        process = await self._backend.node.spawn(self._cli.argv(*args))
         try:
             await process.close_input()
             while chunk := await process.receive():
@@ -186,8 +203,8 @@ class PodmanSandbox(AgentSandbox):
             await process.aclose()
         elapsed = anyio.current_time() - started
         timed_out = code in (124, 137) and elapsed >= timeout
-        if not timed_out and code in PODMAN_FAILURE_CODES:
-            await self._raise_if_gone(f"podman exec exited {code}")
+        if not timed_out and code in self._cli.exec_failure_codes:
+            await self._raise_if_gone(f"{self._cli.binary} exec exited {code}")
         return ExecResult(
             output=format_output(buffer.output(), buffer.elided, head),
             exit_code=137 if timed_out else code,
@@ -198,7 +215,7 @@ class PodmanSandbox(AgentSandbox):
 
     async def _plain_write(self, path: str, data: bytes, mode: int | None) -> None:
         script = 'mkdir -p "$(dirname "$1")" && cat > "$1"' + (f' && chmod {mode:o} "$1"' if mode is not None else "")
-        out = await self._backend.podman.run(
+        out = await self._cli.run(
             "exec", "-i", self.id, "sh", "-c", script, "sh", path, input=data, check=False
         )
         if out.exit_code != 0:
@@ -206,16 +223,20 @@ class PodmanSandbox(AgentSandbox):
             raise SandboxError(f"sandbox {self.name}: writing {path} failed: {out.stderr.decode(errors='replace')}")
 
     async def _plain_read(self, path: str) -> bytes:
-        out = await self._backend.podman.run("exec", self.id, "cat", path, check=False)
+        out = await self._cli.run("exec", self.id, "cat", path, check=False)
         if out.exit_code != 0:
             await self._raise_if_gone(f"reading {path} failed")
             raise SandboxError(f"sandbox {self.name}: reading {path} failed: {out.stderr.decode(errors='replace')}")
         return out.stdout
 
     async def _raise_if_gone(self, what: str) -> None:
-        """On the plain path podman's exit code cannot tell a dead container from a failing command."""
-        out = await self._backend.podman.run(
+        """On the plain path the engine's exit code cannot tell a dead container from a failing command."""
+        out = await self._cli.run(
             "container", "inspect", "--format", "{{.State.Running}}", self.id, check=False
         )
         if out.stdout.strip() != b"true":
             raise SandboxLostError(f"sandbox {self.name}: container is gone ({what})")
+
+
+class PodmanSandbox(ContainerSandbox):
+    """A podman container as a Sandbox, driven through the exec agent (or `podman exec`)."""

@@ -12,10 +12,13 @@ from swectl.cli.common import config_args
 from swectl.config import ClusterConfig, SshNodeConfig, load_config
 from swectl.errors import InfraError
 from swectl.remote.nodes.backends import close_backends, make_backends
+from swectl.remote.nodes.docker_sandbox import DockerBackend
 from swectl.remote.nodes.namespace_sandbox import NamespaceBackend
 from swectl.remote.nodes.podman_sandbox import PodmanBackend
 from swectl.sandbox import LABEL_MANAGED
 from swectl.schema import NodeReport, SandboxSpec
+
+SandboxBackends = PodmanBackend | NamespaceBackend | DockerBackend
 
 LOW_DISK_GB = 10.0
 
@@ -57,7 +60,7 @@ async def check_nodes(config: ClusterConfig, *, timeout_s: float = 60.0) -> list
 async def _check_one(
     config: ClusterConfig,
     node_config,
-    backend: PodmanBackend | NamespaceBackend,
+    backend: SandboxBackends,
     out: dict[str, NodeReport],
     timeout_s: float,
 ) -> None:
@@ -68,19 +71,19 @@ async def _check_one(
             await _check_namespace_support(config, backend, report)
             await backend.prepare()
             await backend.probe()
-            report["podman_version"] = await backend.podman.version()
+            report["podman_version"] = await backend.cli.version()
         except InfraError as exc:
             problems.append(f"{exc} -- hint: {_connect_hint(node_config, str(exc))}")
             out[node_config.name] = NodeReport(**report)
             return
         try:
-            report["images"] = images = await backend.podman.images()
+            report["images"] = images = await backend.cli.images()
             if config.sandbox.image not in images:
                 problems.append(
                     f"image {config.sandbox.image} is missing -- hint: run `bash scripts/setup.sh` on the node "
                     "(builds the base image offline) or set sandbox.image"
                 )
-            report["free_disk_gb"] = free = round(await backend.podman.free_disk_gb(), 1)
+            report["free_disk_gb"] = free = round(await backend.cli.free_disk_gb(), 1)
             if free < LOW_DISK_GB:
                 problems.append(f"only {free} GB free for containers -- hint: `podman system prune`")
             containers = await backend.list({LABEL_MANAGED: "1"})
@@ -107,7 +110,7 @@ async def _check_one(
 
 
 async def _check_namespace_support(
-    config: ClusterConfig, backend: PodmanBackend | NamespaceBackend, report: dict
+    config: ClusterConfig, backend: SandboxBackends, report: dict
 ) -> None:
     """Whether the node could run namespace sandboxes, and why not (for every backend: it is a choice)."""
     await backend.node.connect()

@@ -4,7 +4,10 @@ Every sandbox a test creates carries the label ``swectl.test=<session id>``; a s
 force-removes every container and namespace sandbox with that label, so nothing is left behind even when a
 test fails. The whole directory is skipped (with the reason) when podman or the base image is missing.
 
-``backend`` (and so ``sandbox``) is parametrised over the sandbox backends: ``podman`` and ``namespace``.
+``backend`` (and so ``sandbox``) is parametrised over the sandbox backends: ``podman``, ``namespace`` and
+``docker``. Docker sandboxes run on a private dockerd (swectl/testing/docker.py) that the session-scoped
+``docker_daemon`` fixture starts the first time a docker backend is wanted, loads with the base and
+no-python images from Podman, and stops (with its containers and folders) at the end of the session.
 Fault injection goes through ``kill_from_outside`` and ``wait_for_file``, which know each backend.
 """
 
@@ -15,22 +18,25 @@ import shutil
 import subprocess
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 from swectl.config import DEFAULT_IMAGE, SandboxConfig
+from swectl.remote.nodes.docker_sandbox import DockerBackend, DockerSandbox
 from swectl.remote.nodes.namespace_sandbox import NamespaceBackend, NamespaceSandbox
 from swectl.remote.nodes.node import LocalNode
 from swectl.remote.nodes.podman import bundled_containers_conf
 from swectl.remote.nodes.podman_sandbox import PodmanBackend, PodmanSandbox
 from swectl.schema import SandboxSpec
+from swectl.testing.docker import DockerDaemon, docker_unavailable, start_private_docker
 
-Backend = PodmanBackend | NamespaceBackend
-Sandbox = PodmanSandbox | NamespaceSandbox
-BACKEND_KINDS = ("podman", "namespace")
+Backend = PodmanBackend | NamespaceBackend | DockerBackend
+Sandbox = PodmanSandbox | NamespaceSandbox | DockerSandbox
+BACKEND_KINDS = ("podman", "namespace", "docker")
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -105,6 +111,25 @@ async def apodman(*args: str) -> subprocess.CompletedProcess[bytes]:
         return await anyio.run_process(["podman", *args], env=env, check=False)
 
 
+_DOCKER: DockerDaemon | None = None  # this session's private dockerd, once the docker_daemon fixture started it
+
+
+async def adocker(*args: str) -> subprocess.CompletedProcess[bytes]:
+    """The docker CLI against this session's private dockerd, for async tests."""
+    assert _DOCKER is not None, "the docker_daemon fixture has not started the test dockerd"
+    with anyio.fail_after(120):
+        return await anyio.run_process(["docker", *args], env=_DOCKER.env(), check=False)
+
+
+def engine_cli(backend: Backend) -> Callable[..., Awaitable[subprocess.CompletedProcess[bytes]]] | None:
+    """`apodman` or `adocker` for a container backend's own engine; None for a namespace backend."""
+    if isinstance(backend, DockerBackend):
+        return adocker
+    if isinstance(backend, PodmanBackend):
+        return apodman
+    return None
+
+
 STARTED_MARK = "/tmp/swectl-test-started"  # a command under test creates it once it runs (see wait_for_file)
 
 
@@ -118,7 +143,8 @@ async def file_exists(box: Sandbox, path: str) -> bool:
     """Whether ``path`` exists inside the sandbox, looked at from outside it (not through its agent)."""
     if isinstance(box, NamespaceSandbox):
         return await anyio.Path(f"/proc/{await host_pid(box)}/root{path}").exists()
-    return (await apodman("exec", box.id, "test", "-e", path)).returncode == 0
+    cli = adocker if isinstance(box, DockerSandbox) else apodman
+    return (await cli("exec", box.id, "test", "-e", path)).returncode == 0
 
 
 async def wait_for_file(box: Sandbox, path: str = STARTED_MARK, timeout_s: float = 30) -> None:
@@ -130,12 +156,12 @@ async def wait_for_file(box: Sandbox, path: str = STARTED_MARK, timeout_s: float
 
 
 async def kill_from_outside(box: Sandbox) -> None:
-    """Kill the sandbox the way a node would (OOM killer, an operator): `podman kill`, or SIGKILL to the
-    namespace's PID 1 from the host."""
+    """Kill the sandbox the way a node would (OOM killer, an operator): `podman kill`, `docker kill`, or
+    SIGKILL to the namespace's PID 1 from the host."""
     if isinstance(box, NamespaceSandbox):
         os.kill(await host_pid(box), 9)
         return
-    killed = await apodman("kill", box.id)
+    killed = await (adocker if isinstance(box, DockerSandbox) else apodman)("kill", box.id)
     assert killed.returncode == 0, killed.stderr
 
 
@@ -199,9 +225,36 @@ def image(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue("nopython_image")
 
 
-async def new_backend(config: SandboxConfig | None = None, kind: str = "podman") -> Backend:
+@pytest.fixture(scope="session")
+def docker_daemon(nopython_image: str) -> Iterator[DockerDaemon]:
+    """This session's private dockerd with the base and no-python images; started on first use, stopped
+    (containers removed, its folders deleted) when the session ends."""
+    global _DOCKER
+    reason = docker_unavailable()
+    if reason is not None:
+        pytest.skip(f"docker backend: {reason}")
+    daemon = start_private_docker()
+    try:
+        daemon.load_from_podman([BASE_IMAGE, nopython_image])
+        _DOCKER = daemon
+        yield daemon
+    finally:
+        _DOCKER = None
+        daemon.stop()
+
+
+def backend_object(kind: str, config: SandboxConfig | None = None) -> Backend:
+    """A backend of ``kind`` on this machine, not prepared (docker: pointed at the session's dockerd)."""
+    config = config or SandboxConfig()
+    if kind == "docker":
+        assert _DOCKER is not None, "request the docker_daemon fixture (or backend_kind) first"
+        return DockerBackend(LocalNode(), msgspec.structs.replace(config, docker_host=_DOCKER.host))
     cls = NamespaceBackend if kind == "namespace" else PodmanBackend
-    backend = cls(LocalNode(), config or SandboxConfig(), containers_conf="bundled")
+    return cls(LocalNode(), config, containers_conf="bundled")
+
+
+async def new_backend(config: SandboxConfig | None = None, kind: str = "podman") -> Backend:
+    backend = backend_object(kind, config)
     with anyio.fail_after(60):
         await backend.prepare()
     return backend
@@ -214,6 +267,8 @@ async def create_sandbox(backend: Backend, spec: SandboxSpec) -> Sandbox:
 
 @pytest.fixture(params=BACKEND_KINDS)
 def backend_kind(request: pytest.FixtureRequest) -> str:
+    if request.param == "docker":
+        request.getfixturevalue("docker_daemon")
     return request.param
 
 

@@ -1,9 +1,11 @@
-"""The sandbox contract (swectl/sandbox.py), checked against every backend: real podman containers and
-real namespace sandboxes (the ``backend_kind`` parameter of the ``backend`` fixture).
+"""The sandbox contract (swectl/sandbox.py), checked against every backend: real podman containers, real
+namespace sandboxes and real docker containers on a private dockerd (the ``backend_kind`` parameter of the
+``backend`` fixture).
 
-On Podman most tests run twice through the ``image`` parameter: ``agent`` (the base image; commands go
-through the in-sandbox exec agent) and ``plain`` (an image without python3; one ``podman exec`` per
-command). A namespace sandbox always has its agent, so it runs the ``agent`` variant only.
+On Podman and Docker most tests run twice through the ``image`` parameter: ``agent`` (the base image;
+commands go through the in-sandbox exec agent) and ``plain`` (an image without python3; one ``podman exec``
+or ``docker exec`` per command). A namespace sandbox always has its agent, so it runs the ``agent`` variant
+only.
 """
 
 from __future__ import annotations
@@ -17,14 +19,10 @@ import pytest
 
 from swectl.config import SandboxConfig
 from swectl.errors import CommandError, InfraError, SandboxLostError
-from swectl.remote.nodes.namespace_sandbox import NamespaceBackend
-from swectl.remote.nodes.node import LocalNode
-from swectl.remote.nodes.podman_sandbox import PodmanBackend
 from swectl.sandbox import ELISION
 from swectl.schema import ExecResult
 
 from .conftest import (
-    BACKEND_KINDS,
     SESSION_ID,
     SPEC_ENV,
     SPEC_WORKDIR,
@@ -32,8 +30,9 @@ from .conftest import (
     TEST_LABEL,
     Backend,
     Sandbox,
-    apodman,
+    backend_object,
     create_sandbox,
+    engine_cli,
     kill_from_outside,
     make_spec,
     new_backend,
@@ -317,15 +316,16 @@ async def test_diff_captures_all_changes_and_applies_to_a_fresh_clone(sandbox: S
 
 
 async def test_destroy_is_idempotent_and_removes_the_container(backend: Backend, sandbox: Sandbox) -> None:
+    engine = engine_cli(backend)  # podman or docker itself; None for namespace sandboxes
     with anyio.fail_after(BOUND_S):
         assert sandbox.id in [info.id for info in await backend.list({TEST_LABEL: SESSION_ID})]
-    if isinstance(backend, PodmanBackend):
-        assert (await apodman("ps", "-a", "-q", "--filter", f"id={sandbox.id}")).stdout.strip()
+    if engine is not None:
+        assert (await engine("ps", "-a", "-q", "--filter", f"id={sandbox.id}")).stdout.strip()
     with anyio.fail_after(BOUND_S):
         await sandbox.destroy()
         await sandbox.destroy()
-    if isinstance(backend, PodmanBackend):
-        assert (await apodman("ps", "-a", "-q", "--filter", f"id={sandbox.id}")).stdout.strip() == b""
+    if engine is not None:
+        assert (await engine("ps", "-a", "-q", "--filter", f"id={sandbox.id}")).stdout.strip() == b""
     with anyio.fail_after(BOUND_S):
         assert sandbox.id not in [info.id for info in await backend.list({TEST_LABEL: SESSION_ID})]
         with pytest.raises(SandboxLostError):
@@ -350,10 +350,8 @@ async def test_labels_from_the_spec_are_on_the_container(backend: Backend) -> No
         await box.destroy()
 
 
-@pytest.mark.parametrize("kind", BACKEND_KINDS)
-async def test_backend_prepare_probe_and_close(kind: str) -> None:
-    cls = NamespaceBackend if kind == "namespace" else PodmanBackend
-    backend = cls(LocalNode(), SandboxConfig(), containers_conf="bundled")
+async def test_backend_prepare_probe_and_close(backend_kind: str) -> None:
+    backend = backend_object(backend_kind)
     assert not backend.prepared
     assert backend.alive
     with anyio.fail_after(BOUND_S):
@@ -451,8 +449,10 @@ async def test_memory_and_cpu_limits_from_the_spec_are_applied(backend: Backend)
         memory = await run(box, f"cat {v1} 2>/dev/null || cat {v2}")
         if memory.exit_code == 0:
             assert memory.output == f"{300 * 1024 * 1024}\n"
-        else:  # the cgroup is not visible inside this container: ask podman
-            inspect = await apodman("inspect", "--format", "{{.HostConfig.Memory}}", box.id)
+        else:  # the cgroup is not visible inside this container: ask podman or docker
+            engine = engine_cli(backend)
+            assert engine is not None, memory
+            inspect = await engine("inspect", "--format", "{{.HostConfig.Memory}}", box.id)
             assert inspect.stdout.decode().strip() == str(300 * 1024 * 1024)
         cpu = await run(box, "cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu/cpu.cfs_period_us")
         if cpu.exit_code == 0:
@@ -502,9 +502,10 @@ async def test_container_killed_during_a_command_raises_sandbox_lost(sandbox: Sa
     assert isinstance(outcome, SandboxLostError), outcome
 
 
-@pytest.mark.parametrize("backend_kind", ["podman"])  # the `podman exec -i` start step is Podman's own
+@pytest.mark.parametrize("backend_kind", ["podman", "docker"])  # the `exec -i` start step of container backends
 async def test_nopython_sandbox_starts_reliably(backend: Backend, nopython_image: str) -> None:
-    """Repeats the start step of create() (a `podman exec -i` that finds no python3) on one container.
+    """Repeats the start step of create() (a `podman exec -i` or `docker exec -i` that finds no python3) on one
+    container.
 
     Regression test: podman 4.3 drops the output of an `exec -i` process that exits while its input is
     still being written; the start script used to answer NOPY and exit at once, which lost the answer

@@ -1,0 +1,148 @@
+"""Docker sandboxes on one node (local or over SSH): the Podman backend's code over the ``docker`` CLI.
+
+A sandbox is a container idling under Docker's init (``--init``: tini as ``docker-init``); commands go
+through the exec agent, started once per sandbox by one long-lived ``docker exec -i``, and images without
+python3 fall back to one ``docker exec`` per command, exactly as on Podman (``ContainerSandbox``). The CLI
+runs on the node through the Node protocol (one process per lifecycle call), so local and SSH nodes work
+the same; ``sandbox.docker_host`` is passed as ``DOCKER_HOST`` when set (else the node's default daemon).
+
+Security settings Podman takes from swectl's containers.conf are flags here: the same capability set
+(``--cap-drop ALL`` plus containers.conf's ``default_capabilities``), ``--network none`` unless the spec
+asks for a network, the spec's memory, pids and CPU limits. Docker's default seccomp profile applies.
+
+Images: a Docker node has its own image store, separate from Podman's. Images must be loaded there
+(``podman save IMG | docker load``, or pulled from a registry the node reaches); a create from a missing
+image fails with a CommandError that names the image and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+from swectl.config import SandboxConfig
+from swectl.errors import CommandError
+from swectl.remote.nodes.node import Node
+from swectl.remote.nodes.podman import ContainerCli, bundled_containers_conf, qualify_image
+from swectl.remote.nodes.podman_sandbox import ContainerBackend, ContainerSandbox
+from swectl.schema import SandboxInfo, SandboxSpec
+
+
+def default_capabilities() -> list[str]:
+    """The capabilities a sandbox keeps: Podman's set from swectl's containers.conf (one list for both)."""
+    conf = tomllib.loads(bundled_containers_conf().read_text())
+    return list(conf["containers"]["default_capabilities"])
+
+
+CAPABILITIES = default_capabilities()
+
+
+class DockerCli(ContainerCli):
+    """The docker command line on one node, pointed at ``docker_host`` (``DOCKER_HOST``) when given."""
+
+    binary = "docker"
+    # docker's own failures (125-127), a container killed under a command (137), and 1: `docker exec` on a
+    # stopped or removed container exits 1 ("is not running", "No such container"), like a failing command.
+    exec_failure_codes = (1, 125, 126, 127, 137, 255)
+
+    def __init__(self, node: Node, docker_host: str = "") -> None:
+        super().__init__(node)
+        self.docker_host = docker_host
+
+    async def prepare(self) -> None:
+        """Docker needs no files on the node; the daemon is reached through ``DOCKER_HOST`` when set."""
+        self._prefix = ["env", f"DOCKER_HOST={self.docker_host}"] if self.docker_host else []
+
+    async def version(self) -> str:
+        """The daemon's version: unlike podman, the docker CLI is only a client (this checks the daemon)."""
+        out = await self.run("version", "--format", "{{.Server.Version}}")
+        return out.stdout.decode().strip()
+
+    async def free_disk_gb(self) -> float:
+        root = (await self.run("info", "--format", "{{.DockerRootDir}}")).stdout.decode().strip()
+        out = await self.node.run(["df", "-Pk", root or "/"])
+        fields = out.stdout.decode().splitlines()[-1].split()
+        return int(fields[3]) / 1024 / 1024
+
+    def security_args(self) -> list[str]:
+        args = ["--cap-drop", "ALL"]
+        for cap in CAPABILITIES:
+            args += ["--cap-add", cap]
+        return args
+
+    async def create(self, spec: SandboxSpec, name: str) -> str:
+        """Start a container that idles until removed; returns its id. A missing image (docker tried to pull
+        it and could not) is a CommandError that names the image and how to load it."""
+        args = self.run_args(spec, name)
+        out = await self.run(*args, check=False)
+        if out.exit_code == 0:
+            return out.stdout.decode().split()[-1]
+        stderr = out.stderr.decode(errors="replace")
+        image = qualify_image(spec.image)
+        if out.exit_code == 125 and not await self.has_image(image):
+            stderr = (
+                f"image {image} is not in the Docker image store of node {self.node.name} and could not be "
+                f"pulled -- hint: load it there (`podman save {image} | docker load`) or push it to a "
+                f"registry the node reaches. docker said: {stderr.strip()}"
+            )
+        raise CommandError(self.node.name, self.argv(*args), out.exit_code, stderr)
+
+    async def has_image(self, image: str) -> bool:
+        out = await self.run("image", "inspect", "--format", "{{.Id}}", image, check=False)
+        return out.exit_code == 0
+
+    async def list_containers(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        """``docker ps`` prints labels as one "k=v,k=v" string (ambiguous when a value has a comma): the ids
+        come from ``ps``, everything else from ``docker inspect``."""
+        args = ["ps", "-a", "-q", "--no-trunc"]
+        for key, value in sorted(labels.items()):
+            args += ["--filter", f"label={key}={value}"]
+        ids = (await self.run(*args)).stdout.decode().split()
+        if not ids:
+            return []
+        argv = ["container", "inspect", *ids]
+        out = await self.run(*argv, check=False)
+        if out.exit_code != 0 and not _only_missing(out.stderr):  # one removed since `ps`: not an error
+            raise CommandError(self.node.name, self.argv(*argv), out.exit_code, out.stderr.decode(errors="replace"))
+        rows = json.loads(out.stdout or b"[]") or []
+        return [
+            SandboxInfo(
+                id=row["Id"],
+                name=row.get("Name", "").lstrip("/"),
+                node=self.node.name,
+                image=(row.get("Config") or {}).get("Image", ""),
+                state=(row.get("State") or {}).get("Status", ""),
+                labels=(row.get("Config") or {}).get("Labels") or {},
+            )
+            for row in rows
+        ]
+
+    async def remove(self, ids: list[str]) -> None:
+        """Force-remove containers (SIGKILL, no stop timeout); missing ones are not an error (idempotent)."""
+        if not ids:
+            return
+        argv = ["rm", "--force", *ids]
+        out = await self.run(*argv, check=False)
+        if out.exit_code != 0 and not _only_missing(out.stderr):
+            raise CommandError(self.node.name, self.argv(*argv), out.exit_code, out.stderr.decode(errors="replace"))
+
+
+def _only_missing(stderr: bytes) -> bool:
+    """Whether every error docker printed says a container does not exist."""
+    lines = [line for line in stderr.decode(errors="replace").splitlines() if line.strip()]
+    return bool(lines) and all("No such container" in line or "No such object" in line for line in lines)
+
+
+class DockerBackend(ContainerBackend):
+    """Docker containers on one node, through its ``docker`` CLI."""
+
+    def __init__(self, node: Node, config: SandboxConfig) -> None:
+        self.docker = DockerCli(node, config.docker_host)
+        super().__init__(node, config, self.docker)
+
+    def _sandbox(self, cid: str, name: str, spec: SandboxSpec) -> DockerSandbox:
+        return DockerSandbox(self, cid, name, spec)
+
+
+class DockerSandbox(ContainerSandbox):
+    """A docker container as a Sandbox, driven through the exec agent (or `docker exec`)."""
