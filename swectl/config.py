@@ -71,9 +71,11 @@ class SandboxConfig(_Section):
 
     ``backend``: ``podman`` (a container per sandbox) or ``namespace`` (Linux namespaces over the image's
     layers from the node's Podman store, no container engine per sandbox; needs root on the node). The
-    ``ns_*`` settings apply to ``namespace`` only.
+    ``ns_*`` settings apply to ``namespace`` only. ``docker``: a container per sandbox through the node's
+    ``docker`` CLI (its own image store: load images there, e.g. ``podman save IMG | docker load``);
+    ``docker_host`` picks the daemon (``DOCKER_HOST``; empty = the node's default).
     """
-    backend: Literal["podman", "namespace"] = "podman"
+    backend: Literal["podman", "namespace", "docker"] = "namespace"
     image: str = DEFAULT_IMAGE
     workdir: str = "/"
     network: bool = False
@@ -87,6 +89,7 @@ class SandboxConfig(_Section):
     exec_grace_s: Positive = 10.0
     start_timeout_s: Positive = 120.0
     destroy_timeout_s: Positive = 30.0
+    docker_host: str = ""  # docker only: the node's DOCKER_HOST (e.g. unix:///run/docker.sock); "" = its default
     ns_state_dir: str = "/var/lib/swectl/ns"  # on the node: the daemon's socket, records, disk scratch
     ns_scratch: Literal["disk", "tmpfs"] = "disk"  # where a sandbox's writable layer lives
     ns_scratch_size: str = "4g"  # the tmpfs scratch's size (a write past it fails inside with ENOSPC)
