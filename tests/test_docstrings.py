@@ -11,7 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("swectl", "actors", "remote")
 # Runs inside sandboxes on the standard library alone (no swectl import), so it defines its own errors.
-STDLIB_ONLY = {Path("remote/programs/exec_agent.py")}
+STDLIB_ONLY = {Path("remote/programs/exec_agent.py"), Path("remote/programs/nsbox.py")}  # shipped to nodes
 
 
 def product_files() -> Iterator[Path]:

@@ -76,8 +76,9 @@ def run_id() -> Iterator[str]:
 
 
 def config(*overrides: str) -> ClusterConfig:
-    """The embedded default (one local node) with ``--set`` style overrides."""
-    return load_config(None, list(overrides))
+    """The embedded default (one local node) on Podman (these tests look at the containers; the pool on
+    namespace sandboxes: test_namespace_sandbox.py), with ``--set`` style overrides."""
+    return load_config(None, ["sandbox.backend='podman'", *overrides])
 
 
 async def acquire(pool: EnvPool, timeout: float = CREATE_TIMEOUT_S):
@@ -169,7 +170,7 @@ async def test_warm_pool_hit_and_refill(run_id: str) -> None:
 
 def test_set_override_of_embedded_default_node() -> None:
     """``--set nodes.0.max_running=N`` is the CLI's own documented example; it must work on the default."""
-    cfg = load_config(None, ["nodes.0.max_running=2", "nodes.0.max_starting=2"])
+    cfg = config("nodes.0.max_running=2", "nodes.0.max_starting=2")
     assert cfg.nodes[0].max_running == 2
 
 
@@ -180,6 +181,7 @@ async def test_per_node_cap_blocks_then_unblocks(run_id: str) -> None:
         {
             "nodes": [{"kind": "local", "name": "local", "max_running": 2, "max_starting": 2}],
             "env_pool": {"warm": 0},
+            "sandbox": {"backend": "podman"},
         }
     )
     async with running_pool(cfg, run_id) as pool:

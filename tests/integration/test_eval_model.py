@@ -173,7 +173,8 @@ def test_interrupt_leaves_no_containers(sig: str, model: Path, tmp_path: Path) -
         url = server.stdout.readline().split()[-1]
         run = subprocess.Popen([sys.executable, "-m", "swectl.cli.main", "eval", "--endpoint", url, "--tokenizer",
                                 str(model), "--instances", *[t.instance_id for t in tasks], "--concurrency", "4",
-                                "--out", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                "--set", "sandbox.backend='podman'", "--out", str(tmp_path / "run")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         label = f"label=swectl.controller={socket.gethostname()}:{run.pid}"
 

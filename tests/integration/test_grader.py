@@ -62,7 +62,7 @@ def run_id() -> str:
 
 
 async def grade(task: Task, patch: str, run_id: str, **kw) -> GradeResult:
-    config = load_config(None, ["env_pool.warm=0"])
+    config = load_config(None, ["env_pool.warm=0", "sandbox.backend='podman'"])  # tests kill containers
     async with running_pool(config, run_id) as pool, anyio.create_task_group() as tg:
         grader = Grader(GraderConfig(**kw), pool)
         await tg.start(grader.run)
@@ -261,6 +261,7 @@ async def test_node_lost_mid_grading_is_infra(task: Task, run_id: str, sshd_node
     doc = tomllib.loads(tn.cluster_toml(
         local=False, extra_node_fields="connect_timeout_s = 3\nkeepalive_interval_s = 1\nkeepalive_count_max = 2"))
     doc["env_pool"] = {"warm": 0, "health_interval_s": 0.5}
+    doc["sandbox"] = {"backend": "podman"}
     config = decode_config(doc)
 
     async def kill_soon() -> None:

@@ -37,6 +37,7 @@ class Service:
         self.run_id = f"serve-test-{uuid.uuid4().hex[:8]}"
         self.log = tmp / f"{self.run_id}.stderr"
         argv = [sys.executable, "-m", "swectl.cli.main", "serve", "--port", "0", "--set", f"run_id='{self.run_id}'",
+                "--set", "sandbox.backend='podman'",  # the tests count and kill the service's containers
                 "--out", str(tmp / self.run_id), *args]
         with self.log.open("wb") as err:
             self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,

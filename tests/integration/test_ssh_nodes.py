@@ -84,6 +84,7 @@ def run_id() -> Iterator[str]:
 def ssh_document(tn: testnodes.TestNodes, *, extra: str = FAST_NODE_FIELDS, **env_pool: Any) -> dict[str, Any]:
     doc = tomllib.loads(tn.cluster_toml(local=False, extra_node_fields=extra))
     doc["env_pool"] = {"warm": 0, "health_interval_s": HEALTH_INTERVAL_S, **env_pool}
+    doc["sandbox"] = {"backend": "podman"}  # the tests look at containers; namespace: its own test below
     return doc
 
 
