@@ -5,9 +5,11 @@ force-removes every container and namespace sandbox with that label, so nothing 
 test fails. The whole directory is skipped (with the reason) when podman or the base image is missing.
 
 ``backend`` (and so ``sandbox``) is parametrised over the sandbox backends: ``podman``, ``namespace`` and
-``docker``. Docker sandboxes run on a private dockerd (swectl/testing/docker.py) that the session-scoped
-``docker_daemon`` fixture starts the first time a docker backend is wanted, loads with the base and
-no-python images from Podman, and stops (with its containers and folders) at the end of the session.
+``docker``, and ``podman-api`` (Podman with ``sandbox.podman_api``: lifecycle through the node's Podman API
+service, which the backend starts on this machine if none runs, and which stays running). Docker sandboxes
+run on a private dockerd (swectl/testing/docker.py) that the session-scoped ``docker_daemon`` fixture starts
+the first time a docker backend is wanted, loads with the base and no-python images from Podman, and stops
+(with its containers and folders) at the end of the session.
 Fault injection goes through ``kill_from_outside`` and ``wait_for_file``, which know each backend.
 """
 
@@ -36,7 +38,7 @@ from swectl.testing.docker import DockerDaemon, docker_unavailable, start_privat
 
 Backend = PodmanBackend | NamespaceBackend | DockerBackend
 Sandbox = PodmanSandbox | NamespaceSandbox | DockerSandbox
-BACKEND_KINDS = ("podman", "namespace", "docker")
+BACKEND_KINDS = ("podman", "podman-api", "namespace", "docker")
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -139,15 +141,18 @@ async def host_pid(box: NamespaceSandbox) -> int:
     return pids[box.id]
 
 
-async def file_exists(box: Sandbox, path: str) -> bool:
-    """Whether ``path`` exists inside the sandbox, looked at from outside it (not through its agent)."""
+async def file_exists(box: Sandbox | str, path: str) -> bool:
+    """Whether ``path`` exists inside the sandbox (or the Podman container of that id), looked at from outside
+    it (not through its agent)."""
+    if isinstance(box, str):
+        return (await apodman("exec", box, "test", "-e", path)).returncode == 0
     if isinstance(box, NamespaceSandbox):
         return await anyio.Path(f"/proc/{await host_pid(box)}/root{path}").exists()
     cli = adocker if isinstance(box, DockerSandbox) else apodman
     return (await cli("exec", box.id, "test", "-e", path)).returncode == 0
 
 
-async def wait_for_file(box: Sandbox, path: str = STARTED_MARK, timeout_s: float = 30) -> None:
+async def wait_for_file(box: Sandbox | str, path: str = STARTED_MARK, timeout_s: float = 30) -> None:
     """Wait (bounded) until ``path`` exists in the sandbox: a test's command creates it when it has started,
     so fault injection begins on that event instead of after a guessed sleep."""
     with anyio.fail_after(timeout_s):
@@ -249,6 +254,8 @@ def backend_object(kind: str, config: SandboxConfig | None = None) -> Backend:
     if kind == "docker":
         assert _DOCKER is not None, "request the docker_daemon fixture (or backend_kind) first"
         return DockerBackend(LocalNode(), msgspec.structs.replace(config, docker_host=_DOCKER.host))
+    if kind == "podman-api":
+        return PodmanBackend(LocalNode(), msgspec.structs.replace(config, podman_api=True), containers_conf="bundled")
     cls = NamespaceBackend if kind == "namespace" else PodmanBackend
     return cls(LocalNode(), config, containers_conf="bundled")
 
