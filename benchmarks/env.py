@@ -8,6 +8,9 @@ Measures on this machine (and, with ``--ssh``, on a throwaway sshd node in a net
 * a lease served from the EnvPool's warm pool vs a cold start (``podman run`` + agent + first exec)
   and the plain ``podman run --rm IMAGE true``;
 * how many sandboxes one node holds at once with every exec succeeding, and the host memory they take;
+* Podman's lifecycle through the API service (``sandbox.podman_api``: ``podman system service`` over podman-py)
+  beside the CLI (one ``podman`` process per create/list/remove), interleaved in one phase: cold start to first
+  exec, and warm-lease latency (p99) from an EnvPool of Podman sandboxes on each path;
 * the namespace backend (``sandbox.backend = "namespace"``) beside Podman: exec, cold start to first exec,
   the disk an episode leaves in a sandbox's writable layer, host memory (PSS) and host processes per sandbox
   next to Podman's counted the same way, and how many namespace sandboxes one node holds at once;
@@ -16,7 +19,8 @@ Measures on this machine (and, with ``--ssh``, on a throwaway sshd node in a net
 Goals come from DESIGN.md section 6. Results: a table on stdout and ``benchmarks/results/env.json``.
 Every container and namespace sandbox it creates carries ``swectl.bench=<id>``, except the EnvPool's, which
 the pool labels itself (``swectl.run=<bench run id>``); all of them are removed at the end, also on error or
-Ctrl-C (the nsbox daemon, shared by every namespace sandbox on the node, stays).
+Ctrl-C (the nsbox daemon, shared by every namespace sandbox on the node, stays, and so does the node's Podman
+API service: started by the podman_api phase if none ran, it is the one the backend manages).
 
 Run: ``.venv/bin/python benchmarks/env.py [--quick] [--ssh]`` (``--quick``: under a minute).
 """
@@ -132,6 +136,8 @@ NS_EPISODE = (
 METRICS = (
     "exec_p50_ms", "exec_p99_ms", "podman_exec_p50_ms", "exec_speedup", "ping_p50_ms", "bash_spawn_p50_ms",
     "warm_lease_p50_ms", "warm_hits", "cold_run_p50_ms", "podman_run_p50_ms",
+    "podman_api_cold_run_p50_ms", "podman_api_cold_speedup", "podman_cli_warm_lease_p99_ms",
+    "podman_api_warm_lease_p99_ms",
     "concurrent_ok", "concurrent_tried", "concurrent_create_s", "concurrent_mem_mib",
     "podman_mem_per_sandbox_mib", "podman_host_procs_per_sandbox",
     "ns_exec_p50_ms", "ns_cold_start_ms", "ns_cold_start_speedup", "ns_disk_frac",
@@ -185,6 +191,7 @@ class EnvBench:
             ("exec", self.phase_exec),
             ("warm_lease", self.phase_warm_lease),
             ("cold_run", self.phase_cold_run),
+            ("podman_api", self.phase_podman_api),
             ("concurrent", self.phase_concurrent),
             ("ns_exec", self.phase_ns_exec),
             ("ns_cold_run", self.phase_ns_cold_run),
@@ -214,8 +221,8 @@ class EnvBench:
     def spec(self) -> SandboxSpec:
         return SandboxSpec(image=IMAGE, labels=self.labels)
 
-    async def local_backend(self) -> PodmanBackend:
-        backend = PodmanBackend(LocalNode(), SandboxConfig())
+    async def local_backend(self, *, podman_api: bool = False) -> PodmanBackend:
+        backend = PodmanBackend(LocalNode(), SandboxConfig(podman_api=podman_api))
         await backend.prepare()
         return backend
 
@@ -316,7 +323,16 @@ class EnvBench:
     async def phase_warm_lease(self) -> None:
         n = self.sizes.warm_lease
         self.progress(f"warm_lease: EnvPool with env_pool.warm={WARM_K}; {n} x acquire from the warm pool")
-        cfg = load_config(None, [f"env_pool.warm={WARM_K}"])
+        lease_stats, stats = await self._warm_leases([], "")
+        self.metrics.update(warm_lease_p50_ms=lease_stats["p50"], warm_hits=stats.warm_hits)
+        _check_warm_hits(stats, n)
+
+    async def _warm_leases(self, overrides: list[str], prefix: str) -> tuple[dict[str, float], Any]:
+        """``warm_lease`` acquires from an EnvPool (``env_pool.warm=WARM_K`` and ``overrides``), each released and
+        the pool refilled before the next; summaries under ``<prefix>warm_lease_ms`` etc. Returns the acquire
+        summary and the pool's statistics."""
+        n = self.sizes.warm_lease
+        cfg = load_config(None, [f"env_pool.warm={WARM_K}", *overrides])
         leases, pings, refills = [], [], []
         async with running_pool(cfg, self.run_id) as pool:
             with anyio.fail_after(180):
@@ -337,13 +353,10 @@ class EnvBench:
                     await pool.wait_warm(WARM_K)
                 refills.append(ms_since(start))
             stats = pool.statistics()
-        self.details["warm_pool_statistics"] = msgspec.to_builtins(stats)
-        self.summary("release_and_refill_ms", refills)
-        self.summary("warm_lease_ping_after_acquire_ms", pings)
-        self.metrics.update(warm_lease_p50_ms=self.summary("warm_lease_ms", leases)["p50"], warm_hits=stats.warm_hits)
-        if stats.warm_hits != n:
-            raise RuntimeError(f"only {stats.warm_hits} of {n} leases came from the warm pool "
-                               f"({stats.cold_starts} cold starts)")
+        self.details[f"{prefix}warm_pool_statistics"] = msgspec.to_builtins(stats)
+        self.summary(f"{prefix}release_and_refill_ms", refills)
+        self.summary(f"{prefix}warm_lease_ping_after_acquire_ms", pings)
+        return self.summary(f"{prefix}warm_lease_ms", leases), stats
 
     async def phase_cold_run(self) -> None:
         n = self.sizes
@@ -362,18 +375,56 @@ class EnvBench:
         and records the create part as ``<prefix>cold_create_ms``."""
         totals, creates = [], []
         for _ in range(n):
-            sandbox = None
-            try:
-                start = time.perf_counter_ns()
-                sandbox = await backend.create(self.spec())
-                creates.append(ms_since(start))
-                await _exec_true(sandbox)
-                totals.append(ms_since(start))
-            finally:
-                if sandbox is not None:
-                    await sandbox.destroy()
+            total, create = await self._cold_start(backend)
+            totals.append(total)
+            creates.append(create)
         self.summary(f"{prefix}cold_create_ms", creates)
         return totals
+
+    async def _cold_start(self, backend: PodmanBackend | NamespaceBackend) -> tuple[float, float]:
+        """One create + first exec('true'), the sandbox destroyed after; returns (total, create) in ms."""
+        sandbox = None
+        try:
+            start = time.perf_counter_ns()
+            sandbox = await backend.create(self.spec())
+            create = ms_since(start)
+            await _exec_true(sandbox)
+            return ms_since(start), create
+        finally:
+            if sandbox is not None:
+                await sandbox.destroy()
+
+    async def phase_podman_api(self) -> None:
+        n = self.sizes
+        self.progress(
+            f"podman_api: {n.cold_run} x create + first exec through the Podman API service and as many through the "
+            f"CLI, interleaved; then {n.warm_lease} x acquire from a warm EnvPool of Podman sandboxes on each path"
+        )
+        cli, api = await self.local_backend(), await self.local_backend(podman_api=True)
+        self.details["podman_api_socket"] = api.podman.socket
+        samples: dict[str, list[tuple[float, float]]] = {"podman_cli_": [], "podman_api_": []}
+        try:
+            for _ in range(n.cold_run):  # the two paths take turns: both see the same load on the machine
+                for prefix, backend in (("podman_cli_", cli), ("podman_api_", api)):
+                    samples[prefix].append(await self._cold_start(backend))
+        finally:
+            await api.aclose()
+        cold = {}
+        for prefix, pairs in samples.items():
+            cold[prefix] = self.summary(f"{prefix}cold_run_ms", [total for total, _ in pairs])["p50"]
+            self.summary(f"{prefix}cold_create_ms", [create for _, create in pairs])
+        self.metrics.update(
+            podman_api_cold_run_p50_ms=cold["podman_api_"],
+            podman_api_cold_speedup=round(cold["podman_cli_"] / cold["podman_api_"], 2),
+        )
+        self.progress("podman_api: warm lease through the CLI, then through the API service")
+        podman = ["sandbox.backend=podman"]
+        cli_lease, cli_stats = await self._warm_leases(podman, "podman_cli_")
+        self.metrics.update(podman_cli_warm_lease_p99_ms=cli_lease["p99"])
+        api_lease, api_stats = await self._warm_leases([*podman, "sandbox.podman_api=true"], "podman_api_")
+        self.metrics.update(podman_api_warm_lease_p99_ms=api_lease["p99"])
+        _check_warm_hits(cli_stats, n.warm_lease)
+        _check_warm_hits(api_stats, n.warm_lease)
 
     async def phase_concurrent(self) -> None:
         tried = self.sizes.concurrent
@@ -662,6 +713,17 @@ class EnvBench:
                 f"p50 {s['release_and_refill_ms']['p50']} ms"
             )
 
+        def podman_api_note() -> str:
+            return (
+                f"podman API service vs CLI (interleaved): cold start p50 {s['podman_api_cold_run_ms']['p50']} vs "
+                f"{s['podman_cli_cold_run_ms']['p50']} ms (create {s['podman_api_cold_create_ms']['p50']} vs "
+                f"{s['podman_cli_cold_create_ms']['p50']} ms), p99 {s['podman_api_cold_run_ms']['p99']} vs "
+                f"{s['podman_cli_cold_run_ms']['p99']} ms; warm lease p50 {s['podman_api_warm_lease_ms']['p50']} vs "
+                f"{s['podman_cli_warm_lease_ms']['p50']} ms, p99 {s['podman_api_warm_lease_ms']['p99']} vs "
+                f"{s['podman_cli_warm_lease_ms']['p99']} ms; release + refill p50 "
+                f"{s['podman_api_release_and_refill_ms']['p50']} vs {s['podman_cli_release_and_refill_ms']['p50']} ms"
+            )
+
         def concurrent_note() -> str:
             created = d["concurrent_created"]
             return (
@@ -725,8 +787,8 @@ class EnvBench:
 
         out = []
         notes = (
-            exec_note, warm_note, concurrent_note, podman_footprint_note, ns_exec_note, ns_cold_note, ns_disk_note,
-            ns_concurrent_note, ssh_note, load_note,
+            exec_note, warm_note, podman_api_note, concurrent_note, podman_footprint_note, ns_exec_note, ns_cold_note,
+            ns_disk_note, ns_concurrent_note, ssh_note, load_note,
         )  # fmt: skip
         for note in notes:
             try:
@@ -764,6 +826,13 @@ class EnvBench:
 
 
 # ---------------------------------------------------------------- measurement helpers
+
+
+def _check_warm_hits(stats: Any, n: int) -> None:
+    if stats.warm_hits != n:
+        raise RuntimeError(
+            f"only {stats.warm_hits} of {n} leases came from the warm pool ({stats.cold_starts} cold starts)"
+        )
 
 
 async def _exec_true(sandbox: PodmanSandbox) -> ExecResult:

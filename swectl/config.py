@@ -73,7 +73,10 @@ class SandboxConfig(_Section):
     layers from the node's Podman store, no container engine per sandbox; needs root on the node). The
     ``ns_*`` settings apply to ``namespace`` only. ``docker``: a container per sandbox through the node's
     ``docker`` CLI (its own image store: load images there, e.g. ``podman save IMG | docker load``);
-    ``docker_host`` picks the daemon (``DOCKER_HOST``; empty = the node's default).
+    ``docker_host`` picks the daemon (``DOCKER_HOST``; empty = the node's default). ``podman_api`` (podman
+    only): create, list and remove containers through the node's ``podman system service`` (podman-py; started on
+    the node when none answers, and left running there) instead of one ``podman`` process per call; commands still
+    go through the exec agent.
     """
     backend: Literal["podman", "namespace", "docker"] = "namespace"
     image: str = DEFAULT_IMAGE
@@ -89,6 +92,7 @@ class SandboxConfig(_Section):
     exec_grace_s: Positive = 10.0
     start_timeout_s: Positive = 120.0
     destroy_timeout_s: Positive = 30.0
+    podman_api: bool = False  # podman only: lifecycle through the Podman API service instead of the CLI
     docker_host: str = ""  # docker only: the node's DOCKER_HOST (e.g. unix:///run/docker.sock); "" = its default
     ns_state_dir: str = "/var/lib/swectl/ns"  # on the node: the daemon's socket, records, disk scratch
     ns_scratch: Literal["disk", "tmpfs"] = "disk"  # where a sandbox's writable layer lives

@@ -26,6 +26,7 @@ from swectl.remote.nodes.agent_client import AgentClient, agent_command
 from swectl.remote.nodes.agent_sandbox import AgentSandbox, RemovalBatcher, translate_lost
 from swectl.remote.nodes.node import Node
 from swectl.remote.nodes.podman import ContainerCli, PodmanCli
+from swectl.remote.nodes.podman_api import PodmanApi
 from swectl.remote.programs.exec_agent import HeadTail
 from swectl.sandbox import format_output
 from swectl.schema import ExecResult, SandboxInfo, SandboxSpec
@@ -113,14 +114,20 @@ class ContainerBackend:
 
 
 class PodmanBackend(ContainerBackend):
-    """Podman containers on one node, with swectl's containers.conf."""
+    """Podman containers on one node, with swectl's containers.conf. Lifecycle goes through the podman CLI, or
+    with ``sandbox.podman_api`` through the node's Podman API service (remote/nodes/podman_api.py)."""
 
     def __init__(self, node: Node, config: SandboxConfig, containers_conf: str = "bundled") -> None:
-        self.podman = PodmanCli(node, containers_conf)
+        self.podman = PodmanApi(node, containers_conf) if config.podman_api else PodmanCli(node, containers_conf)
         super().__init__(node, config, self.podman)
 
     def _sandbox(self, cid: str, name: str, spec: SandboxSpec) -> PodmanSandbox:
         return PodmanSandbox(self, cid, name, spec)
+
+    async def aclose(self) -> None:
+        if isinstance(self.podman, PodmanApi):
+            self.podman.close()
+        await super().aclose()
 
 
 class ContainerSandbox(AgentSandbox):

@@ -8,12 +8,18 @@ cancel scope). Host keys are verified against ``known_hosts`` unless the config 
 
 A dropped connection (sshd killed, network gone: keepalives notice it) marks the node not ``alive``;
 channels on it see end of stream. ``connect()`` reconnects. asyncssh errors are translated here.
+
+``forward_unix`` forwards a unix socket of the node (the Podman API service's) to a local one in a private
+temporary folder; forwarded connections are channels outside the per-connection cap (not sshd sessions).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import shutil
+import tempfile
 from collections.abc import Sequence
 
 import anyio
@@ -96,6 +102,10 @@ class SshNode:
         self._connections: list[_Connection] = []
         self._opening = anyio.Lock()
         self._slot_freed = anyio.Event()
+        # forward_unix: remote path -> (the connection carrying it, its listener, the local path)
+        self._forwards: dict[str, tuple[_Connection, asyncssh.SSHListener, str]] = {}
+        self._forward_dir: str | None = None
+        self._forwarding = anyio.Lock()
 
     @property
     def alive(self) -> bool:
@@ -217,8 +227,41 @@ class SshNode:
             raise
         return SshProcess(self, slot, process)
 
+    async def forward_unix(self, remote_path: str) -> str:
+        """A local unix socket whose connections reach ``remote_path`` on the node (asyncssh's
+        ``forward_local_path``). Idempotent: the same local path for the same remote path, forwarded again over a
+        live connection when the one carrying it dropped. Removed by ``aclose``."""
+        current = self._forwards.get(remote_path)
+        if current is not None and current[0].usable:
+            return current[2]
+        async with self._forwarding:
+            await self.connect()
+            current = self._forwards.get(remote_path)
+            if current is not None and current[0].usable:
+                return current[2]
+            if self._forward_dir is None:
+                self._forward_dir = tempfile.mkdtemp(prefix="swectl-ssh-")  # mode 0700: only we reach the node
+            local = current[2] if current else os.path.join(self._forward_dir, f"{len(self._forwards)}.sock")
+            if current is not None:
+                current[1].close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(local)
+            slot = next(c for c in self._connections if c.usable)
+            try:
+                listener = await slot.conn.forward_local_path(local, remote_path)
+            except (asyncssh.Error, OSError) as exc:
+                raise NodeLostError(self.name, f"cannot forward {remote_path}: {exc}") from exc
+            self._forwards[remote_path] = (slot, listener, local)
+            return local
+
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
+            for _, listener, _ in self._forwards.values():
+                listener.close()
+            self._forwards = {}
+            if self._forward_dir is not None:
+                shutil.rmtree(self._forward_dir, ignore_errors=True)
+                self._forward_dir = None
             for c in self._connections:
                 c.conn.close()
             with anyio.move_on_after(5):

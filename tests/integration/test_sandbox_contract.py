@@ -2,6 +2,9 @@
 namespace sandboxes and real docker containers on a private dockerd (the ``backend_kind`` parameter of the
 ``backend`` fixture).
 
+``podman-api`` is Podman with ``sandbox.podman_api``: the same containers, made and removed through the node's
+Podman API service (``test_api_makes_the_container_the_cli_makes`` compares them with ``podman inspect``).
+
 On Podman and Docker most tests run twice through the ``image`` parameter: ``agent`` (the base image;
 commands go through the in-sandbox exec agent) and ``plain`` (an image without python3; one ``podman exec``
 or ``docker exec`` per command). A namespace sandbox always has its agent, so it runs the ``agent`` variant
@@ -11,8 +14,10 @@ only.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
+from typing import Any
 
 import anyio
 import pytest
@@ -30,6 +35,7 @@ from .conftest import (
     TEST_LABEL,
     Backend,
     Sandbox,
+    apodman,
     backend_object,
     create_sandbox,
     engine_cli,
@@ -502,7 +508,7 @@ async def test_container_killed_during_a_command_raises_sandbox_lost(sandbox: Sa
     assert isinstance(outcome, SandboxLostError), outcome
 
 
-@pytest.mark.parametrize("backend_kind", ["podman", "docker"])  # the `exec -i` start step of container backends
+@pytest.mark.parametrize("backend_kind", ["podman", "podman-api", "docker"])  # the `exec -i` start step of containers
 async def test_nopython_sandbox_starts_reliably(backend: Backend, nopython_image: str) -> None:
     """Repeats the start step of create() (a `podman exec -i` or `docker exec -i` that finds no python3) on one
     container.
@@ -574,3 +580,53 @@ async def test_sandboxes_destroyed_together_are_removed_in_a_few_podman_calls(ba
     assert len(calls) < len(boxes) / 2, calls
     with anyio.fail_after(BOUND_S):
         assert await backend.list({"swectl.run": run_label}) == []
+
+
+def _as_run_makes_it(inspect: dict[str, Any]) -> dict[str, Any]:
+    """What `podman inspect` says about a container that the way it was created decides (ids, times and paths
+    left out, and CreateCommand: the API service records none)."""
+    config, host = inspect["Config"], inspect["HostConfig"]
+    return {
+        "Path": inspect["Path"], "Args": inspect["Args"], "ImageName": inspect["ImageName"],
+        "OCIRuntime": inspect["OCIRuntime"], "EffectiveCaps": inspect["EffectiveCaps"],
+        "BoundingCaps": inspect["BoundingCaps"],
+        "Env": sorted(e for e in config["Env"] if not e.startswith("HOSTNAME=")), "Labels": config["Labels"],
+        "WorkingDir": config["WorkingDir"], "StopTimeout": config["StopTimeout"], "Entrypoint": config["Entrypoint"],
+        "Cmd": config["Cmd"], "StopSignal": config["StopSignal"], "Tty": config["Tty"],
+        "sdNotifyMode": config.get("sdNotifyMode"), "Umask": config.get("Umask"),
+        "Annotations": {k: v for k, v in config["Annotations"].items() if not k.endswith(".Created")},
+        **{key: host[key] for key in (
+            "Init", "Memory", "MemorySwap", "PidsLimit", "CpuQuota", "CpuPeriod", "CpuShares", "NetworkMode",
+            "Ulimits", "CapAdd", "CapDrop", "SecurityOpt", "Privileged", "ReadonlyRootfs", "ShmSize",
+            "IpcMode", "PidMode", "UTSMode", "UsernsMode", "CgroupMode", "CgroupParent", "AutoRemove",
+            "RestartPolicy", "Devices", "Binds", "Tmpfs",
+        )},
+        "LogConfig": {k: v for k, v in host["LogConfig"].items() if k != "Path"},  # the path names the container
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("backend_kind", ["podman-api"])
+async def test_api_makes_the_container_the_cli_makes(backend: Backend) -> None:
+    """A sandbox made through the Podman API service is the container `podman run` makes from the same spec:
+    init, entrypoint, limits, network, env, labels, workdir, stop timeout, ulimits and capabilities agree."""
+    cli = await new_backend(kind="podman")
+    spec = make_spec(workdir=SPEC_WORKDIR, env=SPEC_ENV, memory="300m", cpus=0.5, pids_limit=100,
+                     labels={"team": "parity"})  # fmt: skip
+    boxes: list[Sandbox] = []
+    try:
+        for made_by in (cli, backend):
+            boxes.append(await create_sandbox(made_by, spec))
+        inspected = []
+        for box in boxes:
+            out = await apodman("inspect", box.id)
+            assert out.returncode == 0, out.stderr
+            inspected.append(_as_run_makes_it(json.loads(out.stdout)[0]))
+        by_cli, by_api = inspected
+        assert by_api == by_cli
+        assert by_api["Init"] is True and by_api["NetworkMode"] == "none" and by_api["StopTimeout"] == 0
+        assert (by_api["Memory"], by_api["PidsLimit"], by_api["CpuQuota"]) == (300 * 1024 * 1024, 100, 50_000)
+    finally:
+        with anyio.fail_after(BOUND_S):
+            for box in boxes:
+                await box.destroy()
+            await cli.aclose()
