@@ -506,3 +506,21 @@ async def test_namespace_sandboxes_over_ssh(nodes: testnodes.TestNodes, run_id: 
     finally:
         if await anyio.Path(socket).exists():
             nsbox.call(socket, {"op": "retire"})
+
+
+async def test_podman_api_over_ssh(nodes: testnodes.TestNodes, run_id: str) -> None:
+    """``sandbox.podman_api`` on SSH nodes: lifecycle through each node's Podman API service, reached over a
+    socket forwarded by the SSH connection; commands still through the exec agent."""
+    doc = ssh_document(nodes)
+    doc["sandbox"] = {"backend": "podman", "podman_api": True}
+    async with running_pool(decode_config(doc), run_id) as pool:
+        leases = [await acquire(pool) for _ in range(2)]
+        assert {lease.node for lease in leases} == {n.name for n in nodes.nodes}
+        for lease in leases:
+            with anyio.fail_after(60):
+                result = await lease.exec("echo $((6 * 7))", 20)
+            assert result.output == "42\n"
+            assert set(await containers(**on_node(run_id, lease.node))) == {lease.sandbox.id}
+        for lease in leases:
+            await release(pool, lease)
+    assert await containers(**{LABEL_RUN: run_id}) == []
