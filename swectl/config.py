@@ -97,6 +97,7 @@ class SandboxConfig(_Section):
     ns_state_dir: str = "/var/lib/swectl/ns"  # on the node: the daemon's socket, records, disk scratch
     ns_scratch: Literal["disk", "tmpfs"] = "disk"  # where a sandbox's writable layer lives
     ns_scratch_size: str = "4g"  # the tmpfs scratch's size (a write past it fails inside with ENOSPC)
+    ns_userns: bool = True  # a user namespace (identity-mapped) per sandbox, where the node's kernel allows it
     ns_python: str = "python3"  # the node's interpreter for the daemon (a local node uses the controller's)
     # image name -> a rootfs tarball on this machine (`podman export`, debootstrap + tar): shipped to each node
     # once, unpacked there by content hash; the way to run images on nodes without Podman

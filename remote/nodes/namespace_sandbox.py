@@ -17,8 +17,9 @@ interpreter, loaded before the sandbox's root is entered.
 
 Covered: filesystem (overlay over read-only layers, old root detached), processes (PID namespace), network
 (loopback only unless ``network``), memory, pids and CPU limits (cgroups; a controller the node lacks is
-reported by ``swectl nodes check`` and logged once), capabilities and ``no_new_privs``. Not covered: user
-namespaces and seccomp (root inside is root with Podman's capability set); the kernel itself.
+reported by ``swectl nodes check`` and logged once), capabilities and ``no_new_privs``, and an identity-mapped
+user namespace (``sandbox.ns_userns``, where the node allows one) entered after every other namespace and mount
+was made, so no capability reaches beyond the sandbox's own user namespace. Not covered: seccomp, the kernel.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class NamespaceBackend:
         self._roots: dict[str, ImageRoot] = {}
         self._removals = RemovalBatcher(lambda ids: self.remove(ids), node.name)
         self._warned_limits = False
+        self._userns = False  # whether the node allows user namespaces (from its check at prepare)
         self.daemon_version = ""
 
     @property
@@ -168,6 +170,10 @@ class NamespaceBackend:
             self._warned_limits = True
             log.warning("node %s: namespace sandboxes run without %s limits (no cgroup controller for them)",
                         self.name, ", ".join(report["unenforced_limits"]))  # fmt: skip
+        self._userns = report.get("user_namespaces") == "yes"
+        if self.config.ns_userns and not self._userns:
+            log.warning("node %s: no user namespaces (max_user_namespaces is 0): sandboxes run without one",
+                        self.name)  # fmt: skip
         argv = self._argv("ensure", self.config.ns_state_dir)
         out = await self.node.run(argv, input=_blob(nsbox_source()) + _blob(agent_source()))
         if out.exit_code != 0:
@@ -187,7 +193,7 @@ class NamespaceBackend:
         request = {
             "op": "launch", "id": sandbox_id, "name": sandbox_id, "image": spec.image, "labels": spec.labels,
             "layers": root.layers, "env": {**DEFAULT_ENV, **root.env, **spec.env}, "workdir": spec.workdir,
-            "hostname": sandbox_id, "network": spec.network,
+            "hostname": sandbox_id, "network": spec.network, "userns": self.config.ns_userns and self._userns,
             "memory_bytes": parse_size(spec.memory, "sandbox.memory"), "pids": spec.pids_limit, "cpus": spec.cpus,
             "upper": self.config.ns_scratch,
             "upper_size": parse_size(self.config.ns_scratch_size, "sandbox.ns_scratch_size"),

@@ -29,8 +29,10 @@ devpts and /dev/shm); memory, pids and CPU limits in its own cgroups (v1 or v2, 
 each controller), visible read-only under /sys/fs/cgroup; Podman's default capability bounding set,
 ``no_new_privs``. Its first process (PID 1 inside) is the exec agent itself, run by this interpreter on
 the inherited channel: nothing of the sandbox lives outside its namespaces, and one SIGKILL to that
-process ends everything in it. No user namespace: root inside is root with reduced capabilities, as in
-rootful Podman. No seccomp filter (Podman has one): kernel attack surface is out of scope.
+process ends everything in it. Last, where the request asks for it, PID 1 unshares a user namespace whose
+identity id maps the first child writes: files and users keep their ids, but every other namespace and
+mount of the sandbox belongs to the node's user namespace, so no capability inside reaches them. No
+seccomp filter (Podman has one): kernel attack surface is out of scope.
 """
 
 import array
@@ -75,7 +77,7 @@ KEEP_CAPS = {
 }  # fmt: skip
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWUSER = 0x20000000, 0x40000000, 0x10000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
@@ -347,7 +349,13 @@ def _touch(path):
 def setup_root(box):
     """In the sandbox's new mount namespace, as its PID 1: build its root and enter it."""
     r = box.request
+    _check(_libc.unshare(CLONE_NEWNS), "unshare(mount namespace)")
     _mount(None, "/", None, MS_REC | MS_PRIVATE, what="making mounts private")
+    if not r.get("network") and r.get("userns"):
+        # the sandbox's own network namespace belongs to the node's user namespace, so binding a port below
+        # 1024 would need a capability it cannot have there: let every port be bound, as rootless Podman does
+        with contextlib.suppress(OSError):
+            _write("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
     scratch = box.dir
     if r.get("upper") == "tmpfs":
         scratch = os.path.join(box.dir, "rw")
@@ -412,7 +420,28 @@ def setup_root(box):
     os.rmdir("/.swectl-oldroot")
 
 
-def run_sandbox(box, channel_fds, status_w, agent_code):
+def _enter_user_namespace(userns):
+    """Unshare a user namespace as the last step of the setup; the first child (still in the node's user
+    namespace) writes its identity id maps. Every namespace and mount of the sandbox was made before, so they
+    belong to the node's user namespace: whatever capability a process of the sandbox holds, it holds over
+    nothing but its own user namespace (no mount, network, hostname or kernel setting is within reach)."""
+    unshared_w, mapped_r = userns
+    _check(_libc.unshare(CLONE_NEWUSER), "unshare(user namespace)")
+    os.write(unshared_w, b"u")
+    os.close(unshared_w)
+    answer = os.read(mapped_r, 1)
+    os.close(mapped_r)
+    if answer != b"1":
+        raise SetupError("the user namespace's id maps could not be written")
+
+
+def _map_identity(pid):
+    """Identity uid/gid maps: files and users keep their ids, inside and outside."""
+    for name in ("uid_map", "gid_map"):
+        _write(f"/proc/{pid}/{name}", "0 0 4294967295\n")
+
+
+def run_sandbox(box, channel_fds, status_w, agent_code, userns=None):
     """PID 1 of a new sandbox: set it up, report, become the exec agent. Never returns."""
     r = box.request
     try:
@@ -421,6 +450,8 @@ def run_sandbox(box, channel_fds, status_w, agent_code):
         _check(_libc.sethostname(name.encode(), len(name.encode())), "sethostname")
         if not r.get("network"):
             _loopback_up()
+        if userns is not None:
+            _enter_user_namespace(userns)
         stdin_fd, stdout_fd = channel_fds[0], channel_fds[-1]
         os.dup2(stdin_fd, 0)
         os.dup2(stdout_fd, 1)
@@ -457,7 +488,9 @@ def start_launch(box, channel_fds, agent_code, mounts):
     os.makedirs(box.dir, exist_ok=True)
     box.cgroups = make_cgroups(box, mounts)
     status_r, status_w = os.pipe()
-    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    # No CLONE_NEWNS here: PID 1 makes its own mount namespace, so that its pivot_root leaves the first child
+    # (which writes the user namespace's id maps through the node's /proc) where it was.
+    flags = CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
     if not box.request.get("network"):
         flags |= CLONE_NEWNET
     first = os.fork()
@@ -467,10 +500,27 @@ def start_launch(box, channel_fds, agent_code, mounts):
             for path in box.cgroups.values():
                 _write(os.path.join(path, "cgroup.procs"), str(os.getpid()))
             _check(_libc.unshare(flags), "unshare")
+            userns = box.request.get("userns")
+            if userns:
+                unshared_r, unshared_w = os.pipe()
+                mapped_r, mapped_w = os.pipe()
             pid = os.fork()
             if pid == 0:
-                run_sandbox(box, channel_fds, status_w, agent_code)
+                if userns:
+                    os.close(unshared_r)
+                    os.close(mapped_w)
+                run_sandbox(box, channel_fds, status_w, agent_code, (unshared_w, mapped_r) if userns else None)
             os.write(status_w, f"pid {pid}\n".encode())
+            if userns:  # wait for the sandbox to unshare its user namespace, then map its ids
+                os.close(unshared_w)
+                os.close(mapped_r)
+                if os.read(unshared_r, 1) == b"u":
+                    try:
+                        _map_identity(pid)
+                        os.write(mapped_w, b"1")
+                    except OSError as exc:
+                        os.write(status_w, f"error writing the user namespace's id maps: {exc}\n".encode())
+                        os.write(mapped_w, b"0")
             os._exit(0)
         except BaseException as exc:
             with contextlib.suppress(OSError):

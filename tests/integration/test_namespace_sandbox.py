@@ -311,3 +311,24 @@ def uuid4_hex() -> str:
     import uuid
 
     return uuid.uuid4().hex[:12]
+
+
+async def test_a_sandbox_has_its_own_identity_mapped_user_namespace() -> None:
+    """Entered last: files and users keep their ids, root inside is uid 0, and ordinary work needs nothing
+    more (chown, a server on port 80); but the sandbox's capabilities reach nothing outside that namespace."""
+    backend = await new_backend(kind="namespace")
+    box = await create_sandbox(backend, make_spec())
+    try:
+        script = (
+            "readlink /proc/self/ns/user; cat /proc/self/uid_map | tr -s ' '; id -u; "
+            "touch /tmp/f && chown 1000:1000 /tmp/f && stat -c %u:%g /tmp/f; "
+            "python3 -c 'import socket; s = socket.socket(); s.bind((\"127.0.0.1\", 80)); print(\"bound\")'; "
+            "grep CapEff /proc/self/status"
+        )
+        result = await box.exec(script, 30)
+        lines = result.output.splitlines()
+        assert lines[0] != os.readlink("/proc/self/ns/user"), result.output
+        assert lines[1].split() == ["0", "0", "4294967295"], result.output
+        assert lines[2:5] == ["0", "1000:1000", "bound"], result.output
+    finally:
+        await box.destroy()
