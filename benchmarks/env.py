@@ -8,6 +8,8 @@ Measures on this machine (and, with ``--ssh``, on a throwaway sshd node in a net
 * a lease served from the EnvPool's warm pool vs a cold start (``podman run`` + agent + first exec)
   and the plain ``podman run --rm IMAGE true``;
 * how many sandboxes one node holds at once with every exec succeeding, and the host memory they take;
+* the namespace backend (cold start, exec, memory and processes per sandbox, disk, 512 at once) and the
+  docker backend (a private dockerd: cold start, exec through the agent and `docker exec`) beside Podman;
 * Podman's lifecycle through the API service (``sandbox.podman_api``: ``podman system service`` over podman-py)
   beside the CLI (one ``podman`` process per create/list/remove), interleaved in one phase: cold start to first
   exec, and warm-lease latency (p99) from an EnvPool of Podman sandboxes on each path;
@@ -142,7 +144,7 @@ METRICS = (
     "podman_mem_per_sandbox_mib", "podman_host_procs_per_sandbox",
     "ns_exec_p50_ms", "ns_cold_start_ms", "ns_cold_start_speedup", "ns_disk_frac",
     "ns_mem_per_sandbox_mib", "ns_host_procs_per_sandbox", "ns_concurrent_ok", "ns_concurrent_tried",
-    "ns_concurrent_mem_mib",
+    "ns_concurrent_mem_mib", "docker_cold_run_p50_ms", "docker_exec_p50_ms", "docker_cli_exec_p50_ms",
 )  # fmt: skip
 SSH_METRICS = ("ssh_exec_p50_ms", "ssh_podman_exec_p50_ms", "ssh_exec_speedup", "ssh_rtt_ms")
 
@@ -197,6 +199,7 @@ class EnvBench:
             ("ns_cold_run", self.phase_ns_cold_run),
             ("ns_disk", self.phase_ns_disk),
             ("ns_concurrent", self.phase_ns_concurrent),
+            ("docker", self.phase_docker),
         ]
         if self.ssh:
             phases.append(("ssh", self.phase_ssh))
@@ -468,6 +471,42 @@ class EnvBench:
         )
 
     # ------------------------------------------------------------------ the namespace backend
+
+    async def phase_docker(self) -> None:
+        """The docker backend beside the others: a private dockerd (no bridge, no iptables) loaded with the
+        image from Podman; cold start to first exec, exec through the agent, and `docker exec CID true`."""
+        from swectl.remote.nodes.docker_sandbox import DockerBackend
+        from swectl.testing.docker import docker_unavailable, start_private_docker
+
+        reason = docker_unavailable()
+        if reason is not None:
+            self.details["docker_skipped"] = reason
+            return
+        n = self.sizes
+        self.progress(f"docker: a private dockerd; {n.cold_run} x create + first exec, {n.exec} x exec('true'), "
+                      f"{n.podman_exec} x `docker exec CID true`")  # fmt: skip
+        daemon = await anyio.to_thread.run_sync(start_private_docker)
+        try:
+            await anyio.to_thread.run_sync(daemon.load_from_podman, [IMAGE])
+            config = msgspec.structs.replace(SandboxConfig(), docker_host=daemon.host)
+            backend = DockerBackend(LocalNode(), config)
+            await backend.prepare()
+            cold = self.summary("docker_cold_run_ms", await self._cold_starts(backend, n.cold_run, "docker_"))
+            sandbox = await backend.create(self.spec())
+            try:
+                exec_stats, _ = await self._time_agent(sandbox, "docker_")
+                cli = self.summary(
+                    "docker_cli_exec_ms",
+                    await _time_cli(["docker", "exec", sandbox.id, "true"], n.podman_exec, daemon.env()),
+                )
+            finally:
+                await sandbox.destroy()
+            self.metrics.update(
+                docker_cold_run_p50_ms=cold["p50"], docker_exec_p50_ms=exec_stats["p50"],
+                docker_cli_exec_p50_ms=cli["p50"],
+            )  # fmt: skip
+        finally:
+            await anyio.to_thread.run_sync(daemon.stop)
 
     async def phase_ns_exec(self) -> None:
         n = self.sizes
