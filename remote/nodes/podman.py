@@ -178,7 +178,10 @@ class PodmanCli(ContainerCli):
         for key, value in sorted(labels.items()):
             args += ["--filter", f"label={key}={value}"]
         out = await self.run(*args)
-        rows = json.loads(out.stdout or b"[]") or []
+        return self._sandbox_infos(json.loads(out.stdout or b"[]") or [])
+
+    def _sandbox_infos(self, rows: list[dict]) -> list[SandboxInfo]:
+        """Podman's container list rows (``ps --format json`` and the API's /containers/json agree)."""
         return [
             SandboxInfo(
                 id=row["Id"],

@@ -316,17 +316,7 @@ class PodmanApi(PodmanCli):
     async def list_containers(self, labels: dict[str, str]) -> list[SandboxInfo]:
         filters = json.dumps({"label": [f"{key}={value}" for key, value in sorted(labels.items())]})
         rows = await self._call("GET", "/containers/json", {"all": "true", "filters": filters}) or []
-        return [
-            SandboxInfo(
-                id=row["Id"],
-                name=(row.get("Names") or [""])[0],
-                node=self.node.name,
-                image=row.get("Image", ""),
-                state=row.get("State", ""),
-                labels=row.get("Labels") or {},
-            )
-            for row in rows
-        ]
+        return self._sandbox_infos(rows)
 
     async def remove(self, ids: list[str]) -> None:
         """Force-remove containers (one request each, CONCURRENCY at once); missing ones are not an error."""
