@@ -28,7 +28,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--image-map", type=Path, default=None, metavar="FILE",
                        help="with --repo-cache: write instance_id -> image JSON for `swectl eval --image-map`")
     build.add_argument("--allow-network", action="store_true",
-                       help="with --repo-cache: let builds use the network (runs the specs' apt/pip pre-install steps)")
+                       help="with --repo-cache: let builds use the network (runs the specs' apt/pip pre-install steps; "
+                       "apt steps from the base image's Debian mirror, in an apt image of their own)")
+    build.add_argument("--uploaded-prior-to", default="official", metavar="POLICY",
+                       help="with --repo-cache: resolve unpinned requirements with releases uploaded before a date: "
+                       "official (2024-08-13, when SWE-bench Verified was validated; default), created_at (the row's), "
+                       "env-commit (its environment_setup_commit's), none, or an ISO date")
     prune = isub.add_parser("prune", help="remove swectl project images that no projects file describes any more")
     prune.add_argument("--projects", type=Path, default=BUNDLED_PROJECTS, help="projects whose images to keep")
     prune.add_argument("--all", action="store_true", help="remove every swectl project image")
@@ -67,7 +72,7 @@ def _build_instance_images(args: argparse.Namespace) -> int:
     if args.only:
         tasks = [t for t in tasks if t.instance_id in set(args.only)]
     outcomes = build_instance_images(tasks, load_specs(), args.repo_cache, say=say, force=args.force,
-                                     allow_network=args.allow_network)
+                                     allow_network=args.allow_network, uploaded_prior_to=args.uploaded_prior_to)
     for o in outcomes:
         say(f"{o.instance_id}: {o.status} {o.image} {o.message}".rstrip())
     if args.image_map:

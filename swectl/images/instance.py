@@ -10,20 +10,35 @@ One image per task, on swectl's base image (Debian with python3.11, no conda):
 - pip stays offline in the image, ``/opt/miniconda3/bin/activate`` is a conda shim, and the spec's
   ``pre_install`` and ``install`` run at build time (recipe.py), so the official eval scripts run unchanged.
 
-The spec's ``python`` is not honoured: every image runs the base image's Python 3.11, so pins that never got a
-3.11 build are built from source or dropped, with warnings. This module plans a build (the content hash over
-everything that goes into the image), writes the build context and runs ``podman build --network none``;
-images carry the label ``swectl.content`` and are rebuilt only when it changes.
+Unpinned requirements resolve as of a date (wheels.py: ``uploaded_prior_to``, the ``official`` cut-off by
+default), recorded in the label ``swectl.uploaded_prior_to``.
+
+The spec's ``python`` is honoured only where it is 3.11: the base image (Debian bookworm) has no other
+interpreter, bookworm's mirror has none either, and no conda or python.org download is reachable offline. Every
+other row runs Python 3.11, with a warning (the build report, and the image's ``swectl.warnings`` label;
+``swectl.python`` and ``swectl.spec_python`` say both); pins that never got a 3.11 build are built from
+source or dropped, with warnings.
+
+The spec's apt steps (recipe.py) run, with ``allow_network`` and a reachable Debian mirror, in an apt image
+of their own (``localhost/swectl-apt:<hash>``, built with the network, shared by every row with the same
+steps) that the instance image is built on; ``swectl.apt`` says whether they ran.
+
+This module plans a build (the content hash over everything that goes into the image), writes the build
+context and runs ``podman build --network none`` (the network only where ``allow_network`` runs other network
+steps); images carry the label ``swectl.content`` and are rebuilt only when it changes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shutil
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
@@ -36,19 +51,32 @@ from swectl.images.names import docker_id
 from swectl.images.project import DEFAULT_BASE, BuiltImage, ImageBuildError, cache_dir, image_id, image_label
 from swectl.images.recipe import (
     WARNING_TAG,
+    apt_containerfile,
     conda_shim,
     containerfile_body,
     install_deps_script,
+    needs_network,
     setup_script,
+    split_pre_install,
     stage_file,
 )
 from swectl.images.requirements import Requirements, spec_requirements
-from swectl.images.wheels import StageWheels, cache_key, fetch_project_dependencies, fetch_stage, wheel_pool
+from swectl.images.wheels import (
+    PYTHON_VERSION,
+    StageWheels,
+    cache_key,
+    check_date_policy,
+    fetch_project_dependencies,
+    fetch_stage,
+    prior_to,
+    wheel_pool,
+)
 from swectl.remote.nodes.podman import run_local_podman
 from swectl.tasks.record import Task
 from swectl.tasks.specs import RepoSpec, SpecTable
 
 INSTANCE_PREFIX = "localhost/swectl-inst."
+APT_IMAGE = "localhost/swectl-apt"
 
 BuildStatus = Literal["built", "cached", "failed", "skipped"]
 
@@ -74,9 +102,19 @@ def instance_image_name(task: Task) -> str:
     return f"{INSTANCE_PREFIX}{docker_id(task.instance_id)}:latest"
 
 
-def _label(task: Task, content: str) -> str:
-    return (f"LABEL swectl.image=instance swectl.instance={json.dumps(task.instance_id)} "
-            f"swectl.content={content}\n")
+def _label_value(text: str) -> str:
+    """``text`` as a double-quoted Containerfile LABEL value (``$`` escaped: LABEL expands variables)."""
+    return json.dumps(text).replace("$", "\\$")
+
+
+def _label(task: Task, plan: _Plan) -> str:
+    labels = {
+        "swectl.image": "instance", "swectl.instance": task.instance_id, "swectl.content": plan.content,
+        "swectl.uploaded_prior_to": plan.date or "none", "swectl.python": PYTHON_VERSION,
+        "swectl.spec_python": plan.spec_python or "unset", "swectl.apt": plan.apt,
+        "swectl.warnings": json.dumps(plan.warnings),
+    }
+    return "LABEL " + " ".join(f"{k}={_label_value(v)}" for k, v in labels.items()) + "\n"
 
 
 class _Plan(msgspec.Struct, frozen=True):
@@ -88,37 +126,131 @@ class _Plan(msgspec.Struct, frozen=True):
     files: dict[str, str]  # build-context path -> text
     content: str
     warnings: list[str]
+    date: str  # uploaded-prior-to of the downloads; "" for none
+    spec_python: str
+    apt: str  # "ran" (in the apt image under this one), "skipped" or "none" (the spec has no apt steps)
+    network: bool  # whether the build needs the network (allow_network and network steps left in setup.sh)
 
 
-def _fetch_all(reqs: Requirements, testbed: Testbed, log: Path) -> list[StageWheels]:
-    stages = [fetch_stage(stage, log) for stage in reqs.stages]
+def _fetch_all(reqs: Requirements, testbed: Testbed, log: Path, date: str) -> list[StageWheels]:
+    stages = [fetch_stage(stage, log, date) for stage in reqs.stages]
     if reqs.project_extras is not None:
-        stages.append(fetch_project_dependencies(testbed, reqs.project_extras, log))
+        stages.append(fetch_project_dependencies(testbed, reqs.project_extras, log, date))
     return stages
 
 
+def python_warning(spec: RepoSpec) -> str | None:
+    """The warning for a spec whose Python the image cannot have (any but 3.11), None when it can."""
+    if not spec.python or spec.python == PYTHON_VERSION:
+        return None
+    return (f"spec python {spec.python} is not available offline on this node (the base image and its Debian "
+            f"mirror have only python {PYTHON_VERSION}; no conda): the venv runs python {PYTHON_VERSION}")
+
+
+def _apt_sources(base: str) -> list[tuple[str, str]]:
+    """(mirror URL, suite) of each apt source in ``base`` (one-line and deb822 formats)."""
+    out = run_local_podman("run", "--rm", "--network", "none", base, "sh", "-c",
+                           "cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null", timeout=120,
+                           check=False)
+    text = out.stdout.decode(errors="replace")
+    found = re.findall(r"^deb\s+(?:\[[^\]]*\]\s+)?(https?://\S+)\s+(\S+)", text, flags=re.MULTILINE)
+    for block in re.split(r"\n\s*\n", text):
+        uris = re.findall(r"^URIs:\s*(.+)$", block, flags=re.MULTILINE)
+        suites = re.findall(r"^Suites:\s*(.+)$", block, flags=re.MULTILINE)
+        if uris and suites:
+            found += [(u, suites[0].split()[0]) for u in uris[0].split() if u.startswith("http")]
+    return found
+
+
+@functools.cache
+def apt_mirror(base_id: str, base: str) -> str | None:
+    """The first Debian mirror of ``base``'s apt sources that answers from this node (its Release file within
+    5 s), or None. Cached per base image for the process."""
+    for url, suite in _apt_sources(base):
+        release = f"{url.rstrip('/')}/dists/{suite}/Release"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(release, method="HEAD"), timeout=5) as resp:
+                if resp.status == 200:
+                    return url
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+    return None
+
+
+def _apt_image(steps: list[str], base: str, base_id: str, log: Path, say: Say) -> str:
+    """The image of ``base`` with the apt ``steps`` run, built with the network (cached by content)."""
+    content = cache_key("apt", base_id, steps)
+    image = f"{APT_IMAGE}:{content[:16]}"
+    if image_label(image, "swectl.content") == content:
+        return image
+    ctx = cache_dir() / "build" / f"apt-{content}"
+    shutil.rmtree(ctx, ignore_errors=True)
+    ctx.mkdir(parents=True)
+    (ctx / "Containerfile").write_text(apt_containerfile(base, steps)
+                                       + f"LABEL swectl.image=apt swectl.content={content}\n")
+    say(f"building {image}: the apt steps, with the network (log: {log})")
+    try:
+        out = run_local_podman("build", "--pull=never", "-t", image, str(ctx), timeout=3600, check=False, log=log)
+    except CommandError as exc:
+        raise ImageBuildError(f"the apt image {image} did not finish; log: {log}\n{exc}") from exc
+    shutil.rmtree(ctx, ignore_errors=True)
+    if out.exit_code != 0:
+        _drop_failed_layers((out.stdout + out.stderr).decode(errors="replace"))
+        raise ImageBuildError(f"the apt steps failed (exit {out.exit_code}); log: {log}")
+    return image
+
+
+def _apt_base(spec: RepoSpec, base: str, base_id: str, allow_network: bool, log: Path, say: Say,
+              warnings: list[str]) -> tuple[str, str]:
+    """The image to build on and ``swectl.apt``: the apt image when the spec has apt steps, allow_network is
+    on and a Debian mirror answers; else ``base``, with a warning saying why the steps were skipped."""
+    apt, _other, _ = split_pre_install(spec.pre_install)
+    if not apt:
+        return base, "none"
+    if not allow_network:
+        return base, "skipped"  # setup_script warns about each step
+    if apt_mirror(base_id, base) is None:
+        warnings.append(f"no Debian mirror of {base}'s apt sources answers from this node: apt steps skipped")
+        return base, "skipped"
+    try:
+        return _apt_image(apt, base, base_id, log, say), "ran"
+    except ImageBuildError as exc:
+        warnings.append(f"{exc}; building without them")
+        return base, "skipped"
+
+
 def _plan(task: Task, spec: RepoSpec, testbed: Testbed, base: str, allow_network: bool, log: Path,
-          say: Say) -> _Plan:
+          say: Say, date_policy: str) -> _Plan:
     base_id = image_id(base)
     if base_id is None:
         raise ImageBuildError(f"base image {base} is missing; run scripts/setup.sh")
+    notes: list[str] = []
+    date = prior_to(date_policy, task, testbed.clone, notes)
+    python = python_warning(spec)
+    build_on, apt = _apt_base(spec, base, base_id, allow_network, log, say, notes)
+    build_on_id = image_id(build_on) or base_id
     reqs = spec_requirements(task, spec, testbed.clone, testbed.commit)
     say(f"{task.instance_id}: wheels for {', '.join(s.name for s in reqs.stages)}"
-        + (", project dependencies" if reqs.project_extras is not None else ""))
-    stages = _fetch_all(reqs, testbed, log)
-    setup, setup_warnings = setup_script(spec, allow_network=allow_network)
+        + (", project dependencies" if reqs.project_extras is not None else "")
+        + (f" (uploaded before {date})" if date else ""))
+    stages = _fetch_all(reqs, testbed, log, date)
+    setup, setup_warnings = setup_script(spec, allow_network=allow_network, apt_layer=apt == "ran")
+    _apt_steps, other, _ = split_pre_install(spec.pre_install)
+    network = allow_network and any(needs_network(step) for step in other)
     files = {
         "tools/install-deps.sh": install_deps_script(stages),
         "tools/conda-activate": conda_shim(),
         "tools/setup.sh": setup,
-        "Containerfile": containerfile_body(base),
+        "Containerfile": containerfile_body(build_on),
         **{f"wheels/{stage_file(i, s.name)}": "".join(f"{r}\n" for r in s.install) for i, s in enumerate(stages)},
     }
-    recipe = [base_id, testbed.commit, testbed.tags, files, [(s.name, s.files) for s in stages], allow_network]
+    recipe = [build_on_id, testbed.commit, testbed.tags, files, [(s.name, s.files) for s in stages], network,
+              date, spec.python, apt]
     content = cache_key("content", msgspec.to_builtins(recipe))
-    warnings = [*reqs.notes, *(n for s in stages for n in s.notes), *setup_warnings]
+    warnings = [*([python] if python else []), *notes, *reqs.notes, *(n for s in stages for n in s.notes),
+                *setup_warnings]
     return _Plan(image=instance_image_name(task), commit=testbed.commit, stages=stages, files=files,
-                 content=content, warnings=warnings)
+                 content=content, warnings=warnings, date=date, spec_python=spec.python, apt=apt, network=network)
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -139,12 +271,12 @@ def _write_context(task: Task, plan: _Plan, ctx: Path, testbed: Testbed) -> None
         (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
         (ctx / rel).write_text(text)
     with (ctx / "Containerfile").open("a") as f:
-        f.write(_label(task, plan.content))
+        f.write(_label(task, plan))
 
 
-def _podman_build(image: str, ctx: Path, log: Path, allow_network: bool) -> str:
+def _podman_build(image: str, ctx: Path, log: Path, network: bool) -> str:
     args = ["build", "--pull=never", "-t", image, "-f", str(ctx / "Containerfile")]
-    args += [] if allow_network else ["--network", "none"]
+    args += [] if network else ["--network", "none"]
     try:
         out = run_local_podman(*args, str(ctx), timeout=3600, check=False, log=log)
     except CommandError as exc:
@@ -167,7 +299,7 @@ def _drop_failed_layers(output: str) -> None:
 
 
 def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say, force: bool,
-           allow_network: bool) -> tuple[BuiltImage, list[str]]:
+           allow_network: bool, uploaded_prior_to: str) -> tuple[BuiltImage, list[str]]:
     log = cache_dir() / "logs" / f"build-inst-{task.instance_id}.log"
     clone = find_clone(Path(repo_cache), task.repo)
     commit = resolve_commit(clone, task.base_commit)
@@ -175,7 +307,7 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
     shutil.rmtree(ctx, ignore_errors=True)
     testbed = Testbed(clone, commit, ancestor_tags(clone, commit), ctx / "testbed",
                        lambda line: say(f"{task.instance_id}: {line}"))
-    plan = _plan(task, spec, testbed, base, allow_network, log, say)
+    plan = _plan(task, spec, testbed, base, allow_network, log, say, uploaded_prior_to)
     for warning in plan.warnings:
         say(f"{task.instance_id}: warning: {warning}")
     if not force and image_label(plan.image, "swectl.content") == plan.content:
@@ -184,7 +316,7 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
         return BuiltImage(plan.image, plan.content, plan.commit, cached=True), plan.warnings
     _write_context(task, plan, ctx, testbed)
     say(f"{task.instance_id}: building {plan.image} (log: {log})")
-    output = _podman_build(plan.image, ctx, log, allow_network)
+    output = _podman_build(plan.image, ctx, log, plan.network)
     shutil.rmtree(ctx, ignore_errors=True)
     build_warnings = [line.strip() for line in output.splitlines() if line.startswith(WARNING_TAG)]
     for warning in build_warnings:
@@ -194,10 +326,13 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
 
 def build_instance_image(
     task: Task, spec: RepoSpec, repo_cache: Path, *, base: str = DEFAULT_BASE, say: Say = print,
-    force: bool = False, allow_network: bool = False,
+    force: bool = False, allow_network: bool = False, uploaded_prior_to: str = "official",
 ) -> BuiltImage:
-    """Build (or reuse, when its content label matches) the instance image of one classic SWE-bench task."""
-    return _build(task, spec, repo_cache, base=base, say=say, force=force, allow_network=allow_network)[0]
+    """Build (or reuse, when its content label matches) the instance image of one classic SWE-bench task.
+    ``uploaded_prior_to``: the date policy of the downloads (wheels.py: official, created_at, env-commit, none
+    or an ISO date)."""
+    return _build(task, spec, repo_cache, base=base, say=say, force=force, allow_network=allow_network,
+                  uploaded_prior_to=check_date_policy(uploaded_prior_to))[0]
 
 
 def _skip_reason(task: Task) -> str:
@@ -209,7 +344,7 @@ def _skip_reason(task: Task) -> str:
 
 
 def _outcome(task: Task, specs: SpecTable, repo_cache: Path, *, base: str, say: Say, force: bool,
-             allow_network: bool) -> InstanceOutcome:
+             allow_network: bool, uploaded_prior_to: str) -> InstanceOutcome:
     started = time.monotonic()
     skip = _skip_reason(task)
     if skip:
@@ -217,7 +352,7 @@ def _outcome(task: Task, specs: SpecTable, repo_cache: Path, *, base: str, say: 
     try:
         spec = specs.get(task.repo, task.version)
         built, warnings = _build(task, spec, repo_cache, base=base, say=say, force=force,
-                                 allow_network=allow_network)
+                                 allow_network=allow_network, uploaded_prior_to=uploaded_prior_to)
     except (SwectlError, OSError, subprocess.SubprocessError) as exc:
         say(f"{task.instance_id}: FAILED: {exc}")
         return InstanceOutcome(instance_id=task.instance_id, status="failed", message=str(exc),
@@ -230,11 +365,13 @@ def _outcome(task: Task, specs: SpecTable, repo_cache: Path, *, base: str, say: 
 
 def build_instance_images(
     tasks: Iterable[Task], specs: SpecTable, repo_cache: Path, *, base: str = DEFAULT_BASE, say: Say = print,
-    force: bool = False, allow_network: bool = False,
+    force: bool = False, allow_network: bool = False, uploaded_prior_to: str = "official",
 ) -> list[InstanceOutcome]:
     """Build every task's image in turn, going on past failures; one outcome per task, in order."""
+    policy = check_date_policy(uploaded_prior_to)
     return [
-        _outcome(t, specs, Path(repo_cache), base=base, say=say, force=force, allow_network=allow_network)
+        _outcome(t, specs, Path(repo_cache), base=base, say=say, force=force, allow_network=allow_network,
+                 uploaded_prior_to=policy)
         for t in tasks
     ]
 

@@ -30,6 +30,8 @@ BUNDLED_PROJECTS = BUNDLED_DIR / "projects.toml"
 BUNDLED_TASKS = BUNDLED_DIR / "tasks.jsonl"
 DEFAULT_BASE = "localhost/swectl-base:bookworm"
 VENV = "/opt/venv"
+# In the base interpreter's site directory: makes the venv's packages importable by the base interpreter too.
+VENV_PTH = "swectl-venv.pth"
 # Fixed identity and date for the project commit and for committing a task's setup patch.
 GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "swectl",
@@ -39,7 +41,7 @@ GIT_IDENTITY = {
     "GIT_AUTHOR_DATE": "2020-01-01T00:00:00+0000",
     "GIT_COMMITTER_DATE": "2020-01-01T00:00:00+0000",
 }
-RECIPE_VERSION = "1"
+RECIPE_VERSION = "2"
 
 
 class ImageBuildError(SwectlError):
@@ -196,11 +198,30 @@ def _extract_repo(sdist: Path, into: Path) -> str:
                           text=True).stdout.strip()
 
 
+def make_venv(python: str = "python3", venv: str = VENV) -> str:
+    """Shell commands (one line) that make ``venv`` with ``python``, keeping it for tools that re-exec
+    ``sys.executable`` (tox --current-env links ``.tox/<env>/bin/python`` to it, virtualenv and nox re-run it):
+
+    - ``--copies``: the venv's python is a real binary, so ``os.path.realpath(sys.executable)`` is still in
+      the venv (its pyvenv.cfg beside it);
+    - a link to it elsewhere (tox's) finds no pyvenv.cfg and runs as the base interpreter, so a ``.pth`` file
+      in the base interpreter's site directory adds the venv's site-packages there (``site.addsitedir``:
+      the venv's own ``.pth`` files, editable installs among them, are processed too). The venv itself does
+      not see the base site directory (no system site packages), so nothing changes inside it.
+    """
+    base_site = "import site; print(site.getsitepackages()[0])"
+    venv_site = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    return (f'base=$(command -v {python}) && "$base" -m venv --copies {venv} && '
+            f'site_dir=$("$base" -c "{base_site}") && venv_site=$({venv}/bin/python -c "{venv_site}") && '
+            f'mkdir -p "$site_dir" && '
+            f'echo "import site; site.addsitedir(\'$venv_site\')" > "$site_dir/{VENV_PTH}"')
+
+
 def _containerfile(base: str, project: Project, content: str, wheels: list[str], base_commit: str) -> str:
     return "\n".join([
         f"FROM {base}",
         "COPY wheels /opt/swectl-wheels",
-        f"RUN python3 -m venv {VENV} && {VENV}/bin/pip install -q --no-index --find-links /opt/swectl-wheels "
+        f"RUN {make_venv()} && {VENV}/bin/pip install -q --no-index --find-links /opt/swectl-wheels "
         + " ".join(wheels) + " && rm -rf /opt/swectl-wheels",
         f"COPY testbed {TESTBED}",
         f"RUN git config --system --add safe.directory '*' && git -C {TESTBED} status --short | head -5",

@@ -6,9 +6,16 @@
 - ``/opt/miniconda3/bin/activate`` is a conda shim: sourcing it defines a ``conda`` shell function whose
   ``conda activate <env>`` activates ``/opt/venv`` and whose ``conda deactivate`` does nothing, so the
   official eval scripts (``source /opt/miniconda3/bin/activate; conda activate testbed``) run unchanged.
-- The spec's ``pre_install`` lines that need the network (apt-get, wget, curl, conda, pip) are skipped with a
-  warning unless ``allow_network``; the others (sed edits of setup.py, ...) run, a failure being a warning.
-  The ``install`` command must succeed. A stage or requirement that does not install is a warning.
+- The spec's ``pre_install`` lines that only run apt (``apt-get update && apt-get install -y locales``) are
+  the apt steps: with ``allow_network`` and a Debian mirror the node reaches, they run in an image of their own
+  under the instance image (:func:`apt_containerfile`, built with the network; the instance build itself stays
+  ``--network none``); otherwise they are skipped with a warning. The other lines that need the network
+  (wget, curl, conda, pip) are skipped with a warning unless ``allow_network``; the rest (sed edits of
+  setup.py, ...) run, a failure being a warning. A line that is not valid bash is skipped with a warning (one
+  would end the whole script). The ``install`` command must succeed. A stage or requirement that does not
+  install is a warning.
+- The venv's python is a real binary and the base interpreter sees the venv's packages (``make_venv``), so
+  tools that re-exec ``sys.executable`` or link to it (tox --current-env) keep the venv.
 
 Dependency layers come first in the Containerfile: tasks of one spec with the same wheels share them through
 podman's layer cache.
@@ -19,8 +26,9 @@ from __future__ import annotations
 import posixpath
 import re
 import shlex
+import subprocess
 
-from swectl.images.project import VENV
+from swectl.images.project import VENV, make_venv
 from swectl.images.wheels import StageWheels
 from swectl.tasks.record import TESTBED
 from swectl.tasks.specs import RepoSpec
@@ -32,11 +40,49 @@ WARNING_TAG = "swectl-warning:"
 # A pre_install line that runs one of these needs the network.
 _NETWORK_STEP = re.compile(r"(?:^|[\s;&|(`])(?:apt-get|apt|wget|curl|conda|pip3?|git\s+clone)(?=\s|$)")
 _BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# One command of an apt step: apt-get / apt with optional variable assignments before it.
+_APT_COMMAND = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(?:apt-get|apt)(?:\s|$)")
 
 
 def needs_network(step: str) -> bool:
     """Whether a pre_install line runs a command that needs the network (apt-get, wget, curl, conda, pip, ...)."""
     return bool(_NETWORK_STEP.search(step))
+
+
+def is_apt_step(step: str) -> bool:
+    """Whether a pre_install line runs apt and nothing else (commands joined by ``&&``, ``;`` or ``||``)."""
+    parts = [p.strip() for p in re.split(r"&&|\|\||;", step)]
+    return bool(parts) and all(_APT_COMMAND.match(p) for p in parts)
+
+
+def bash_syntax_error(step: str) -> str:
+    """bash's complaint about ``step`` (``bash -n``), "" when it parses."""
+    proc = subprocess.run(["bash", "-n", "-c", step], capture_output=True, text=True, check=False)
+    return "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["not valid bash"])[0]
+
+
+def split_pre_install(steps: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """The pre_install lines as (apt steps, other steps, warnings about lines that are not valid bash)."""
+    apt: list[str] = []
+    other: list[str] = []
+    warnings: list[str] = []
+    for step in steps:
+        error = bash_syntax_error(step)
+        if error:
+            warnings.append(f"pre_install step skipped (not valid bash: {error}): {step}")
+        else:
+            (apt if is_apt_step(step) else other).append(step)
+    return apt, other, warnings
+
+
+def apt_containerfile(base: str, steps: list[str]) -> str:
+    """An image of ``base`` with the apt steps run (any failure fails its build: never half an apt layer)."""
+    script = " ".join(f"{{ {step} ; }} || exit 1;" for step in steps)
+    return "\n".join([
+        f"FROM {base}",
+        f"RUN export DEBIAN_FRONTEND=noninteractive; {script} apt-get clean && rm -rf /var/lib/apt/lists/*",
+        "",
+    ])
 
 
 def conda_shim() -> str:
@@ -65,7 +111,7 @@ def install_deps_script(stages: list[StageWheels]) -> str:
     lines = [
         "#!/bin/bash",
         "set -uo pipefail",
-        f"python3 -m venv {VENV} || exit 1",
+        f"{make_venv()} || exit 1",
         "install_stage() {",
         f'    {VENV}/bin/pip install -r "$1" && return 0',
         '    echo "swectl: installing $1 together failed; installing its requirements one by one"',
@@ -78,11 +124,17 @@ def install_deps_script(stages: list[StageWheels]) -> str:
     return "\n".join([*lines, ""])
 
 
-def setup_script(spec: RepoSpec, *, allow_network: bool) -> tuple[str, list[str]]:
-    """The script run in TESTBED at build time (pre_install, then install), and warnings about skipped steps."""
-    warnings: list[str] = []
+def setup_script(spec: RepoSpec, *, allow_network: bool, apt_layer: bool = False) -> tuple[str, list[str]]:
+    """The script run in TESTBED at build time (pre_install, then install), and warnings about skipped steps.
+    ``apt_layer``: the apt steps ran in the image under this one (they are left out here)."""
+    apt, other, warnings = split_pre_install(spec.pre_install)
     lines = ["#!/bin/bash", "set -uo pipefail", f"cd {TESTBED}"]
     for step in spec.pre_install:
+        if step not in other:
+            if step in apt and not apt_layer:
+                warnings.append(f"pre_install step skipped (apt: needs allow_network and a reachable Debian "
+                                f"mirror): {step}")
+            continue
         if needs_network(step) and not allow_network:
             warnings.append(f"pre_install step skipped (needs the network; allow_network runs it): {step}")
             continue

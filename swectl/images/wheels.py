@@ -6,14 +6,35 @@ requirement without a py3.11 wheel is downloaded again with ``--prefer-binary`` 
 wheel, dependencies still resolved; the host runs Python 3.11 like the image), and when that fails too, one
 requirement at a time (its wheel with dependencies, else its sdist alone, else dropped with a note). Sdists
 are built in the image, offline.
+
+Unpinned requirements resolve as of a date (pip's ``--uploaded-prior-to``), so that an image built today gets
+the releases the official images got, not today's (pytest 9, November 2025, renders some parametrize ids
+differently from the ids SWE-bench recorded). :func:`prior_to` says which date a row gets:
+
+- ``official`` (the default): :data:`OFFICIAL_CUTOFF`, 2024-08-13, or the row's ``created_at`` when that is
+  later (an environment cannot predate its task). Evidence: SWE-bench's containerized harness (the
+  env / instance images) was released on 2024-06-27 (docs/20240627_docker in SWE-bench) and SWE-bench Verified,
+  whose FAIL_TO_PASS / PASS_TO_PASS lists were checked by running the gold patches in those images, was
+  published on 2024-08-13: the environments the dataset's test ids agree with were resolved between those
+  dates, so the later one bounds them. A per-row date does worse here: a 2015 row resolved as of 2015 gets
+  releases without Python 3.11 wheels, where the official image got the newest release for the spec's Python.
+- ``created_at``: the row's creation date (the pull request's); ``env-commit``: the committer date of the
+  row's ``environment_setup_commit`` in the clone; ``none``: no cut-off; any ISO 8601 date or datetime: that.
+
+pip reads upload dates only from indexes that serve them (PyPI's JSON simple API does); the machine's pip
+configuration (find-links folders, file:// extra indexes, constraints) has none and would let today's
+releases in, so the downloads run with ``PIP_CONFIG_FILE=/dev/null`` and without ``PIP_*`` variables except
+those that say how to reach an index (:func:`pip_env`).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -27,12 +48,20 @@ import msgspec
 from swectl.images.clones import Testbed
 from swectl.images.project import ImageBuildError, cache_dir
 from swectl.images.requirements import RUNNER_REQUIREMENTS, Stage
+from swectl.tasks.record import Task
 
 # Bump when the recipe changes in a way the content hash does not see (it sees every generated file).
-RECIPE_VERSION = "1"
+RECIPE_VERSION = "2"
 PYTHON_VERSION = "3.11"
 # The host can resolve sdists (and their dependencies) for the image only when it runs the image's Python.
 HOST_IS_TARGET = f"{sys.version_info.major}.{sys.version_info.minor}" == PYTHON_VERSION
+# The latest date at which the environments SWE-bench Verified was validated in can have been resolved (see
+# the module docstring).
+OFFICIAL_CUTOFF = "2024-08-13T00:00:00Z"
+DATE_POLICIES = ("official", "created_at", "env-commit", "none")
+# PIP_* variables kept for the downloads: how to reach an index, not where else to look for files.
+_PIP_ENV_KEPT = frozenset({"PIP_INDEX_URL", "PIP_CERT", "PIP_CLIENT_CERT", "PIP_PROXY", "PIP_TRUSTED_HOST",
+                           "PIP_DEFAULT_TIMEOUT", "PIP_TIMEOUT", "PIP_RETRIES"})
 
 
 class StageWheels(msgspec.Struct, frozen=True):
@@ -47,10 +76,64 @@ class StageWheels(msgspec.Struct, frozen=True):
 DownloadMode = Literal["binary", "prefer-binary", "sdist-only"]
 
 
+def _iso_utc(text: str) -> str:
+    """``text`` (an ISO 8601 date or datetime; naive means UTC) as ``YYYY-MM-DDTHH:MM:SSZ``; ValueError if not."""
+    value = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace(" ", "T"))
+    value = value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+    return value.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def check_date_policy(policy: str) -> str:
+    """``policy`` if it is one of :data:`DATE_POLICIES` or an ISO date; ImageBuildError naming them if not."""
+    if policy in DATE_POLICIES:
+        return policy
+    try:
+        _iso_utc(policy)
+    except ValueError:
+        raise ImageBuildError(f"uploaded-prior-to {policy!r}: not one of {', '.join(DATE_POLICIES)} and not an "
+                              "ISO 8601 date (2024-08-13 or 2024-08-13T00:00:00Z)") from None
+    return policy
+
+
+def _commit_date(clone: Path, commit: str) -> str | None:
+    proc = subprocess.run(["git", "-C", str(clone), "show", "-s", "--format=%cI", commit], capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        return None
+    return proc.stdout.strip() or None
+
+
+def prior_to(policy: str, task: Task, clone: Path, notes: list[str]) -> str:
+    """The date (``YYYY-MM-DDTHH:MM:SSZ``) as of which the row's unpinned requirements resolve; "" for none.
+    A policy whose date the row lacks falls back to ``official``, with a note."""
+    policy = check_date_policy(policy)
+    if policy == "none":
+        return ""
+    created = _iso_utc(task.created_at) if re.match(r"^\d{4}-\d\d-\d\d", task.created_at) else ""
+    if policy == "created_at" and created:
+        return created
+    if policy == "env-commit":
+        date = _commit_date(clone, task.environment_setup_commit) if task.environment_setup_commit else None
+        if date:
+            return _iso_utc(date)
+    if policy not in DATE_POLICIES:
+        return _iso_utc(policy)
+    if policy != "official":
+        notes.append(f"uploaded-prior-to {policy}: the row has no such date; using the official cut-off")
+    return max(OFFICIAL_CUTOFF, created)
+
+
+def pip_env() -> dict[str, str]:
+    """The environment of the downloads: no pip configuration files, no ``PIP_*`` variables but those that say
+    how to reach the index (find-links folders and local indexes carry no upload dates)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in _PIP_ENV_KEPT}
+    return {**env, "PIP_CONFIG_FILE": os.devnull}
+
+
 def _attempt(argv: list[str], log: Path, *, timeout: float = 1800) -> bool:
     """Run ``argv``, appending its output to ``log``; whether it succeeded."""
     try:
-        proc = subprocess.run(argv, capture_output=True, timeout=timeout)
+        proc = subprocess.run(argv, capture_output=True, timeout=timeout, env=pip_env())
         ok, output = proc.returncode == 0, (proc.stdout + proc.stderr).decode(errors="replace")
     except subprocess.TimeoutExpired as exc:
         ok, output = False, f"timed out after {timeout:g} s: {exc}\n"
@@ -60,11 +143,12 @@ def _attempt(argv: list[str], log: Path, *, timeout: float = 1800) -> bool:
     return ok
 
 
-def _pip_download(requirements: list[str], dest: Path, log: Path, mode: DownloadMode) -> bool:
-    """``pip download`` for the image's Python. binary: wheels with dependencies; prefer-binary: sdists where
-    there is no wheel, dependencies resolved (host Python only); sdist-only: the distribution alone."""
+def _pip_download(requirements: list[str], dest: Path, log: Path, mode: DownloadMode, date: str) -> bool:
+    """``pip download`` for the image's Python, of releases uploaded before ``date`` (none: "").
+    binary: wheels with dependencies; prefer-binary: sdists where there is no wheel, dependencies resolved
+    (host Python only); sdist-only: the distribution alone."""
     argv = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--progress-bar", "off", "-q",
-            "-d", str(dest)]
+            "-d", str(dest), *(["--uploaded-prior-to", date] if date else [])]
     argv += {
         "binary": ["--only-binary", ":all:", "--python-version", PYTHON_VERSION],
         "prefer-binary": ["--prefer-binary"],
@@ -78,31 +162,31 @@ def _sdists_note(dest: Path) -> str:
     return f"built in the image from sdists (no py{PYTHON_VERSION} wheel): {', '.join(sdists) or '(none)'}"
 
 
-def _download_one(req: str, dest: Path, log: Path, notes: list[str]) -> bool:
-    if _pip_download([req], dest, log, "binary"):
+def _download_one(req: str, dest: Path, log: Path, notes: list[str], date: str) -> bool:
+    if _pip_download([req], dest, log, "binary", date):
         return True
     mode: DownloadMode = "prefer-binary" if HOST_IS_TARGET else "sdist-only"
-    if _pip_download([req], dest, log, mode):
+    if _pip_download([req], dest, log, mode, date):
         notes.append(f"{req}: built in the image from its sdist (no py{PYTHON_VERSION} wheel)")
         return True
     notes.append(f"{req}: pip could not download it for py{PYTHON_VERSION}; not installed")
     return False
 
 
-def _download_stage(stage: Stage, dest: Path, log: Path, notes: list[str]) -> list[str]:
+def _download_stage(stage: Stage, dest: Path, log: Path, notes: list[str], date: str) -> list[str]:
     """Download a stage (see the module docstring for the fallbacks); the requirements kept."""
-    if _pip_download(stage.requirements, dest, log, "binary"):
+    if _pip_download(stage.requirements, dest, log, "binary", date):
         return list(stage.requirements)
-    if HOST_IS_TARGET and _pip_download(stage.requirements, dest, log, "prefer-binary"):
+    if HOST_IS_TARGET and _pip_download(stage.requirements, dest, log, "prefer-binary", date):
         notes.append(f"stage {stage.name}: {_sdists_note(dest)}")
         return list(stage.requirements)
-    return [req for req in stage.requirements if _download_one(req, dest, log, notes)]
+    return [req for req in stage.requirements if _download_one(req, dest, log, notes, date)]
 
 
-def _download_project(target: str, dest: Path, log: Path, notes: list[str]) -> None:
-    if _pip_download([target], dest, log, "binary"):
+def _download_project(target: str, dest: Path, log: Path, notes: list[str], date: str) -> None:
+    if _pip_download([target], dest, log, "binary", date):
         return
-    if HOST_IS_TARGET and _pip_download([target], dest, log, "prefer-binary"):
+    if HOST_IS_TARGET and _pip_download([target], dest, log, "prefer-binary", date):
         notes.append(f"project dependencies: {_sdists_note(dest)}")
         return
     notes.append("project dependencies: pip could not resolve them; `install` may fail offline")
@@ -154,23 +238,25 @@ def cache_key(*parts: object) -> str:
                           ).hexdigest()[:20]
 
 
-def fetch_stage(stage: Stage, log: Path) -> StageWheels:
-    """The stage's distributions in the pool (cached by its requirements)."""
-    fetched = _fetch(stage.name, cache_key("stage", stage.name, stage.requirements),
-                     lambda dest, notes: _download_stage(stage, dest, log, notes))
+def fetch_stage(stage: Stage, log: Path, date: str = OFFICIAL_CUTOFF) -> StageWheels:
+    """The stage's distributions uploaded before ``date`` ("": any) in the pool (cached by both)."""
+    fetched = _fetch(stage.name, cache_key("stage", stage.name, stage.requirements, date),
+                     lambda dest, notes: _download_stage(stage, dest, log, notes, date))
     if stage.name == "runner" and fetched.install != list(RUNNER_REQUIREMENTS):
         raise ImageBuildError(f"could not download the test runner ({', '.join(RUNNER_REQUIREMENTS)}) for "
                               f"py{PYTHON_VERSION}; log: {log}")
     return fetched
 
 
-def fetch_project_dependencies(testbed: Testbed, extras: list[str], log: Path) -> StageWheels:
-    """The dependencies of the project at the base commit (with ``extras``), resolved from its checkout."""
+def fetch_project_dependencies(testbed: Testbed, extras: list[str], log: Path,
+                               date: str = OFFICIAL_CUTOFF) -> StageWheels:
+    """The dependencies of the project at the base commit (with ``extras``), resolved from its checkout as of
+    ``date``."""
 
     def download(dest: Path, notes: list[str]) -> list[str]:
         target = str(testbed.get()) + (f"[{','.join(extras)}]" if extras else "")
-        _download_project(target, dest, log, notes)
+        _download_project(target, dest, log, notes, date)
         testbed.clean()
         return []
 
-    return _fetch("project", cache_key("project", testbed.commit, extras), download)
+    return _fetch("project", cache_key("project", testbed.commit, extras, date), download)

@@ -4,7 +4,9 @@ and graded by the real Grader with the official-style eval script (conda shim in
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import subprocess
 import time
 import uuid
@@ -18,14 +20,16 @@ import pytest
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GraderConfig
 from swectl.config import load_config
+from swectl.grading.eval_script import build_classic_eval_script, with_exit_code
 from swectl.images.clones import find_clone
+from swectl.images.instance import APT_IMAGE, apt_mirror, instance_image_name, remove_instance_image, write_image_map
 from swectl.images.instance import build_instance_image as _build_instance_image
 from swectl.images.instance import build_instance_images as _build_instance_images
-from swectl.images.instance import instance_image_name, remove_instance_image, write_image_map
 from swectl.images.names import ImageResolver
-from swectl.images.project import BuiltImage, ImageBuildError, image_label
+from swectl.images.project import DEFAULT_BASE, BuiltImage, ImageBuildError, image_id, image_label
 from swectl.images.recipe import needs_network
 from swectl.images.requirements import environment_yml, project_extras, requirements_file
+from swectl.images.wheels import OFFICIAL_CUTOFF, cache_key
 from swectl.remote.nodes.podman import local_podman_env
 from swectl.tasks.record import Task
 from swectl.tasks.specs import load_specs
@@ -55,6 +59,7 @@ packages = ["toyreq"]
 """
 BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
 FIXED = BUGGY.replace("a - b", "a + b")
+TOX_INI = "[tox]\nenvlist = py311\n\n[testenv]\ncommands = pytest -rA {posargs}\n"
 TESTS = "from toyreq import add, mul\n\n\ndef test_existing():\n    assert mul(2, 3) == 6\n"
 NEW_TEST = "\n\ndef test_fixed():\n    assert add(2, 3) == 5\n"
 BUILT: list[str] = []  # images to remove at the end of the module
@@ -96,6 +101,7 @@ def make_repo(path: Path) -> tuple[Task, str]:
     (path / "tests").mkdir()
     (path / "pyproject.toml").write_text(PYPROJECT)
     (path / "README").write_text("toy\n")
+    (path / "tox.ini").write_text(TOX_INI)
     (path / "toyreq" / "__init__.py").write_text(BUGGY)
     (path / "tests" / "test_toy.py").write_text(TESTS)
     git(path, "init", "-q", "-b", "main")
@@ -165,6 +171,35 @@ def test_conda_shim_activates_the_venv_under_set_u(fake: Fake) -> None:
     assert r.stdout.split() == ["/opt/venv/bin/python", "1"]
 
 
+def test_unpinned_requirements_resolve_as_of_the_official_cutoff(fake: Fake) -> None:
+    """The runner's unpinned pytest is the last release before 2024-08-13 (8.3.2, 2024-07-20), not today's."""
+    assert image_label(fake.built.image, "swectl.uploaded_prior_to") == OFFICIAL_CUTOFF
+    r = in_image(fake.built.image, "python -m pytest --version")
+    assert r.returncode == 0, r.stderr
+    assert (r.stdout + r.stderr).split() == ["pytest", "8.3.2"]
+
+
+def test_spec_python_that_cannot_be_had_is_a_warning_in_the_labels(fake: Fake) -> None:
+    assert image_label(fake.built.image, "swectl.python") == "3.11"
+    assert image_label(fake.built.image, "swectl.spec_python") == "3.9"  # psf/requests 2.0
+    warnings = json.loads(image_label(fake.built.image, "swectl.warnings") or "[]")
+    assert any(w.startswith("spec python 3.9 is not available offline") for w in warnings), warnings
+
+
+def test_tools_that_reexec_sys_executable_keep_the_venv(fake: Fake) -> None:
+    """The venv's python is a real binary (re-exec by its real path stays in the venv), and a link to it
+    elsewhere (what tox --current-env makes) still imports the venv's packages."""
+    probe = "import pytest, toyreq, sys; print(sys.prefix)"
+    reexec = ("import os, subprocess, sys; "
+              f"sys.exit(subprocess.run([os.path.realpath(sys.executable), '-c', {probe!r}]).returncode)")
+    script = (f"set -e; cd /; test ! -L /opt/venv/bin/python; python -c {shlex.quote(reexec)}; "
+              'mkdir -p /tmp/env/bin; ln -s "$(command -v python)" /tmp/env/bin/python; '
+              f"/tmp/env/bin/python -c {shlex.quote(probe)}")
+    r = in_image(fake.built.image, script)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split() == ["/opt/venv", "/usr"]  # the link runs the base interpreter, venv packages seen
+
+
 def test_second_build_is_cached(fake: Fake) -> None:
     started = time.monotonic()
     again = build_instance_image(fake.task, spec(), fake.repo_cache, say=lambda _: None)
@@ -217,6 +252,35 @@ def test_pins_without_py311_wheels_pre_install_and_extras(fake: Fake) -> None:
     assert "toyreq" in listed
     assert "six" in listed
     assert r.stdout.rstrip().endswith("toy (pre_install ran)")
+
+
+def test_apt_steps_tox_current_env_and_eval_commands(fake: Fake) -> None:
+    """With allow_network and a reachable Debian mirror the apt step runs (in the apt image: locales), the
+    spec's eval_commands export the locale it generates, and `tox --current-env` runs the tests in the venv.
+    The test command fails unless all three hold."""
+    if apt_mirror(image_id(DEFAULT_BASE) or "", DEFAULT_BASE) is None:
+        pytest.skip("no Debian mirror of the base image's apt sources answers from this node")
+    apt = ["apt-get update && apt-get install -y --no-install-recommends locales"]
+    variant = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "3")
+    changed = spec(
+        pre_install=[*apt, "echo 'en_US.UTF-8 UTF-8' > /etc/locale.gen", "locale-gen"],
+        pip_packages=["tox", "tox-current-env"],
+        eval_commands=["export LANG=en_US.UTF-8", "export LC_ALL=en_US.UTF-8"],
+        test_cmd="python -c 'import locale; locale.setlocale(locale.LC_ALL, \"\")' && tox --current-env -epy311 --",
+    )
+    BUILT.append(f"{APT_IMAGE}:{cache_key('apt', image_id(DEFAULT_BASE), apt)[:16]}")
+    lines: list[str] = []
+    started = time.monotonic()
+    built = build_instance_image(variant, changed, fake.repo_cache, allow_network=True, say=lines.append)
+    print(f"build with the apt image: {time.monotonic() - started:.1f} s")
+    assert image_label(built.image, "swectl.apt") == "ran"
+    assert not any("pre_install step" in line for line in lines), lines
+    script = with_exit_code(build_classic_eval_script(variant, changed))
+    r = subprocess.run(["podman", "run", "--rm", "-i", "--network", "none", built.image, "bash", "-s"], input=script,
+                       capture_output=True, text=True, env=local_podman_env(), timeout=600, check=False)
+    out = r.stdout + r.stderr
+    assert "PASSED tests/test_toy.py::test_existing" in out, out[-3000:]
+    assert "FAILED tests/test_toy.py::test_fixed" in out, out[-3000:]  # the test patch, no gold patch
 
 
 def test_failed_install_is_an_error_and_leaves_no_layers(fake: Fake) -> None:

@@ -1,0 +1,149 @@
+"""Instance-image recipe decisions without podman: the date unpinned requirements resolve at, the pip
+environment of the downloads, the spec's apt steps, Python version warnings and label quoting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swectl.images.instance import _label_value, python_warning
+from swectl.images.project import ImageBuildError
+from swectl.images.recipe import apt_containerfile, bash_syntax_error, is_apt_step, setup_script, split_pre_install
+from swectl.images.wheels import OFFICIAL_CUTOFF, check_date_policy, pip_env, prior_to
+from swectl.tasks.record import Task
+from swectl.tasks.specs import SpecTable
+
+
+def _task(**fields: object) -> Task:
+    return Task(instance_id="x__y-1", repo="x/y", problem_statement="", FAIL_TO_PASS=["t"],
+                **fields)  # type: ignore[arg-type]
+
+
+def _git(cwd: Path, *args: str, date: str = "2019-05-06T07:08:09+02:00") -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@l", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@l", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+# ------------------------------------------------------------------------------------------------ dates
+
+
+def test_official_cutoff_unless_the_row_is_later(tmp_path: Path) -> None:
+    notes: list[str] = []
+    assert prior_to("official", _task(created_at="2015-02-03T04:05:06Z"), tmp_path, notes) == OFFICIAL_CUTOFF
+    assert prior_to("official", _task(), tmp_path, notes) == OFFICIAL_CUTOFF
+    later = _task(created_at="2025-03-01T10:00:00Z")
+    assert prior_to("official", later, tmp_path, notes) == "2025-03-01T10:00:00Z"
+    assert notes == []
+
+
+def test_row_dates_iso_dates_and_none(tmp_path: Path) -> None:
+    repo = tmp_path / "r"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "commit", "-q", "--allow-empty", "-m", "env")
+    env_commit = _git(repo, "rev-parse", "HEAD")
+    task = _task(created_at="2015-02-03T04:05:06Z", environment_setup_commit=env_commit)
+    notes: list[str] = []
+    assert prior_to("created_at", task, repo, notes) == "2015-02-03T04:05:06Z"
+    assert prior_to("env-commit", task, repo, notes) == "2019-05-06T05:08:09Z"  # committer date, in UTC
+    assert prior_to("2023-01-02", task, repo, notes) == "2023-01-02T00:00:00Z"
+    assert prior_to("2023-01-02T03:04:05+01:00", task, repo, notes) == "2023-01-02T02:04:05Z"
+    assert prior_to("none", task, repo, notes) == ""
+    assert notes == []
+    assert prior_to("env-commit", _task(environment_setup_commit="f" * 40), repo, notes) == OFFICIAL_CUTOFF
+    assert prior_to("created_at", _task(), repo, notes) == OFFICIAL_CUTOFF
+    assert len(notes) == 2 and all("using the official cut-off" in n for n in notes)
+
+
+def test_bad_date_policy_names_the_choices() -> None:
+    with pytest.raises(ImageBuildError, match="official, created_at, env-commit, none"):
+        check_date_policy("yesterday")
+
+
+def test_downloads_ignore_pip_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """find-links folders and local indexes have no upload dates: pip would take today's releases from them."""
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///opt/pypi/simple")
+    monkeypatch.setenv("PIP_CERT", "/etc/ssl/certs/ca-certificates.crt")
+    monkeypatch.delenv("PIP_DEFAULT_TIMEOUT", raising=False)
+    env = pip_env()
+    assert "PIP_FIND_LINKS" not in env and "PIP_EXTRA_INDEX_URL" not in env
+    assert env["PIP_CERT"] == "/etc/ssl/certs/ca-certificates.crt"
+    assert env["PIP_CONFIG_FILE"] == os.devnull
+    proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], env=env, capture_output=True, text=True,
+                          check=True)
+    assert [line.split("=")[0] for line in proc.stdout.split()] == [":env:.cert", ":env:.config-file"]
+
+
+def test_pip_supports_uploaded_prior_to() -> None:
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--help"], capture_output=True, text=True,
+                          check=True)
+    assert "--uploaded-prior-to" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------ apt steps
+
+
+def test_apt_steps_of_the_real_specs(specs: SpecTable) -> None:
+    django = specs.get("django/django", "2.2").pre_install
+    apt, other, warnings = split_pre_install(django)
+    assert apt == ["apt-get update && apt-get install -y locales"]
+    assert other == ["echo 'en_US UTF-8' > /etc/locale.gen", "locale-gen en_US.UTF-8"]
+    assert warnings == []
+    mpl = specs.get("matplotlib/matplotlib", "3.5").pre_install
+    apt, other, _ = split_pre_install(mpl)
+    assert len(apt) == 1 and "DEBIAN_FRONTEND=noninteractive apt-get install -y imagemagick" in apt[0]
+    assert any(step.startswith("wget ") for step in other)
+    # matplotlib 1.0's `... && && apt-get install` is not valid bash: skipped, named, never run
+    apt, other, warnings = split_pre_install(specs.get("matplotlib/matplotlib", "1.0").pre_install)
+    assert apt == [] and len(warnings) == 1 and "syntax error" in warnings[0]
+
+
+def test_apt_step_shapes() -> None:
+    assert is_apt_step("apt-get update && apt-get install -y graphviz")
+    assert is_apt_step("DEBIAN_FRONTEND=noninteractive apt-get install -y x; apt clean")
+    assert not is_apt_step("apt-get update && locale-gen")
+    assert not is_apt_step("pip install apt-get")
+    assert bash_syntax_error("echo ok && false") == ""
+
+
+def test_setup_script_leaves_apt_steps_to_the_apt_image(specs: SpecTable) -> None:
+    spec = specs.get("django/django", "2.2")
+    script, warnings = setup_script(spec, allow_network=True, apt_layer=True)
+    assert "apt-get" not in script and "locale-gen en_US.UTF-8" in script
+    assert warnings == []
+    script, warnings = setup_script(spec, allow_network=False)
+    assert "apt-get" not in script
+    assert [w.split(":", 1)[0] for w in warnings] == ["pre_install step skipped (apt"]
+    file = apt_containerfile("localhost/b", ["apt-get update && apt-get install -y locales", "apt-get clean"])
+    run = file.splitlines()[1]
+    assert run.count("|| exit 1;") == 2 and "DEBIAN_FRONTEND=noninteractive" in run
+
+
+def test_a_failing_apt_step_fails_the_apt_layer() -> None:
+    run = apt_containerfile("b", ["false && true", "echo second"]).splitlines()[1].removeprefix("RUN ")
+    proc = subprocess.run(["bash", "-c", run.replace("apt-get clean", "true").replace("rm -rf", "echo")],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 1 and "second" not in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------ python, labels
+
+
+def test_python_warning_per_spec(specs: SpecTable) -> None:
+    warning = python_warning(specs.get("psf/requests", "2.0"))
+    assert warning is not None and "spec python 3.9 is not available offline" in warning
+    assert "runs python 3.11" in warning
+    assert python_warning(specs.get("pallets/flask", "2.3")) is None  # 3.11
+
+
+def test_label_values_survive_containerfile_quoting(tmp_path: Path) -> None:
+    """LABEL expands $VAR: a warning quoting a pre_install line must come back as written."""
+    text = 'step skipped: wget -O "$QHULL_TAR" "$QHULL_URL" \\ done'
+    assert _label_value(text) == '"step skipped: wget -O \\"\\$QHULL_TAR\\" \\"\\$QHULL_URL\\" \\\\ done"'
