@@ -12,6 +12,7 @@ import pytest
 
 from swectl.images.instance import _label_value, python_warning
 from swectl.images.project import ImageBuildError
+from swectl.images.pythons import find_interpreter
 from swectl.images.recipe import apt_containerfile, bash_syntax_error, is_apt_step, setup_script, split_pre_install
 from swectl.images.wheels import OFFICIAL_CUTOFF, check_date_policy, pip_env, prior_to
 from swectl.tasks.record import Task
@@ -136,11 +137,31 @@ def test_a_failing_apt_step_fails_the_apt_layer() -> None:
 # ------------------------------------------------------------------------------------------------ python, labels
 
 
-def test_python_warning_per_spec(specs: SpecTable) -> None:
+def test_python_warning_says_where_it_looked(specs: SpecTable, monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    monkeypatch.setenv("SWECTL_PYTHONS", str(tmp_path / "pythons"))
     warning = python_warning(specs.get("psf/requests", "2.0"))
-    assert warning is not None and "spec python 3.9 is not available offline" in warning
-    assert "runs python 3.11" in warning
-    assert python_warning(specs.get("pallets/flask", "2.3")) is None  # 3.11
+    assert warning.startswith("spec python 3.9 is not available offline on this node")
+    assert str(tmp_path / "pythons") in warning and warning.endswith("the venv runs python 3.11")
+
+
+def test_interpreters_are_found_by_version(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for version in ("3.9.1", "3.9.18", "3.10.2", "3.9.7-broken"):
+        (tmp_path / version / "bin").mkdir(parents=True)
+        short = ".".join(version.split("-")[0].split(".")[:2])
+        (tmp_path / version / "bin" / f"python{short}").write_text("")
+        (tmp_path / version / "lib" / f"python{short}").mkdir(parents=True)
+        (tmp_path / version / "lib" / f"python{short}" / "os.py").write_text("")
+    (tmp_path / "3.8.0" / "bin").mkdir(parents=True)  # no lib/python3.8/os.py: not an installation
+    (tmp_path / "3.8.0" / "bin" / "python3.8").write_text("")
+    monkeypatch.setenv("SWECTL_PYTHONS", str(tmp_path))
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path / "no-pyenv"))
+    found = find_interpreter("3.9")
+    assert found is not None and found.full_version == "3.9.18" and found.prefix == str(tmp_path / "3.9.18")
+    assert found.executable == f"{tmp_path}/3.9.18/bin/python3.9"
+    assert find_interpreter("3.8") is None
+    monkeypatch.setenv("SWECTL_PYTHONS", str(tmp_path / "3.10.2"))  # a prefix itself
+    assert find_interpreter("3.10") is not None and find_interpreter("3.9") is None
 
 
 def test_label_values_survive_containerfile_quoting(tmp_path: Path) -> None:

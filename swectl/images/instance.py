@@ -4,20 +4,22 @@ One image per task, on swectl's base image (Debian with python3.11, no conda):
 
 - ``/testbed`` is the task's repository at ``base_commit``, with its history up to there and nothing later
   (clones.py).
-- ``/opt/venv`` is a virtual environment (first on PATH) filled in stages: the test runner, the spec's
-  ``packages``, the project's build requirements, the spec's ``pip_packages`` (requirements.py); every
-  distribution is downloaded on the host into a shared cached pool (wheels.py) and installed offline.
+- ``/opt/venv`` is a virtual environment (first on PATH; its python a real binary) filled in stages: the test
+  runner, the spec's ``packages``, the project's build requirements, the spec's ``pip_packages``
+  (requirements.py); every distribution is downloaded on the host into a shared cached pool (wheels.py) and
+  installed offline.
 - pip stays offline in the image, ``/opt/miniconda3/bin/activate`` is a conda shim, and the spec's
   ``pre_install`` and ``install`` run at build time (recipe.py), so the official eval scripts run unchanged.
 
 Unpinned requirements resolve as of a date (wheels.py: ``uploaded_prior_to``, the ``official`` cut-off by
 default), recorded in the label ``swectl.uploaded_prior_to``.
 
-The spec's ``python`` is honoured only where it is 3.11: the base image (Debian bookworm) has no other
-interpreter, bookworm's mirror has none either, and no conda or python.org download is reachable offline. Every
-other row runs Python 3.11, with a warning (the build report, and the image's ``swectl.warnings`` label;
-``swectl.python`` and ``swectl.spec_python`` say both); pins that never got a 3.11 build are built from
-source or dropped, with warnings.
+The spec's ``python``: the base image (Debian bookworm) has 3.11 only; another version comes from a
+self-contained installation on the node (pythons.py: pyenv's, or ``$SWECTL_PYTHONS``), copied into an image of
+its own under the instance image, and the wheels are downloaded for it. Where the node has none, the row runs
+Python 3.11 with a warning (the build report, and the image's ``swectl.warnings`` label); ``swectl.python`` and
+``swectl.spec_python`` say both. Pins that never got a build for the venv's Python are built from source or
+dropped, with warnings.
 
 The spec's apt steps (recipe.py) run, with ``allow_network`` and a reachable Debian mirror, in an apt image
 of their own (``localhost/swectl-apt:<hash>``, built with the network, shared by every row with the same
@@ -48,7 +50,16 @@ import msgspec
 from swectl.errors import CommandError, SwectlError
 from swectl.images.clones import Say, Testbed, ancestor_tags, find_clone, resolve_commit
 from swectl.images.names import docker_id
-from swectl.images.project import DEFAULT_BASE, BuiltImage, ImageBuildError, cache_dir, image_id, image_label
+from swectl.images.project import (
+    DEFAULT_BASE,
+    BuiltImage,
+    ImageBuildError,
+    cache_dir,
+    drop_failed_layers,
+    image_id,
+    image_label,
+)
+from swectl.images.pythons import find_interpreter, python_image, search_roots
 from swectl.images.recipe import (
     WARNING_TAG,
     apt_containerfile,
@@ -64,6 +75,7 @@ from swectl.images.requirements import Requirements, spec_requirements
 from swectl.images.wheels import (
     PYTHON_VERSION,
     StageWheels,
+    Target,
     cache_key,
     check_date_policy,
     fetch_project_dependencies,
@@ -110,7 +122,7 @@ def _label_value(text: str) -> str:
 def _label(task: Task, plan: _Plan) -> str:
     labels = {
         "swectl.image": "instance", "swectl.instance": task.instance_id, "swectl.content": plan.content,
-        "swectl.uploaded_prior_to": plan.date or "none", "swectl.python": PYTHON_VERSION,
+        "swectl.uploaded_prior_to": plan.date or "none", "swectl.python": plan.python,
         "swectl.spec_python": plan.spec_python or "unset", "swectl.apt": plan.apt,
         "swectl.warnings": json.dumps(plan.warnings),
     }
@@ -127,24 +139,42 @@ class _Plan(msgspec.Struct, frozen=True):
     content: str
     warnings: list[str]
     date: str  # uploaded-prior-to of the downloads; "" for none
+    python: str  # the venv's Python version (X.Y.Z of a copied interpreter, X.Y of the base image's)
     spec_python: str
     apt: str  # "ran" (in the apt image under this one), "skipped" or "none" (the spec has no apt steps)
     network: bool  # whether the build needs the network (allow_network and network steps left in setup.sh)
 
 
-def _fetch_all(reqs: Requirements, testbed: Testbed, log: Path, date: str) -> list[StageWheels]:
-    stages = [fetch_stage(stage, log, date) for stage in reqs.stages]
+def _fetch_all(reqs: Requirements, testbed: Testbed, log: Path, target: Target) -> list[StageWheels]:
+    stages = [fetch_stage(stage, log, target) for stage in reqs.stages]
     if reqs.project_extras is not None:
-        stages.append(fetch_project_dependencies(testbed, reqs.project_extras, log, date))
+        stages.append(fetch_project_dependencies(testbed, reqs.project_extras, log, target))
     return stages
 
 
-def python_warning(spec: RepoSpec) -> str | None:
-    """The warning for a spec whose Python the image cannot have (any but 3.11), None when it can."""
+def python_warning(spec: RepoSpec, why: str = "") -> str:
+    """The warning for a row whose spec's Python the image does not get (it runs 3.11)."""
+    where = ", ".join(str(r) for r in search_roots())
+    why = why or (f"the base image and its Debian mirror have only python {PYTHON_VERSION}, and no installation "
+                  f"of {spec.python} is in {where}")
+    return f"spec python {spec.python} is not available offline on this node ({why}): the venv runs python " \
+           f"{PYTHON_VERSION}"
+
+
+def _python_base(spec: RepoSpec, base: str, base_id: str, log: Path, warnings: list[str]) -> tuple[str, str, str]:
+    """The image to build on, the venv's interpreter in it and its version (X.Y.Z or X.Y): the spec's Python
+    where the node has it (pythons.py), else the base image's python3 and a warning."""
     if not spec.python or spec.python == PYTHON_VERSION:
-        return None
-    return (f"spec python {spec.python} is not available offline on this node (the base image and its Debian "
-            f"mirror have only python {PYTHON_VERSION}; no conda): the venv runs python {PYTHON_VERSION}")
+        return base, "python3", PYTHON_VERSION
+    interp = find_interpreter(spec.python)
+    if interp is None:
+        warnings.append(python_warning(spec))
+        return base, "python3", PYTHON_VERSION
+    try:
+        return python_image(interp, base, base_id, log), interp.executable, interp.full_version
+    except ImageBuildError as exc:
+        warnings.append(python_warning(spec, str(exc)))
+        return base, "python3", PYTHON_VERSION
 
 
 def _apt_sources(base: str) -> list[tuple[str, str]]:
@@ -195,7 +225,7 @@ def _apt_image(steps: list[str], base: str, base_id: str, log: Path, say: Say) -
         raise ImageBuildError(f"the apt image {image} did not finish; log: {log}\n{exc}") from exc
     shutil.rmtree(ctx, ignore_errors=True)
     if out.exit_code != 0:
-        _drop_failed_layers((out.stdout + out.stderr).decode(errors="replace"))
+        drop_failed_layers((out.stdout + out.stderr).decode(errors="replace"))
         raise ImageBuildError(f"the apt steps failed (exit {out.exit_code}); log: {log}")
     return image
 
@@ -226,31 +256,34 @@ def _plan(task: Task, spec: RepoSpec, testbed: Testbed, base: str, allow_network
         raise ImageBuildError(f"base image {base} is missing; run scripts/setup.sh")
     notes: list[str] = []
     date = prior_to(date_policy, task, testbed.clone, notes)
-    python = python_warning(spec)
-    build_on, apt = _apt_base(spec, base, base_id, allow_network, log, say, notes)
+    with_python, python, python_version = _python_base(spec, base, base_id, log, notes)
+    target = Target(python=".".join(python_version.split(".")[:2]), date=date,
+                    full_version=python_version if python_version.count(".") == 2 else "")
+    build_on, apt = _apt_base(spec, with_python, image_id(with_python) or base_id, allow_network, log, say, notes)
     build_on_id = image_id(build_on) or base_id
     reqs = spec_requirements(task, spec, testbed.clone, testbed.commit)
     say(f"{task.instance_id}: wheels for {', '.join(s.name for s in reqs.stages)}"
         + (", project dependencies" if reqs.project_extras is not None else "")
-        + (f" (uploaded before {date})" if date else ""))
-    stages = _fetch_all(reqs, testbed, log, date)
+        + f" for python {target.python}" + (f", uploaded before {date}" if date else ""))
+    stages = _fetch_all(reqs, testbed, log, target)
     setup, setup_warnings = setup_script(spec, allow_network=allow_network, apt_layer=apt == "ran")
     _apt_steps, other, _ = split_pre_install(spec.pre_install)
     network = allow_network and any(needs_network(step) for step in other)
     files = {
-        "tools/install-deps.sh": install_deps_script(stages),
+        "tools/install-deps.sh": install_deps_script(stages, python),
         "tools/conda-activate": conda_shim(),
         "tools/setup.sh": setup,
         "Containerfile": containerfile_body(build_on),
         **{f"wheels/{stage_file(i, s.name)}": "".join(f"{r}\n" for r in s.install) for i, s in enumerate(stages)},
     }
     recipe = [build_on_id, testbed.commit, testbed.tags, files, [(s.name, s.files) for s in stages], network,
-              date, spec.python, apt]
+              date, python_version, apt]
     content = cache_key("content", msgspec.to_builtins(recipe))
-    warnings = [*([python] if python else []), *notes, *reqs.notes, *(n for s in stages for n in s.notes),
+    warnings = [*notes, *reqs.notes, *(n for s in stages for n in s.notes),
                 *setup_warnings]
     return _Plan(image=instance_image_name(task), commit=testbed.commit, stages=stages, files=files,
-                 content=content, warnings=warnings, date=date, spec_python=spec.python, apt=apt, network=network)
+                 content=content, warnings=warnings, date=date, python=python_version, spec_python=spec.python,
+                 apt=apt, network=network)
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -283,19 +316,10 @@ def _podman_build(image: str, ctx: Path, log: Path, network: bool) -> str:
         raise ImageBuildError(f"podman build of {image} did not finish; log: {log}\n{exc}") from exc
     output = (out.stdout + out.stderr).decode(errors="replace")
     if out.exit_code != 0:
-        _drop_failed_layers(output)
+        drop_failed_layers(output)
         raise ImageBuildError(f"podman build of {image} failed (exit {out.exit_code}); log: {log}; "
                               f"build context kept at {ctx}\n{output[-1500:]}")
     return output
-
-
-def _drop_failed_layers(output: str) -> None:
-    """A failed build leaves the images of the steps it committed, untagged; remove the last one (podman then
-    removes its parents that nothing else uses), so failed tasks do not pile up gigabytes of layers."""
-    committed = re.findall(r"^--> ([0-9a-f]{7,64})$", output, flags=re.MULTILINE)
-    if committed:
-        # not forced: a layer another image uses stays
-        run_local_podman("rmi", committed[-1], timeout=300, check=False)
 
 
 def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say, force: bool,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -196,6 +197,15 @@ def _extract_repo(sdist: Path, into: Path) -> str:
     subprocess.run([*git, "commit", "-q", "--no-gpg-sign", "-m", "sdist"], cwd=into, check=True, env=env)
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=into, check=True, capture_output=True,
                           text=True).stdout.strip()
+
+
+def drop_failed_layers(output: str) -> None:
+    """A failed build leaves the images of the steps it committed, untagged; remove the last one (podman then
+    removes its parents that nothing else uses), so failed tasks do not pile up gigabytes of layers."""
+    committed = re.findall(r"^--> ([0-9a-f]{7,64})$", output, flags=re.MULTILINE)
+    if committed:
+        # not forced: a layer another image uses stays
+        run_local_podman("rmi", committed[-1], timeout=300, check=False)
 
 
 def make_venv(python: str = "python3", venv: str = VENV) -> str:

@@ -105,13 +105,13 @@ def stage_file(index: int, name: str) -> str:
     return f"swectl-stage-{index}-{name}.txt"
 
 
-def install_deps_script(stages: list[StageWheels]) -> str:
-    """Creates the venv and installs the stages in order: each all at once, else one requirement at a time
-    (a requirement that does not install is a warning)."""
+def install_deps_script(stages: list[StageWheels], python: str = "python3") -> str:
+    """Creates the venv with ``python`` and installs the stages in order: each all at once, else one
+    requirement at a time (a requirement that does not install is a warning)."""
     lines = [
         "#!/bin/bash",
         "set -uo pipefail",
-        f"{make_venv()} || exit 1",
+        f"{make_venv(python)} || exit 1",
         "install_stage() {",
         f'    {VENV}/bin/pip install -r "$1" && return 0',
         '    echo "swectl: installing $1 together failed; installing its requirements one by one"',

@@ -1,11 +1,12 @@
 """The distributions of an instance image's venv, downloaded on the host into a shared, cached pool.
 
-Every distribution comes from the host: ``pip download --only-binary :all: --python-version 3.11`` per
-stage, into a shared pool under ``cache_dir()/wheels``, each stage's file list cached. A stage that has a
-requirement without a py3.11 wheel is downloaded again with ``--prefer-binary`` (sdists where there is no
-wheel, dependencies still resolved; the host runs Python 3.11 like the image), and when that fails too, one
-requirement at a time (its wheel with dependencies, else its sdist alone, else dropped with a note). Sdists
-are built in the image, offline.
+Every distribution comes from the host: ``pip download --only-binary :all: --python-version X.Y`` per stage,
+for the venv's Python (3.11, or the spec's where the node has it: pythons.py), into a shared pool under
+``cache_dir()/wheels``, each stage's file list cached. A stage that has a requirement without a wheel for it
+is downloaded again with ``--prefer-binary`` (sdists where there is no wheel, dependencies still resolved) when
+the host runs that Python (3.11 like the base image; pip 26 needs 3.10 or later, so another interpreter cannot
+do it), and when that fails too, one requirement at a time (its wheel with dependencies, else its sdist alone,
+else dropped with a note). Sdists are built in the image, offline.
 
 Unpinned requirements resolve as of a date (pip's ``--uploaded-prior-to``), so that an image built today gets
 the releases the official images got, not today's (pytest 9, November 2025, renders some parametrize ids
@@ -51,17 +52,46 @@ from swectl.images.requirements import RUNNER_REQUIREMENTS, Stage
 from swectl.tasks.record import Task
 
 # Bump when the recipe changes in a way the content hash does not see (it sees every generated file).
-RECIPE_VERSION = "2"
-PYTHON_VERSION = "3.11"
+RECIPE_VERSION = "3"
+PYTHON_VERSION = "3.11"  # the base image's
 # The host can resolve sdists (and their dependencies) for the image only when it runs the image's Python.
-HOST_IS_TARGET = f"{sys.version_info.major}.{sys.version_info.minor}" == PYTHON_VERSION
+HOST_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 # The latest date at which the environments SWE-bench Verified was validated in can have been resolved (see
 # the module docstring).
 OFFICIAL_CUTOFF = "2024-08-13T00:00:00Z"
 DATE_POLICIES = ("official", "created_at", "env-commit", "none")
 # PIP_* variables kept for the downloads: how to reach an index, not where else to look for files.
+# pip evaluates environment markers (``tomli; python_version < "3.11"``) for the interpreter it runs on,
+# whatever ``--python-version`` says: for another target it runs with the marker environment's Python
+# version replaced by the target's (argv[1]: X.Y.Z).
+_PIP_FOR_TARGET = """\
+import sys
+from pip._vendor.packaging import markers
+full = sys.argv.pop(1)
+_host = markers.default_environment
+def _target():
+    env = _host()
+    env.update(python_version=".".join(full.split(".")[:2]), python_full_version=full)
+    return env
+markers.default_environment = _target
+from pip._internal.cli.main import main
+sys.exit(main())
+"""
 _PIP_ENV_KEPT = frozenset({"PIP_INDEX_URL", "PIP_CERT", "PIP_CLIENT_CERT", "PIP_PROXY", "PIP_TRUSTED_HOST",
                            "PIP_DEFAULT_TIMEOUT", "PIP_TIMEOUT", "PIP_RETRIES"})
+
+
+class Target(msgspec.Struct, frozen=True):
+    """What the downloads are for: the venv's Python (X.Y) and the upload cut-off ("": none)."""
+
+    python: str = PYTHON_VERSION
+    date: str = OFFICIAL_CUTOFF
+    full_version: str = ""  # X.Y.Z of the target's interpreter, where known (environment markers)
+
+    @property
+    def host_resolves(self) -> bool:
+        """Whether pip on the host can resolve sdists' dependencies for this Python (it runs that version)."""
+        return self.python == HOST_PYTHON
 
 
 class StageWheels(msgspec.Struct, frozen=True):
@@ -143,51 +173,53 @@ def _attempt(argv: list[str], log: Path, *, timeout: float = 1800) -> bool:
     return ok
 
 
-def _pip_download(requirements: list[str], dest: Path, log: Path, mode: DownloadMode, date: str) -> bool:
-    """``pip download`` for the image's Python, of releases uploaded before ``date`` (none: "").
+def _pip_download(requirements: list[str], dest: Path, log: Path, mode: DownloadMode, target: Target) -> bool:
+    """``pip download`` for the target's Python, of releases uploaded before its date.
     binary: wheels with dependencies; prefer-binary: sdists where there is no wheel, dependencies resolved
     (host Python only); sdist-only: the distribution alone."""
-    argv = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--progress-bar", "off", "-q",
-            "-d", str(dest), *(["--uploaded-prior-to", date] if date else [])]
+    pip = [sys.executable, "-m", "pip"] if target.host_resolves else \
+        [sys.executable, "-c", _PIP_FOR_TARGET, target.full_version or f"{target.python}.0"]
+    argv = [*pip, "download", "--disable-pip-version-check", "--progress-bar", "off", "-q", "-d", str(dest),
+            *(["--uploaded-prior-to", target.date] if target.date else [])]
     argv += {
-        "binary": ["--only-binary", ":all:", "--python-version", PYTHON_VERSION],
+        "binary": ["--only-binary", ":all:", "--python-version", target.python],
         "prefer-binary": ["--prefer-binary"],
-        "sdist-only": ["--no-deps", "--python-version", PYTHON_VERSION],
+        "sdist-only": ["--no-deps", "--python-version", target.python],
     }[mode]
     return _attempt([*argv, *requirements], log)
 
 
-def _sdists_note(dest: Path) -> str:
+def _sdists_note(dest: Path, python: str) -> str:
     sdists = sorted(p.name for p in dest.iterdir() if not p.name.endswith(".whl"))
-    return f"built in the image from sdists (no py{PYTHON_VERSION} wheel): {', '.join(sdists) or '(none)'}"
+    return f"built in the image from sdists (no py{python} wheel): {', '.join(sdists) or '(none)'}"
 
 
-def _download_one(req: str, dest: Path, log: Path, notes: list[str], date: str) -> bool:
-    if _pip_download([req], dest, log, "binary", date):
+def _download_one(req: str, dest: Path, log: Path, notes: list[str], target: Target) -> bool:
+    if _pip_download([req], dest, log, "binary", target):
         return True
-    mode: DownloadMode = "prefer-binary" if HOST_IS_TARGET else "sdist-only"
-    if _pip_download([req], dest, log, mode, date):
-        notes.append(f"{req}: built in the image from its sdist (no py{PYTHON_VERSION} wheel)")
+    mode: DownloadMode = "prefer-binary" if target.host_resolves else "sdist-only"
+    if _pip_download([req], dest, log, mode, target):
+        notes.append(f"{req}: built in the image from its sdist (no py{target.python} wheel)")
         return True
-    notes.append(f"{req}: pip could not download it for py{PYTHON_VERSION}; not installed")
+    notes.append(f"{req}: pip could not download it for py{target.python}; not installed")
     return False
 
 
-def _download_stage(stage: Stage, dest: Path, log: Path, notes: list[str], date: str) -> list[str]:
+def _download_stage(stage: Stage, dest: Path, log: Path, notes: list[str], target: Target) -> list[str]:
     """Download a stage (see the module docstring for the fallbacks); the requirements kept."""
-    if _pip_download(stage.requirements, dest, log, "binary", date):
+    if _pip_download(stage.requirements, dest, log, "binary", target):
         return list(stage.requirements)
-    if HOST_IS_TARGET and _pip_download(stage.requirements, dest, log, "prefer-binary", date):
-        notes.append(f"stage {stage.name}: {_sdists_note(dest)}")
+    if target.host_resolves and _pip_download(stage.requirements, dest, log, "prefer-binary", target):
+        notes.append(f"stage {stage.name}: {_sdists_note(dest, target.python)}")
         return list(stage.requirements)
-    return [req for req in stage.requirements if _download_one(req, dest, log, notes, date)]
+    return [req for req in stage.requirements if _download_one(req, dest, log, notes, target)]
 
 
-def _download_project(target: str, dest: Path, log: Path, notes: list[str], date: str) -> None:
-    if _pip_download([target], dest, log, "binary", date):
+def _download_project(project: str, dest: Path, log: Path, notes: list[str], target: Target) -> None:
+    if _pip_download([project], dest, log, "binary", target):
         return
-    if HOST_IS_TARGET and _pip_download([target], dest, log, "prefer-binary", date):
-        notes.append(f"project dependencies: {_sdists_note(dest)}")
+    if target.host_resolves and _pip_download([project], dest, log, "prefer-binary", target):
+        notes.append(f"project dependencies: {_sdists_note(dest, target.python)}")
         return
     notes.append("project dependencies: pip could not resolve them; `install` may fail offline")
 
@@ -234,29 +266,29 @@ def _fetch(name: str, key: str, download: Callable[[Path, list[str]], list[str]]
 
 
 def cache_key(*parts: object) -> str:
-    return hashlib.sha256(json.dumps([RECIPE_VERSION, PYTHON_VERSION, platform.machine(), *parts]).encode()
+    return hashlib.sha256(json.dumps([RECIPE_VERSION, platform.machine(), *parts]).encode()
                           ).hexdigest()[:20]
 
 
-def fetch_stage(stage: Stage, log: Path, date: str = OFFICIAL_CUTOFF) -> StageWheels:
-    """The stage's distributions uploaded before ``date`` ("": any) in the pool (cached by both)."""
-    fetched = _fetch(stage.name, cache_key("stage", stage.name, stage.requirements, date),
-                     lambda dest, notes: _download_stage(stage, dest, log, notes, date))
+def fetch_stage(stage: Stage, log: Path, target: Target) -> StageWheels:
+    """The stage's distributions for the target (its Python, uploaded before its date) in the pool (cached by
+    both)."""
+    fetched = _fetch(stage.name, cache_key("stage", stage.name, stage.requirements, target.python, target.date),
+                     lambda dest, notes: _download_stage(stage, dest, log, notes, target))
     if stage.name == "runner" and fetched.install != list(RUNNER_REQUIREMENTS):
         raise ImageBuildError(f"could not download the test runner ({', '.join(RUNNER_REQUIREMENTS)}) for "
-                              f"py{PYTHON_VERSION}; log: {log}")
+                              f"py{target.python}; log: {log}")
     return fetched
 
 
-def fetch_project_dependencies(testbed: Testbed, extras: list[str], log: Path,
-                               date: str = OFFICIAL_CUTOFF) -> StageWheels:
-    """The dependencies of the project at the base commit (with ``extras``), resolved from its checkout as of
-    ``date``."""
+def fetch_project_dependencies(testbed: Testbed, extras: list[str], log: Path, target: Target) -> StageWheels:
+    """The dependencies of the project at the base commit (with ``extras``), resolved from its checkout for
+    the target."""
 
     def download(dest: Path, notes: list[str]) -> list[str]:
-        target = str(testbed.get()) + (f"[{','.join(extras)}]" if extras else "")
-        _download_project(target, dest, log, notes, date)
+        project = str(testbed.get()) + (f"[{','.join(extras)}]" if extras else "")
+        _download_project(project, dest, log, notes, target)
         testbed.clean()
         return []
 
-    return _fetch("project", cache_key("project", testbed.commit, extras, date), download)
+    return _fetch("project", cache_key("project", testbed.commit, extras, target.python, target.date), download)

@@ -27,6 +27,7 @@ from swectl.images.instance import build_instance_image as _build_instance_image
 from swectl.images.instance import build_instance_images as _build_instance_images
 from swectl.images.names import ImageResolver
 from swectl.images.project import DEFAULT_BASE, BuiltImage, ImageBuildError, image_id, image_label
+from swectl.images.pythons import find_interpreter, python_image_name
 from swectl.images.recipe import needs_network
 from swectl.images.requirements import environment_yml, project_extras, requirements_file
 from swectl.images.wheels import OFFICIAL_CUTOFF, cache_key
@@ -59,7 +60,7 @@ packages = ["toyreq"]
 """
 BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
 FIXED = BUGGY.replace("a - b", "a + b")
-TOX_INI = "[tox]\nenvlist = py311\n\n[testenv]\ncommands = pytest -rA {posargs}\n"
+TOX_INI = "[tox]\nenvlist = py\n\n[testenv]\ncommands = pytest -rA {posargs}\n"
 TESTS = "from toyreq import add, mul\n\n\ndef test_existing():\n    assert mul(2, 3) == 6\n"
 NEW_TEST = "\n\ndef test_fixed():\n    assert add(2, 3) == 5\n"
 BUILT: list[str] = []  # images to remove at the end of the module
@@ -134,7 +135,10 @@ def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fake]:
         built = build_instance_image(task, spec(), root / "repos")
         yield Fake(repo_cache=root / "repos", clone=clone, task=task, future_commit=future, built=built,
                    build_s=time.monotonic() - started)
-    for image in reversed(dict.fromkeys(BUILT)):
+    interp = find_interpreter("3.9")  # the image of the node's interpreter is under all the others
+    python = [python_image_name(interp, image_id(DEFAULT_BASE) or "")] if interp else []
+    built = list(reversed(dict.fromkeys(BUILT)))
+    for image in sorted(built, key=lambda i: APT_IMAGE in i) + python:  # children first: instance, apt, python
         remove_instance_image(image)
 
 
@@ -179,11 +183,33 @@ def test_unpinned_requirements_resolve_as_of_the_official_cutoff(fake: Fake) -> 
     assert (r.stdout + r.stderr).split() == ["pytest", "8.3.2"]
 
 
-def test_spec_python_that_cannot_be_had_is_a_warning_in_the_labels(fake: Fake) -> None:
-    assert image_label(fake.built.image, "swectl.python") == "3.11"
-    assert image_label(fake.built.image, "swectl.spec_python") == "3.9"  # psf/requests 2.0
+def test_spec_python_from_the_node_where_it_has_one(fake: Fake) -> None:
+    """psf/requests 2.0 asks for 3.9: the venv runs the node's 3.9 (pyenv's on these machines), else 3.11 and
+    a warning in the labels."""
+    assert image_label(fake.built.image, "swectl.spec_python") == "3.9"
+    interp = find_interpreter("3.9")
+    r = in_image(fake.built.image, "python -c 'import platform; print(platform.python_version())'")
+    assert r.returncode == 0, r.stderr
     warnings = json.loads(image_label(fake.built.image, "swectl.warnings") or "[]")
-    assert any(w.startswith("spec python 3.9 is not available offline") for w in warnings), warnings
+    if interp is None:
+        assert image_label(fake.built.image, "swectl.python") == "3.11"
+        assert r.stdout.startswith("3.11.")
+        assert any(w.startswith("spec python 3.9 is not available offline") for w in warnings), warnings
+    else:
+        assert image_label(fake.built.image, "swectl.python") == interp.full_version == r.stdout.strip()
+        assert not any("spec python" in w for w in warnings), warnings
+
+
+def test_spec_python_the_node_lacks_is_3_11_and_a_warning(fake: Fake) -> None:
+    variant = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "4")
+    lines: list[str] = []
+    built = build_instance_image(variant, spec(python="3.4"), fake.repo_cache, say=lines.append)
+    assert image_label(built.image, "swectl.python") == "3.11"
+    assert image_label(built.image, "swectl.spec_python") == "3.4"
+    warnings = json.loads(image_label(built.image, "swectl.warnings") or "[]")
+    assert any(w.startswith("spec python 3.4 is not available offline") and w.endswith("runs python 3.11")
+               for w in warnings), warnings
+    assert any("warning: spec python 3.4" in line for line in lines), lines
 
 
 def test_tools_that_reexec_sys_executable_keep_the_venv(fake: Fake) -> None:
@@ -197,7 +223,8 @@ def test_tools_that_reexec_sys_executable_keep_the_venv(fake: Fake) -> None:
               f"/tmp/env/bin/python -c {shlex.quote(probe)}")
     r = in_image(fake.built.image, script)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.split() == ["/opt/venv", "/usr"]  # the link runs the base interpreter, venv packages seen
+    venv, linked = r.stdout.split()
+    assert venv == "/opt/venv" and linked != venv  # the link runs the base interpreter, venv packages seen
 
 
 def test_second_build_is_cached(fake: Fake) -> None:
@@ -237,6 +264,7 @@ def test_pins_without_py311_wheels_pre_install_and_extras(fake: Fake) -> None:
     skipped with a warning, the sed step runs, and the extra that `install` names (`test`: six) is installed."""
     variant = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "1")
     changed = spec(
+        python="3.11",
         pip_packages=["MarkupSafe==2.1.1"],
         pre_install=["apt-get update && apt-get install -y locales", "sed -i 's/toy/toy (pre_install ran)/' README"],
         install="python -m pip install -e '.[test]'",
@@ -266,12 +294,14 @@ def test_apt_steps_tox_current_env_and_eval_commands(fake: Fake) -> None:
         pre_install=[*apt, "echo 'en_US.UTF-8 UTF-8' > /etc/locale.gen", "locale-gen"],
         pip_packages=["tox", "tox-current-env"],
         eval_commands=["export LANG=en_US.UTF-8", "export LC_ALL=en_US.UTF-8"],
-        test_cmd="python -c 'import locale; locale.setlocale(locale.LC_ALL, \"\")' && tox --current-env -epy311 --",
+        test_cmd="python -c 'import locale; locale.setlocale(locale.LC_ALL, \"\")' && tox --current-env -epy --",
     )
-    BUILT.append(f"{APT_IMAGE}:{cache_key('apt', image_id(DEFAULT_BASE), apt)[:16]}")
     lines: list[str] = []
     started = time.monotonic()
     built = build_instance_image(variant, changed, fake.repo_cache, allow_network=True, say=lines.append)
+    interp = find_interpreter("3.9")
+    under = python_image_name(interp, image_id(DEFAULT_BASE) or "") if interp else DEFAULT_BASE
+    BUILT.append(f"{APT_IMAGE}:{cache_key('apt', image_id(under), apt)[:16]}")
     print(f"build with the apt image: {time.monotonic() - started:.1f} s")
     assert image_label(built.image, "swectl.apt") == "ran"
     assert not any("pre_install step" in line for line in lines), lines
