@@ -19,7 +19,8 @@ self-contained installation on the node (pythons.py: pyenv's, or ``$SWECTL_PYTHO
 its own under the instance image, and the wheels are downloaded for it. Where the node has none, the row runs
 Python 3.11 with a warning (the build report, and the image's ``swectl.warnings`` label); ``swectl.python`` and
 ``swectl.spec_python`` say both. Pins that never got a build for the venv's Python are built from source or
-dropped, with warnings.
+dropped, with warnings. A venv on Python 3.6 first gets the newest pip for it (its bundled 18.1 cannot install
+manylinux2014 wheels).
 
 The spec's apt steps (recipe.py) run, with ``allow_network`` and a reachable Debian mirror, in an apt image
 of their own (``localhost/swectl-apt:<hash>``, built with the network, shared by every row with the same
@@ -71,7 +72,7 @@ from swectl.images.recipe import (
     split_pre_install,
     stage_file,
 )
-from swectl.images.requirements import Requirements, spec_requirements
+from swectl.images.requirements import Requirements, Stage, spec_requirements
 from swectl.images.wheels import (
     PYTHON_VERSION,
     StageWheels,
@@ -89,6 +90,8 @@ from swectl.tasks.specs import RepoSpec, SpecTable
 
 INSTANCE_PREFIX = "localhost/swectl-inst."
 APT_IMAGE = "localhost/swectl-apt"
+# Pythons whose ensurepip bundles a pip older than 19.3 (no manylinux2014): the venv's pip is upgraded first.
+OLD_PIP_BELOW = (3, 7)
 
 BuildStatus = Literal["built", "cached", "failed", "skipped"]
 
@@ -150,6 +153,10 @@ def _fetch_all(reqs: Requirements, testbed: Testbed, log: Path, target: Target) 
     if reqs.project_extras is not None:
         stages.append(fetch_project_dependencies(testbed, reqs.project_extras, log, target))
     return stages
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".") if p.isdigit())
 
 
 def python_warning(spec: RepoSpec, why: str = "") -> str:
@@ -262,6 +269,9 @@ def _plan(task: Task, spec: RepoSpec, testbed: Testbed, base: str, allow_network
     build_on, apt = _apt_base(spec, with_python, image_id(with_python) or base_id, allow_network, log, say, notes)
     build_on_id = image_id(build_on) or base_id
     reqs = spec_requirements(task, spec, testbed.clone, testbed.commit)
+    if _version_tuple(target.python) < OLD_PIP_BELOW:
+        # its bundled pip (18.1 for 3.6) cannot install manylinux2014 wheels: the newest pip for it goes first
+        reqs = msgspec.structs.replace(reqs, stages=[Stage(name="pip", requirements=["pip>=19.3"]), *reqs.stages])
     say(f"{task.instance_id}: wheels for {', '.join(s.name for s in reqs.stages)}"
         + (", project dependencies" if reqs.project_extras is not None else "")
         + f" for python {target.python}" + (f", uploaded before {date}" if date else ""))
@@ -340,8 +350,12 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
         return BuiltImage(plan.image, plan.content, plan.commit, cached=True), plan.warnings
     _write_context(task, plan, ctx, testbed)
     say(f"{task.instance_id}: building {plan.image} (log: {log})")
+    previous = image_id(plan.image)
     output = _podman_build(plan.image, ctx, log, plan.network)
     shutil.rmtree(ctx, ignore_errors=True)
+    if previous and previous != image_id(plan.image):
+        # the image this one replaces lost its name: remove it (not forced: a container using it keeps it)
+        run_local_podman("rmi", previous, timeout=300, check=False)
     build_warnings = [line.strip() for line in output.splitlines() if line.startswith(WARNING_TAG)]
     for warning in build_warnings:
         say(f"{task.instance_id}: {warning}")

@@ -127,6 +127,9 @@ def make_repo(path: Path) -> tuple[Task, str]:
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fake]:
     root = tmp_path_factory.mktemp("inst")
+    interp = find_interpreter("3.9")  # the image of the node's interpreter is under all the others
+    python = [python_image_name(interp, image_id(DEFAULT_BASE) or "")] if interp else []
+    python = [image for image in python if image_id(image) is None]  # removed at the end if made here
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SWECTL_CACHE", str(root / "cache"))
         clone = root / "repos" / "psf__requests"
@@ -135,8 +138,6 @@ def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fake]:
         built = build_instance_image(task, spec(), root / "repos")
         yield Fake(repo_cache=root / "repos", clone=clone, task=task, future_commit=future, built=built,
                    build_s=time.monotonic() - started)
-    interp = find_interpreter("3.9")  # the image of the node's interpreter is under all the others
-    python = [python_image_name(interp, image_id(DEFAULT_BASE) or "")] if interp else []
     built = list(reversed(dict.fromkeys(BUILT)))
     for image in sorted(built, key=lambda i: APT_IMAGE in i) + python:  # children first: instance, apt, python
         remove_instance_image(image)
@@ -210,6 +211,26 @@ def test_spec_python_the_node_lacks_is_3_11_and_a_warning(fake: Fake) -> None:
     assert any(w.startswith("spec python 3.4 is not available offline") and w.endswith("runs python 3.11")
                for w in warnings), warnings
     assert any("warning: spec python 3.4" in line for line in lines), lines
+
+
+def test_python_3_6_from_the_node_gets_a_pip_that_takes_todays_wheels(fake: Fake) -> None:
+    """3.6's bundled pip (18.1) cannot install manylinux2014 wheels: the venv's pip is upgraded first."""
+    interp = find_interpreter("3.6")
+    if interp is None:
+        pytest.skip("no Python 3.6 installation on this node")
+    had_python = image_id(python_image_name(interp, image_id(DEFAULT_BASE) or "")) is not None
+    variant = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "5")
+    built = build_instance_image(variant, spec(python="3.6", install="", pip_packages=["MarkupSafe==2.0.1"]),
+                                 fake.repo_cache, say=lambda _: None)
+    r = in_image(built.image, "python -c 'import platform, markupsafe, pytest, pip; "
+                              "print(platform.python_version(), pip.__version__)'")
+    assert r.returncode == 0, r.stderr
+    python, pip = r.stdout.split()
+    assert python == interp.full_version
+    assert tuple(int(p) for p in pip.split(".")[:2]) >= (19, 3)
+    remove_instance_image(built.image)
+    if not had_python:
+        remove_instance_image(python_image_name(interp, image_id(DEFAULT_BASE) or ""))
 
 
 def test_tools_that_reexec_sys_executable_keep_the_venv(fake: Fake) -> None:
