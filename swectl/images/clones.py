@@ -108,6 +108,8 @@ class Testbed:
         return self.path
 
     def clean(self) -> None:
-        """Drop whatever resolving the project's dependencies wrote into the work tree (egg-info, build/)."""
+        """Drop whatever resolving the project's dependencies wrote into or changed in the work tree (egg-info,
+        build/, pre_install edits)."""
         if self.ready:
+            _git("-C", str(self.path), "reset", "-q", "--hard", check=True)
             _git("-C", str(self.path), "clean", "-fdxq", check=True)

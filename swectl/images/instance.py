@@ -85,7 +85,7 @@ from swectl.images.wheels import (
     wheel_pool,
 )
 from swectl.remote.nodes.podman import run_local_podman
-from swectl.tasks.record import Task
+from swectl.tasks.record import TESTBED, Task
 from swectl.tasks.specs import RepoSpec, SpecTable
 
 INSTANCE_PREFIX = "localhost/swectl-inst."
@@ -148,11 +148,34 @@ class _Plan(msgspec.Struct, frozen=True):
     network: bool  # whether the build needs the network (allow_network and network steps left in setup.sh)
 
 
-def _fetch_all(reqs: Requirements, testbed: Testbed, log: Path, target: Target) -> list[StageWheels]:
+def _fetch_all(reqs: Requirements, testbed: Testbed, log: Path, target: Target, spec: RepoSpec,
+               image: str) -> list[StageWheels]:
     stages = [fetch_stage(stage, log, target) for stage in reqs.stages]
     if reqs.project_extras is not None:
-        stages.append(fetch_project_dependencies(testbed, reqs.project_extras, log, target))
+        edits = _offline_pre_install(spec)
+
+        def edit(checkout: Path) -> None:
+            _run_pre_install(edits, checkout, image, log)
+
+        stages.append(fetch_project_dependencies(testbed, reqs.project_extras, log, target, edits,
+                                                 edit if edits else None))
     return stages
+
+
+def _offline_pre_install(spec: RepoSpec) -> list[str]:
+    """The pre_install lines the image runs offline (sed edits of setup.py, ...): the project's dependencies
+    are resolved after them, as the image's ``install`` sees them."""
+    _apt, other, _ = split_pre_install(spec.pre_install)
+    return [step for step in other if not needs_network(step)]
+
+
+def _run_pre_install(steps: list[str], checkout: Path, image: str, log: Path) -> None:
+    """Run ``steps`` on ``checkout`` in a throwaway container of ``image`` (never on the host: they may write
+    anywhere, /etc/locale.gen among them), mounted at the testbed; a failing step is ignored, as at build time
+    it is a warning."""
+    script = "\n".join(f"{{ {step}\n}} || true" for step in steps)
+    run_local_podman("run", "--rm", "--network", "none", "-v", f"{checkout}:{TESTBED}", "-w", TESTBED, image,
+                     "bash", "-c", script, timeout=600, check=False, log=log)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -206,8 +229,8 @@ def apt_mirror(base_id: str, base: str) -> str | None:
     for url, suite in _apt_sources(base):
         release = f"{url.rstrip('/')}/dists/{suite}/Release"
         try:
-            with urllib.request.urlopen(urllib.request.Request(release, method="HEAD"), timeout=5) as resp:
-                if resp.status == 200:
+            with urllib.request.urlopen(release, timeout=5) as resp:
+                if resp.status == 200 and resp.read(1):
                     return url
         except (urllib.error.URLError, OSError, ValueError):
             continue
@@ -275,7 +298,7 @@ def _plan(task: Task, spec: RepoSpec, testbed: Testbed, base: str, allow_network
     say(f"{task.instance_id}: wheels for {', '.join(s.name for s in reqs.stages)}"
         + (", project dependencies" if reqs.project_extras is not None else "")
         + f" for python {target.python}" + (f", uploaded before {date}" if date else ""))
-    stages = _fetch_all(reqs, testbed, log, target)
+    stages = _fetch_all(reqs, testbed, log, target, spec, base)
     setup, setup_warnings = setup_script(spec, allow_network=allow_network, apt_layer=apt == "ran")
     _apt_steps, other, _ = split_pre_install(spec.pre_install)
     network = allow_network and any(needs_network(step) for step in other)

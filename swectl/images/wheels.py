@@ -281,14 +281,20 @@ def fetch_stage(stage: Stage, log: Path, target: Target) -> StageWheels:
     return fetched
 
 
-def fetch_project_dependencies(testbed: Testbed, extras: list[str], log: Path, target: Target) -> StageWheels:
+def fetch_project_dependencies(testbed: Testbed, extras: list[str], log: Path, target: Target,
+                               edits: list[str] | None = None, edit: Callable[[Path], None] | None = None,
+                               ) -> StageWheels:
     """The dependencies of the project at the base commit (with ``extras``), resolved from its checkout for
-    the target."""
+    the target, after ``edit(checkout)`` (the spec's pre_install ``edits``, which pin what setup.py asks for)."""
 
     def download(dest: Path, notes: list[str]) -> list[str]:
-        project = str(testbed.get()) + (f"[{','.join(extras)}]" if extras else "")
+        checkout = testbed.get()
+        if edit is not None:
+            edit(checkout)
+        project = str(checkout) + (f"[{','.join(extras)}]" if extras else "")
         _download_project(project, dest, log, notes, target)
         testbed.clean()
         return []
 
-    return _fetch("project", cache_key("project", testbed.commit, extras, target.python, target.date), download)
+    key = cache_key("project", testbed.commit, extras, target.python, target.date, edits or [])
+    return _fetch("project", key, download)

@@ -282,12 +282,15 @@ async def test_gold_resolves_and_empty_does_not(fake: Fake) -> None:
 
 def test_pins_without_py311_wheels_pre_install_and_extras(fake: Fake) -> None:
     """MarkupSafe 2.1.1 has no cp311 wheel: its sdist is built in the image, offline. The apt-get step is
-    skipped with a warning, the sed step runs, and the extra that `install` names (`test`: six) is installed."""
+    skipped with a warning, the sed steps run, and the extra that `install` names (`test`: six) is installed,
+    as pinned by a sed step (the project's dependencies are resolved after the offline pre_install steps, as
+    SWE-bench's sphinx specs pin setup.py's requirements)."""
     variant = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "1")
     changed = spec(
         python="3.11",
         pip_packages=["MarkupSafe==2.1.1"],
-        pre_install=["apt-get update && apt-get install -y locales", "sed -i 's/toy/toy (pre_install ran)/' README"],
+        pre_install=["apt-get update && apt-get install -y locales", "sed -i 's/toy/toy (pre_install ran)/' README",
+                     """sed -i 's/"six"/"six==1.15.0"/' pyproject.toml"""],
         install="python -m pip install -e '.[test]'",
     )
     lines: list[str] = []
@@ -299,7 +302,7 @@ def test_pins_without_py311_wheels_pre_install_and_extras(fake: Fake) -> None:
     listed = r.stdout.split()
     assert listed[:2] == ["MarkupSafe", "2.1.1"]
     assert "toyreq" in listed
-    assert "six" in listed
+    assert listed[listed.index("six") + 1] == "1.15.0"
     assert r.stdout.rstrip().endswith("toy (pre_install ran)")
 
 
