@@ -3,6 +3,7 @@ truncated episodes masked, pass@k, and the [train] section's cross-field checks.
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -64,6 +65,23 @@ def test_truncated_episodes_can_be_masked() -> None:
     assert unpack_mask(masked[0]).sum() == 0 and masked[0].truncated
     assert unpack_mask(masked[1]).sum() == 2
     assert unpack_mask(group_samples([group])[0]).sum() == 2
+
+
+def test_turns_after_the_first_malformed_reply_can_be_masked() -> None:
+    """Three turns (spans of the loss mask); the second was malformed: it keeps its loss, the third does not."""
+    episode = GradedEpisode(instance_id="t", sample=0, outcome="TRUNCATED", resolved=False,
+                            token_ids=list(range(10)), loss_mask=[0, 1, 1, 0, 1, 0, 0, 1, 1, 0],
+                            logprobs=[0.0] * 10, format_errors=[False, True, True],
+                            steps=[([0], [1, 2], [0.0, 0.0]), ([0, 1, 2, 3], [4], [0.0]),
+                                   ([0, 1, 2, 3, 4, 5, 6], [7, 8], [0.0, 0.0])])
+    clean = msgspec.structs.replace(episode, format_errors=[False, False, False])
+    group = score_group(Group(instance_id="t", episodes=[episode, clean]), estimator="drgrpo")
+    cut, untouched = group_samples([group], mask_after_format_error=True)
+    assert unpack_mask(cut).tolist() == [0, 1, 1, 0, 1, 0, 0, 0, 0, 0]
+    assert unpack_mask(untouched).tolist() == clean.loss_mask
+    assert unpack_mask(group_samples([group])[0]).tolist() == episode.loss_mask  # off by default
+    steps = group_samples([group], mode="step", mask_after_format_error=True)[:3]
+    assert [int(unpack_mask(s).sum()) for s in steps] == [2, 1, 0]
 
 
 def test_a_resolved_episode_that_never_submitted_can_count_as_unresolved() -> None:

@@ -32,6 +32,7 @@ class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: list[float]
     weight_version: int = 0
     steps: list[tuple[list[int], list[int], list[float]]] = []  # per step: prompt ids, output ids, logprobs
+    format_errors: list[bool] = []  # per agent turn: the reply was malformed (no single bash block)
 
     @property
     def truncated(self) -> bool:
@@ -72,32 +73,63 @@ def score_group(group: Group, *, estimator: str, resolved_reward: float = 1.0, u
     return group
 
 
+def first_format_error(episode: GradedEpisode) -> int | None:
+    """The index of the episode's first malformed reply (an agent turn), or None."""
+    return next((i for i, bad in enumerate(episode.format_errors) if bad), None)
+
+
+def mask_turns_after(loss_mask: Sequence[int], last_kept: int) -> list[int]:
+    """``loss_mask`` with every trained span (a run of non-zero entries: one agent turn's reply) after span
+    number ``last_kept`` (0-based) set to 0."""
+    out = list(loss_mask)
+    span = -1
+    previous = 0
+    for i, value in enumerate(out):
+        if value and not previous:
+            span += 1
+        previous = value
+        if value and span > last_kept:
+            out[i] = 0
+    return out
+
+
 def episode_samples(episode: GradedEpisode, advantage: float, reward_value: float, *, mode: SampleMode = "episode",
-                    mask_truncated: bool = False) -> list[TrainSample]:
+                    mask_truncated: bool = False, mask_after_format_error: bool = False) -> list[TrainSample]:
     """The training samples of one episode. A truncated episode with ``mask_truncated`` keeps its tokens but no
-    loss (mask all 0), so it still counts in nothing but the logs."""
+    loss (mask all 0), so it still counts in nothing but the logs. With ``mask_after_format_error`` the turns
+    after the episode's first malformed reply carry no loss: the malformed reply itself keeps the episode's
+    advantage, but what the policy wrote after it (off the path it was trained on, often degenerate) does not
+    reach the gradient."""
     uid = f"{episode.instance_id}#{episode.sample}"
     truncated = episode.truncated
     keep = not (mask_truncated and truncated)
+    cut = first_format_error(episode) if mask_after_format_error else None
     common = {"advantage": advantage, "reward": reward_value, "weight_version": episode.weight_version,
               "truncated": truncated}
     if mode == "step" and episode.steps:
         out = []
         for i, (prompt, output, logprobs) in enumerate(episode.steps):
-            mask = [0] * len(prompt) + [1 if keep else 0] * len(output)
+            trained = keep and (cut is None or i <= cut)
+            mask = [0] * len(prompt) + [1 if trained else 0] * len(output)
             out.append(pack_sample(f"{uid}.{i}", episode.instance_id, [*prompt, *output], mask,
                                    [0.0] * len(prompt) + list(logprobs), **common))
         return out
-    mask = episode.loss_mask if keep else [0] * len(episode.loss_mask)
+    if not keep:
+        mask = [0] * len(episode.loss_mask)
+    elif cut is not None:
+        mask = mask_turns_after(episode.loss_mask, cut)
+    else:
+        mask = episode.loss_mask
     return [pack_sample(uid, episode.instance_id, episode.token_ids, mask, episode.logprobs, **common)]
 
 
-def group_samples(groups: Sequence[Group], *, mode: SampleMode = "episode", mask_truncated: bool = False
-                  ) -> list[TrainSample]:
+def group_samples(groups: Sequence[Group], *, mode: SampleMode = "episode", mask_truncated: bool = False,
+                  mask_after_format_error: bool = False) -> list[TrainSample]:
     samples: list[TrainSample] = []
     for g in groups:
         for episode, adv, rew in zip(g.episodes, g.advantages, g.rewards, strict=True):
-            samples += episode_samples(episode, adv, rew, mode=mode, mask_truncated=mask_truncated)
+            samples += episode_samples(episode, adv, rew, mode=mode, mask_truncated=mask_truncated,
+                                       mask_after_format_error=mask_after_format_error)
     return samples
 
 

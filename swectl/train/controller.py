@@ -109,7 +109,8 @@ def graded_episode(result: EpisodeResult) -> GradedEpisode:
     steps = [(s.prompt_ids, s.output_ids, s.output_logprobs) for s in episode.samples]
     return GradedEpisode(instance_id=result.instance_id, sample=result.sample, outcome=result.outcome,
                          resolved=result.resolved, token_ids=t.token_ids, loss_mask=t.loss_mask, logprobs=t.logprobs,
-                         weight_version=_weight_version(t.weight_versions), steps=steps)
+                         weight_version=_weight_version(t.weight_versions), steps=steps,
+                         format_errors=[s.format_error for s in episode.steps])
 
 
 class _TrajFile(msgspec.Struct):
@@ -221,7 +222,8 @@ class Controller:
         if t.algorithm == "grpo" and step > t.sft_steps:
             assert pool is not None and engines is not None and source is not None
             groups, results, info, tasks_seen = await self._collect(step, pool, engines, source)
-            samples = group_samples(groups, mode=t.sample_mode, mask_truncated=t.mask_truncated)
+            samples = group_samples(groups, mode=t.sample_mode, mask_truncated=t.mask_truncated,
+                                    mask_after_format_error=t.mask_after_format_error)
             values.update(info)
             values.update(_rollout_values(groups, results))
             record.update(tasks=tasks_seen, groups=[g.instance_id for g in groups],
