@@ -14,6 +14,7 @@ from swectl.images.instance import _label_value, python_warning
 from swectl.images.project import ImageBuildError
 from swectl.images.pythons import find_interpreter
 from swectl.images.recipe import apt_containerfile, bash_syntax_error, is_apt_step, setup_script, split_pre_install
+from swectl.images.requirements import _build_requires
 from swectl.images.wheels import OFFICIAL_CUTOFF, check_date_policy, pip_env, prior_to
 from swectl.tasks.record import Task
 from swectl.tasks.specs import SpecTable
@@ -168,3 +169,19 @@ def test_label_values_survive_containerfile_quoting(tmp_path: Path) -> None:
     """LABEL expands $VAR: a warning quoting a pre_install line must come back as written."""
     text = 'step skipped: wget -O "$QHULL_TAR" "$QHULL_URL" \\ done'
     assert _label_value(text) == '"step skipped: wget -O \\"\\$QHULL_TAR\\" \\"\\$QHULL_URL\\" \\\\ done"'
+
+
+def test_setup_cfg_setup_requires_join_the_build_stage(tmp_path: Path) -> None:
+    """setuptools fetches setup_requires itself (offline it cannot): they are downloaded with the build stage."""
+    repo = tmp_path / "r"
+    repo.mkdir()
+    (repo / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=42", "wheel"]\n')
+    (repo / "setup.cfg").write_text("[options]\nsetup_requires =\n    setuptools >= 40.4\n    setuptools_scm\n"
+                                    "    wheel\n    foo; python_version < '3.8'\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "r")
+    notes: list[str] = []
+    reqs = _build_requires(repo, _git(repo, "rev-parse", "HEAD"), notes)
+    assert reqs == ["setuptools>=42", "wheel", "setuptools >= 40.4", "setuptools_scm", "foo; python_version < '3.8'"]
+    assert notes == []

@@ -3,13 +3,14 @@
 The venv is filled in stages, each installed over the previous one (later pins win, as in SWE-bench's own
 environment setup): the test runner (pytest, setuptools, wheel); the spec's ``packages`` (a package list, or
 the repo's requirements.txt / environment.yml at the base commit); the project's ``build-system.requires``
-(build isolation is off); the spec's ``pip_packages``. The extras with which the spec's ``install`` installs
-the project are noted, for its dependencies to be downloaded too. What pip cannot take (URLs, pip options,
-invalid lines) is left out with a note.
+and setup.cfg's ``setup_requires`` (build isolation is off); the spec's ``pip_packages``. The extras with which
+the spec's ``install`` installs the project are noted, for its dependencies to be downloaded too. What pip
+cannot take (URLs, pip options, invalid lines) is left out with a note.
 """
 
 from __future__ import annotations
 
+import configparser
 import posixpath
 import re
 import shlex
@@ -166,16 +167,39 @@ def _repo_file_requirements(task: Task, spec: RepoSpec, clone: Path, commit: str
     return []
 
 
-def _build_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
-    text = read_at(clone, commit, "pyproject.toml")
+def _setup_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
+    """setup.cfg's ``[options] setup_requires`` (setuptools fetches them itself, which offline it cannot)."""
+    text = read_at(clone, commit, "setup.cfg")
     if text is None:
         return []
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read_string(text)
+    except configparser.Error as exc:
+        notes.append(f"setup.cfg: not readable ({exc}); setup_requires not taken")
+        return []
+    lines = parser.get("options", "setup_requires", fallback="").replace(";", "\n;").splitlines()
+    joined: list[str] = []
+    for line in (ln.strip() for ln in lines):
+        if line.startswith(";") and joined:
+            joined[-1] += line  # a marker continued on its own line
+        elif line:
+            joined.append(line)
+    return _pip_lines(joined, "setup.cfg setup_requires", notes)
+
+
+def _build_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
+    """pyproject.toml's ``build-system.requires`` and setup.cfg's ``setup_requires`` (build isolation is off)."""
+    text = read_at(clone, commit, "pyproject.toml")
+    if text is None:
+        return _setup_requires(clone, commit, notes)
     try:
         requires = tomllib.loads(text).get("build-system", {}).get("requires", [])
     except tomllib.TOMLDecodeError as exc:
         notes.append(f"pyproject.toml: not valid TOML ({exc}); build requirements not taken")
-        return []
-    return _pip_lines(map(str, requires), "pyproject.toml build-system.requires", notes)
+        requires = []
+    found = _pip_lines(map(str, requires), "pyproject.toml build-system.requires", notes)
+    return list(dict.fromkeys([*found, *_setup_requires(clone, commit, notes)]))
 
 
 def project_extras(install: str) -> list[str] | None:

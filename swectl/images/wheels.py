@@ -3,10 +3,15 @@
 Every distribution comes from the host: ``pip download --only-binary :all: --python-version X.Y`` per stage,
 for the venv's Python (3.11, or the spec's where the node has it: pythons.py), into a shared pool under
 ``cache_dir()/wheels``, each stage's file list cached. A stage that has a requirement without a wheel for it
-is downloaded again with ``--prefer-binary`` (sdists where there is no wheel, dependencies still resolved) when
-the host runs that Python (3.11 like the base image; pip 26 needs 3.10 or later, so another interpreter cannot
-do it), and when that fails too, one requirement at a time (its wheel with dependencies, else its sdist alone,
-else dropped with a note). Sdists are built in the image, offline.
+is downloaded again with ``--prefer-binary`` (sdists where there is no wheel, dependencies still resolved),
+and when that fails too, one requirement at a time (its wheel with dependencies, else its sdist with
+dependencies, else its sdist alone, else dropped with a note). Sdists are built in the image, offline.
+
+For a Python the host does not run (pip 26 itself needs 3.10 or later, so the target's interpreter cannot run
+it), pip runs on the host's Python with two changes (``_PIP_FOR_TARGET``): environment markers see the
+target's version (pip evaluates them for the interpreter it runs on, whatever ``--python-version`` says), and
+``--prefer-binary`` is allowed with ``--python-version`` (pip refuses it because the sdists' metadata is then
+built by the host's Python; a setup.py whose requirements depend on the running Python's version is rare).
 
 Unpinned requirements resolve as of a date (pip's ``--uploaded-prior-to``), so that an image built today gets
 the releases the official images got, not today's (pytest 9, November 2025, renders some parametrize ids
@@ -52,7 +57,7 @@ from swectl.images.requirements import RUNNER_REQUIREMENTS, Stage
 from swectl.tasks.record import Task
 
 # Bump when the recipe changes in a way the content hash does not see (it sees every generated file).
-RECIPE_VERSION = "3"
+RECIPE_VERSION = "4"
 PYTHON_VERSION = "3.11"  # the base image's
 # The host can resolve sdists (and their dependencies) for the image only when it runs the image's Python.
 HOST_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -60,13 +65,13 @@ HOST_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 # the module docstring).
 OFFICIAL_CUTOFF = "2024-08-13T00:00:00Z"
 DATE_POLICIES = ("official", "created_at", "env-commit", "none")
-# PIP_* variables kept for the downloads: how to reach an index, not where else to look for files.
-# pip evaluates environment markers (``tomli; python_version < "3.11"``) for the interpreter it runs on,
-# whatever ``--python-version`` says: for another target it runs with the marker environment's Python
-# version replaced by the target's (argv[1]: X.Y.Z).
+# pip for another Python than the host's (argv[1]: its X.Y.Z): environment markers (``tomli; python_version <
+# "3.11"``) see the target's version, and sdists may be downloaded with their dependencies for it.
 _PIP_FOR_TARGET = """\
 import sys
+from pip._internal.cli import cmdoptions
 from pip._vendor.packaging import markers
+cmdoptions.check_dist_restriction = lambda options, check_target=False: None
 full = sys.argv.pop(1)
 _host = markers.default_environment
 def _target():
@@ -77,6 +82,7 @@ markers.default_environment = _target
 from pip._internal.cli.main import main
 sys.exit(main())
 """
+# PIP_* variables kept for the downloads: how to reach an index, not where else to look for files.
 _PIP_ENV_KEPT = frozenset({"PIP_INDEX_URL", "PIP_CERT", "PIP_CLIENT_CERT", "PIP_PROXY", "PIP_TRUSTED_HOST",
                            "PIP_DEFAULT_TIMEOUT", "PIP_TIMEOUT", "PIP_RETRIES"})
 
@@ -89,8 +95,8 @@ class Target(msgspec.Struct, frozen=True):
     full_version: str = ""  # X.Y.Z of the target's interpreter, where known (environment markers)
 
     @property
-    def host_resolves(self) -> bool:
-        """Whether pip on the host can resolve sdists' dependencies for this Python (it runs that version)."""
+    def is_host(self) -> bool:
+        """Whether the host runs this Python (pip then runs unchanged)."""
         return self.python == HOST_PYTHON
 
 
@@ -175,15 +181,15 @@ def _attempt(argv: list[str], log: Path, *, timeout: float = 1800) -> bool:
 
 def _pip_download(requirements: list[str], dest: Path, log: Path, mode: DownloadMode, target: Target) -> bool:
     """``pip download`` for the target's Python, of releases uploaded before its date.
-    binary: wheels with dependencies; prefer-binary: sdists where there is no wheel, dependencies resolved
-    (host Python only); sdist-only: the distribution alone."""
-    pip = [sys.executable, "-m", "pip"] if target.host_resolves else \
+    binary: wheels with dependencies; prefer-binary: sdists where there is no wheel, dependencies resolved;
+    sdist-only: the distribution alone."""
+    pip = [sys.executable, "-m", "pip"] if target.is_host else \
         [sys.executable, "-c", _PIP_FOR_TARGET, target.full_version or f"{target.python}.0"]
     argv = [*pip, "download", "--disable-pip-version-check", "--progress-bar", "off", "-q", "-d", str(dest),
             *(["--uploaded-prior-to", target.date] if target.date else [])]
     argv += {
         "binary": ["--only-binary", ":all:", "--python-version", target.python],
-        "prefer-binary": ["--prefer-binary"],
+        "prefer-binary": ["--prefer-binary", *([] if target.is_host else ["--python-version", target.python])],
         "sdist-only": ["--no-deps", "--python-version", target.python],
     }[mode]
     return _attempt([*argv, *requirements], log)
@@ -197,10 +203,11 @@ def _sdists_note(dest: Path, python: str) -> str:
 def _download_one(req: str, dest: Path, log: Path, notes: list[str], target: Target) -> bool:
     if _pip_download([req], dest, log, "binary", target):
         return True
-    mode: DownloadMode = "prefer-binary" if target.host_resolves else "sdist-only"
-    if _pip_download([req], dest, log, mode, target):
-        notes.append(f"{req}: built in the image from its sdist (no py{target.python} wheel)")
-        return True
+    for mode in ("prefer-binary", "sdist-only"):
+        if _pip_download([req], dest, log, mode, target):
+            notes.append(f"{req}: built in the image from its sdist (no py{target.python} wheel)"
+                         + (" without its dependencies" if mode == "sdist-only" else ""))
+            return True
     notes.append(f"{req}: pip could not download it for py{target.python}; not installed")
     return False
 
@@ -209,7 +216,7 @@ def _download_stage(stage: Stage, dest: Path, log: Path, notes: list[str], targe
     """Download a stage (see the module docstring for the fallbacks); the requirements kept."""
     if _pip_download(stage.requirements, dest, log, "binary", target):
         return list(stage.requirements)
-    if target.host_resolves and _pip_download(stage.requirements, dest, log, "prefer-binary", target):
+    if _pip_download(stage.requirements, dest, log, "prefer-binary", target):
         notes.append(f"stage {stage.name}: {_sdists_note(dest, target.python)}")
         return list(stage.requirements)
     return [req for req in stage.requirements if _download_one(req, dest, log, notes, target)]
@@ -218,7 +225,7 @@ def _download_stage(stage: Stage, dest: Path, log: Path, notes: list[str], targe
 def _download_project(project: str, dest: Path, log: Path, notes: list[str], target: Target) -> None:
     if _pip_download([project], dest, log, "binary", target):
         return
-    if target.host_resolves and _pip_download([project], dest, log, "prefer-binary", target):
+    if _pip_download([project], dest, log, "prefer-binary", target):
         notes.append(f"project dependencies: {_sdists_note(dest, target.python)}")
         return
     notes.append("project dependencies: pip could not resolve them; `install` may fail offline")
