@@ -1,0 +1,192 @@
+"""Offline probe of one policy-update rule: how do its first steps move held-out episodes' log-probabilities?
+
+A GRPO run costs minutes per step on this CPU machine and a sampled evaluation is noisy (72 episodes: about +-6
+points), so telling a bad update rule from bad luck takes hours. This probe answers a narrower question in
+minutes. It takes episodes the starting policy sampled (a `swectl eval` folder and/or a control run's
+``episodes/``, where the weights never change), splits each task's episodes in two, and takes a few optimizer steps
+on groups drawn from one half, with swectl's own advantage and loss functions. After every step it reports the
+change of the total log-probability of the other half's resolved (and cleanly submitted) episodes, of its failed
+ones, and of the gold trajectories. A rule that helps raises (or keeps) the successes and lowers the failures; a
+rule whose steps lower the successes by nats will lower the sampled resolve rate, whatever its loss says.
+
+    python benchmarks/probe_update.py --weights RUN/sft/weights/step_000200 --episodes RUN/eval-sft \\
+        --episodes 'RUN/control/episodes/step_*' --gold RUN/gold --mask first --requires-submit --lr 2e-4
+
+Masks: ``none`` (every reply trained), ``truncated`` (truncated episodes carry no loss, as train.mask_truncated),
+``first`` (nothing after an episode's first malformed reply, as train.mask_after_format_error); ``--positive-only``
+drops every sample whose advantage is not positive. It runs in one process on the CPU, without the trainer's
+FSDP workers: the loss, advantages and masks are the trainer's, the optimizer is a plain AdamW (or SGD), and every
+sample is treated as on-policy (the old log-probabilities are the current ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import random
+import sys
+from pathlib import Path
+
+import msgspec
+import torch
+from transformers import AutoModelForCausalLM
+
+from swectl.rl.advantages import group_advantages
+from swectl.rl.groups import GradedEpisode, first_format_error, mask_turns_after
+from swectl.rl.losses import policy_loss, token_logprobs
+
+
+class Probed(msgspec.Struct):
+    episode: GradedEpisode
+    submitted: bool
+
+
+def _format_errors(messages: list[dict]) -> list[bool]:
+    """Per assistant turn: whether the next message is the agent's malformed-reply notice."""
+    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    return [i + 1 < len(messages) and str(messages[i + 1].get("content", "")).startswith("Your reply must")
+            for i in turns]
+
+
+def load_episodes(patterns: list[str]) -> list[Probed]:
+    out = []
+    for pattern in patterns:
+        for meta_path in sorted(glob.glob(str(Path(pattern) / "*" / "meta.json"))):
+            folder = Path(meta_path).parent
+            meta = json.loads(Path(meta_path).read_text())
+            episode = json.loads((folder / "traj.json").read_text())["episode"]
+            t = episode["trajectory"]
+            out.append(Probed(GradedEpisode(
+                instance_id=meta["instance_id"], sample=meta.get("sample", 0), outcome=meta["outcome"],
+                resolved=bool(meta["resolved"]), token_ids=t["token_ids"], loss_mask=t["loss_mask"],
+                logprobs=t["logprobs"], format_errors=_format_errors(t["messages"])),
+                submitted=meta["exit_status"] == "Submitted"))
+    return out
+
+
+def _tensors(episodes: list[GradedEpisode], masks: list[list[int]]) -> tuple[torch.Tensor, ...]:
+    width = max(len(e.token_ids) for e in episodes)
+    ids = torch.zeros(len(episodes), width, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    mask = torch.zeros(len(episodes), width)
+    rollout = torch.zeros(len(episodes), width)
+    for row, (e, m) in enumerate(zip(episodes, masks, strict=True)):
+        n = len(e.token_ids)
+        ids[row, :n] = torch.tensor(e.token_ids)
+        attention[row, :n] = 1
+        mask[row, :n] = torch.tensor(m, dtype=torch.float32)
+        rollout[row, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
+    return ids, attention, mask, rollout
+
+
+@torch.no_grad()
+def total_logprobs(model, episodes: list[GradedEpisode], chunk: int = 8) -> list[float]:
+    model.eval()
+    out: list[float] = []
+    for i in range(0, len(episodes), chunk):
+        part = episodes[i:i + chunk]
+        ids, attention, mask, _ = _tensors(part, [e.loss_mask for e in part])
+        logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
+        out += (logp * mask).sum(-1).tolist()
+    return out
+
+
+def train_mask(e: GradedEpisode, advantage: float, args: argparse.Namespace) -> list[int]:
+    if args.positive_only and advantage <= 0:
+        return [0] * len(e.loss_mask)
+    if args.mask == "truncated" and e.truncated:
+        return [0] * len(e.loss_mask)
+    cut = first_format_error(e) if args.mask == "first" else None
+    return mask_turns_after(e.loss_mask, cut) if cut is not None else list(e.loss_mask)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", type=Path, required=True, help="the starting policy (an HF folder)")
+    parser.add_argument("--episodes", action="append", required=True,
+                        help="folder (glob) of episode folders sampled from --weights (repeatable)")
+    parser.add_argument("--gold", default="", help="folder of gold trajectories (swectl data gold)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--tasks-per-step", type=int, default=4)
+    parser.add_argument("--n-samples", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    parser.add_argument("--estimator", choices=("grpo", "drgrpo", "rloo"), default="grpo")
+    parser.add_argument("--mask", choices=("none", "truncated", "first"), default="none")
+    parser.add_argument("--positive-only", action="store_true")
+    parser.add_argument("--requires-submit", action="store_true", help="as train.reward_requires_submit")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+
+    episodes = load_episodes(args.episodes)
+    gold = [p.episode for p in load_episodes([args.gold])] if args.gold else []
+    by_task: dict[str, list[Probed]] = {}
+    for p in episodes:
+        by_task.setdefault(p.episode.instance_id, []).append(p)
+    pool: dict[str, list[GradedEpisode]] = {}
+    held: list[Probed] = []
+    for task, items in sorted(by_task.items()):
+        rng.shuffle(items)
+        half = len(items) // 2
+        held += items[:half]
+        pool[task] = [p.episode for p in items[half:]]
+    tasks = sorted(t for t, v in pool.items() if v)
+    if not tasks or not held:
+        raise SystemExit("probe_update: too few episodes (need at least two per task)")
+    print(f"probe: {len(episodes)} episodes of {len(tasks)} tasks ({len(held)} held out), {len(gold)} gold",
+          file=sys.stderr)
+
+    model = AutoModelForCausalLM.from_pretrained(args.weights, dtype=torch.float32)
+    if args.optimizer == "sgd":
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    held_eps = [p.episode for p in held]
+    base, gold_base = total_logprobs(model, held_eps), total_logprobs(model, gold)
+    good = [i for i, p in enumerate(held) if p.episode.resolved and p.submitted]
+    bad = [i for i, p in enumerate(held) if not p.episode.resolved]
+    report = []
+    for step in range(1, args.steps + 1):
+        batch, masks, advantages = [], [], []
+        for task in rng.sample(tasks, min(args.tasks_per_step, len(tasks))):
+            group = [rng.choice(pool[task]) for _ in range(args.n_samples)]
+            rewards = [float(e.resolved and not (args.requires_submit and e.truncated)) for e in group]
+            for e, adv in zip(group, group_advantages(rewards, args.estimator), strict=True):
+                batch.append(e)
+                masks.append(train_mask(e, adv, args))
+                advantages.append(adv)
+        ids, attention, mask, rollout = _tensors(batch, masks)
+        loss_value, grad_norm = 0.0, 0.0
+        if mask.sum() > 0:
+            model.train()
+            logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
+            adv = torch.tensor(advantages)[:, None].expand_as(logp)
+            loss, _ = policy_loss(logp, logp.detach(), rollout, adv, mask, denominator=float(mask.sum()))
+            optimizer.zero_grad()
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            optimizer.step()
+            loss_value = float(loss.detach())
+        now, gold_now = total_logprobs(model, held_eps), total_logprobs(model, gold)
+
+        def mean_change(rows: list[int], a: list[float] = now, b: list[float] = base) -> float:
+            return sum(a[i] - b[i] for i in rows) / len(rows) if rows else float("nan")
+
+        row = {"step": step, "loss": round(loss_value, 4), "grad_norm": round(grad_norm, 4),
+               "trained_tokens": int(mask.sum()), "d_logp_resolved": round(mean_change(good), 2),
+               "d_logp_failed": round(mean_change(bad), 2),
+               "d_logp_gold": round(mean_change(list(range(len(gold))), gold_now, gold_base), 2),
+               "d_logp_gold_min": round(min((x - y for x, y in zip(gold_now, gold_base, strict=True)),
+                                            default=float("nan")), 2)}
+        report.append(row)
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
