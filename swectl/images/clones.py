@@ -68,6 +68,12 @@ def read_at(clone: Path, commit: str, path: str) -> str | None:
     return proc.stdout.decode(errors="replace") if proc.returncode == 0 else None
 
 
+def commit_date(clone: Path, commit: str) -> str | None:
+    """The committer date of ``commit`` in ``clone`` (ISO 8601), or None when the clone does not have it."""
+    proc = _git("-C", str(clone), "show", "-s", "--format=%cI", commit)
+    return (proc.stdout.decode().strip() or None) if proc.returncode == 0 else None
+
+
 def ancestor_tags(clone: Path, commit: str) -> list[str]:
     proc = _git("-C", str(clone), "for-each-ref", "--merged", commit, "--format=%(refname)", "refs/tags", check=True)
     return sorted(proc.stdout.decode().split())

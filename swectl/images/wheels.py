@@ -51,7 +51,7 @@ from typing import Literal
 
 import msgspec
 
-from swectl.images.clones import Testbed
+from swectl.images.clones import Testbed, commit_date
 from swectl.images.project import ImageBuildError, cache_dir
 from swectl.images.requirements import RUNNER_REQUIREMENTS, Stage
 from swectl.tasks.record import Task
@@ -131,14 +131,6 @@ def check_date_policy(policy: str) -> str:
     return policy
 
 
-def _commit_date(clone: Path, commit: str) -> str | None:
-    proc = subprocess.run(["git", "-C", str(clone), "show", "-s", "--format=%cI", commit], capture_output=True,
-                          text=True, check=False)
-    if proc.returncode != 0:
-        return None
-    return proc.stdout.strip() or None
-
-
 def prior_to(policy: str, task: Task, clone: Path, notes: list[str]) -> str:
     """The date (``YYYY-MM-DDTHH:MM:SSZ``) as of which the row's unpinned requirements resolve; "" for none.
     A policy whose date the row lacks falls back to ``official``, with a note."""
@@ -149,7 +141,7 @@ def prior_to(policy: str, task: Task, clone: Path, notes: list[str]) -> str:
     if policy == "created_at" and created:
         return created
     if policy == "env-commit":
-        date = _commit_date(clone, task.environment_setup_commit) if task.environment_setup_commit else None
+        date = commit_date(clone, task.environment_setup_commit) if task.environment_setup_commit else None
         if date:
             return _iso_utc(date)
     if policy not in DATE_POLICIES:
