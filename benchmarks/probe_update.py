@@ -32,9 +32,12 @@ import msgspec
 import torch
 from transformers import AutoModelForCausalLM
 
+from swectl.actors.rollout import EpisodeResult
 from swectl.rl.advantages import group_advantages
-from swectl.rl.groups import GradedEpisode, first_format_error, mask_turns_after
+from swectl.rl.batch import unpack_mask
+from swectl.rl.groups import GradedEpisode, episode_samples
 from swectl.rl.losses import policy_loss, token_logprobs
+from swectl.train.controller import graded_episode
 
 
 class Probed(msgspec.Struct):
@@ -42,26 +45,14 @@ class Probed(msgspec.Struct):
     submitted: bool
 
 
-def _format_errors(messages: list[dict]) -> list[bool]:
-    """Per assistant turn: whether the next message is the agent's malformed-reply notice."""
-    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-    return [i + 1 < len(messages) and str(messages[i + 1].get("content", "")).startswith("Your reply must")
-            for i in turns]
-
-
 def load_episodes(patterns: list[str]) -> list[Probed]:
+    """The episode folders (``meta.json`` + ``traj.json``) under ``patterns``, read as the trainer reads them."""
     out = []
     for pattern in patterns:
         for meta_path in sorted(glob.glob(str(Path(pattern) / "*" / "meta.json"))):
-            folder = Path(meta_path).parent
-            meta = json.loads(Path(meta_path).read_text())
-            episode = json.loads((folder / "traj.json").read_text())["episode"]
-            t = episode["trajectory"]
-            out.append(Probed(GradedEpisode(
-                instance_id=meta["instance_id"], sample=meta.get("sample", 0), outcome=meta["outcome"],
-                resolved=bool(meta["resolved"]), token_ids=t["token_ids"], loss_mask=t["loss_mask"],
-                logprobs=t["logprobs"], format_errors=_format_errors(t["messages"])),
-                submitted=meta["exit_status"] == "Submitted"))
+            result = msgspec.json.decode(Path(meta_path).read_bytes(), type=EpisodeResult)
+            result = msgspec.structs.replace(result, artifacts=str(Path(meta_path).parent))
+            out.append(Probed(graded_episode(result), submitted=result.exit_status == "Submitted"))
     return out
 
 
@@ -93,12 +84,13 @@ def total_logprobs(model, episodes: list[GradedEpisode], chunk: int = 8) -> list
 
 
 def train_mask(e: GradedEpisode, advantage: float, args: argparse.Namespace) -> list[int]:
+    """The loss mask the trainer would use (train.mask_truncated / train.mask_after_format_error), or all 0 for a
+    sample ``--positive-only`` drops."""
     if args.positive_only and advantage <= 0:
         return [0] * len(e.loss_mask)
-    if args.mask == "truncated" and e.truncated:
-        return [0] * len(e.loss_mask)
-    cut = first_format_error(e) if args.mask == "first" else None
-    return mask_turns_after(e.loss_mask, cut) if cut is not None else list(e.loss_mask)
+    sample, = episode_samples(e, advantage, 0.0, mask_truncated=args.mask == "truncated",
+                              mask_after_format_error=args.mask == "first")
+    return unpack_mask(sample).tolist()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     base, gold_base = total_logprobs(model, held_eps), total_logprobs(model, gold)
     good = [i for i, p in enumerate(held) if p.episode.resolved and p.submitted]
     bad = [i for i, p in enumerate(held) if not p.episode.resolved]
-    report = []
     for step in range(1, args.steps + 1):
         batch, masks, advantages = [], [], []
         for task in rng.sample(tasks, min(args.tasks_per_step, len(tasks))):
@@ -183,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
                "d_logp_gold": round(mean_change(list(range(len(gold))), gold_now, gold_base), 2),
                "d_logp_gold_min": round(min((x - y for x, y in zip(gold_now, gold_base, strict=True)),
                                             default=float("nan")), 2)}
-        report.append(row)
         print(json.dumps(row), flush=True)
     return 0
 
