@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="with --repo-cache: resolve unpinned requirements with releases uploaded before a date: "
                        "official (2024-08-13, when SWE-bench Verified was validated; default), created_at (the row's), "
                        "env-commit (its environment_setup_commit's), none, or an ISO date")
+    build.add_argument("--jobs", type=int, default=1, metavar="N",
+                       help="with --repo-cache: images built at once (default 1; each build runs pip and podman, so "
+                       "more than the node's cores only queues)")
     prune = isub.add_parser("prune", help="remove swectl project images that no projects file describes any more")
     prune.add_argument("--projects", type=Path, default=BUNDLED_PROJECTS, help="projects whose images to keep")
     prune.add_argument("--all", action="store_true", help="remove every swectl project image")
@@ -72,9 +75,11 @@ def _build_instance_images(args: argparse.Namespace) -> int:
     if args.only:
         tasks = [t for t in tasks if t.instance_id in set(args.only)]
     outcomes = build_instance_images(tasks, load_specs(), args.repo_cache, say=say, force=args.force,
-                                     allow_network=args.allow_network, uploaded_prior_to=args.uploaded_prior_to)
+                                     allow_network=args.allow_network, uploaded_prior_to=args.uploaded_prior_to,
+                                     jobs=args.jobs)
     for o in outcomes:
-        say(f"{o.instance_id}: {o.status} {o.image} {o.message}".rstrip())
+        where = f" in {o.step}" if o.step else ""
+        say(f"{o.instance_id}: {o.status}{where} {o.image} {o.message}".rstrip())
     if args.image_map:
         write_image_map(outcomes, args.image_map)
         say(f"wrote {args.image_map}")

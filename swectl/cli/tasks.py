@@ -34,7 +34,43 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     synth.add_argument("--out", type=Path, default=Path("tasks.jsonl"), help="output JSONL (default tasks.jsonl)")
 
 
+    validate = tsub.add_parser(
+        "validate",
+        help="find the tasks of a set whose environment can be trusted: build each image, grade gold (several runs) "
+        "and empty, and give every other task one reason",
+        description="Build each task's image (--repo-cache: classic SWE-bench rows from local clones), grade its gold "
+        "patch --runs times and the empty patch once, each in a fresh sandbox. Validated: gold resolves in every "
+        "run and empty does not. Every other task gets one reason: build_failed (and the step), infra, timeout, "
+        "gold_patch_failed, flaky (which tests), network, cpu_count, env_drift (which tests) or empty_resolves. "
+        "Writes validation.json (per task, per repository), validated.txt (the ids), image-map.json and "
+        "grades.jsonl (a rerun with the same --out grades only what is missing).",
+    )
+    config_args(validate)
+    validate.add_argument("--tasks", required=True, metavar="SOURCE", help="task set: JSONL/JSON/parquet or HF name")
+    validate.add_argument("--runs", type=int, default=3, help="gold runs per task, to find flaky tests (default 3)")
+    validate.add_argument("--repo-cache", type=Path, default=None, metavar="DIR",
+                          help="build the classic SWE-bench rows' images from local clones in DIR (as `swectl image "
+                          "build --repo-cache`); without it every task runs the image its row, --image-map or "
+                          "--image-template names")
+    validate.add_argument("--jobs", type=int, default=1, metavar="N", help="images built at once (default 1)")
+    validate.add_argument("--concurrency", type=int, default=2, help="gradings at once (default 2)")
+    validate.add_argument("--timeout", type=float, default=1800.0, help="grading timeout per run, seconds")
+    validate.add_argument("--allow-network", action="store_true",
+                          help="let image builds use the network (the specs' apt and pip pre-install steps)")
+    validate.add_argument("--uploaded-prior-to", default="official", metavar="POLICY",
+                          help="date policy of the builds' downloads (see `swectl image build --help`)")
+    validate.add_argument("--instances", nargs="+", default=[], metavar="ID", help="only these instance ids")
+    validate.add_argument("--slice", default="", metavar="A:B", help="only tasks[A:B] (after --instances)")
+    validate.add_argument("--image-map", type=Path, default=None, metavar="FILE",
+                          help="JSON/TOML instance_id -> image for the tasks not built here")
+    validate.add_argument("--image-template", default=None, metavar="T", help="image name template (as swectl eval)")
+    validate.add_argument("--out", type=Path, default=None,
+                          help="output folder (default runs/validate-<time>); an existing one resumes")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.tasks_command == "validate":
+        return _validate(args)
     config = load_config(args.config, args.overrides)
     from swectl.synth.factory import SynthConfig, synth_project
 
@@ -63,3 +99,48 @@ def run(args: argparse.Namespace) -> int:
     return 0 if tasks else 1
 
 
+
+
+def _validate(args: argparse.Namespace) -> int:
+    import time
+
+    from swectl.cli.common import load_task_set, output_dir
+    from swectl.cli.eval import select_tasks
+    from swectl.errors import ConfigError
+    from swectl.eval.validate import format_validation, validate_tasks, write_validation
+    from swectl.images.instance import InstanceOutcome, build_one
+    from swectl.images.names import ImageResolver
+    from swectl.images.wheels import check_date_policy
+    from swectl.logs import write_run_log
+    from swectl.tasks.specs import load_specs
+
+    if args.runs < 1 or args.jobs < 1 or args.concurrency < 1:
+        raise ConfigError("--runs, --jobs and --concurrency must be at least 1")
+    config = load_config(args.config, args.overrides)
+    config = msgspec.structs.replace(config, env_pool=msgspec.structs.replace(config.env_pool, warm=0))
+    tasks = select_tasks(load_task_set(args.tasks), args.instances, args.slice)
+    out = output_dir(args.out or Path(config.out_dir) / f"validate-{time.strftime('%Y%m%d-%H%M%S')}")
+    write_run_log(out)
+    resolver = ImageResolver.from_options(args.image_template, args.image_map)
+    policy = check_date_policy(args.uploaded_prior_to)
+    specs = load_specs() if args.repo_cache is not None else None
+
+    def build(task: Task) -> InstanceOutcome | None:
+        if specs is None or task.image or task.eval_script or task.instance_id in resolver.mapping:
+            return None
+        return build_one(task, specs, args.repo_cache, say=say, allow_network=args.allow_network,
+                         uploaded_prior_to=policy)
+
+    say(f"validating {len(tasks)} tasks: gold x{args.runs} and empty, {args.jobs} build(s) and "
+        f"{args.concurrency} grading(s) at once, output {out}")
+    report = anyio.run(lambda: validate_tasks(config, tasks, out, build=build, runs=args.runs,
+                                              concurrency=args.concurrency, jobs=args.jobs, timeout_s=args.timeout,
+                                              resolver=resolver, tasks_source=str(args.tasks)))
+    print(format_validation(report))
+    for path in write_validation(report, out):
+        say(f"wrote {path}")
+    if report.eval_only:
+        say("these rows are SWE-bench Verified, an evaluation set: validated.txt is for evaluation only; never train "
+            "on them")
+    say(f"{report.validated}/{report.total} tasks validated")
+    return 0 if report.validated == report.total else 1

@@ -43,12 +43,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
-from swectl.errors import CommandError, SwectlError
+from swectl.errors import CommandError, ConfigError, SwectlError
 from swectl.images.clones import Say, Testbed, ancestor_tags, find_clone, resolve_commit
 from swectl.images.names import docker_id
 from swectl.images.project import (
@@ -94,6 +95,10 @@ APT_IMAGE = "localhost/swectl-apt"
 OLD_PIP_BELOW = (3, 7)
 
 BuildStatus = Literal["built", "cached", "failed", "skipped"]
+# The steps of a build, in order, as a failed outcome names them: the task's clone in the repo cache, its base
+# commit, the spec for its version, the plan (Python, apt image, requirements, downloads), then podman build's
+# two RUN steps: the venv's dependencies (install-deps.sh) and the spec's pre_install / install (setup.sh).
+BUILD_STEPS = ("clone", "base_commit", "spec", "plan", "install_deps", "setup", "podman_build")
 
 
 class InstanceOutcome(msgspec.Struct, kw_only=True):
@@ -106,6 +111,7 @@ class InstanceOutcome(msgspec.Struct, kw_only=True):
     warnings: list[str] = []
     seconds: float = 0.0
     built: BuiltImage | None = None
+    step: str = ""  # failed: the build step that failed (BUILD_STEPS)
 
     @property
     def ok(self) -> bool:
@@ -350,16 +356,42 @@ def _podman_build(image: str, ctx: Path, log: Path, network: bool) -> str:
     output = (out.stdout + out.stderr).decode(errors="replace")
     if out.exit_code != 0:
         drop_failed_layers(output)
-        raise ImageBuildError(f"podman build of {image} failed (exit {out.exit_code}); log: {log}; "
-                              f"build context kept at {ctx}\n{output[-1500:]}")
+        step = failed_run_step(output)
+        raise BuildStepError(step, f"podman build of {image} failed in {step} (exit {out.exit_code}); log: {log}; "
+                                   f"build context kept at {ctx}\n{output[-1500:]}")
     return output
 
 
+class BuildStepError(ImageBuildError):
+    """A build that failed in a known step (BUILD_STEPS)."""
+
+    def __init__(self, step: str, message: str) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+def failed_run_step(output: str) -> str:
+    """Which of the Containerfile's RUN steps a failed ``podman build``'s output stopped in: ``install_deps``
+    (the venv's dependencies), ``setup`` (the spec's pre_install / install) or ``podman_build`` (elsewhere)."""
+    steps = re.findall(r"^STEP \d+/\d+: (.*)$", output, flags=re.MULTILINE)
+    last = steps[-1] if steps else ""
+    if "install-deps.sh" in last:
+        return "install_deps"
+    if "setup.sh" in last:
+        return "setup"
+    return "podman_build"
+
+
 def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say, force: bool,
-           allow_network: bool, uploaded_prior_to: str) -> tuple[BuiltImage, list[str]]:
+           allow_network: bool, uploaded_prior_to: str, steps: list[str] | None = None) -> tuple[BuiltImage, list[str]]:
+    """Build one image; ``steps`` gets each step's name (BUILD_STEPS) as it starts, so a failure can be placed."""
+    steps = [] if steps is None else steps
     log = cache_dir() / "logs" / f"build-inst-{task.instance_id}.log"
+    steps.append("clone")
     clone = find_clone(Path(repo_cache), task.repo)
+    steps.append("base_commit")
     commit = resolve_commit(clone, task.base_commit)
+    steps.append("plan")
     ctx = cache_dir() / "build" / f"inst-{task.instance_id}"
     shutil.rmtree(ctx, ignore_errors=True)
     testbed = Testbed(clone, commit, ancestor_tags(clone, commit), ctx / "testbed",
@@ -374,7 +406,12 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
     _write_context(task, plan, ctx, testbed)
     say(f"{task.instance_id}: building {plan.image} (log: {log})")
     previous = image_id(plan.image)
-    output = _podman_build(plan.image, ctx, log, plan.network)
+    steps.append("podman_build")
+    try:
+        output = _podman_build(plan.image, ctx, log, plan.network)
+    except BuildStepError as exc:
+        steps.append(exc.step)
+        raise
     shutil.rmtree(ctx, ignore_errors=True)
     if previous and previous != image_id(plan.image):
         # the image this one replaces lost its name: remove it (not forced: a container using it keeps it)
@@ -410,14 +447,15 @@ def _outcome(task: Task, specs: SpecTable, repo_cache: Path, *, base: str, say: 
     skip = _skip_reason(task)
     if skip:
         return InstanceOutcome(instance_id=task.instance_id, status="skipped", message=skip)
+    steps = ["spec"]
     try:
         spec = specs.get(task.repo, task.version)
         built, warnings = _build(task, spec, repo_cache, base=base, say=say, force=force,
-                                 allow_network=allow_network, uploaded_prior_to=uploaded_prior_to)
+                                 allow_network=allow_network, uploaded_prior_to=uploaded_prior_to, steps=steps)
     except (SwectlError, OSError, subprocess.SubprocessError) as exc:
-        say(f"{task.instance_id}: FAILED: {exc}")
+        say(f"{task.instance_id}: FAILED in {steps[-1]}: {exc}")
         return InstanceOutcome(instance_id=task.instance_id, status="failed", message=str(exc),
-                               seconds=round(time.monotonic() - started, 1))
+                               seconds=round(time.monotonic() - started, 1), step=steps[-1])
     return InstanceOutcome(
         instance_id=task.instance_id, status="cached" if built.cached else "built", image=built.image,
         warnings=warnings, seconds=round(time.monotonic() - started, 1), built=built,
@@ -426,15 +464,26 @@ def _outcome(task: Task, specs: SpecTable, repo_cache: Path, *, base: str, say: 
 
 def build_instance_images(
     tasks: Iterable[Task], specs: SpecTable, repo_cache: Path, *, base: str = DEFAULT_BASE, say: Say = print,
-    force: bool = False, allow_network: bool = False, uploaded_prior_to: str = "official",
+    force: bool = False, allow_network: bool = False, uploaded_prior_to: str = "official", jobs: int = 1,
 ) -> list[InstanceOutcome]:
-    """Build every task's image in turn, going on past failures; one outcome per task, in order."""
+    """Build every task's image, ``jobs`` at once, going on past failures; one outcome per task, in order."""
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be at least 1, got {jobs}")
     policy = check_date_policy(uploaded_prior_to)
-    return [
-        _outcome(t, specs, Path(repo_cache), base=base, say=say, force=force, allow_network=allow_network,
-                 uploaded_prior_to=policy)
-        for t in tasks
-    ]
+
+    def one(task: Task) -> InstanceOutcome:
+        return build_one(task, specs, repo_cache, base=base, say=say, force=force, allow_network=allow_network,
+                         uploaded_prior_to=policy)
+
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="image-build") as pool:
+        return list(pool.map(one, tasks))
+
+
+def build_one(task: Task, specs: SpecTable, repo_cache: Path, *, base: str = DEFAULT_BASE, say: Say = print,
+              force: bool = False, allow_network: bool = False, uploaded_prior_to: str = "official") -> InstanceOutcome:
+    """One task's image as an outcome (never raises for a build that fails: the outcome says in which step)."""
+    return _outcome(task, specs, Path(repo_cache), base=base, say=say, force=force, allow_network=allow_network,
+                    uploaded_prior_to=check_date_policy(uploaded_prior_to))
 
 
 def remove_instance_image(image: str) -> bool:

@@ -45,6 +45,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -252,7 +253,8 @@ def _fetch(name: str, key: str, download: Callable[[Path, list[str]], list[str]]
     cached = _cached_stage(key)
     if cached is not None:
         return cached
-    tmp = cache_dir() / "wheels" / "tmp" / f"{key}-{os.getpid()}"
+    # one folder per download (parallel builds may fetch the same stage at once: both land the same files)
+    tmp = cache_dir() / "wheels" / "tmp" / f"{key}-{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     notes: list[str] = []
@@ -260,7 +262,9 @@ def _fetch(name: str, key: str, download: Callable[[Path, list[str]], list[str]]
     stage = StageWheels(name=name, install=install, files=_into_pool(tmp), notes=notes)
     manifest = cache_dir() / "wheels" / "sets" / f"{key}.json"
     manifest.parent.mkdir(parents=True, exist_ok=True)
-    manifest.write_bytes(msgspec.json.encode(stage))
+    partial = manifest.with_name(f"{manifest.name}.{os.getpid()}-{threading.get_ident()}.part")
+    partial.write_bytes(msgspec.json.encode(stage))
+    partial.replace(manifest)  # a reader sees the whole list or none
     return stage
 
 

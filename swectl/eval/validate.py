@@ -1,0 +1,345 @@
+"""``swectl tasks validate``: which rows of a task set an environment can be trusted for, and why not the others.
+
+Per task: its image (built from the repo cache for classic SWE-bench rows, ``--repo-cache``; else the image the
+row or ``--image-map`` names), then the gold patch graded ``runs`` times and the empty patch once, each in a fresh
+sandbox. A task is **validated** when its image exists, gold resolves in every run and empty does not. Every other
+task gets exactly one reason (:func:`classify`, first match wins):
+
+- ``build_failed``: the image did not build; ``step`` says where (images/instance.py's BUILD_STEPS);
+- ``infra``: a grading never got a verdict (sandbox or node lost): not the task's fault, run again;
+- ``timeout``: gold's tests ran past the grading timeout;
+- ``gold_patch_failed``: the gold patch did not apply;
+- ``flaky``: gold resolved in some runs and not in others; ``tests`` are the ones that changed;
+- ``network``: gold's failing tests need the network (the log has resolver / connection errors; sandboxes
+  have none);
+- ``cpu_count``: gold's failing tests depend on the number of CPUs (parallel jobs, ``cpu_count``);
+- ``env_drift``: gold fails the same tests every run: the environment differs from the one the dataset's
+  test lists were recorded in (``tests`` names them);
+- ``empty_resolves``: the empty patch resolves: the tests do not see the bug.
+
+Outputs in ``--out``: ``grades.jsonl`` (every grading as it finishes: a rerun with the same ``--out`` grades only
+what is missing), ``validation.json`` (a ValidationReport: per task, per repository and in all), ``validated.txt``
+(the ids), ``image-map.json`` (instance_id -> image of the built ones).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Literal
+
+import anyio
+import msgspec
+
+from swectl.actors.env_pool import running_pool
+from swectl.actors.grader import Grader, GraderConfig, GradeResult
+from swectl.config import ClusterConfig
+from swectl.data.prepare import is_eval_set
+from swectl.eval.progress import Progress
+from swectl.images.instance import InstanceOutcome
+from swectl.images.names import ImageResolver
+from swectl.tasks.record import Task
+
+VALIDATION_FORMAT = 1
+Reason = Literal["build_failed", "infra", "timeout", "gold_patch_failed", "flaky", "network", "cpu_count",
+                 "env_drift", "empty_resolves"]
+GradeKind = Literal["gold", "empty"]
+
+# What a test log says when a test wanted the network (sandboxes run with none).
+NETWORK_MARKERS = re.compile(
+    r"Temporary failure in name resolution|Name or service not known|Network is unreachable|"
+    r"Failed to establish a new connection|Could not resolve host|getaddrinfo failed|"
+    r"No address associated with hostname|nodename nor servname provided|urlopen error|Max retries exceeded with url",
+    re.IGNORECASE,
+)
+# Test ids and log lines of tests whose outcome depends on how many CPUs the sandbox has.
+CPU_TESTS = re.compile(r"parallel|multiprocess|jobs|cpu_count|n_cpu|ncpu", re.IGNORECASE)
+CPU_LOG = re.compile(r"\bcpu_count\b|sched_getaffinity|PYTEST_XDIST_AUTO_NUM_WORKERS", re.IGNORECASE)
+LOG_TAIL_BYTES = 4 << 20  # of a test log read for markers
+
+
+class GradeRecord(msgspec.Struct, kw_only=True):
+    """One line of grades.jsonl: one grading of one patch for one task."""
+
+    instance_id: str
+    kind: GradeKind
+    run: int  # 0.. for gold, 0 for empty
+    image: str
+    result: GradeResult
+
+
+class InstanceValidation(msgspec.Struct, kw_only=True):
+    """The verdict on one task: validated, or the one reason it is not."""
+
+    instance_id: str
+    repo: str
+    version: str
+    valid: bool
+    reason: Reason | None = None
+    step: str = ""  # build_failed: the build step (BUILD_STEPS)
+    tests: list[str] = []  # the tests behind the reason (failing in every gold run, or flaky)
+    detail: str = ""
+    image: str = ""
+    build: str = ""  # built / cached / failed / skipped / prebuilt (the row's or --image-map's image)
+    build_s: float = 0.0
+    gold: list[str] = []  # each gold run's status
+    empty: str = ""
+    logs: list[str] = []
+
+
+class RepoValidation(msgspec.Struct, kw_only=True):
+    """Per repository: how many tasks, built, gold resolved (every run), empty resolved, validated."""
+
+    instances: int = 0
+    built: int = 0
+    gold_resolved: int = 0
+    empty_resolved: int = 0
+    validated: int = 0
+    built_frac: float = 0.0
+    gold_resolved_frac: float = 0.0  # of the built
+    empty_resolved_frac: float = 0.0  # of the built
+    reasons: dict[str, int] = {}
+
+
+class ValidationReport(msgspec.Struct, kw_only=True):
+    """validation.json."""
+
+    format_version: int = VALIDATION_FORMAT
+    tasks: str
+    eval_only: bool = False  # the source is an evaluation set (SWE-bench Verified): never train on these rows
+    runs: int
+    total: int
+    validated: int
+    reasons: dict[str, int]
+    overall: RepoValidation
+    repos: dict[str, RepoValidation]
+    elapsed_s: float
+    instances: list[InstanceValidation]
+
+
+def _failed_tests(result: GradeResult) -> set[str]:
+    return {*result.f2p_failed, *result.p2p_failed}
+
+
+def _log_text(result: GradeResult) -> str:
+    if not result.log_path:
+        return ""
+    try:
+        with open(result.log_path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _failure_kind(failing: list[GradeResult], tests: set[str]) -> Reason:
+    """Why gold fails the same tests in every run: the network, the CPU count, or the environment."""
+    logs = [_log_text(r) for r in failing]
+    if any(NETWORK_MARKERS.search(log) for log in logs):
+        return "network"
+    if (tests and all(CPU_TESTS.search(t) for t in tests)) or any(CPU_LOG.search(log) for log in logs):
+        return "cpu_count"
+    return "env_drift"
+
+
+def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult], empty: GradeResult | None, *,
+             image: str = "") -> InstanceValidation:
+    """The verdict on one task from its build outcome (None: a prebuilt image), its gold gradings and its empty
+    grading (the module docstring lists the reasons, in the order they are tried)."""
+    v = InstanceValidation(instance_id=task.instance_id, repo=task.repo, version=task.version, valid=False,
+                           image=image or (build.image if build else ""),
+                           build=build.status if build else "prebuilt", build_s=build.seconds if build else 0.0,
+                           gold=[g.status for g in gold], empty=empty.status if empty else "",
+                           logs=[r.log_path for r in [*gold, *([empty] if empty else [])] if r.log_path])
+    if build is not None and not build.ok:
+        v.reason, v.step, v.detail = "build_failed", build.step, build.message[:2000]
+        return v
+    graded = [g for g in gold if not g.infra]
+    if len(graded) < len(gold) or not gold or empty is None or empty.infra:
+        lost = next((r for r in [*gold, *([empty] if empty else [])] if r.infra), None)
+        v.reason = "infra"
+        v.detail = f"{lost.reason}: {lost.detail}"[:2000] if lost else "not graded"
+        return v
+    resolved = [g for g in gold if g.resolved]
+    failing = [g for g in gold if not g.resolved]
+    if failing and not resolved:
+        if any(g.reason == "eval_timeout" for g in failing):
+            v.reason, v.detail = "timeout", next(g.detail for g in failing if g.reason == "eval_timeout")
+            return v
+        if any(g.reason == "patch_apply_failed" for g in failing):
+            v.reason = "gold_patch_failed"
+            v.detail = next(g.detail for g in failing if g.reason == "patch_apply_failed")[:2000]
+            return v
+    if failing and resolved:
+        v.reason, v.tests = "flaky", sorted(set().union(*(_failed_tests(g) for g in failing)))
+        v.detail = f"gold resolved in {len(resolved)} of {len(gold)} runs"
+        return v
+    if failing:
+        always = set.intersection(*(_failed_tests(g) for g in failing))
+        changing = set().union(*(_failed_tests(g) for g in failing)) - always
+        if changing:  # unresolved every run, but not always on the same tests
+            v.reason, v.tests = "flaky", sorted(changing)
+            v.detail = f"gold unresolved in every run; {len(always)} tests fail every time"
+            return v
+        v.reason, v.tests = _failure_kind(failing, always), sorted(always)
+        first = failing[0]
+        v.detail = (f"{first.status}{f' ({first.reason})' if first.reason else ''}: {len(first.f2p_failed)} of "
+                    f"{first.f2p_total} FAIL_TO_PASS and {len(first.p2p_failed)} of {first.p2p_total} PASS_TO_PASS "
+                    "tests fail")
+        return v
+    if empty.resolved:
+        v.reason, v.detail = "empty_resolves", "the empty patch resolves: the FAIL_TO_PASS tests pass without the fix"
+        return v
+    v.valid = True
+    return v
+
+
+def _summary(rows: Iterable[InstanceValidation]) -> RepoValidation:
+    s = RepoValidation()
+    for v in rows:
+        s.instances += 1
+        built = v.build in ("built", "cached", "prebuilt")
+        s.built += built
+        s.gold_resolved += built and bool(v.gold) and all(g == "resolved" for g in v.gold)
+        s.empty_resolved += built and v.empty == "resolved"
+        s.validated += v.valid
+        if v.reason:
+            s.reasons[v.reason] = s.reasons.get(v.reason, 0) + 1
+    s.built_frac = round(s.built / s.instances, 4) if s.instances else 0.0
+    s.gold_resolved_frac = round(s.gold_resolved / s.built, 4) if s.built else 0.0
+    s.empty_resolved_frac = round(s.empty_resolved / s.built, 4) if s.built else 0.0
+    return s
+
+
+def build_validation_report(verdicts: list[InstanceValidation], *, tasks: str, runs: int,
+                            elapsed_s: float) -> ValidationReport:
+    verdicts = sorted(verdicts, key=lambda v: v.instance_id)
+    overall = _summary(verdicts)
+    repos = {repo: _summary(v for v in verdicts if v.repo == repo) for repo in sorted({v.repo for v in verdicts})}
+    return ValidationReport(tasks=tasks, eval_only=is_eval_set(tasks), runs=runs, total=len(verdicts),
+                            validated=overall.validated,
+                            reasons=dict(sorted(overall.reasons.items())), overall=overall, repos=repos,
+                            elapsed_s=round(elapsed_s, 1), instances=verdicts)
+
+
+def format_validation(report: ValidationReport) -> str:
+    lines = [f"{'repository':<28} {'tasks':>5} {'built':>6} {'gold':>6} {'empty':>6} {'valid':>5}  reasons"]
+    for repo, s in [*report.repos.items(), ("all", report.overall)]:
+        reasons = ", ".join(f"{k} {n}" for k, n in sorted(s.reasons.items()))
+        lines.append(f"{repo:<28} {s.instances:>5} {s.built_frac:>6.0%} {s.gold_resolved_frac:>6.0%} "
+                     f"{s.empty_resolved_frac:>6.0%} {s.validated:>5}  {reasons}")
+    return "\n".join(lines)
+
+
+def load_grades(path: Path) -> dict[tuple[str, GradeKind, int], GradeRecord]:
+    """The gradings an earlier run of the same ``--out`` finished (a torn last line is ignored)."""
+    done: dict[tuple[str, GradeKind, int], GradeRecord] = {}
+    if not path.exists():
+        return done
+    for line in path.read_bytes().splitlines():
+        try:
+            rec = msgspec.json.decode(line, type=GradeRecord)
+        except msgspec.DecodeError:
+            continue
+        done[(rec.instance_id, rec.kind, rec.run)] = rec
+    return done
+
+
+BuildFn = Callable[[Task], InstanceOutcome | None]
+
+
+async def validate_tasks(
+    config: ClusterConfig, tasks: list[Task], out: Path, *, build: BuildFn, runs: int = 3, concurrency: int = 2,
+    jobs: int = 1, timeout_s: float = 1800.0, resolver: ImageResolver | None = None, tasks_source: str = "",
+    progress: bool = True,
+) -> ValidationReport:
+    """Build (``build``: a task's image outcome, or None when the task runs a prebuilt image; called in worker
+    threads, ``jobs`` at once) and grade every task; gradings start as soon as a task's image is ready."""
+    if runs < 1:
+        raise ValueError(f"runs must be at least 1, got {runs}")
+    started = time.monotonic()
+    grades_path = out / "grades.jsonl"
+    done = load_grades(grades_path)
+    mapping = dict(resolver.mapping) if resolver else {}
+    base = resolver or ImageResolver()
+    builds: dict[str, InstanceOutcome | None] = {}
+    results: dict[tuple[str, GradeKind, int], GradeResult] = {k: r.result for k, r in done.items()}
+    bar = Progress(len(tasks), "validate") if progress and tasks else None
+    build_limit = anyio.CapacityLimiter(jobs)
+    send, receive = anyio.create_memory_object_stream[Task](max(1, len(tasks)))
+
+    with grades_path.open("ab") as grades_file:
+        async with running_pool(config) as pool, anyio.create_task_group() as tg:
+            grader = Grader(GraderConfig(timeout_s=timeout_s, concurrency=concurrency), pool, log_dir=out / "logs",
+                            resolver=ImageResolver(template=base.template, mapping=mapping))
+            await tg.start(grader.run, name="grader")
+
+            async def build_one(task: Task) -> None:
+                outcome = await anyio.to_thread.run_sync(build, task, limiter=build_limit, abandon_on_cancel=True)
+                builds[task.instance_id] = outcome
+                if outcome is not None and outcome.ok and outcome.image:
+                    mapping[task.instance_id] = outcome.image
+                await send.send(task)
+
+            async def grade(task: Task, kind: GradeKind, run: int) -> None:
+                key = (task.instance_id, kind, run)
+                if key in results:
+                    return
+                patch = task.patch if kind == "gold" else ""
+                result = await grader.grade(task, patch, label=kind if kind == "empty" else f"gold{run}")
+                results[key] = result
+                record = GradeRecord(instance_id=task.instance_id, kind=kind, run=run,
+                                     image=mapping.get(task.instance_id, ""), result=result)
+                grades_file.write(msgspec.json.encode(record) + b"\n")
+                grades_file.flush()
+
+            async def grade_all(task: Task) -> None:
+                outcome = builds.get(task.instance_id)
+                if outcome is None or outcome.ok:
+                    async with anyio.create_task_group() as each:
+                        for run in range(runs):
+                            each.start_soon(grade, task, "gold", run)
+                        each.start_soon(grade, task, "empty", 0)
+                if bar:
+                    v = _verdict(task, outcome, results, runs, base.resolve(task) if outcome is None else "")
+                    bar.advance("validated" if v.valid else v.reason or "?")
+
+            async def builder() -> None:
+                async with send, anyio.create_task_group() as building:
+                    for task in tasks:
+                        building.start_soon(build_one, task, name=f"build {task.instance_id}")
+
+            async def grading() -> None:
+                async with receive, anyio.create_task_group() as gradings:
+                    async for task in receive:
+                        gradings.start_soon(grade_all, task, name=f"validate {task.instance_id}")
+
+            async with anyio.create_task_group() as work:
+                work.start_soon(builder, name="builder")
+                work.start_soon(grading, name="grading")
+            tg.cancel_scope.cancel("every task validated")
+    verdicts = [_verdict(t, builds.get(t.instance_id), results, runs,
+                         mapping.get(t.instance_id) or base.resolve(t)) for t in tasks]
+    return build_validation_report(verdicts, tasks=tasks_source, runs=runs, elapsed_s=time.monotonic() - started)
+
+
+def _verdict(task: Task, outcome: InstanceOutcome | None, results: dict[tuple[str, GradeKind, int], GradeResult],
+             runs: int, image: str) -> InstanceValidation:
+    gold = [results[k] for r in range(runs) if (k := (task.instance_id, "gold", r)) in results]
+    empty = results.get((task.instance_id, "empty", 0))
+    return classify(task, outcome, gold, empty, image=image)
+
+
+def write_validation(report: ValidationReport, out: Path) -> list[Path]:
+    """validation.json, validated.txt and image-map.json in ``out``."""
+    import json
+
+    paths = [out / "validation.json", out / "validated.txt", out / "image-map.json"]
+    paths[0].write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    paths[1].write_text("".join(f"{v.instance_id}\n" for v in report.instances if v.valid))
+    images = {v.instance_id: v.image for v in report.instances if v.image and v.build != "failed"}
+    paths[2].write_text(json.dumps(images, indent=2, sort_keys=True) + "\n")
+    return paths

@@ -1,0 +1,98 @@
+"""The verdicts of `swectl tasks validate` (swectl/eval/validate.py) from gradings, and where a failed build
+stopped (swectl/images/instance.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from swectl.actors.grader import GradeResult
+from swectl.eval.validate import GradeRecord, build_validation_report, classify, load_grades
+from swectl.images.instance import InstanceOutcome, failed_run_step
+from swectl.tasks.record import Task
+
+TASK = Task(instance_id="o__r-1", repo="o/r", version="1.0", base_commit="abc", patch="p", test_patch="t",
+            problem_statement="x", FAIL_TO_PASS=["t::a"], PASS_TO_PASS=["t::b"])
+
+
+def grade(status: str = "resolved", *, reason: str = "", failed: tuple[str, ...] = (), infra: bool = False,
+          log: str = "", tmp: Path | None = None) -> GradeResult:
+    path = ""
+    if log and tmp is not None:
+        file = tmp / f"log{len(list(tmp.iterdir()))}.txt"
+        file.write_text(log)
+        path = str(file)
+    return GradeResult(instance_id=TASK.instance_id, status=status, reason=reason, f2p_failed=list(failed),
+                       infra=infra, log_path=path, f2p_total=1, p2p_total=1)
+
+
+def test_valid_when_gold_always_resolves_and_empty_does_not() -> None:
+    v = classify(TASK, None, [grade(), grade(), grade()], grade("unresolved", failed=("t::a",)))
+    assert v.valid and v.reason is None and v.build == "prebuilt"
+
+
+def test_build_failure_names_the_step() -> None:
+    build = InstanceOutcome(instance_id=TASK.instance_id, status="failed", message="boom", step="install_deps")
+    v = classify(TASK, build, [], None)
+    assert (v.valid, v.reason, v.step, v.detail) == (False, "build_failed", "install_deps", "boom")
+
+
+def test_flaky_names_the_tests_that_changed() -> None:
+    v = classify(TASK, None, [grade(), grade("unresolved", failed=("t::b",)), grade()], grade("unresolved"))
+    assert (v.reason, v.tests) == ("flaky", ["t::b"])
+    v = classify(TASK, None, [grade("unresolved", failed=("t::a", "t::c")), grade("unresolved", failed=("t::a",))],
+                 grade("unresolved"))
+    assert (v.reason, v.tests) == ("flaky", ["t::c"])
+
+
+def test_same_failures_every_run_are_drift_network_or_cpu(tmp_path: Path) -> None:
+    drift = [grade("unresolved", failed=("t::a",), log="AssertionError: ids differ", tmp=tmp_path) for _ in range(2)]
+    v = classify(TASK, None, drift, grade("unresolved"))
+    assert (v.reason, v.tests) == ("env_drift", ["t::a"])
+    net = [grade("unresolved", failed=("t::a",), tmp=tmp_path,
+                 log="requests.exceptions.ConnectionError: Failed to establish a new connection") for _ in range(2)]
+    assert classify(TASK, None, net, grade("unresolved")).reason == "network"
+    cpu = [grade("unresolved", failed=("tests/test_self.py::test_parallel_execution",), log="x", tmp=tmp_path)]
+    assert classify(TASK, None, cpu, grade("unresolved")).reason == "cpu_count"
+
+
+def test_timeout_patch_failure_infra_and_empty_resolving() -> None:
+    assert classify(TASK, None, [grade("error", reason="eval_timeout")] * 2, grade("unresolved")).reason == "timeout"
+    assert classify(TASK, None, [grade("error", reason="patch_apply_failed")], grade("unresolved")).reason == \
+        "gold_patch_failed"
+    lost = grade("error", reason="sandbox_lost", infra=True)
+    assert classify(TASK, None, [grade(), lost], grade("unresolved")).reason == "infra"
+    assert classify(TASK, None, [grade()], lost).reason == "infra"
+    assert classify(TASK, None, [grade()], None).reason == "infra"  # never graded: not the task's fault
+    assert classify(TASK, None, [grade()], grade()).reason == "empty_resolves"
+
+
+def test_report_fractions_are_per_repository_and_of_the_built() -> None:
+    failed = InstanceOutcome(instance_id="o__r-2", status="failed", step="setup")
+    rows = [
+        classify(TASK, None, [grade()], grade("unresolved")),
+        classify(msgspec.structs.replace(TASK, instance_id="o__r-2"), failed, [], None),
+        classify(msgspec.structs.replace(TASK, instance_id="x__y-1", repo="x/y"), None, [grade()], grade()),
+    ]
+    report = build_validation_report(rows, tasks="/data/swe_bench_verified.jsonl", runs=1, elapsed_s=1.0)
+    assert report.eval_only is True
+    assert report.validated == 1 and report.reasons == {"build_failed": 1, "empty_resolves": 1}
+    r = report.repos["o/r"]
+    assert (r.instances, r.built, r.built_frac, r.gold_resolved_frac, r.empty_resolved_frac) == (2, 1, 0.5, 1.0, 0.0)
+    assert report.repos["x/y"].empty_resolved_frac == 1.0
+
+
+def test_load_grades_skips_a_torn_last_line(tmp_path: Path) -> None:
+    rec = GradeRecord(instance_id="a", kind="gold", run=1, image="img", result=grade())
+    path = tmp_path / "grades.jsonl"
+    path.write_bytes(msgspec.json.encode(rec) + b"\n" + msgspec.json.encode(rec)[:20])
+    assert list(load_grades(path)) == [("a", "gold", 1)]
+    assert load_grades(tmp_path / "missing.jsonl") == {}
+
+
+def test_failed_run_step_reads_podman_builds_last_step() -> None:
+    out = "STEP 1/9: FROM base\nSTEP 4/9: RUN bash /opt/swectl/install-deps.sh && mkdir\nerror: exit 1\n"
+    assert failed_run_step(out) == "install_deps"
+    assert failed_run_step(out + "STEP 8/9: RUN bash /opt/swectl/setup.sh\nexit 2\n") == "setup"
+    assert failed_run_step("Error: no such image") == "podman_build"
