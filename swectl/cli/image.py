@@ -41,11 +41,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prune.add_argument("--projects", type=Path, default=BUNDLED_PROJECTS, help="projects whose images to keep")
     prune.add_argument("--all", action="store_true", help="remove every swectl project image")
     prune.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    prune.add_argument("--instances", action="store_true",
+                       help="prune instance images instead (`image build --repo-cache`): every one, or with --tasks "
+                       "those of rows not in the set; then the apt and Python images no instance image is built on "
+                       "any more (the shared dependency layers go with the last image using them)")
+    prune.add_argument("--tasks", default=None, metavar="SOURCE",
+                       help="with --instances: the rows whose images to keep")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.image_command == "build" and args.repo_cache is not None:
         return _build_instance_images(args)
+    if args.image_command == "prune" and args.instances:
+        return _prune_instance_images(args)
     projects = load_projects(args.projects)
     if args.image_command == "build":
         chosen = [p for p in projects.project if not args.only or p.name in args.only]
@@ -88,3 +96,13 @@ def _build_instance_images(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+
+
+def _prune_instance_images(args: argparse.Namespace) -> int:
+    from swectl.images.instance import prune_instance_images
+    from swectl.tasks.sources import load_tasks
+
+    keep = {t.instance_id for t in load_tasks(args.tasks).tasks} if args.tasks else None
+    removed = prune_instance_images(keep, dry_run=args.dry_run)
+    say(("would remove" if args.dry_run else "removed") + f" {len(removed)} image(s): {', '.join(removed) or '-'}")
+    return 0

@@ -491,6 +491,48 @@ def remove_instance_image(image: str) -> bool:
     (the dependency layers stay while another task's image shares them). Whether it was removed."""
     return run_local_podman("rmi", "-f", image, timeout=300, check=False).exit_code == 0
 
+def _labelled(kind: str) -> list[tuple[str, str]]:
+    """(name, swectl.instance label) of the images labelled ``swectl.image=kind``."""
+    out = run_local_podman("images", "--filter", f"label=swectl.image={kind}", "--format",
+                           '{{.Repository}}:{{.Tag}} {{index .Labels "swectl.instance"}}', timeout=60)
+    return [(name, inst) for name, _, inst in (line.partition(" ") for line in out.stdout.decode().splitlines())
+            if name and not name.startswith("<none>")]
+
+
+def prune_instance_images(keep: set[str] | None = None, *, dry_run: bool = False) -> list[str]:
+    """Remove the instance images (all of them, or those of instance ids not in ``keep``), then the apt and Python
+    images under them that no image is built on any more (podman refuses to remove an image with children, so
+    the ones still in use stay). The dependency layers go with the last image that shares them. The names
+    removed (or, with ``dry_run``, the instance images that would be)."""
+    doomed = [name for name, inst in _labelled("instance") if keep is None or inst not in keep]
+    if dry_run:
+        return doomed
+    removed = [name for name in doomed if remove_instance_image(name)]
+    for kind in ("apt", "python"):  # apt images are built on Python images: apt first
+        in_use = _ancestors_of_named_images()
+        for name, _inst in _labelled(kind):
+            if image_id(name) not in in_use and remove_instance_image(name):
+                removed.append(name)
+    return removed
+
+
+def _ancestors_of_named_images() -> set[str]:
+    """The full ids of every image some named image is built on (its parent chain, itself excluded). podman
+    would only untag a named parent, leaving its layers and losing the name the next build looks for."""
+    out = run_local_podman("images", "-a", "--format", "json", timeout=120)
+    images = json.loads(out.stdout.decode() or "[]")
+    parent = {i["Id"]: i.get("ParentId") or "" for i in images}
+    ancestors: set[str] = set()
+    for image in images:
+        if not (image.get("Names") or image.get("RepoTags")):  # podman 4 says Names, later ones RepoTags
+            continue
+        up = parent.get(image["Id"], "")
+        while up and up not in ancestors:
+            ancestors.add(up)
+            up = parent.get(up, "")
+    return ancestors
+
+
 def write_image_map(results: Iterable[InstanceOutcome], path: Path) -> dict[str, str]:
     """Write ``{instance_id: image}`` of the images built or reused (JSON, for ``swectl eval --image-map``)."""
     mapping = {r.instance_id: r.image for r in results if r.ok and r.image}

@@ -22,7 +22,15 @@ from swectl.actors.grader import Grader, GraderConfig
 from swectl.config import load_config
 from swectl.grading.eval_script import build_classic_eval_script, with_exit_code
 from swectl.images.clones import find_clone
-from swectl.images.instance import APT_IMAGE, apt_mirror, instance_image_name, remove_instance_image, write_image_map
+from swectl.images.instance import (
+    APT_IMAGE,
+    _labelled,
+    apt_mirror,
+    instance_image_name,
+    prune_instance_images,
+    remove_instance_image,
+    write_image_map,
+)
 from swectl.images.instance import build_instance_image as _build_instance_image
 from swectl.images.instance import build_instance_images as _build_instance_images
 from swectl.images.names import ImageResolver
@@ -378,9 +386,29 @@ def test_build_many_goes_on_past_failures_and_writes_the_map(fake: Fake, tmp_pat
                                      say=lambda _: None)
     assert [r.status for r in results] == ["failed", "cached", "skipped"]
     assert "is not in the clone" in results[0].message
+    assert results[0].step == "base_commit"
+    parallel = _build_instance_images([broken, fake.task, foreign], load_specs(), fake.repo_cache,
+                                      say=lambda _: None, jobs=2)
+    assert [(r.instance_id, r.status) for r in parallel] == [(r.instance_id, r.status) for r in results]
     mapping = write_image_map(results, tmp_path / "map.json")
     assert mapping == {fake.task.instance_id: fake.built.image}
     assert ImageResolver.from_options(map_file=tmp_path / "map.json").resolve(fake.task) == fake.built.image
+
+
+def test_prune_removes_instance_images_not_kept_and_leaves_images_in_use(fake: Fake) -> None:
+    variant = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "9")
+    built = build_instance_image(variant, spec(), fake.repo_cache, say=lambda _: None)
+    others = {inst for _name, inst in _labelled("instance")} - {variant.instance_id}  # other runs' images stay
+    assert prune_instance_images(others, dry_run=True) == [built.image]
+    assert podman("image", "exists", built.image).returncode == 0  # a dry run removes nothing
+    removed = prune_instance_images(others)
+    assert built.image in removed
+    assert podman("image", "exists", built.image).returncode != 0
+    assert podman("image", "exists", fake.built.image).returncode == 0
+    under = image_label(fake.built.image, "swectl.python")
+    interp = find_interpreter("3.9")
+    if interp and under == interp.full_version:  # its Python image is in use: podman keeps it
+        assert podman("image", "exists", python_image_name(interp, image_id(DEFAULT_BASE) or "")).returncode == 0
 
 
 # ------------------------------------------------------------------------------------------------ requirements
