@@ -185,3 +185,22 @@ def test_setup_cfg_setup_requires_join_the_build_stage(tmp_path: Path) -> None:
     reqs = _build_requires(repo, _git(repo, "rev-parse", "HEAD"), notes)
     assert reqs == ["setuptools>=42", "wheel", "setuptools >= 40.4", "setuptools_scm", "foo; python_version < '3.8'"]
     assert notes == []
+
+
+def test_missing_files_names_what_a_partial_mirror_left_out(tmp_path: Path) -> None:
+    from swectl.images.clones import missing_files
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q", "-b", "main")
+    (tmp_path / "small.txt").write_text("small\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "big.bin").write_text("big " * 1000)
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    assert missing_files(tmp_path, "HEAD") == []
+    sha = git("rev-parse", "HEAD:data/big.bin")
+    (tmp_path / ".git" / "objects" / sha[:2] / sha[2:]).unlink()
+    assert missing_files(tmp_path, "HEAD") == ["data/big.bin"]

@@ -63,6 +63,21 @@ def resolve_commit(clone: Path, commit: str) -> str:
     return proc.stdout.decode().strip()
 
 
+def missing_files(clone: Path, commit: str) -> list[str]:
+    """The paths of ``commit``'s tree whose contents the clone lacks (a partial mirror that left large files
+    out); empty for a whole clone. Submodule entries are not files of the clone and are not checked."""
+    tree = _git("-C", str(clone), "ls-tree", "-r", "-z", commit, check=True).stdout.split(b"\0")
+    blobs: dict[str, str] = {}
+    for entry in filter(None, tree):
+        meta, _, path = entry.partition(b"\t")
+        _mode, kind, sha = meta.split()
+        if kind == b"blob":
+            blobs.setdefault(sha.decode(), path.decode(errors="replace"))
+    check = _git("-C", str(clone), "cat-file", "--batch-check", input="".join(f"{s}\n" for s in blobs).encode())
+    gone = [line.split()[0] for line in check.stdout.decode().splitlines() if line.endswith(" missing")]
+    return [blobs[sha] for sha in gone if sha in blobs]
+
+
 def read_at(clone: Path, commit: str, path: str) -> str | None:
     proc = _git("-C", str(clone), "cat-file", "blob", f"{commit}:{path}")
     return proc.stdout.decode(errors="replace") if proc.returncode == 0 else None

@@ -50,7 +50,7 @@ from typing import Literal
 import msgspec
 
 from swectl.errors import CommandError, ConfigError, SwectlError
-from swectl.images.clones import Say, Testbed, ancestor_tags, find_clone, resolve_commit
+from swectl.images.clones import Say, Testbed, ancestor_tags, find_clone, missing_files, resolve_commit
 from swectl.images.names import docker_id
 from swectl.images.project import (
     DEFAULT_BASE,
@@ -391,6 +391,12 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
     clone = find_clone(Path(repo_cache), task.repo)
     steps.append("base_commit")
     commit = resolve_commit(clone, task.base_commit)
+    steps.append("clone")
+    if lacking := missing_files(clone, commit):
+        raise ImageBuildError(
+            f"the clone {clone} lacks {len(lacking)} file(s) of {task.repo} at {commit[:12]} "
+            f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}): a partial mirror that left large "
+            "files out cannot make the testbed; clone the full repository into the repo cache")
     steps.append("plan")
     ctx = cache_dir() / "build" / f"inst-{task.instance_id}"
     shutil.rmtree(ctx, ignore_errors=True)
