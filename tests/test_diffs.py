@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from swectl.tasks.diffs import DiffError, reverse_diff
+from swectl.tasks.diffs import DiffError, drop_additions, reverse_diff
 
 NO_NEWLINE_FIX = """\
 diff --git a/f.txt b/f.txt
@@ -239,3 +239,38 @@ def test_reversed_patch_applies_to_the_changed_tree_without_the_forward_patch(re
     _git(repo, "apply", "--check", "-", stdin=reverse_diff(bug))
     _git(repo, "apply", "-", stdin=reverse_diff(bug))
     assert (repo / "mod.py").read_text() == BEFORE["mod.py"]
+
+
+@needs_git
+def test_drop_additions_applies_and_removes_only(repo: Path) -> None:
+    _write(repo, AFTER)
+    (repo / "run.sh").chmod(0o755)
+    forward = _git(repo, "diff", "-M", "HEAD")
+    _git(repo, "reset", "-q", "--hard", "HEAD")
+    wrong = drop_additions(forward)
+    assert wrong and "added/new.txt" not in wrong  # a new file only adds
+    assert not [ln for ln in wrong.split("\n") if ln.startswith("+") and not ln.startswith("+++")]
+    _git(repo, "apply", "--index", "-", stdin=wrong)
+    mod = (repo / "mod.py").read_text()
+    assert "line 3\n" not in mod and "line three" not in mod and "line 30\n" not in mod and "appended" not in mod
+    assert not (repo / "gone.txt").exists()
+
+
+def test_drop_additions_recounts_every_verified_hunk(verified_path: Path) -> None:
+    def count(spec: str) -> int:
+        return int(spec.split(",")[1]) if "," in spec else 1
+
+    rows = [json.loads(line) for line in verified_path.read_text().splitlines()]
+    for row in rows:
+        header, body = "", []
+        for line in [*drop_additions(row["patch"]).split("\n"), "@@ -0 +0 @@"]:
+            assert not (line.startswith("+") and not line.startswith("+++")), row["instance_id"]
+            if line.startswith("@@ "):
+                if header:
+                    old, new = header.split()[1:3]
+                    assert sum(b[:1] in (" ", "-") for b in body) == count(old), (row["instance_id"], header)
+                    assert sum(b[:1] == " " for b in body) == count(new), (row["instance_id"], header)
+                header, body = line, []
+            elif line[:1] in (" ", "-") and not line.startswith("--- "):
+                body.append(line)
+    assert drop_additions("") == ""

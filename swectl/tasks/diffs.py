@@ -238,3 +238,44 @@ def _quoted_end(text: str) -> int:
             return i
         i += 1
     raise DiffError(f"unterminated quoted path in {text!r}")
+
+
+
+def drop_additions(diff: str) -> str:
+    """``diff`` (a git diff) with its added lines left out: the removals alone, hunk ranges recounted; "" when
+    nothing is left.
+
+    A wrong but applicable patch made from a gold patch (it deletes what the fix replaces and adds nothing), for
+    checking that two graders agree on a failed fix. Hunks that only add, and new files, are dropped; a file
+    section left without hunks is dropped with its header."""
+    out: list[str] = []
+    for section in re.split(r"^(?=diff --git )", diff, flags=re.MULTILINE):
+        lines = section.split("\n")
+        first = next((n for n, line in enumerate(lines) if _HUNK.match(line)), None)
+        if first is None:
+            continue
+        hunks: list[str] = []
+        offset = 0  # new-file lines minus old-file lines before the current hunk
+        n = first
+        while n < len(lines):
+            match = _HUNK.match(lines[n])
+            if match is None:
+                n += 1
+                continue
+            old_start, old_count = int(match.group(1).split(",")[0]), _count(match.group(1))
+            body: list[str] = []
+            n += 1
+            while n < len(lines) and lines[n][:1] in (" ", "-", "+", _NO_NEWLINE) and not _HUNK.match(lines[n]):
+                if lines[n].startswith("+"):
+                    n += 1 + (n + 1 < len(lines) and lines[n + 1].startswith(_NO_NEWLINE))
+                    continue
+                body.append(lines[n])
+                n += 1
+            context = sum(line.startswith(" ") for line in body)
+            if any(line.startswith("-") for line in body):
+                new_start = old_start + offset - (context == 0)
+                hunks += [f"@@ -{match.group(1)} +{new_start},{context} @@{match.group(3)}", *body]
+            offset += context - old_count
+        if hunks:
+            out += [*lines[:first], *hunks]
+    return "\n".join(out) + "\n" if out else ""
