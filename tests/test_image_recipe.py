@@ -204,3 +204,15 @@ def test_missing_files_names_what_a_partial_mirror_left_out(tmp_path: Path) -> N
     sha = git("rev-parse", "HEAD:data/big.bin")
     (tmp_path / ".git" / "objects" / sha[:2] / sha[2:]).unlink()
     assert missing_files(tmp_path, "HEAD") == ["data/big.bin"]
+
+
+def test_conda_names_that_pypi_spells_otherwise() -> None:
+    from swectl.images.requirements import conda_to_pip
+
+    notes: list[str] = []
+    assert conda_to_pip("iris", "env", notes) == "scitools-iris"  # PyPI's iris raises on import
+    assert conda_to_pip("iris=3.0=py_0", "env", notes) == "scitools-iris==3.0"
+    assert conda_to_pip("conda-forge::pytables>=3.6", "env", notes) == "tables>=3.6"
+    assert conda_to_pip("numpy=1.2", "env", notes) == "numpy==1.2"
+    assert conda_to_pip("Python=3.9", "env", notes) is None
+    assert notes == []

@@ -19,7 +19,8 @@ task gets exactly one reason (:func:`classify`, first match wins):
 
 Outputs in ``--out``: ``grades.jsonl`` (every grading as it finishes: a rerun with the same ``--out`` grades only
 what is missing), ``validation.json`` (a ValidationReport: per task, per repository and in all), ``validated.txt``
-(the ids), ``image-map.json`` (instance_id -> image of the built ones).
+(the ids), ``image-map.json`` (instance_id -> image of the built ones). The last three are rewritten as each task
+finishes, so a long run can be looked at (or cross-checked) while it goes on.
 """
 
 from __future__ import annotations
@@ -268,6 +269,7 @@ async def validate_tasks(
     builds: dict[str, InstanceOutcome | None] = {}
     results: dict[tuple[str, GradeKind, int], GradeResult] = {k: r.result for k, r in done.items()}
     bar = Progress(len(tasks), "validate") if progress and tasks else None
+    finished: list[Task] = []
     build_limit = anyio.CapacityLimiter(jobs)
     send, receive = anyio.create_memory_object_stream[Task](max(1, len(tasks)))
 
@@ -303,8 +305,14 @@ async def validate_tasks(
                         for run in range(runs):
                             each.start_soon(grade, task, "gold", run)
                         each.start_soon(grade, task, "empty", 0)
+                finished.append(task)
+                verdicts = [_verdict(t, builds.get(t.instance_id), results, runs,
+                                     mapping.get(t.instance_id) or base.resolve(t)) for t in finished]
+                # the verdicts so far, for a look (or a cross-check) while a long run goes on
+                write_validation(build_validation_report(verdicts, tasks=tasks_source, runs=runs,
+                                                         elapsed_s=time.monotonic() - started), out)
                 if bar:
-                    v = _verdict(task, outcome, results, runs, base.resolve(task) if outcome is None else "")
+                    v = verdicts[-1]
                     bar.advance("validated" if v.valid else v.reason or "?")
 
             async def builder() -> None:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -111,15 +111,18 @@ def _shim_dir(tmp: Path) -> Path:
 
 
 def grade_official(jobs: list[tuple[Task, str]], *, timeout_s: int = 1800, workers: int = 1,
-                   run_id: str = "swectl-crosscheck") -> list[OfficialVerdict]:
+                   run_id: str = "swectl-crosscheck", images: Mapping[str, str] | None = None,
+                   specs: object | None = None) -> list[OfficialVerdict]:
     """Each (task, patch) graded by swebench's own ``run_instance`` (``workers`` at once, timed per job),
-    in the order given."""
+    in the order given. ``images``: instance_id -> image for classic SWE-bench rows (instance images built by
+    ``swectl image build --repo-cache``), whose eval script comes from ``specs`` (the SWE-bench 4.1.0 specs)."""
+    images = images or {}
     instances, predictions = [], []
     for t, patch in jobs:
         instances.append({
-            "instance_id": t.instance_id, "image": task_image(t), "repo": t.repo, "version": t.version,
-            "FAIL_TO_PASS": t.FAIL_TO_PASS, "PASS_TO_PASS": t.PASS_TO_PASS, "log_parser": log_parser_for(t),
-            "eval_type": t.eval_type, "eval_script": eval_script_for(t, None),
+            "instance_id": t.instance_id, "image": images.get(t.instance_id) or task_image(t), "repo": t.repo,
+            "version": t.version, "FAIL_TO_PASS": t.FAIL_TO_PASS, "PASS_TO_PASS": t.PASS_TO_PASS,
+            "log_parser": log_parser_for(t), "eval_type": t.eval_type, "eval_script": eval_script_for(t, specs),
         })
         predictions.append({"instance_id": t.instance_id, "model_name_or_path": "swectl", "model_patch": patch})
     tmp = Path(tempfile.mkdtemp(prefix="swectl-harness-"))

@@ -1,0 +1,151 @@
+"""just bench grade_real: swectl's grader against the official SWE-bench harness on real instances.
+
+Takes a `swectl tasks validate` folder (validation.json, image-map.json) and picks validated instances round
+robin over the repositories. Per instance, three patches: gold, empty, and a wrong one (the gold patch's
+removals without its additions, ``swectl.tasks.diffs.drop_additions``: it applies and fixes nothing). Each patch
+is graded by swectl's Grader (a fresh sandbox, concurrency 1) and by swebench 5.x's own ``run_instance`` through
+Podman's Docker-compatible API on the same image, one instance after the other so both see the same load.
+
+Writes benchmarks/results/grade_real.json: agreement (same verdict on every patch, the goal), each
+disagreement with both graders' detail, grade p50 of both on the gold patches and the speedup, and image
+build time per instance: the validation run's builds (``built``: this machine's caches as they were) and a
+rebuild with warm caches (wheel pool and podman layers; ``--rebuild K`` instances, forced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import anyio
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import Goal, host_meta, percentile, report, summarize  # noqa: E402
+
+from swectl.actors.env_pool import running_pool  # noqa: E402
+from swectl.actors.grader import Grader, GraderConfig, GradeResult  # noqa: E402
+from swectl.config import load_config  # noqa: E402
+from swectl.grading.official_harness import OfficialVerdict, grade_official  # noqa: E402
+from swectl.images.names import ImageResolver  # noqa: E402
+from swectl.tasks.diffs import drop_additions  # noqa: E402
+from swectl.tasks.record import Task  # noqa: E402
+from swectl.tasks.sources import load_tasks  # noqa: E402
+from swectl.tasks.specs import load_specs  # noqa: E402
+
+SUITE = "grade_real"
+KINDS = ("gold", "empty", "wrong")
+
+
+def patches(task: Task) -> dict[str, str]:
+    return {"gold": task.patch, "empty": "", "wrong": drop_additions(task.patch)}
+
+
+def pick(validation: dict, tasks: dict[str, Task], n: int) -> list[Task]:
+    """n validated instances with a wrong patch to make, round robin over repositories (in id order)."""
+    by_repo: dict[str, list[Task]] = {}
+    for v in sorted(validation["instances"], key=lambda v: v["instance_id"]):
+        task = tasks.get(v["instance_id"])
+        if v["valid"] and task is not None and drop_additions(task.patch):
+            by_repo.setdefault(v["repo"], []).append(task)
+    out: list[Task] = []
+    while len(out) < n and any(by_repo.values()):
+        for repo in sorted(by_repo):
+            if by_repo[repo] and len(out) < n:
+                out.append(by_repo[repo].pop(0))
+    return out
+
+
+async def grade_swectl(task: Task, images: dict[str, str], timeout_s: float) -> list[GradeResult]:
+    config = load_config(None, ["env_pool.warm=0"])
+    async with running_pool(config) as pool, anyio.create_task_group() as actors:
+        grader = Grader(GraderConfig(concurrency=1, timeout_s=timeout_s), pool,
+                        resolver=ImageResolver(mapping=images))
+        await actors.start(grader.run)
+        out = [await grader.grade(task, patch, label=kind) for kind, patch in patches(task).items()]
+        actors.cancel_scope.cancel()
+    return out
+
+
+def verdict_row(task: Task, kind: str, ours: GradeResult, theirs: OfficialVerdict) -> dict:
+    return {
+        "instance_id": task.instance_id, "patch": kind, "swectl": ours.status, "swectl_reason": ours.reason,
+        "swectl_f2p_failed": ours.f2p_failed[:10], "swectl_p2p_failed": ours.p2p_failed[:10],
+        "swectl_s": round(ours.duration_s, 2), "swebench_resolved": theirs.resolved, "swebench_error": theirs.error,
+        "swebench_s": theirs.seconds, "agree": ours.resolved == theirs.resolved,
+    }
+
+
+def rebuild_times(tasks: list[Task], k: int, repo_cache: Path) -> list[float]:
+    """Seconds to rebuild k instance images with warm caches (forced: the content check alone is skipped)."""
+    from swectl.images.instance import build_one
+
+    specs, out = load_specs(), []
+    for task in tasks[:k]:
+        started = time.monotonic()
+        outcome = build_one(task, specs, repo_cache, say=lambda _: None, force=True, allow_network=True)
+        if outcome.ok:
+            out.append(round(time.monotonic() - started, 2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--validation", type=Path, required=True, help="a `swectl tasks validate` output folder")
+    parser.add_argument("--tasks", default=None, help="the task set it validated (default: as recorded)")
+    parser.add_argument("-n", type=int, default=24, help="instances (default 24)")
+    parser.add_argument("--timeout", type=int, default=900, help="grading timeout per patch, seconds")
+    parser.add_argument("--repo-cache", type=Path, default=None, help="rebuild --rebuild images from these clones")
+    parser.add_argument("--rebuild", type=int, default=3, help="instances rebuilt with warm caches (default 3)")
+    args = parser.parse_args(argv)
+    validation = json.loads((args.validation / "validation.json").read_text())
+    images = json.loads((args.validation / "image-map.json").read_text())
+    tasks = {t.instance_id: t for t in load_tasks(args.tasks or validation["tasks"]).tasks}
+    chosen = pick(validation, tasks, args.n)
+    host = host_meta()
+    print(f"{len(chosen)} validated instances, 3 patches each, both graders; load {host['loadavg_start']}",
+          file=sys.stderr)
+    rows: list[dict] = []
+    for i, task in enumerate(chosen, 1):
+        ours = anyio.run(grade_swectl, task, images, args.timeout)
+        jobs = list(patches(task).items())
+        theirs = grade_official([(task, p) for _k, p in jobs], timeout_s=args.timeout, images=images,
+                                run_id=f"swectl-real-{os.getpid()}")
+        rows += [verdict_row(task, kind, o, t) for (kind, _p), o, t in zip(jobs, ours, theirs, strict=True)]
+        agree = all(r["agree"] for r in rows[-3:])
+        print(f"  [{i}/{len(chosen)}] {task.instance_id}: " + ", ".join(
+            f"{r['patch']} {r['swectl']}/{'resolved' if r['swebench_resolved'] else 'unresolved'}" for r in rows[-3:])
+            + ("" if agree else "  DISAGREE"), file=sys.stderr)
+    gold = [r for r in rows if r["patch"] == "gold"]
+    ours_s = sorted(r["swectl_s"] for r in gold)
+    theirs_s = sorted(r["swebench_s"] for r in gold)
+    metrics: dict[str, float] = {
+        "instances": len(chosen), "repos": len({t.repo for t in chosen}), "verdicts": len(rows),
+        "agreement_frac": round(sum(r["agree"] for r in rows) / len(rows), 4) if rows else 0.0,
+        "grade_p50_s": round(percentile(ours_s, 50), 3) if ours_s else 0.0,
+        "swebench_grade_p50_s": round(percentile(theirs_s, 50), 3) if theirs_s else 0.0,
+    }
+    if metrics["grade_p50_s"]:
+        metrics["speedup_vs_swebench"] = round(metrics["swebench_grade_p50_s"] / metrics["grade_p50_s"], 2)
+    built = [v["build_s"] for v in validation["instances"] if v["build"] == "built"]
+    if built:
+        metrics["build_s_p50"] = round(percentile(sorted(built), 50), 1)
+    warm = rebuild_times(chosen, args.rebuild, args.repo_cache) if args.repo_cache else []
+    if warm:
+        metrics["build_warm_s_p50"] = round(percentile(sorted(warm), 50), 1)
+    meta = {"validation": str(args.validation), "host": host, "instances": [t.instance_id for t in chosen],
+            "disagreements": [r for r in rows if not r["agree"]], "verdicts": rows,
+            "swectl_gold_s": summarize(ours_s), "swebench_gold_s": summarize(theirs_s),
+            "build_s": summarize(built), "build_warm_s": summarize(warm)}
+    report(SUITE, metrics, meta, [Goal("agreement_frac", ">=", 1.0, text="== 1 (same verdict on every patch)"),
+                                  Goal("instances", ">=", 20)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
