@@ -18,9 +18,10 @@ task gets exactly one reason (:func:`classify`, first match wins):
 - ``empty_resolves``: the empty patch resolves: the tests do not see the bug.
 
 Outputs in ``--out``: ``grades.jsonl`` (every grading as it finishes: a rerun with the same ``--out`` grades only
-what is missing), ``validation.json`` (a ValidationReport: per task, per repository and in all), ``validated.txt``
-(the ids), ``image-map.json`` (instance_id -> image of the built ones). The last three are rewritten as each task
-finishes, so a long run can be looked at (or cross-checked) while it goes on.
+what is missing, or was graded on an image since rebuilt), ``validation.json`` (a ValidationReport: per task, per
+repository and in all), ``validated.txt`` (the ids), ``image-map.json`` (instance_id -> image of the built ones).
+The last three are rewritten as each task finishes, so a long run can be looked at (or cross-checked) while it goes
+on.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from swectl.data.prepare import is_eval_set
 from swectl.eval.progress import Progress
 from swectl.images.instance import InstanceOutcome
 from swectl.images.names import ImageResolver
+from swectl.images.project import image_id
 from swectl.tasks.record import Task
 
 VALIDATION_FORMAT = 1
@@ -69,6 +71,7 @@ class GradeRecord(msgspec.Struct, kw_only=True):
     run: int  # 0.. for gold, 0 for empty
     image: str
     result: GradeResult
+    image_id: str = ""  # the local image's id when graded ("" when it is not on this machine)
 
 
 class InstanceValidation(msgspec.Struct, kw_only=True):
@@ -263,11 +266,12 @@ async def validate_tasks(
         raise ValueError(f"runs must be at least 1, got {runs}")
     started = time.monotonic()
     grades_path = out / "grades.jsonl"
-    done = load_grades(grades_path)
+    previous = load_grades(grades_path)
     mapping = dict(resolver.mapping) if resolver else {}
     base = resolver or ImageResolver()
     builds: dict[str, InstanceOutcome | None] = {}
-    results: dict[tuple[str, GradeKind, int], GradeResult] = {k: r.result for k, r in done.items()}
+    results: dict[tuple[str, GradeKind, int], GradeResult] = {}
+    image_ids: dict[str, str] = {}
     bar = Progress(len(tasks), "validate") if progress and tasks else None
     finished: list[Task] = []
     build_limit = anyio.CapacityLimiter(jobs)
@@ -284,17 +288,22 @@ async def validate_tasks(
                 builds[task.instance_id] = outcome
                 if outcome is not None and outcome.ok and outcome.image:
                     mapping[task.instance_id] = outcome.image
+                image = mapping.get(task.instance_id) or base.resolve(task)
+                image_ids[task.instance_id] = await anyio.to_thread.run_sync(image_id, image) or ""
                 await send.send(task)
 
             async def grade(task: Task, kind: GradeKind, run: int) -> None:
                 key = (task.instance_id, kind, run)
-                if key in results:
+                earlier = previous.get(key)
+                if earlier is not None and earlier.image_id == image_ids.get(task.instance_id, ""):
+                    results[key] = earlier.result  # graded by an earlier run on this very image
                     return
                 patch = task.patch if kind == "gold" else ""
                 result = await grader.grade(task, patch, label=kind if kind == "empty" else f"gold{run}")
                 results[key] = result
                 record = GradeRecord(instance_id=task.instance_id, kind=kind, run=run,
-                                     image=mapping.get(task.instance_id, ""), result=result)
+                                     image=mapping.get(task.instance_id, ""), result=result,
+                                     image_id=image_ids.get(task.instance_id, ""))
                 grades_file.write(msgspec.json.encode(record) + b"\n")
                 grades_file.flush()
 

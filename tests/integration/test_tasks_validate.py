@@ -4,6 +4,8 @@ for, the gradings are real (fresh Podman sandboxes), and a rerun with the same -
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import msgspec
@@ -11,9 +13,15 @@ import pytest
 
 from swectl.cli.main import main
 from swectl.images.project import BUNDLED_TASKS
+from swectl.remote.nodes.podman import local_podman_env
 from swectl.tasks.sources import load_tasks
 
 pytestmark = [pytest.mark.integration]
+
+
+def podman(*args: str, input: bytes | None = None) -> None:
+    subprocess.run(["podman", *args], input=input, capture_output=True, env=local_podman_env(), timeout=300,
+                   check=True)
 
 
 def test_validate_classifies_broken_tasks_and_resumes(tmp_path: Path) -> None:
@@ -58,3 +66,25 @@ def test_validate_classifies_broken_tasks_and_resumes(tmp_path: Path) -> None:
     assert [(v["instance_id"], v["reason"]) for v in again["instances"]] == \
         [(v["instance_id"], v["reason"]) for v in report["instances"]]
     assert msgspec.json.decode(lines[0])["result"]["instance_id"] in verdicts
+
+
+def test_validate_grades_again_on_a_rebuilt_image(tmp_path: Path) -> None:
+    task = load_tasks(BUNDLED_TASKS, strict=True).tasks[0]
+    name = f"localhost/swectl-test-validate-{os.getpid()}:latest"
+    podman("tag", task.image, name)
+    try:
+        (tmp_path / "map.json").write_text(json.dumps({task.instance_id: name}))
+        args = ["tasks", "validate", "--tasks", str(BUNDLED_TASKS), "--instances", task.instance_id, "--runs", "1",
+                "--image-map", str(tmp_path / "map.json"), "--out", str(tmp_path / "out")]
+        assert main(args) == 0
+        assert main(args) == 0
+        grades = tmp_path / "out" / "grades.jsonl"
+        assert len(grades.read_bytes().splitlines()) == 2  # the second run graded nothing
+        # the same name, another image: the earlier gradings no longer count
+        podman("build", "-t", name, "-", input=f"FROM {task.image}\nLABEL swectl.test=rebuilt\n".encode())
+        assert main(args) == 0
+        records = [msgspec.json.decode(line) for line in grades.read_bytes().splitlines()]
+        assert len(records) == 4
+        assert records[0]["image_id"] != records[2]["image_id"]
+    finally:
+        podman("rmi", "-f", name)
