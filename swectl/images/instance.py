@@ -96,9 +96,10 @@ OLD_PIP_BELOW = (3, 7)
 
 BuildStatus = Literal["built", "cached", "failed", "skipped"]
 # The steps of a build, in order, as a failed outcome names them: the task's clone in the repo cache, its base
-# commit, the spec for its version, the plan (Python, apt image, requirements, downloads), then podman build's
-# two RUN steps: the venv's dependencies (install-deps.sh) and the spec's pre_install / install (setup.sh).
-BUILD_STEPS = ("clone", "base_commit", "spec", "plan", "install_deps", "setup", "podman_build")
+# commit, the spec for its version, the plan (Python, apt image, requirements, downloads), the disk check, then
+# podman build's two RUN steps: the venv's dependencies (install-deps.sh) and the spec's pre_install / install
+# (setup.sh); "disk" again when podman ran out of space.
+BUILD_STEPS = ("spec", "clone", "base_commit", "plan", "disk", "podman_build", "install_deps", "setup")
 
 
 class InstanceOutcome(msgspec.Struct, kw_only=True):
@@ -356,10 +357,59 @@ def _podman_build(image: str, ctx: Path, log: Path, network: bool) -> str:
     output = (out.stdout + out.stderr).decode(errors="replace")
     if out.exit_code != 0:
         drop_failed_layers(output)
+        if "no space left on device" in output.lower():
+            shutil.rmtree(ctx, ignore_errors=True)  # the context is what can be given back at once
+            root = storage_root()
+            raise BuildStepError("disk", f"podman build of {image} ran out of disk (no space left on device): "
+                                         f"{_gib(shutil.disk_usage(root).free)} free in {root} now; free some "
+                                         f"(swectl image prune --instances) and build again; log: {log}")
         step = failed_run_step(output)
         raise BuildStepError(step, f"podman build of {image} failed in {step} (exit {out.exit_code}); log: {log}; "
                                    f"build context kept at {ctx}\n{output[-1500:]}")
     return output
+
+
+# Free disk a build must leave at least (bytes; $SWECTL_BUILD_MIN_FREE overrides): below it the build stops before
+# podman starts, rather than filling the disk halfway through a layer.
+MIN_FREE_BYTES = 2 << 30
+
+
+def storage_root() -> Path:
+    """Where podman keeps image layers on this node (its graph root)."""
+    out = run_local_podman("info", "--format", "{{.Store.GraphRoot}}", timeout=60, check=False)
+    root = out.stdout.decode().strip()
+    return Path(root) if out.exit_code == 0 and root else Path("/var/lib/containers/storage")
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def check_disk(ctx: Path) -> None:
+    """Stop a build that would not fit: it needs about three times its build context (the context copied into a
+    layer, the wheels installed, the testbed's install) on podman's storage, and MIN_FREE_BYTES left after that.
+    Raises BuildStepError("disk") saying how much is needed and how much there is."""
+    root = storage_root()
+    context = _tree_bytes(ctx)
+    need = 3 * context + int(os.environ.get("SWECTL_BUILD_MIN_FREE") or MIN_FREE_BYTES)
+    free = shutil.disk_usage(root).free
+    if free < need:
+        shutil.rmtree(ctx, ignore_errors=True)
+        raise BuildStepError("disk", f"not enough disk for this build: it needs about {_gib(need)} free in {root} "
+                                     f"(three times its {_gib(context)} context plus a reserve), {_gib(free)} is; "
+                                     "free some (swectl image prune --instances) or lower the reserve "
+                                     "($SWECTL_BUILD_MIN_FREE, bytes)")
 
 
 class BuildStepError(ImageBuildError):
@@ -410,6 +460,8 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
         say(f"{task.instance_id}: {plan.image} is up to date")
         return BuiltImage(plan.image, plan.content, plan.commit, cached=True), plan.warnings
     _write_context(task, plan, ctx, testbed)
+    steps.append("disk")
+    check_disk(ctx)
     say(f"{task.instance_id}: building {plan.image} (log: {log})")
     previous = image_id(plan.image)
     steps.append("podman_build")

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from swectl.images.instance import (
     APT_IMAGE,
     _labelled,
     apt_mirror,
+    build_one,
     instance_image_name,
     prune_instance_images,
     remove_instance_image,
@@ -358,6 +361,38 @@ def test_failed_install_is_an_error_and_leaves_no_layers(fake: Fake) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ errors
+
+
+def test_a_build_that_would_not_fit_on_disk_stops_before_podman(fake: Fake, monkeypatch: pytest.MonkeyPatch) -> None:
+    task = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "5")
+    monkeypatch.setenv("SWECTL_BUILD_MIN_FREE", str(1 << 60))  # more than any disk has
+    outcome = build_one(task, load_specs(), fake.repo_cache, say=lambda _: None)
+    assert (outcome.status, outcome.step) == ("failed", "disk")
+    assert "not enough disk for this build: it needs about" in outcome.message
+    assert "GiB is; free some (swectl image prune --instances)" in outcome.message
+    assert podman("image", "exists", instance_image_name(task)).returncode != 0
+
+
+def test_a_build_killed_midway_leaves_no_image_and_builds_next_time(fake: Fake, tmp_path: Path) -> None:
+    task = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "6")
+    BUILT.append(instance_image_name(task))
+    rows = tmp_path / "tasks.jsonl"
+    rows.write_text(json.dumps(task.row()) + "\n")
+    log = tmp_path / "build.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "swectl.cli.main", "image", "build", "--repo-cache",
+                                 str(fake.repo_cache), "--tasks", str(rows), "--force"], stdout=out, stderr=out,
+                                start_new_session=True)
+    deadline = time.monotonic() + 300
+    while b"building localhost/swectl-inst." not in log.read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.2)
+    time.sleep(2)  # podman build is under way
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    assert podman("image", "exists", instance_image_name(task)).returncode != 0  # nothing half-built is named
+    outcome = build_one(task, load_specs(), fake.repo_cache, say=lambda _: None)
+    assert outcome.status == "built", outcome.message
 
 
 def test_missing_base_commit_is_a_clear_error(fake: Fake) -> None:
