@@ -216,3 +216,14 @@ def test_conda_names_that_pypi_spells_otherwise() -> None:
     assert conda_to_pip("numpy=1.2", "env", notes) == "numpy==1.2"
     assert conda_to_pip("Python=3.9", "env", notes) is None
     assert notes == []
+
+
+def test_conda_c_libraries_come_from_apt_not_pip() -> None:
+    from swectl.images.requirements import conda_c_libraries, environment_yml
+
+    text = "name: t\ndependencies:\n  - python=3.8\n  - eccodes\n  - cfgrib\n  - conda-forge::hdf5=1.12\n  - iris\n"
+    assert conda_c_libraries("dependencies:\n  - cfgrib\n") == ["libeccodes-dev"]  # conda's cfgrib brings eccodes
+    notes: list[str] = []
+    assert environment_yml(text, "ci/requirements/environment.yml", notes) == ["cfgrib", "scitools-iris"]
+    assert conda_c_libraries(text) == ["libeccodes-dev", "libhdf5-dev"]
+    assert conda_c_libraries("dependencies: [") == []

@@ -268,14 +268,20 @@ def _apt_image(steps: list[str], base: str, base_id: str, log: Path, say: Say) -
 
 
 def _apt_base(spec: RepoSpec, base: str, base_id: str, allow_network: bool, log: Path, say: Say,
-              warnings: list[str]) -> tuple[str, str]:
-    """The image to build on and ``swectl.apt``: the apt image when the spec has apt steps, allow_network is
-    on and a Debian mirror answers; else ``base``, with a warning saying why the steps were skipped."""
+              warnings: list[str], packages: list[str]) -> tuple[str, str]:
+    """The image to build on and ``swectl.apt``: the apt image when the spec has apt steps (or ``packages``: the
+    C libraries of a conda environment), allow_network is on and a Debian mirror answers; else ``base``, with a
+    warning saying why the steps were skipped."""
     apt, _other, _ = split_pre_install(spec.pre_install)
+    if packages:
+        apt = [*apt, f"apt-get update && apt-get install -y --no-install-recommends {' '.join(packages)}"]
     if not apt:
         return base, "none"
     if not allow_network:
-        return base, "skipped"  # setup_script warns about each step
+        if packages:
+            warnings.append(f"the conda environment's C libraries come from apt ({', '.join(packages)}): not "
+                            "installed without --allow-network")
+        return base, "skipped"  # setup_script warns about each of the spec's steps
     if apt_mirror(base_id, base) is None:
         warnings.append(f"no Debian mirror of {base}'s apt sources answers from this node: apt steps skipped")
         return base, "skipped"
@@ -296,9 +302,10 @@ def _plan(task: Task, spec: RepoSpec, testbed: Testbed, base: str, allow_network
     with_python, python, python_version = _python_base(spec, base, base_id, log, notes)
     target = Target(python=".".join(python_version.split(".")[:2]), date=date,
                     full_version=python_version if python_version.count(".") == 2 else "")
-    build_on, apt = _apt_base(spec, with_python, image_id(with_python) or base_id, allow_network, log, say, notes)
-    build_on_id = image_id(build_on) or base_id
     reqs = spec_requirements(task, spec, testbed.clone, testbed.commit)
+    build_on, apt = _apt_base(spec, with_python, image_id(with_python) or base_id, allow_network, log, say, notes,
+                              reqs.apt)
+    build_on_id = image_id(build_on) or base_id
     if _version_tuple(target.python) < OLD_PIP_BELOW:
         # its bundled pip (18.1 for 3.6) cannot install manylinux2014 wheels: the newest pip for it goes first
         reqs = msgspec.structs.replace(reqs, stages=[Stage(name="pip", requirements=["pip>=19.3"]), *reqs.stages])

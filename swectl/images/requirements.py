@@ -47,6 +47,17 @@ _CONDA_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)=([^=<>!~].*)$")
 _CONDA_ONLY = frozenset({"python", "pip"})
 # conda-forge packages whose PyPI distribution has another name. PyPI's "iris" is a placeholder whose import
 # raises "Ambiguous 'iris' package" (it broke the test collection of every xarray row: all tests failed).
+# conda-forge packages that are C libraries (no PyPI distribution of that name installs them): the Debian packages
+# that provide them, installed in the apt image when the build may use the network. cfgrib (xarray's rows) raises
+# RuntimeError, not ImportError, without libeccodes, so the whole test module fails to collect.
+_CONDA_C_LIBRARIES = {
+    "eccodes": ("libeccodes-dev",), "hdf5": ("libhdf5-dev",), "libnetcdf": ("libnetcdf-dev",),
+    "geos": ("libgeos-dev",), "proj": ("libproj-dev", "proj-bin"), "gdal": ("libgdal-dev",),
+    "qhull": ("libqhull-dev",),
+}
+# conda-forge packages whose PyPI distribution needs a C library that conda brings along as a dependency (conda's
+# cfgrib pulls in eccodes; pip's only the Python bindings): pip installs them, apt the library.
+_CONDA_NEEDS_C_LIBRARY = {"cfgrib": ("libeccodes-dev",), "python-eccodes": ("libeccodes-dev",)}
 _CONDA_TO_PYPI = {"iris": "scitools-iris", "pytables": "tables", "matplotlib-base": "matplotlib", "pyqt": "pyqt5"}
 _INCLUDE = re.compile(r"^(?:-r|--requirement)(?:\s*=\s*|\s+)(\S+)$")
 # The project itself as a pip target in an install command: `.`, `.[dev]`, `'.[dev,test]'`.
@@ -67,6 +78,7 @@ class Requirements(msgspec.Struct, frozen=True):
     stages: list[Stage]
     project_extras: list[str] | None = None
     notes: list[str] = []
+    apt: list[str] = []  # Debian packages for the C libraries a conda environment.yml names (_CONDA_C_LIBRARIES)
 
 
 def _pip_requirement(text: str, origin: str, notes: list[str]) -> str | None:
@@ -136,8 +148,26 @@ def requirements_file(clone: Path, commit: str, path: str, notes: list[str], see
     return out
 
 
+def conda_name(spec: str) -> str:
+    """The package name of a conda spec (``conda-forge::eccodes>=2.1`` -> ``eccodes``), lowercased."""
+    return re.split(r"[\s<>=!~\[;]", spec.split("::", 1)[-1].strip(), maxsplit=1)[0].lower()
+
+
+def conda_c_libraries(text: str) -> list[str]:
+    """The Debian packages for the C libraries an environment.yml's conda dependencies name (in order, once)."""
+    try:
+        doc = yaml.safe_load(text) or {}
+    except yaml.YAMLError:
+        return []
+    deps = doc.get("dependencies", []) if isinstance(doc, dict) else []
+    names = [conda_name(d) for d in deps if isinstance(d, str)] if isinstance(deps, list) else []
+    return list(dict.fromkeys(p for n in names
+                              for p in _CONDA_C_LIBRARIES.get(n, ()) + _CONDA_NEEDS_C_LIBRARY.get(n, ())))
+
+
 def environment_yml(text: str, origin: str, notes: list[str]) -> list[str]:
-    """The requirements in a conda environment.yml: conda dependencies (as pip requirements) and its pip list."""
+    """The requirements in a conda environment.yml: conda dependencies (as pip requirements; C libraries left to
+    ``conda_c_libraries``) and its pip list."""
     try:
         doc = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
@@ -146,6 +176,8 @@ def environment_yml(text: str, origin: str, notes: list[str]) -> list[str]:
     deps = doc.get("dependencies", []) if isinstance(doc, dict) else []
     out: list[str] = []
     for dep in deps if isinstance(deps, list) else []:
+        if isinstance(dep, str) and conda_name(dep) in _CONDA_C_LIBRARIES:
+            continue  # a C library: from apt (conda_c_libraries)
         if isinstance(dep, str):
             req = conda_to_pip(dep, origin, notes)
             out += [req] if req else []
@@ -154,9 +186,11 @@ def environment_yml(text: str, origin: str, notes: list[str]) -> list[str]:
     return out
 
 
-def _repo_file_requirements(task: Task, spec: RepoSpec, clone: Path, commit: str, notes: list[str]) -> list[str]:
+def _repo_file_requirements(task: Task, spec: RepoSpec, clone: Path, commit: str,
+                            notes: list[str]) -> tuple[list[str], list[str]]:
     """The requirements file / environment.yml the spec names, at the base commit (else at the environment
-    setup commit, where SWE-bench reads it)."""
+    setup commit, where SWE-bench reads it), and the Debian packages of the C libraries an environment.yml
+    names."""
     kind = spec.packages
     paths = (REQS_PATHS if kind == "requirements.txt" else ENV_YML_PATHS).get(task.repo, (kind,))
     commits = [c for c in (commit, task.environment_setup_commit) if has_commit(clone, c)]
@@ -166,10 +200,10 @@ def _repo_file_requirements(task: Task, spec: RepoSpec, clone: Path, commit: str
             if text is None:
                 continue
             if kind == "requirements.txt":
-                return requirements_file(clone, at, path, notes)
-            return environment_yml(text, path, notes)
+                return requirements_file(clone, at, path, notes), []
+            return environment_yml(text, path, notes), conda_c_libraries(text)
     notes.append(f"spec packages {kind!r}: none of {', '.join(paths)} is in the repository; nothing installed")
-    return []
+    return [], []
 
 
 def _setup_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
@@ -221,8 +255,9 @@ def project_extras(install: str) -> list[str] | None:
 def spec_requirements(task: Task, spec: RepoSpec, clone: Path, commit: str) -> Requirements:
     """The stages of the venv: test runner, the spec's packages, build requirements, the spec's pip_packages."""
     notes: list[str] = []
+    apt: list[str] = []
     if spec.packages in ("requirements.txt", "environment.yml"):
-        packages = _repo_file_requirements(task, spec, clone, commit, notes)
+        packages, apt = _repo_file_requirements(task, spec, clone, commit, notes)
     else:
         packages = [r for r in (conda_to_pip(p, "spec packages", notes) for p in shlex.split(spec.packages)) if r]
     stages = [
@@ -232,4 +267,4 @@ def spec_requirements(task: Task, spec: RepoSpec, clone: Path, commit: str) -> R
         Stage(name="pip_packages", requirements=_pip_lines(spec.pip_packages, "spec pip_packages", notes)),
     ]
     return Requirements(stages=[s for s in stages if s.requirements], project_extras=project_extras(spec.install),
-                        notes=notes)
+                        notes=notes, apt=apt)
