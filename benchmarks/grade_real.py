@@ -94,6 +94,31 @@ def rebuild_times(tasks: list[Task], k: int, repo_cache: Path) -> list[float]:
     return out
 
 
+def disk_per_image(images: list[str]) -> dict[str, dict[str, int]]:
+    """Bytes per instance image: all its layers, those above swectl's base image, and those no other of
+    ``images`` shares (its own: the testbed and the install, and any dependency layer only it uses)."""
+    from collections import Counter
+
+    from swectl.images.instance import storage_root
+    from swectl.images.project import DEFAULT_BASE
+    from swectl.remote.nodes.podman import run_local_podman
+
+    def layers(image: str) -> list[str]:
+        out = run_local_podman("image", "inspect", "--format", "{{json .RootFS.Layers}}", image, timeout=60,
+                               check=False)
+        return json.loads(out.stdout.decode() or "[]") if out.exit_code == 0 else []
+
+    table = json.loads((storage_root() / "overlay-layers" / "layers.json").read_text())
+    size = {entry.get("diff-digest", ""): int(entry.get("diff-size") or 0) for entry in table}
+    base = set(layers(DEFAULT_BASE))
+    of = {image: layers(image) for image in images}
+    users = Counter(d for ds in of.values() for d in set(ds))
+    return {image: {"total": sum(size.get(d, 0) for d in ds),
+                    "above_base": sum(size.get(d, 0) for d in ds if d not in base),
+                    "unique": sum(size.get(d, 0) for d in ds if users[d] == 1)}
+            for image, ds in of.items() if ds}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--validation", type=Path, required=True, help="a `swectl tasks validate` output folder")
@@ -138,7 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     warm = rebuild_times(chosen, args.rebuild, args.repo_cache) if args.repo_cache else []
     if warm:
         metrics["build_warm_s_p50"] = round(percentile(sorted(warm), 50), 1)
-    meta = {"validation": str(args.validation), "host": host, "instances": [t.instance_id for t in chosen],
+    disk = disk_per_image(sorted({v["image"] for v in validation["instances"] if v["build"] in ("built", "cached")}))
+    if disk:
+        for key in ("total", "above_base", "unique"):
+            metrics[f"image_{key}_mb_p50"] = round(percentile(sorted(d[key] for d in disk.values()), 50) / 1e6, 1)
+        layers_total = sum(d["unique"] for d in disk.values())
+        metrics["images"] = len(disk)
+        metrics["image_unique_mb_mean"] = round(layers_total / len(disk) / 1e6, 1)
+    meta = {"validation": str(args.validation), "disk_bytes": disk, "host": host,
+            "instances": [t.instance_id for t in chosen],
             "disagreements": [r for r in rows if not r["agree"]], "verdicts": rows,
             "swectl_gold_s": summarize(ours_s), "swebench_gold_s": summarize(theirs_s),
             "build_s": summarize(built), "build_warm_s": summarize(warm)}
