@@ -1,15 +1,16 @@
 """just bench grade_real: swectl's grader against the official SWE-bench harness on real instances.
 
 Takes a `swectl tasks validate` folder (validation.json, image-map.json) and picks validated instances round
-robin over the repositories. Per instance, three patches: gold, empty, and a wrong one (the gold patch's
-removals without its additions, ``swectl.tasks.diffs.drop_additions``: it applies and fixes nothing). Each patch
-is graded by swectl's Grader (a fresh sandbox, concurrency 1) and by swebench 5.x's own ``run_instance`` through
-Podman's Docker-compatible API on the same image, one instance after the other so both see the same load.
+robin over the repositories (while that validation still runs, as its instances are validated: ``--wait``).
+Per instance, three patches: gold, empty, and a wrong one (the gold patch's removals without its additions,
+``swectl.tasks.diffs.drop_additions``: it applies and fixes nothing). Each patch is graded by swectl's Grader (a
+fresh sandbox, concurrency 1) and by swebench 5.x's own ``run_instance`` through Podman's Docker-compatible API
+on the same image, one instance after the other so both see the same load.
 
 Writes benchmarks/results/grade_real.json: agreement (same verdict on every patch, the goal), each
-disagreement with both graders' detail, grade p50 of both on the gold patches and the speedup, and image
-build time per instance: the validation run's builds (``built``: this machine's caches as they were) and a
-rebuild with warm caches (wheel pool and podman layers; ``--rebuild K`` instances, forced).
+disagreement with both graders' detail, grade p50 of both on the gold patches and the speedup, image build
+time per instance (the validation run's builds, ``built``: this machine's caches as they were; and a rebuild
+with warm caches, wheel pool and podman layers, of ``--rebuild K`` instances, forced) and disk per image.
 """
 
 from __future__ import annotations
@@ -46,19 +47,24 @@ def patches(task: Task) -> dict[str, str]:
     return {"gold": task.patch, "empty": "", "wrong": drop_additions(task.patch)}
 
 
-def pick(validation: dict, tasks: dict[str, Task], n: int) -> list[Task]:
-    """n validated instances with a wrong patch to make, round robin over repositories (in id order)."""
-    by_repo: dict[str, list[Task]] = {}
+def candidates(validation: dict, tasks: dict[str, Task], exclude: set[str]) -> list[Task]:
+    """The validated instances with a wrong patch to make, in id order."""
+    out = []
     for v in sorted(validation["instances"], key=lambda v: v["instance_id"]):
         task = tasks.get(v["instance_id"])
-        if v["valid"] and task is not None and drop_additions(task.patch):
-            by_repo.setdefault(v["repo"], []).append(task)
-    out: list[Task] = []
-    while len(out) < n and any(by_repo.values()):
-        for repo in sorted(by_repo):
-            if by_repo[repo] and len(out) < n:
-                out.append(by_repo[repo].pop(0))
+        if v["valid"] and task is not None and task.repo not in exclude and drop_additions(task.patch):
+            out.append(task)
     return out
+
+
+def next_instance(pool: list[Task], done: list[Task]) -> Task | None:
+    """The next instance to check: one of the repository checked least so far (round robin over repositories)."""
+    seen = {t.instance_id for t in done}
+    left = [t for t in pool if t.instance_id not in seen]
+    if not left:
+        return None
+    count = {t.repo: sum(d.repo == t.repo for d in done) for t in left}
+    return min(left, key=lambda t: (count[t.repo], t.repo, t.instance_id))
 
 
 async def grade_swectl(task: Task, images: dict[str, str], timeout_s: float) -> list[GradeResult]:
@@ -127,25 +133,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=900, help="grading timeout per patch, seconds")
     parser.add_argument("--repo-cache", type=Path, default=None, help="rebuild --rebuild images from these clones")
     parser.add_argument("--rebuild", type=int, default=3, help="instances rebuilt with warm caches (default 3)")
+    parser.add_argument("--exclude-repo", action="append", default=[], metavar="OWNER/NAME",
+                        help="leave this repository's instances out (repeatable)")
+    parser.add_argument("--wait", type=float, default=0.0,
+                        help="seconds to wait for more validated instances while the validation goes on (default 0)")
     args = parser.parse_args(argv)
-    validation = json.loads((args.validation / "validation.json").read_text())
-    images = json.loads((args.validation / "image-map.json").read_text())
-    tasks = {t.instance_id: t for t in load_tasks(args.tasks or validation["tasks"]).tasks}
-    chosen = pick(validation, tasks, args.n)
-    host = host_meta()
-    print(f"{len(chosen)} validated instances, 3 patches each, both graders; load {host['loadavg_start']}",
-          file=sys.stderr)
+    tasks: dict[str, Task] = {}
+    chosen: list[Task] = []
     rows: list[dict] = []
-    for i, task in enumerate(chosen, 1):
+    host = host_meta()
+    deadline = time.monotonic() + args.wait
+    print(f"up to {args.n} validated instances, 3 patches each, both graders; load {host['loadavg_start']}",
+          file=sys.stderr)
+    while len(chosen) < args.n:
+        # a validation still under way rewrites its reports as tasks finish: take what is validated by now
+        validation = json.loads((args.validation / "validation.json").read_text())
+        images = json.loads((args.validation / "image-map.json").read_text())
+        tasks = tasks or {t.instance_id: t for t in load_tasks(args.tasks or validation["tasks"]).tasks}
+        task = next_instance(candidates(validation, tasks, set(args.exclude_repo)), chosen)
+        if task is None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(30)
+            continue
+        chosen.append(task)
         ours = anyio.run(grade_swectl, task, images, args.timeout)
         jobs = list(patches(task).items())
         theirs = grade_official([(task, p) for _k, p in jobs], timeout_s=args.timeout, images=images,
                                 run_id=f"swectl-real-{os.getpid()}")
         rows += [verdict_row(task, kind, o, t) for (kind, _p), o, t in zip(jobs, ours, theirs, strict=True)]
         agree = all(r["agree"] for r in rows[-3:])
-        print(f"  [{i}/{len(chosen)}] {task.instance_id}: " + ", ".join(
+        print(f"  [{len(chosen)}/{args.n}] {task.instance_id}: " + ", ".join(
             f"{r['patch']} {r['swectl']}/{'resolved' if r['swebench_resolved'] else 'unresolved'}" for r in rows[-3:])
-            + ("" if agree else "  DISAGREE"), file=sys.stderr)
+            + ("" if agree else "  DISAGREE"), file=sys.stderr, flush=True)
     gold = [r for r in rows if r["patch"] == "gold"]
     ours_s = sorted(r["swectl_s"] for r in gold)
     theirs_s = sorted(r["swebench_s"] for r in gold)
@@ -157,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if metrics["grade_p50_s"]:
         metrics["speedup_vs_swebench"] = round(metrics["swebench_grade_p50_s"] / metrics["grade_p50_s"], 2)
+    validation = json.loads((args.validation / "validation.json").read_text())  # as it stands now
     built = [v["build_s"] for v in validation["instances"] if v["build"] == "built"]
     if built:
         metrics["build_s_p50"] = round(percentile(sorted(built), 50), 1)
@@ -167,9 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if disk:
         for key in ("total", "above_base", "unique"):
             metrics[f"image_{key}_mb_p50"] = round(percentile(sorted(d[key] for d in disk.values()), 50) / 1e6, 1)
-        layers_total = sum(d["unique"] for d in disk.values())
         metrics["images"] = len(disk)
-        metrics["image_unique_mb_mean"] = round(layers_total / len(disk) / 1e6, 1)
+        metrics["image_unique_mb_mean"] = round(sum(d["unique"] for d in disk.values()) / len(disk) / 1e6, 1)
     meta = {"validation": str(args.validation), "disk_bytes": disk, "host": host,
             "instances": [t.instance_id for t in chosen],
             "disagreements": [r for r in rows if not r["agree"]], "verdicts": rows,
