@@ -1,7 +1,8 @@
 """just bench grade_real: swectl's grader against the official SWE-bench harness on real instances.
 
 Takes a `swectl tasks validate` folder (validation.json, image-map.json) and picks validated instances round
-robin over the repositories (while that validation still runs, as its instances are validated: ``--wait``).
+robin over the repositories (while that validation still runs, as its instances are validated: ``--wait``;
+Ctrl-C reports the instances checked so far).
 Per instance, three patches: gold, empty, and a wrong one (the gold patch's removals without its additions,
 ``swectl.tasks.diffs.drop_additions``: it applies and fixes nothing). Each patch is graded by swectl's Grader (a
 fresh sandbox, concurrency 1) and by swebench 5.x's own ``run_instance`` through Podman's Docker-compatible API
@@ -145,27 +146,31 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.wait
     print(f"up to {args.n} validated instances, 3 patches each, both graders; load {host['loadavg_start']}",
           file=sys.stderr)
-    while len(chosen) < args.n:
-        # a validation still under way rewrites its reports as tasks finish: take what is validated by now
-        validation = json.loads((args.validation / "validation.json").read_text())
-        images = json.loads((args.validation / "image-map.json").read_text())
-        tasks = tasks or {t.instance_id: t for t in load_tasks(args.tasks or validation["tasks"]).tasks}
-        task = next_instance(candidates(validation, tasks, set(args.exclude_repo)), chosen)
-        if task is None:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(30)
-            continue
-        chosen.append(task)
-        ours = anyio.run(grade_swectl, task, images, args.timeout)
-        jobs = list(patches(task).items())
-        theirs = grade_official([(task, p) for _k, p in jobs], timeout_s=args.timeout, images=images,
-                                run_id=f"swectl-real-{os.getpid()}")
-        rows += [verdict_row(task, kind, o, t) for (kind, _p), o, t in zip(jobs, ours, theirs, strict=True)]
-        agree = all(r["agree"] for r in rows[-3:])
-        print(f"  [{len(chosen)}/{args.n}] {task.instance_id}: " + ", ".join(
-            f"{r['patch']} {r['swectl']}/{'resolved' if r['swebench_resolved'] else 'unresolved'}" for r in rows[-3:])
-            + ("" if agree else "  DISAGREE"), file=sys.stderr, flush=True)
+    try:
+        while len(chosen) < args.n:
+            # a validation still under way rewrites its reports as tasks finish: take what is validated by now
+            validation = json.loads((args.validation / "validation.json").read_text())
+            images = json.loads((args.validation / "image-map.json").read_text())
+            tasks = tasks or {t.instance_id: t for t in load_tasks(args.tasks or validation["tasks"]).tasks}
+            task = next_instance(candidates(validation, tasks, set(args.exclude_repo)), chosen)
+            if task is None:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(30)
+                continue
+            jobs = list(patches(task).items())
+            ours = anyio.run(grade_swectl, task, images, args.timeout)
+            theirs = grade_official([(task, p) for _k, p in jobs], timeout_s=args.timeout, images=images,
+                                    run_id=f"swectl-real-{os.getpid()}")
+            chosen.append(task)
+            rows += [verdict_row(task, kind, o, t) for (kind, _p), o, t in zip(jobs, ours, theirs, strict=True)]
+            agree = all(r["agree"] for r in rows[-3:])
+            said = [f"{r['patch']} {r['swectl']}/{'resolved' if r['swebench_resolved'] else 'unresolved'}"
+                    for r in rows[-3:]]
+            print(f"  [{len(chosen)}/{args.n}] {task.instance_id}: {', '.join(said)}"
+                  + ("" if agree else "  DISAGREE"), file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: report the instances checked so far (one under way is left out)
+        print(f"  interrupted: reporting the {len(chosen)} instances checked", file=sys.stderr)
     gold = [r for r in rows if r["patch"] == "gold"]
     ours_s = sorted(r["swectl_s"] for r in gold)
     theirs_s = sorted(r["swebench_s"] for r in gold)
