@@ -227,3 +227,22 @@ def test_conda_c_libraries_come_from_apt_not_pip() -> None:
     assert environment_yml(text, "ci/requirements/environment.yml", notes) == ["cfgrib", "scitools-iris"]
     assert conda_c_libraries(text) == ["libeccodes-dev", "libhdf5-dev"]
     assert conda_c_libraries("dependencies: [") == []
+
+
+def test_c_sources_outside_tests_and_docs_need_a_compiler(tmp_path: Path) -> None:
+    from swectl.images.clones import has_c_sources
+
+    def commit(path: str) -> None:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("x\n")
+        subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm",
+                        path], check=True)
+
+    subprocess.run(["git", "init", "-q", "-b", "main", str(tmp_path)], check=True)
+    commit("pkg/__init__.py")
+    commit("tests/roots/fixture.pyx")  # a test fixture (sphinx has these), not built
+    commit("docs/example.c")
+    assert has_c_sources(tmp_path, "HEAD") is False
+    commit("pkg/_speedups.c")
+    assert has_c_sources(tmp_path, "HEAD") is True

@@ -78,6 +78,22 @@ def missing_files(clone: Path, commit: str) -> list[str]:
     return [blobs[sha] for sha in gone if sha in blobs]
 
 
+C_SOURCE_SUFFIXES = (".c", ".cc", ".cpp", ".cxx", ".pyx", ".f", ".f90")
+# Folders whose sources are not built with the project (sphinx's test roots hold .pyx fixtures).
+_NOT_BUILT = frozenset({"test", "tests", "testing", "doc", "docs", "examples"})
+
+
+def has_c_sources(clone: Path, commit: str) -> bool:
+    """Whether ``commit``'s tree has C, C++, Cython or Fortran sources outside tests, docs and examples (building
+    the project needs a compiler)."""
+    names = _git("-C", str(clone), "ls-tree", "-r", "-z", "--name-only", commit).stdout.split(b"\0")
+    for name in (n.decode(errors="replace") for n in names if n):
+        parts = name.lower().split("/")
+        if parts[-1].endswith(C_SOURCE_SUFFIXES) and not _NOT_BUILT.intersection(parts[:-1]):
+            return True
+    return False
+
+
 def read_at(clone: Path, commit: str, path: str) -> str | None:
     proc = _git("-C", str(clone), "cat-file", "blob", f"{commit}:{path}")
     return proc.stdout.decode(errors="replace") if proc.returncode == 0 else None

@@ -50,7 +50,15 @@ from typing import Literal
 import msgspec
 
 from swectl.errors import CommandError, ConfigError, SwectlError
-from swectl.images.clones import Say, Testbed, ancestor_tags, find_clone, missing_files, resolve_commit
+from swectl.images.clones import (
+    Say,
+    Testbed,
+    ancestor_tags,
+    find_clone,
+    has_c_sources,
+    missing_files,
+    resolve_commit,
+)
 from swectl.images.names import docker_id
 from swectl.images.project import (
     DEFAULT_BASE,
@@ -269,9 +277,9 @@ def _apt_image(steps: list[str], base: str, base_id: str, log: Path, say: Say) -
 
 def _apt_base(spec: RepoSpec, base: str, base_id: str, allow_network: bool, log: Path, say: Say,
               warnings: list[str], packages: list[str]) -> tuple[str, str]:
-    """The image to build on and ``swectl.apt``: the apt image when the spec has apt steps (or ``packages``: the
-    C libraries of a conda environment), allow_network is on and a Debian mirror answers; else ``base``, with a
-    warning saying why the steps were skipped."""
+    """The image to build on and ``swectl.apt``: the apt image when the spec has apt steps (or ``packages``: a
+    compiler for C sources, the C libraries of a conda environment), allow_network is on and a Debian mirror
+    answers; else ``base``, with a warning saying why the steps were skipped."""
     apt, _other, _ = split_pre_install(spec.pre_install)
     if packages:
         apt = [*apt, f"apt-get update && apt-get install -y --no-install-recommends {' '.join(packages)}"]
@@ -279,8 +287,8 @@ def _apt_base(spec: RepoSpec, base: str, base_id: str, allow_network: bool, log:
         return base, "none"
     if not allow_network:
         if packages:
-            warnings.append(f"the conda environment's C libraries come from apt ({', '.join(packages)}): not "
-                            "installed without --allow-network")
+            warnings.append(f"the compiler and C libraries the project needs come from apt ({', '.join(packages)}): "
+                            "not installed without --allow-network")
         return base, "skipped"  # setup_script warns about each of the spec's steps
     if apt_mirror(base_id, base) is None:
         warnings.append(f"no Debian mirror of {base}'s apt sources answers from this node: apt steps skipped")
@@ -303,8 +311,11 @@ def _plan(task: Task, spec: RepoSpec, testbed: Testbed, base: str, allow_network
     target = Target(python=".".join(python_version.split(".")[:2]), date=date,
                     full_version=python_version if python_version.count(".") == 2 else "")
     reqs = spec_requirements(task, spec, testbed.clone, testbed.commit)
+    # the base image has no compiler (the official base image has build-essential): a project with C sources
+    # gets one from apt, as the C libraries of its conda environment do
+    toolchain = ["build-essential"] if has_c_sources(testbed.clone, testbed.commit) else []
     build_on, apt = _apt_base(spec, with_python, image_id(with_python) or base_id, allow_network, log, say, notes,
-                              reqs.apt)
+                              [*toolchain, *reqs.apt])
     build_on_id = image_id(build_on) or base_id
     if _version_tuple(target.python) < OLD_PIP_BELOW:
         # its bundled pip (18.1 for 3.6) cannot install manylinux2014 wheels: the newest pip for it goes first
