@@ -2,7 +2,7 @@
 
 Takes a `swectl tasks validate` folder (validation.json, image-map.json) and picks validated instances round
 robin over the repositories (while that validation still runs, as its instances are validated: ``--wait``;
-Ctrl-C reports the instances checked so far).
+Ctrl-C or kill reports the instances checked so far).
 Per instance, three patches: gold, empty, and a wrong one (the gold patch's removals without its additions,
 ``swectl.tasks.diffs.drop_additions``: it applies and fixes nothing). Each patch is graded by swectl's Grader (a
 fresh sandbox, concurrency 1) and by swebench 5.x's own ``run_instance`` through Podman's Docker-compatible API
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait", type=float, default=0.0,
                         help="seconds to wait for more validated instances while the validation goes on (default 0)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill (and a background run's only way): as Ctrl-C
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with SIGINT ignored
     tasks: dict[str, Task] = {}
     chosen: list[Task] = []
     rows: list[dict] = []
