@@ -279,6 +279,7 @@ async def validate_tasks(
 
     with grades_path.open("ab") as grades_file:
         async with running_pool(config) as pool, anyio.create_task_group() as tg:
+            # the resolver holds ``mapping`` itself (not a copy): each image built below is graded under its name
             grader = Grader(GraderConfig(timeout_s=timeout_s, concurrency=concurrency), pool, log_dir=out / "logs",
                             resolver=ImageResolver(template=base.template, mapping=mapping))
             await tg.start(grader.run, name="grader")
