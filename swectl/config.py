@@ -219,6 +219,8 @@ class TrainConfig(_Section):
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # sampling temperature of training episodes
     concurrency: Count = 8  # episodes at once (the [rollout] section gives step limit, max tokens, context)
     zero_advantages: bool = False  # the control run: every advantage 0 (the curve must stay flat)
+    # negative advantages become 0: only episodes better than their group's mean are reinforced, none pushed down
+    positive_advantages_only: bool = False
     save_every: NonNegative = 5  # checkpoint every N steps (0 = only at the end)
     eval_every: NonNegative = 0  # evaluate on the held-out split every N steps (0 = never)
     eval_samples: Count = 1

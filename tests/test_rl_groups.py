@@ -43,6 +43,17 @@ def test_custom_rewards_and_the_control_run() -> None:
     assert control.rewards == [1.0, 0.0] and control.advantages == [0.0, 0.0]
 
 
+def test_positive_advantages_only() -> None:
+    episodes = [_episode(0, True), _episode(1, False), _episode(2, False), _episode(3, False)]
+    full = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo")
+    assert full.advantages == [0.75, -0.25, -0.25, -0.25]
+    positive = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo", positive_only=True)
+    assert positive.rewards == full.rewards and positive.advantages == [0.75, 0.0, 0.0, 0.0]
+    control = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo", positive_only=True,
+                          zero_advantages=True)
+    assert control.advantages == [0.0] * 4
+
+
 def test_equal_rewards_carry_no_signal() -> None:
     group = score_group(Group(instance_id="t", episodes=[_episode(0, False), _episode(1, False)]), estimator="grpo")
     assert not group.informative and group.advantages == [0.0, 0.0]
