@@ -188,15 +188,18 @@ def main(argv: list[str] | None = None) -> int:
         if name == "grpo":
             rates["test_after_grpo"] = evaluate(args, weights, work / "test.jsonl", work / f"eval-grpo{suffix}-test")
 
-    def pct(key: str) -> float:
-        return round(100 * rates[key]["resolve_rate"], 1) if key in rates else float("nan")
+    def pct(key: str) -> float | None:  # None (JSON null) for a phase not run (--no-control)
+        return round(100 * rates[key]["resolve_rate"], 1) if key in rates else None
+
+    def gain(key: str) -> float | None:
+        after, before = pct(key), pct("train_after_sft")
+        return round(after - before, 1) if after is not None and before is not None else None
 
     result = {
         "seed": args.seed, "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "train_tasks": len(train_tasks), "test_tasks": len(test_tasks),
         "resolve_rate_pct": {k: pct(k) for k in rates},
-        "grpo_gain_points": round(pct("train_after_grpo") - pct("train_after_sft"), 1),
-        "control_gain_points": round(pct("train_after_control") - pct("train_after_sft"), 1),
+        "grpo_gain_points": gain("train_after_grpo"), "control_gain_points": gain("train_after_control"),
         "rates": rates, "curves": curves, "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "total_minutes": round((time.monotonic() - started) / 60, 1), "work": str(work),
     }
