@@ -10,7 +10,7 @@ import pytest
 from swectl.config import load_config
 from swectl.errors import ConfigError
 from swectl.rl.batch import make_batch, unpack_logprobs, unpack_mask, unpack_tokens
-from swectl.rl.groups import GradedEpisode, Group, group_samples, pass_at_k, score_group
+from swectl.rl.groups import GradedEpisode, Group, episode_samples, group_samples, pass_at_k, score_group
 
 
 def _episode(sample: int, resolved: bool, outcome: str = "COMPLETED") -> GradedEpisode:
@@ -93,6 +93,12 @@ def test_turns_after_the_first_malformed_reply_can_be_masked() -> None:
     assert unpack_mask(group_samples([group])[0]).tolist() == episode.loss_mask  # off by default
     steps = group_samples([group], mode="step", mask_after_format_error=True)[:3]
     assert [int(unpack_mask(s).sum()) for s in steps] == [2, 1, 0]
+    # the same episode with a positive advantage: the malformed reply is not reinforced either
+    good = episode_samples(episode, 1.0, 1.0, mask_after_format_error=True)[0]
+    assert unpack_mask(good).tolist() == [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+    first = msgspec.structs.replace(episode, format_errors=[True, True, True])
+    assert unpack_mask(episode_samples(first, 1.0, 1.0, mask_after_format_error=True)[0]).sum() == 0
+    assert unpack_mask(episode_samples(first, -1.0, 0.0, mask_after_format_error=True)[0]).sum() == 2
 
 
 def test_a_resolved_episode_that_never_submitted_can_count_as_unresolved() -> None:

@@ -101,13 +101,16 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
                     mask_truncated: bool = False, mask_after_format_error: bool = False) -> list[TrainSample]:
     """The training samples of one episode. A truncated episode with ``mask_truncated`` keeps its tokens but no
     loss (mask all 0), so it still counts in nothing but the logs. With ``mask_after_format_error`` the turns
-    after the episode's first malformed reply carry no loss: the malformed reply itself keeps the episode's
-    advantage, but what the policy wrote after it (off the path it was trained on, often degenerate) does not
-    reach the gradient."""
+    after the episode's first malformed reply carry no loss: the malformed reply itself keeps a negative
+    advantage (it is pushed down) and loses a positive one (a resolved episode that stumbled must not teach the
+    stumble: seen in learn_experiments.json, where it was learnt), and what the policy wrote after it (off the
+    path it was trained on, often degenerate) never reaches the gradient."""
     uid = f"{episode.instance_id}#{episode.sample}"
     truncated = episode.truncated
     keep = not (mask_truncated and truncated)
     cut = first_format_error(episode) if mask_after_format_error else None
+    if cut is not None and advantage > 0:
+        cut -= 1  # a malformed reply is never reinforced: with a positive advantage it is masked too
     common = {"advantage": advantage, "reward": reward_value, "weight_version": episode.weight_version,
               "truncated": truncated}
     if mode == "step" and episode.steps:
