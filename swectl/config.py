@@ -209,7 +209,7 @@ class TrainConfig(_Section):
     resolved_reward: float = 1.0
     unresolved_reward: float = 0.0
     mask_truncated: bool = False  # truncated (overlong) episodes carry no gradient
-    # the turns after an episode's first malformed reply carry no gradient (the malformed reply keeps its advantage)
+    # the turns after an episode's first malformed reply carry no gradient (nor that reply, if its advantage is > 0)
     mask_after_format_error: bool = False
     # an episode that never submitted (TRUNCATED) gets unresolved_reward even if the diff it left resolves the task
     reward_requires_submit: bool = False

@@ -96,8 +96,6 @@ def _build_instance_images(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-
-
 def _prune_instance_images(args: argparse.Namespace) -> int:
     from swectl.images.instance import prune_instance_images
     from swectl.tasks.sources import load_tasks

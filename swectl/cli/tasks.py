@@ -33,7 +33,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     synth.add_argument("--concurrency", type=int, default=2, help="sandboxes running mutants at once")
     synth.add_argument("--out", type=Path, default=Path("tasks.jsonl"), help="output JSONL (default tasks.jsonl)")
 
-
     validate = tsub.add_parser(
         "validate",
         help="find the tasks of a set whose environment can be trusted: build each image, grade gold (several runs) "
@@ -97,8 +96,6 @@ def run(args: argparse.Namespace) -> int:
     args.out.write_bytes(b"".join(msgspec.json.encode(t.row()) + b"\n" for t in tasks))
     say(f"wrote {len(tasks)} tasks to {args.out}")
     return 0 if tasks else 1
-
-
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -273,7 +273,7 @@ async def validate_tasks(
     results: dict[tuple[str, GradeKind, int], GradeResult] = {}
     image_ids: dict[str, str] = {}
     bar = Progress(len(tasks), "validate") if progress and tasks else None
-    finished: list[Task] = []
+    verdicts: dict[str, InstanceValidation] = {}  # by instance id, as each task finishes
     build_limit = anyio.CapacityLimiter(jobs)
     send, receive = anyio.create_memory_object_stream[Task](max(1, len(tasks)))
 
@@ -315,14 +315,13 @@ async def validate_tasks(
                         for run in range(runs):
                             each.start_soon(grade, task, "gold", run)
                         each.start_soon(grade, task, "empty", 0)
-                finished.append(task)
-                verdicts = [_verdict(t, builds.get(t.instance_id), results, runs,
-                                     mapping.get(t.instance_id) or base.resolve(t)) for t in finished]
+                # a task's gradings are all in: its verdict is final, made once
+                v = verdicts[task.instance_id] = _verdict(task, outcome, results, runs,
+                                                          mapping.get(task.instance_id) or base.resolve(task))
                 # the verdicts so far, for a look (or a cross-check) while a long run goes on
-                write_validation(build_validation_report(verdicts, tasks=tasks_source, runs=runs,
+                write_validation(build_validation_report(list(verdicts.values()), tasks=tasks_source, runs=runs,
                                                          elapsed_s=time.monotonic() - started), out)
                 if bar:
-                    v = verdicts[-1]
                     bar.advance("validated" if v.valid else v.reason or "?")
 
             async def builder() -> None:
@@ -339,9 +338,8 @@ async def validate_tasks(
                 work.start_soon(builder, name="builder")
                 work.start_soon(grading, name="grading")
             tg.cancel_scope.cancel("every task validated")
-    verdicts = [_verdict(t, builds.get(t.instance_id), results, runs,
-                         mapping.get(t.instance_id) or base.resolve(t)) for t in tasks]
-    return build_validation_report(verdicts, tasks=tasks_source, runs=runs, elapsed_s=time.monotonic() - started)
+    return build_validation_report([verdicts[t.instance_id] for t in tasks], tasks=tasks_source, runs=runs,
+                                   elapsed_s=time.monotonic() - started)
 
 
 def _verdict(task: Task, outcome: InstanceOutcome | None, results: dict[tuple[str, GradeKind, int], GradeResult],

@@ -548,8 +548,8 @@ def build_instance_images(
     policy = check_date_policy(uploaded_prior_to)
 
     def one(task: Task) -> InstanceOutcome:
-        return build_one(task, specs, repo_cache, base=base, say=say, force=force, allow_network=allow_network,
-                         uploaded_prior_to=policy)
+        return _outcome(task, specs, Path(repo_cache), base=base, say=say, force=force, allow_network=allow_network,
+                        uploaded_prior_to=policy)
 
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="image-build") as pool:
         return list(pool.map(one, tasks))
@@ -566,6 +566,7 @@ def remove_instance_image(image: str) -> bool:
     """Remove ``image``; podman removes with it the intermediate images of its build that nothing else uses
     (the dependency layers stay while another task's image shares them). Whether it was removed."""
     return run_local_podman("rmi", "-f", image, timeout=300, check=False).exit_code == 0
+
 
 def _labelled(kind: str) -> list[tuple[str, str]]:
     """(name, swectl.instance label) of the images labelled ``swectl.image=kind``."""

@@ -45,8 +45,6 @@ ENV_YML_PATHS: dict[str, tuple[str, ...]] = {
 }
 _CONDA_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)=([^=<>!~].*)$")
 _CONDA_ONLY = frozenset({"python", "pip"})
-# conda-forge packages whose PyPI distribution has another name. PyPI's "iris" is a placeholder whose import
-# raises "Ambiguous 'iris' package" (it broke the test collection of every xarray row: all tests failed).
 # conda-forge packages that are C libraries (no PyPI distribution of that name installs them): the Debian packages
 # that provide them, installed in the apt image when the build may use the network. cfgrib (xarray's rows) raises
 # RuntimeError, not ImportError, without libeccodes, so the whole test module fails to collect.
@@ -58,6 +56,8 @@ _CONDA_C_LIBRARIES = {
 # conda-forge packages whose PyPI distribution needs a C library that conda brings along as a dependency (conda's
 # cfgrib pulls in eccodes; pip's only the Python bindings): pip installs them, apt the library.
 _CONDA_NEEDS_C_LIBRARY = {"cfgrib": ("libeccodes-dev",), "python-eccodes": ("libeccodes-dev",)}
+# conda-forge packages whose PyPI distribution has another name. PyPI's "iris" is a placeholder whose import
+# raises "Ambiguous 'iris' package" (it broke the test collection of every xarray row: all tests failed).
 _CONDA_TO_PYPI = {"iris": "scitools-iris", "pytables": "tables", "matplotlib-base": "matplotlib", "pyqt": "pyqt5"}
 _INCLUDE = re.compile(r"^(?:-r|--requirement)(?:\s*=\s*|\s+)(\S+)$")
 # The project itself as a pip target in an install command: `.`, `.[dev]`, `'.[dev,test]'`.
@@ -112,11 +112,11 @@ def conda_to_pip(spec: str, origin: str, notes: list[str]) -> str | None:
     if match:
         version = match.group(2).split("=", 1)[0]  # drop a conda build string: name=1.2=py39_0
         spec = f"{match.group(1)}=={version}"
-    name = re.split(r"[\s<>=!~\[;]", spec, maxsplit=1)[0]
-    if name.lower() in _CONDA_ONLY:
+    name = conda_name(spec)
+    if name in _CONDA_ONLY:
         return None
-    if name.lower() in _CONDA_TO_PYPI:
-        spec = _CONDA_TO_PYPI[name.lower()] + spec[len(name):]
+    if name in _CONDA_TO_PYPI:
+        spec = _CONDA_TO_PYPI[name] + spec[len(name):]
     return _pip_requirement(spec, origin, notes)
 
 

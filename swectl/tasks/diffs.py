@@ -240,7 +240,6 @@ def _quoted_end(text: str) -> int:
     raise DiffError(f"unterminated quoted path in {text!r}")
 
 
-
 def drop_additions(diff: str) -> str:
     """``diff`` (a git diff) with its added lines left out: the removals alone, hunk ranges recounted; "" when
     nothing is left.
