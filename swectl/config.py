@@ -221,6 +221,9 @@ class TrainConfig(_Section):
     zero_advantages: bool = False  # the control run: every advantage 0 (the curve must stay flat)
     # negative advantages become 0: only episodes better than their group's mean are reinforced, none pushed down
     positive_advantages_only: bool = False
+    # positive advantages times this (W-REINFORCE's lambda): below 1 the update leans on pushing failures down,
+    # which sharpens a policy whose failures are sampling slips; 0 = negative-sample reinforcement alone
+    positive_advantage_scale: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
     save_every: NonNegative = 5  # checkpoint every N steps (0 = only at the end)
     eval_every: NonNegative = 0  # evaluate on the held-out split every N steps (0 = never)
     eval_samples: Count = 1

@@ -54,6 +54,15 @@ def test_positive_advantages_only() -> None:
     assert control.advantages == [0.0] * 4
 
 
+def test_positive_advantage_scale() -> None:
+    episodes = [_episode(0, True), _episode(1, False), _episode(2, False), _episode(3, False)]
+    scaled = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo", positive_scale=0.1)
+    assert scaled.advantages == pytest.approx([0.075, -0.25, -0.25, -0.25])
+    negative_only = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo",
+                                positive_scale=0.0)
+    assert negative_only.advantages == [0.0, -0.25, -0.25, -0.25]
+
+
 def test_equal_rewards_carry_no_signal() -> None:
     group = score_group(Group(instance_id="t", episodes=[_episode(0, False), _episode(1, False)]), estimator="grpo")
     assert not group.informative and group.advantages == [0.0, 0.0]

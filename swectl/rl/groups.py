@@ -64,15 +64,19 @@ def reward(episode: GradedEpisode, *, resolved_reward: float = 1.0, unresolved_r
 
 def score_group(group: Group, *, estimator: str, resolved_reward: float = 1.0, unresolved_reward: float = 0.0,
                 zero_advantages: bool = False, requires_submit: bool = False,
-                positive_only: bool = False) -> Group:
+                positive_only: bool = False, positive_scale: float = 1.0) -> Group:
     """Fill in rewards and advantages. ``zero_advantages``: the control run (no learning signal);
     ``requires_submit``: see ``reward``; ``positive_only``: negative advantages become 0 (the episodes worse than
-    their group's mean are not pushed down, only the better ones reinforced)."""
+    their group's mean are not pushed down, only the better ones reinforced); ``positive_scale``: positive
+    advantages are multiplied by it (W-REINFORCE's lambda, Zhu et al. 2025: below 1 the update leans on pushing the
+    failures down; 0 is negative-sample reinforcement alone)."""
     group.rewards = [reward(e, resolved_reward=resolved_reward, unresolved_reward=unresolved_reward,
                             requires_submit=requires_submit) for e in group.episodes]
     advs = group_advantages(group.rewards, estimator)  # type: ignore[arg-type]
     if positive_only:
         advs = [max(a, 0.0) for a in advs]
+    if positive_scale != 1.0:
+        advs = [a * positive_scale if a > 0 else a for a in advs]
     group.advantages = [0.0] * len(advs) if zero_advantages else list(advs)
     return group
 

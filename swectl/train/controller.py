@@ -362,7 +362,8 @@ class Controller:
                     score_group(g, estimator=t.estimator, resolved_reward=t.resolved_reward,
                                 unresolved_reward=t.unresolved_reward, zero_advantages=t.zero_advantages,
                                 requires_submit=t.reward_requires_submit,
-                                positive_only=t.positive_advantages_only)
+                                positive_only=t.positive_advantages_only,
+                                positive_scale=t.positive_advantage_scale)
                     every.append(g)
                     if t.dynamic_sampling and not g.informative:
                         dropped["uninformative"] += 1
