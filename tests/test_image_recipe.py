@@ -4,6 +4,7 @@ environment of the downloads, the spec's apt steps, Python version warnings and 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -204,6 +205,55 @@ def test_missing_files_names_what_a_partial_mirror_left_out(tmp_path: Path) -> N
     sha = git("rev-parse", "HEAD:data/big.bin")
     (tmp_path / ".git" / "objects" / sha[:2] / sha[2:]).unlink()
     assert missing_files(tmp_path, "HEAD") == ["data/big.bin"]
+
+
+def test_submodules_come_from_their_own_clone_in_the_repo_cache(tmp_path: Path) -> None:
+    """astropy <= 3.x keeps astropy_helpers as a submodule its setup.py needs: the testbed gets it at the pinned
+    commit from the repo cache, with no remote pointing at the host; without its clone, a warning and an empty
+    folder (what a plain git clone leaves)."""
+    from swectl.images.clones import Testbed, submodule_sources
+
+    cache = tmp_path / "cache"
+    helpers, proj = cache / "acme__helpers", cache / "acme__proj"
+    for repo in (helpers, proj):
+        repo.mkdir(parents=True)
+        _git(repo, "init", "-q", "-b", "main")
+    (helpers / "helpers.py").write_text("PINNED = True\n")
+    _git(helpers, "add", "-A")
+    _git(helpers, "commit", "-q", "-m", "pinned")
+    pinned = _git(helpers, "rev-parse", "HEAD")
+    (helpers / "helpers.py").write_text("PINNED = False\n")
+    _git(helpers, "commit", "-qam", "later")
+    (proj / "setup.py").write_text("import helpers\n")
+    (proj / ".gitmodules").write_text('[submodule "helpers"]\n\tpath = ext/helpers\n'
+                                      "\turl = https://github.com/acme/helpers.git\n")
+    _git(proj, "add", "-A")
+    _git(proj, "update-index", "--add", "--cacheinfo", f"160000,{pinned},ext/helpers")
+    _git(proj, "commit", "-q", "-m", "with a submodule")
+    commit = _git(proj, "rev-parse", "HEAD")
+
+    (sub, source), = submodule_sources(proj, commit, cache)
+    assert (sub.path, sub.commit, sub.repo, source) == ("ext/helpers", pinned, "acme/helpers", helpers)
+    said: list[str] = []
+    testbed = Testbed(proj, commit, [], tmp_path / "testbed", said.append, repo_cache=cache)
+    bed = testbed.get()
+    assert (bed / "ext" / "helpers" / "helpers.py").read_text() == "PINNED = True\n"
+    assert testbed.warnings == [] and any("submodule ext/helpers" in line for line in said)
+    assert _git(bed, "status", "--porcelain") == ""
+    configs = [bed / ".git" / "config", *(bed / ".git" / "modules").rglob("config")]
+    assert all(str(cache) not in p.read_text() for p in configs)
+    assert _git(bed / "ext" / "helpers", "remote", "get-url", "origin") == "https://github.com/acme/helpers.git"
+    (bed / "ext" / "helpers" / "build.egg-info").mkdir()
+    (bed / "ext" / "helpers" / "helpers.py").write_text("edited\n")
+    testbed.clean()
+    assert _git(bed, "status", "--porcelain") == "" and not (bed / "ext" / "helpers" / "build.egg-info").exists()
+
+    shutil.rmtree(helpers)
+    bare = Testbed(proj, commit, [], tmp_path / "bare", said.append, repo_cache=cache).get()
+    assert list((bare / "ext" / "helpers").iterdir()) == []
+    warned = Testbed(proj, commit, [], tmp_path / "bare2", said.append, repo_cache=cache)
+    warned.get()
+    assert len(warned.warnings) == 1 and "git clone https://github.com/acme/helpers.git" in warned.warnings[0]
 
 
 def test_conda_names_that_pypi_spells_otherwise() -> None:

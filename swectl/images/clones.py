@@ -3,14 +3,21 @@
 The testbed (``/testbed`` in an instance image) is a fresh git repository holding only the history up to the
 task's ``base_commit`` (and the tags on it), fetched from the clone: later commits, which often contain the
 fix, are not in the image, and no remote points at the host.
+
+Git submodules (astropy up to 3.x keeps ``astropy_helpers`` as one, and its ``setup.py`` needs it) are checked
+out at the commit the base commit pins, from the submodule repository's own clone in the same repo cache; their
+remote is the URL ``.gitmodules`` names. The official images get them over the network while installing; an
+offline build has only the repo cache.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from swectl.images.project import ImageBuildError
@@ -110,9 +117,86 @@ def ancestor_tags(clone: Path, commit: str) -> list[str]:
     return sorted(proc.stdout.decode().split())
 
 
+@dataclass(frozen=True)
+class Submodule:
+    name: str
+    path: str
+    url: str
+    commit: str  # the commit the superproject pins
+
+    @property
+    def repo(self) -> str | None:
+        """``owner/name`` when the URL is a GitHub one (how the repo cache names clones), else None."""
+        found = re.match(r"^(?:https?://|git://|ssh://git@|git@)github\.com[/:]([^/]+)/([^/]+?)(?:\.git)?/?$", self.url)
+        return f"{found[1]}/{found[2]}" if found else None
+
+
+def submodules(clone: Path, commit: str) -> list[Submodule]:
+    """The submodules of ``commit``: each gitlink of its tree with the name and URL ``.gitmodules`` gives it."""
+    config = _git("-C", str(clone), "config", "--blob", f"{commit}:.gitmodules", "--list")
+    if config.returncode != 0:
+        return []
+    names: dict[str, dict[str, str]] = {}
+    for line in config.stdout.decode(errors="replace").splitlines():
+        key, _, value = line.partition("=")
+        found = re.match(r"^submodule\.(.+)\.(path|url)$", key)
+        if found:
+            names.setdefault(found[1], {})[found[2]] = value
+    by_path = {v["path"]: (name, v.get("url", "")) for name, v in names.items() if "path" in v}
+    tree = _git("-C", str(clone), "ls-tree", "-r", "-z", commit, check=True).stdout.split(b"\0")
+    out = []
+    for entry in filter(None, tree):
+        meta, _, raw_path = entry.partition(b"\t")
+        _mode, kind, sha = meta.split()
+        path = raw_path.decode(errors="replace")
+        if kind == b"commit" and path in by_path:
+            name, url = by_path[path]
+            out.append(Submodule(name, path, url, sha.decode()))
+    return out
+
+
+def submodule_sources(clone: Path, commit: str, repo_cache: Path) -> list[tuple[Submodule, Path | None]]:
+    """``commit``'s submodules, each with the clone in ``repo_cache`` that has its pinned commit (or None)."""
+    out: list[tuple[Submodule, Path | None]] = []
+    for sub in submodules(clone, commit):
+        source = None
+        if sub.repo:
+            try:
+                source = find_clone(repo_cache, sub.repo)
+            except ImageBuildError:
+                source = None
+        out.append((sub, source if source is not None and has_commit(source, sub.commit) else None))
+    return out
+
+
+def check_out_submodules(into: Path, clone: Path, commit: str, repo_cache: Path, say: Say) -> list[str]:
+    """Check out ``commit``'s submodules in the testbed ``into`` from their clones in ``repo_cache``. Returns a
+    warning for each one that cannot be (no clone of it in the repo cache, or the clone lacks the pinned commit):
+    the testbed then has an empty folder there, as a plain ``git clone`` leaves it."""
+    warnings = []
+    for sub, source in submodule_sources(clone, commit, repo_cache):
+        if source is None:
+            where = clone_candidates(repo_cache, sub.repo)[0] if sub.repo else f"{repo_cache}/<owner>__<name>"
+            warnings.append(f"submodule {sub.path} ({sub.url} at {sub.commit[:12]}) is not in the repo cache; its "
+                            f"folder stays empty (hint: git clone {sub.url} {where})")
+            continue
+        say(f"submodule {sub.path} at {sub.commit[:12]} from {source}")
+        _git("-C", str(into), "config", f"submodule.{sub.name}.url", str(source.resolve()), check=True)
+        update = _git("-C", str(into), "-c", "protocol.file.allow=always", "submodule", "update", "--init",
+                      "--no-recommend-shallow", "--", sub.path)
+        if update.returncode != 0:
+            raise ImageBuildError(f"checking out submodule {sub.path} from {source} failed: "
+                                  f"{update.stderr.decode(errors='replace').strip()}")
+        # no remote points at the host: the superproject and the submodule name the URL .gitmodules gives
+        _git("-C", str(into), "config", f"submodule.{sub.name}.url", sub.url, check=True)
+        _git("-C", str(into / sub.path), "remote", "set-url", "origin", sub.url, check=True)
+    return warnings
+
+
 def prepare_testbed(clone: Path, commit: str, into: Path, tags: list[str]) -> None:
     """A fresh repository at ``into`` holding ``commit`` (checked out on branch main), its history and ``tags``
-    (tags on that history) and nothing else: no later commits, no remote pointing at the host."""
+    (tags on that history) and nothing else: no later commits, no remote pointing at the host. Submodules are
+    left to :func:`check_out_submodules`."""
     if into.exists():
         shutil.rmtree(into)
     into.parent.mkdir(parents=True, exist_ok=True)
@@ -133,14 +217,21 @@ class Testbed:
     """The build context's /testbed, checked out on first use (the project's dependencies are resolved from
     it; a cached image needs neither)."""
 
-    def __init__(self, clone: Path, commit: str, tags: list[str], path: Path, say: Say) -> None:
+    def __init__(self, clone: Path, commit: str, tags: list[str], path: Path, say: Say,
+                 repo_cache: Path | None = None) -> None:
         self.clone, self.commit, self.tags, self.path, self._say = clone, commit, tags, path, say
+        self.repo_cache = repo_cache
         self.ready = False
+        self.warnings: list[str] = []
 
     def get(self) -> Path:
         if not self.ready:
             self._say(f"preparing {TESTBED} at {self.commit[:12]} ({len(self.tags)} tags)")
             prepare_testbed(self.clone, self.commit, self.path, self.tags)
+            if self.repo_cache is not None:
+                self.warnings = check_out_submodules(self.path, self.clone, self.commit, self.repo_cache, self._say)
+                for warning in self.warnings:
+                    self._say(f"warning: {warning}")
             self.ready = True
         return self.path
 
@@ -150,3 +241,5 @@ class Testbed:
         if self.ready:
             _git("-C", str(self.path), "reset", "-q", "--hard", check=True)
             _git("-C", str(self.path), "clean", "-fdxq", check=True)
+            _git("-C", str(self.path), "submodule", "foreach", "--quiet", "--recursive",
+                 "git reset -q --hard && git clean -fdxq", check=True)

@@ -58,6 +58,7 @@ from swectl.images.clones import (
     has_c_sources,
     missing_files,
     resolve_commit,
+    submodule_sources,
 )
 from swectl.images.names import docker_id
 from swectl.images.project import (
@@ -336,6 +337,10 @@ def _plan(task: Task, spec: RepoSpec, testbed: Testbed, base: str, allow_network
     }
     recipe = [build_on_id, testbed.commit, testbed.tags, files, [(s.name, s.files) for s in stages], network,
               date, python_version, apt]
+    if testbed.repo_cache is not None and (subs := submodule_sources(testbed.clone, testbed.commit,
+                                                                       testbed.repo_cache)):
+        # only then: the images of repositories without submodules keep their content hash
+        recipe.append([(sub.path, sub.commit, source is not None) for sub, source in subs])
     content = cache_key("content", msgspec.to_builtins(recipe))
     warnings = [*notes, *reqs.notes, *(n for s in stages for n in s.notes),
                 *setup_warnings]
@@ -469,14 +474,14 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
     ctx = cache_dir() / "build" / f"inst-{task.instance_id}"
     shutil.rmtree(ctx, ignore_errors=True)
     testbed = Testbed(clone, commit, ancestor_tags(clone, commit), ctx / "testbed",
-                       lambda line: say(f"{task.instance_id}: {line}"))
+                       lambda line: say(f"{task.instance_id}: {line}"), repo_cache=Path(repo_cache))
     plan = _plan(task, spec, testbed, base, allow_network, log, say, uploaded_prior_to)
     for warning in plan.warnings:
         say(f"{task.instance_id}: warning: {warning}")
     if not force and image_label(plan.image, "swectl.content") == plan.content:
         shutil.rmtree(ctx, ignore_errors=True)
         say(f"{task.instance_id}: {plan.image} is up to date")
-        return BuiltImage(plan.image, plan.content, plan.commit, cached=True), plan.warnings
+        return BuiltImage(plan.image, plan.content, plan.commit, cached=True), [*plan.warnings, *testbed.warnings]
     _write_context(task, plan, ctx, testbed)
     steps.append("disk")
     check_disk(ctx)
@@ -495,7 +500,8 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
     build_warnings = [line.strip() for line in output.splitlines() if line.startswith(WARNING_TAG)]
     for warning in build_warnings:
         say(f"{task.instance_id}: {warning}")
-    return BuiltImage(plan.image, plan.content, plan.commit, cached=False), [*plan.warnings, *build_warnings]
+    return BuiltImage(plan.image, plan.content, plan.commit, cached=False), [*plan.warnings, *testbed.warnings,
+                                                                             *build_warnings]
 
 
 def build_instance_image(
