@@ -4,10 +4,12 @@
    makes with train.test_fraction 0.5 and train.seed);
 2. gold trajectories of the train split (`swectl data gold`: each gold patch acted out as agent turns);
 3. SFT on them (`swectl up` with train.algorithm = "sft") to a checkpoint that solves some train tasks;
-4. GRPO from that checkpoint (`swectl up`), and the control run: the same with every advantage zeroed
-   (train.zero_advantages), so any gain of the real run is shown to come from the reward;
+4. GRPO from that checkpoint (`swectl up`), and two control runs, so any gain of the real run is shown to come
+   from the reward: the same with every advantage zeroed (train.zero_advantages: no update at all), and the same
+   with each group's rewards shuffled (train.shuffle_rewards: updates as large as the real run's, blind to which
+   episode resolved its task);
 5. sampled resolve rates (temperature 1, ``--samples`` episodes per task, `swectl eval`) on the train split
-   before training, after SFT, after GRPO and after the control run, and on the held-out split after GRPO.
+   before training, after SFT, after GRPO and after each control run, and on the held-out split after GRPO.
 
 Writes ``benchmarks/results/learn.json`` (rates, per-step GRPO curves of both runs, timings, the seed) and keeps
 every run folder under ``--work`` (default runs/learn-seed<seed>).
@@ -125,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
                         help="more `--set` overrides for the GRPO and control runs (repeatable)")
     parser.add_argument("--tag", default="", help="suffix of the GRPO and control run folders (to compare settings)")
-    parser.add_argument("--no-control", action="store_true", help="skip the control run")
+    parser.add_argument("--controls", default="zero,shuffle",
+                        help="control runs, comma-separated: zero (advantages zeroed), shuffle (rewards shuffled)")
+    parser.add_argument("--no-control", action="store_true", help="skip the control runs")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     work = (args.work or Path("runs") / f"learn-seed{args.seed}").resolve()
@@ -175,8 +179,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--grpo-set wants KEY=VALUE, got {item!r}")
         grpo_sets[key] = value
     runs = {"grpo": grpo_sets}
-    if not args.no_control:
-        runs["control"] = {**grpo_sets, "train.zero_advantages": "true"}
+    controls = {"zero": ("control", "train.zero_advantages"), "shuffle": ("control_shuffle", "train.shuffle_rewards")}
+    for control in filter(None, ([] if args.no_control else args.controls.split(","))):
+        if control not in controls:
+            parser.error(f"--controls: unknown control {control!r} (choose from {', '.join(controls)})")
+        name, key = controls[control]
+        runs[name] = {**grpo_sets, key: "true"}
     suffix = f"-{args.tag}" if args.tag else ""
     curves = {}
     for name, sets in runs.items():
@@ -200,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_tasks": len(train_tasks), "test_tasks": len(test_tasks),
         "resolve_rate_pct": {k: pct(k) for k in rates},
         "grpo_gain_points": gain("train_after_grpo"), "control_gain_points": gain("train_after_control"),
+        "shuffle_control_gain_points": gain("train_after_control_shuffle"),
         "rates": rates, "curves": curves, "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "total_minutes": round((time.monotonic() - started) / 60, 1), "work": str(work),
     }
@@ -209,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     runs_by_key[f"seed{args.seed}:{work.name}{suffix}"] = result
     args.results.write_text(json.dumps({"runs": runs_by_key, "latest": result}, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("seed", "resolve_rate_pct", "grpo_gain_points", "control_gain_points",
-                                                "total_minutes")}, indent=1))
+                                                "shuffle_control_gain_points", "total_minutes")}, indent=1))
     return 0
 
 

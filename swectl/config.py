@@ -219,6 +219,9 @@ class TrainConfig(_Section):
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # sampling temperature of training episodes
     concurrency: Count = 8  # episodes at once (the [rollout] section gives step limit, max tokens, context)
     zero_advantages: bool = False  # the control run: every advantage 0 (the curve must stay flat)
+    # the other control run: each group's rewards shuffled (seeded) before its advantages, so the updates are as
+    # large as the real run's but blind to which episode resolved the task
+    shuffle_rewards: bool = False
     # negative advantages become 0: only episodes better than their group's mean are reinforced, none pushed down
     positive_advantages_only: bool = False
     # positive advantages times this (W-REINFORCE's lambda): below 1 the update leans on pushing failures down,

@@ -63,6 +63,22 @@ def test_positive_advantage_scale() -> None:
     assert negative_only.advantages == [0.0, -0.25, -0.25, -0.25]
 
 
+def test_shuffled_rewards_control() -> None:
+    episodes = [_episode(i, i < 2) for i in range(8)]
+    real = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="grpo")
+    orders = set()
+    for seed in range(20):
+        control = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="grpo",
+                              shuffle_seed=f"s{seed}")
+        assert control.rewards == real.rewards  # the metrics see the true rewards
+        assert sorted(control.advantages) == pytest.approx(sorted(real.advantages))
+        orders.add(tuple(a > 0 for a in control.advantages))
+        again = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="grpo",
+                            shuffle_seed=f"s{seed}")
+        assert again.advantages == control.advantages  # seeded: a resumed run draws the same
+    assert len(orders) > 5  # the positive advantages land on other episodes than the resolved ones
+
+
 def test_equal_rewards_carry_no_signal() -> None:
     group = score_group(Group(instance_id="t", episodes=[_episode(0, False), _episode(1, False)]), estimator="grpo")
     assert not group.informative and group.advantages == [0.0, 0.0]

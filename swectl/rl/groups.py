@@ -9,6 +9,7 @@ and what it emitted, mask 1), all sharing the episode's advantage.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Literal
 
@@ -64,15 +65,20 @@ def reward(episode: GradedEpisode, *, resolved_reward: float = 1.0, unresolved_r
 
 def score_group(group: Group, *, estimator: str, resolved_reward: float = 1.0, unresolved_reward: float = 0.0,
                 zero_advantages: bool = False, requires_submit: bool = False,
-                positive_only: bool = False, positive_scale: float = 1.0) -> Group:
+                positive_only: bool = False, positive_scale: float = 1.0, shuffle_seed: str | None = None) -> Group:
     """Fill in rewards and advantages. ``zero_advantages``: the control run (no learning signal);
     ``requires_submit``: see ``reward``; ``positive_only``: negative advantages become 0 (the episodes worse than
     their group's mean are not pushed down, only the better ones reinforced); ``positive_scale``: positive
     advantages are multiplied by it (W-REINFORCE's lambda, Zhu et al. 2025: below 1 the update leans on pushing the
-    failures down; 0 is negative-sample reinforcement alone)."""
+    failures down; 0 is negative-sample reinforcement alone). ``shuffle_seed``: the shuffled-reward control run:
+    the advantages come from the group's rewards in a seeded random order, so every update is as large as the
+    real run's but not tied to what each episode did (``group.rewards`` keeps the true rewards, for the metrics)."""
     group.rewards = [reward(e, resolved_reward=resolved_reward, unresolved_reward=unresolved_reward,
                             requires_submit=requires_submit) for e in group.episodes]
-    advs = group_advantages(group.rewards, estimator)  # type: ignore[arg-type]
+    scored = list(group.rewards)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(scored)
+    advs = group_advantages(scored, estimator)  # type: ignore[arg-type]
     if positive_only:
         advs = [max(a, 0.0) for a in advs]
     if positive_scale != 1.0:

@@ -363,7 +363,9 @@ class Controller:
                                 unresolved_reward=t.unresolved_reward, zero_advantages=t.zero_advantages,
                                 requires_submit=t.reward_requires_submit,
                                 positive_only=t.positive_advantages_only,
-                                positive_scale=t.positive_advantage_scale)
+                                positive_scale=t.positive_advantage_scale,
+                                shuffle_seed=f"shuffle:{t.seed}:{step}:{g.instance_id}:{len(every)}"
+                                if t.shuffle_rewards else None)
                     every.append(g)
                     if t.dynamic_sampling and not g.informative:
                         dropped["uninformative"] += 1
