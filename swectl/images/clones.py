@@ -12,6 +12,7 @@ offline build has only the repo cache.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -234,6 +235,15 @@ class Testbed:
                     self._say(f"warning: {warning}")
             self.ready = True
         return self.path
+
+    @functools.cached_property
+    def submodule_state(self) -> list[tuple[str, str, bool]]:
+        """(path, pinned commit, whether the repo cache has it) per submodule: part of the cache keys of what is
+        built from the checkout (empty for a repository without submodules, so those keys stay as they were)."""
+        if self.repo_cache is None:
+            return []
+        return [(sub.path, sub.commit, source is not None)
+                for sub, source in submodule_sources(self.clone, self.commit, self.repo_cache)]
 
     def clean(self) -> None:
         """Drop whatever resolving the project's dependencies wrote into or changed in the work tree (egg-info,

@@ -58,7 +58,6 @@ from swectl.images.clones import (
     has_c_sources,
     missing_files,
     resolve_commit,
-    submodule_sources,
 )
 from swectl.images.names import docker_id
 from swectl.images.project import (
@@ -337,10 +336,8 @@ def _plan(task: Task, spec: RepoSpec, testbed: Testbed, base: str, allow_network
     }
     recipe = [build_on_id, testbed.commit, testbed.tags, files, [(s.name, s.files) for s in stages], network,
               date, python_version, apt]
-    if testbed.repo_cache is not None and (subs := submodule_sources(testbed.clone, testbed.commit,
-                                                                       testbed.repo_cache)):
-        # only then: the images of repositories without submodules keep their content hash
-        recipe.append([(sub.path, sub.commit, source is not None) for sub, source in subs])
+    if testbed.submodule_state:  # only then: the images of repositories without submodules keep their hash
+        recipe.append(testbed.submodule_state)
     content = cache_key("content", msgspec.to_builtins(recipe))
     warnings = [*notes, *reqs.notes, *(n for s in stages for n in s.notes),
                 *setup_warnings]

@@ -299,5 +299,6 @@ def fetch_project_dependencies(testbed: Testbed, extras: list[str], log: Path, t
         testbed.clean()
         return []
 
-    key = cache_key("project", testbed.commit, extras, target.python, target.date, edits or [])
+    key = cache_key("project", testbed.commit, extras, target.python, target.date, edits or [],
+                    *([testbed.submodule_state] if testbed.submodule_state else []))
     return _fetch("project", key, download)
