@@ -188,6 +188,31 @@ def test_setup_cfg_setup_requires_join_the_build_stage(tmp_path: Path) -> None:
     assert notes == []
 
 
+def test_setup_py_literal_setup_requires_join_the_build_stage(tmp_path: Path) -> None:
+    """astropy 3.x's setup.py adds cython and jinja2 to setup_requires when built from a checkout: read from its
+    syntax tree (never run), with setup.cfg's."""
+    repo = tmp_path / "r"
+    repo.mkdir()
+    (repo / "setup.cfg").write_text("[options]\nsetup_requires = numpy>=1.13\n")
+    (repo / "setup.py").write_text(
+        "import os\nsetup_requires = []\nif not os.path.exists('PKG-INFO'):\n"
+        "    setup_requires.extend(['cython>=0.21', 'jinja2>=2.7'])\nsetup_requires.append('extension-helpers')\n"
+        "setup_requires += ('wheel',)\nsetup(name='x', setup_requires=setup_requires + ['six'])\n"
+        "setup(setup_requires=['pbr'])\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "r")
+    notes: list[str] = []
+    reqs = _build_requires(repo, _git(repo, "rev-parse", "HEAD"), notes)
+    assert reqs[0] == "numpy>=1.13"  # setup.cfg's first, then setup.py's (in syntax-tree order)
+    assert sorted(reqs[1:]) == ["cython>=0.21", "extension-helpers", "jinja2>=2.7", "pbr", "wheel"]
+    assert notes == []
+    (repo / "setup.py").write_text("setup_requires = [\n")
+    _git(repo, "commit", "-qam", "broken")
+    assert _build_requires(repo, _git(repo, "rev-parse", "HEAD"), notes) == ["numpy>=1.13"]
+    assert len(notes) == 1 and "setup.py: not parsable" in notes[0]
+
+
 def test_missing_files_names_what_a_partial_mirror_left_out(tmp_path: Path) -> None:
     from swectl.images.clones import missing_files
 

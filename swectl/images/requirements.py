@@ -10,6 +10,7 @@ cannot take (URLs, pip options, invalid lines) is left out with a note.
 
 from __future__ import annotations
 
+import ast
 import configparser
 import posixpath
 import re
@@ -227,18 +228,57 @@ def _setup_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
     return _pip_lines(joined, "setup.cfg setup_requires", notes)
 
 
+def _setup_py_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
+    """The literal ``setup_requires`` of setup.py, read (never run) from its syntax tree: ``setup_requires = [...]``,
+    ``setup_requires.extend([...])`` / ``.append(...)`` / ``+= [...]`` and ``setup(setup_requires=[...])``.
+    astropy 3.x adds ``cython`` and ``jinja2`` this way when built from a git checkout."""
+    text = read_at(clone, commit, "setup.py")
+    if text is None or "setup_requires" not in text:
+        return []
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError) as exc:
+        notes.append(f"setup.py: not parsable ({exc}); its setup_requires not taken")
+        return []
+
+    def strings(node: ast.AST | None) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value]
+        if isinstance(node, ast.List | ast.Tuple):
+            return [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        return []
+
+    def named(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id == "setup_requires"
+
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(named(t) for t in node.targets):
+            found += strings(node.value)
+        elif isinstance(node, ast.AugAssign) and named(node.target):
+            found += strings(node.value)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and named(func.value) and func.attr in ("extend", "append"):
+                found += [x for arg in node.args for x in strings(arg)]
+            found += [x for kw in node.keywords if kw.arg == "setup_requires" for x in strings(kw.value)]
+    return _pip_lines(dict.fromkeys(found), "setup.py setup_requires", notes)
+
+
 def _build_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
-    """pyproject.toml's ``build-system.requires`` and setup.cfg's ``setup_requires`` (build isolation is off)."""
+    """pyproject.toml's ``build-system.requires`` and setup.cfg's and setup.py's ``setup_requires`` (build isolation
+    is off)."""
     text = read_at(clone, commit, "pyproject.toml")
     if text is None:
-        return _setup_requires(clone, commit, notes)
+        return list(dict.fromkeys([*_setup_requires(clone, commit, notes), *_setup_py_requires(clone, commit, notes)]))
     try:
         requires = tomllib.loads(text).get("build-system", {}).get("requires", [])
     except tomllib.TOMLDecodeError as exc:
         notes.append(f"pyproject.toml: not valid TOML ({exc}); build requirements not taken")
         requires = []
     found = _pip_lines(map(str, requires), "pyproject.toml build-system.requires", notes)
-    return list(dict.fromkeys([*found, *_setup_requires(clone, commit, notes)]))
+    return list(dict.fromkeys([*found, *_setup_requires(clone, commit, notes),
+                               *_setup_py_requires(clone, commit, notes)]))
 
 
 def project_extras(install: str) -> list[str] | None:
