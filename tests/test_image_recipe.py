@@ -207,6 +207,8 @@ def test_setup_py_literal_setup_requires_join_the_build_stage(tmp_path: Path) ->
     assert reqs[0] == "numpy>=1.13"  # setup.cfg's first, then setup.py's (in syntax-tree order)
     assert sorted(reqs[1:]) == ["cython>=0.21", "extension-helpers", "jinja2>=2.7", "pbr", "wheel"]
     assert notes == []
+    pinned = _build_requires(repo, _git(repo, "rev-parse", "HEAD"), notes, pinned=frozenset({"cython", "jinja2"}))
+    assert "cython>=0.21" not in pinned and "jinja2>=2.7" not in pinned and "pbr" in pinned  # the spec's pins win
     (repo / "setup.py").write_text("setup_requires = [\n")
     _git(repo, "commit", "-qam", "broken")
     assert _build_requires(repo, _git(repo, "rev-parse", "HEAD"), notes) == ["numpy>=1.13"]

@@ -265,20 +265,21 @@ def _setup_py_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
     return _pip_lines(dict.fromkeys(found), "setup.py setup_requires", notes)
 
 
-def _build_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
+def _build_requires(clone: Path, commit: str, notes: list[str], pinned: frozenset[str] = frozenset()) -> list[str]:
     """pyproject.toml's ``build-system.requires`` and setup.cfg's and setup.py's ``setup_requires`` (build isolation
-    is off)."""
+    is off). setup.py's leave out the packages in ``pinned`` (the spec's pip_packages pin them, and a newer one
+    installed first drags newer dependencies in: astropy 1.3's ``jinja2>=2.7`` against the spec's jinja2==2.10)."""
+    from_setup_py = [r for r in _setup_py_requires(clone, commit, notes) if conda_name(r) not in pinned]
     text = read_at(clone, commit, "pyproject.toml")
     if text is None:
-        return list(dict.fromkeys([*_setup_requires(clone, commit, notes), *_setup_py_requires(clone, commit, notes)]))
+        return list(dict.fromkeys([*_setup_requires(clone, commit, notes), *from_setup_py]))
     try:
         requires = tomllib.loads(text).get("build-system", {}).get("requires", [])
     except tomllib.TOMLDecodeError as exc:
         notes.append(f"pyproject.toml: not valid TOML ({exc}); build requirements not taken")
         requires = []
     found = _pip_lines(map(str, requires), "pyproject.toml build-system.requires", notes)
-    return list(dict.fromkeys([*found, *_setup_requires(clone, commit, notes),
-                               *_setup_py_requires(clone, commit, notes)]))
+    return list(dict.fromkeys([*found, *_setup_requires(clone, commit, notes), *from_setup_py]))
 
 
 def project_extras(install: str) -> list[str] | None:
@@ -303,7 +304,8 @@ def spec_requirements(task: Task, spec: RepoSpec, clone: Path, commit: str) -> R
     stages = [
         Stage(name="runner", requirements=list(RUNNER_REQUIREMENTS)),
         Stage(name="packages", requirements=list(dict.fromkeys(packages))),
-        Stage(name="build", requirements=_build_requires(clone, commit, notes)),
+        Stage(name="build", requirements=_build_requires(
+            clone, commit, notes, pinned=frozenset(conda_name(p) for p in spec.pip_packages))),
         Stage(name="pip_packages", requirements=_pip_lines(spec.pip_packages, "spec pip_packages", notes)),
     ]
     return Requirements(stages=[s for s in stages if s.requirements], project_extras=project_extras(spec.install),
