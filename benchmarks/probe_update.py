@@ -12,6 +12,12 @@ rule whose steps lower the successes by nats will lower the sampled resolve rate
     python benchmarks/probe_update.py --weights RUN/sft/weights/step_000200 --episodes RUN/eval-sft \\
         --episodes 'RUN/control/episodes/step_*' --gold RUN/gold --mask first --requires-submit --lr 2e-4
 
+``--compare-gold`` also reports, for each step's batch before the update, the cosine between its policy gradient
+and the gradient of SFT on the gold trajectories (the direction that is known to raise the sampled rate), for the
+batch as masked and with each failed episode also masked after its first slip (the first trained token the
+engine sampled with probability below ``--slip-p``), and the share of the batch's gradient norm that comes from
+those post-slip tokens.
+
 Masks: ``none`` (every reply trained), ``truncated`` (truncated episodes carry no loss, as train.mask_truncated),
 ``first`` (nothing after an episode's first malformed reply, as train.mask_after_format_error); ``--positive-only``
 drops every sample whose advantage is not positive. It runs in one process on the CPU, without the trainer's
@@ -36,7 +42,7 @@ from swectl.actors.rollout import EpisodeResult
 from swectl.rl.advantages import group_advantages
 from swectl.rl.batch import unpack_mask
 from swectl.rl.groups import GradedEpisode, episode_samples
-from swectl.rl.losses import policy_loss, token_logprobs
+from swectl.rl.losses import policy_loss, sft_loss, token_logprobs
 from swectl.train.controller import graded_episode
 
 
@@ -83,6 +89,53 @@ def total_logprobs(model, episodes: list[GradedEpisode], chunk: int = 8) -> list
     return out
 
 
+def flat_grad(model) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in model.parameters()])
+
+
+def gold_gradient(model, gold: list[GradedEpisode]) -> torch.Tensor:
+    """The gradient of SFT's loss on the gold trajectories (their loss masks), flattened."""
+    model.train()
+    model.zero_grad()
+    ids, attention, mask, _ = _tensors(gold, [e.loss_mask for e in gold])
+    logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
+    sft_loss(logp, mask, denominator=float(mask.sum()))[0].backward()
+    out = flat_grad(model)
+    model.zero_grad()
+    return out
+
+
+def after_first_slip(mask: list[int], rollout_logp: list[float], slip_logp: float) -> list[int]:
+    """``mask`` with every trained token after the first trained token sampled below ``slip_logp`` set to 0."""
+    out = list(mask)
+    slipped = False
+    for i, (m, lp) in enumerate(zip(mask, rollout_logp, strict=True)):
+        if slipped:
+            out[i] = 0
+        elif m and lp < slip_logp:
+            slipped = True
+    return out
+
+
+def batch_gradient(model, batch: list[GradedEpisode], masks: list[list[int]], advantages: list[float],
+                   denominator: float) -> torch.Tensor:
+    """The policy gradient of ``batch`` (flattened); one ``denominator`` for every mask compared, so that the
+    difference of two masks' gradients is the gradient of the tokens between them."""
+    model.train()
+    model.zero_grad()
+    ids, attention, mask, rollout = _tensors(batch, masks)
+    if mask.sum() == 0:
+        return flat_grad(model)
+    logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
+    adv = torch.tensor(advantages)[:, None].expand_as(logp)
+    loss, _ = policy_loss(logp, logp.detach(), rollout, adv, mask, denominator=denominator)
+    loss.backward()
+    out = flat_grad(model)
+    model.zero_grad()
+    return out
+
+
 def train_mask(e: GradedEpisode, advantage: float, args: argparse.Namespace) -> list[int]:
     """The loss mask the trainer would use (train.mask_truncated / train.mask_after_format_error), or all 0 for a
     sample ``--positive-only`` drops."""
@@ -110,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requires-submit", action="store_true", help="as train.reward_requires_submit")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compare-gold", action="store_true",
+                        help="report each batch gradient's cosine with the gold SFT gradient (needs --gold)")
+    parser.add_argument("--slip-p", type=float, default=0.1,
+                        help="--compare-gold: a sampled token below this probability is a slip")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -151,6 +208,21 @@ def main(argv: list[str] | None = None) -> int:
                 batch.append(e)
                 masks.append(train_mask(e, adv, args))
                 advantages.append(adv)
+        compared: dict[str, float] = {}
+        if args.compare_gold and gold:
+            import math
+            g_gold = gold_gradient(model, gold)
+            denominator = float(max(1, sum(map(sum, masks))))
+            g_batch = batch_gradient(model, batch, masks, advantages, denominator)
+            slip_masks = [after_first_slip(m, e.logprobs, math.log(args.slip_p)) if a < 0 else m
+                          for e, m, a in zip(batch, masks, advantages, strict=True)]
+            g_slip = batch_gradient(model, batch, slip_masks, advantages, denominator)
+            cos = torch.nn.functional.cosine_similarity
+            compared = {"cos_gold": round(float(cos(g_batch, g_gold, dim=0)), 4),
+                        "cos_gold_slip_masked": round(float(cos(g_slip, g_gold, dim=0)), 4),
+                        "post_slip_share_of_norm": round(float((g_batch - g_slip).norm() / g_batch.norm()), 3)
+                        if g_batch.norm() > 0 else 0.0,
+                        "post_slip_tokens": int(sum(map(sum, masks)) - sum(map(sum, slip_masks)))}
         ids, attention, mask, rollout = _tensors(batch, masks)
         loss_value, grad_norm = 0.0, 0.0
         if mask.sum() > 0:
@@ -173,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                "d_logp_failed": round(mean_change(bad), 2),
                "d_logp_gold": round(mean_change(list(range(len(gold))), gold_now, gold_base), 2),
                "d_logp_gold_min": round(min((x - y for x, y in zip(gold_now, gold_base, strict=True)),
-                                            default=float("nan")), 2)}
+                                            default=float("nan")), 2), **compared}
         print(json.dumps(row), flush=True)
     return 0
 
