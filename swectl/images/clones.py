@@ -120,6 +120,8 @@ def ancestor_tags(clone: Path, commit: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Submodule:
+    """One git submodule of a commit: its name and path in ``.gitmodules``, its URL, the commit pinned."""
+
     name: str
     path: str
     url: str
