@@ -443,7 +443,7 @@ async def test_background_children_do_not_outlive_the_command(sandbox: Sandbox) 
     with anyio.fail_after(10 + 8):
         result = await sandbox.exec("sleep 77 & echo started", 10)
     assert (result.output, result.exit_code, result.timed_out) == ("started\n", 0, False)
-    assert result.duration_s < 5
+    assert result.duration_s < 9  # the grace, not the 10 s timeout nor the 77 s child (5.2 s seen at load 5)
     assert "sleep 77" not in await processes(sandbox)
 
 
