@@ -33,6 +33,17 @@ def _git(cwd: Path, *args: str, date: str = "2019-05-06T07:08:09+02:00") -> str:
     return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout.strip()
 
 
+def _committed(repo: Path, files: dict[str, str]) -> str:
+    """A new git repository at ``repo`` with ``files`` in one commit; its hash."""
+    repo.mkdir(parents=True)
+    for name, text in files.items():
+        (repo / name).write_text(text)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "r")
+    return _git(repo, "rev-parse", "HEAD")
+
+
 # ------------------------------------------------------------------------------------------------ dates
 
 
@@ -175,15 +186,12 @@ def test_label_values_survive_containerfile_quoting(tmp_path: Path) -> None:
 def test_setup_cfg_setup_requires_join_the_build_stage(tmp_path: Path) -> None:
     """setuptools fetches setup_requires itself (offline it cannot): they are downloaded with the build stage."""
     repo = tmp_path / "r"
-    repo.mkdir()
-    (repo / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=42", "wheel"]\n')
-    (repo / "setup.cfg").write_text("[options]\nsetup_requires =\n    setuptools >= 40.4\n    setuptools_scm\n"
-                                    "    wheel\n    foo; python_version < '3.8'\n")
-    _git(repo, "init", "-q")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", "r")
+    commit = _committed(repo, {
+        "pyproject.toml": '[build-system]\nrequires = ["setuptools>=42", "wheel"]\n',
+        "setup.cfg": "[options]\nsetup_requires =\n    setuptools >= 40.4\n    setuptools_scm\n"
+                     "    wheel\n    foo; python_version < '3.8'\n"})
     notes: list[str] = []
-    reqs = _build_requires(repo, _git(repo, "rev-parse", "HEAD"), notes)
+    reqs = _build_requires(repo, commit, notes)
     assert reqs == ["setuptools>=42", "wheel", "setuptools >= 40.4", "setuptools_scm", "foo; python_version < '3.8'"]
     assert notes == []
 
@@ -192,22 +200,18 @@ def test_setup_py_literal_setup_requires_join_the_build_stage(tmp_path: Path) ->
     """astropy 3.x's setup.py adds cython and jinja2 to setup_requires when built from a checkout: read from its
     syntax tree (never run), with setup.cfg's."""
     repo = tmp_path / "r"
-    repo.mkdir()
-    (repo / "setup.cfg").write_text("[options]\nsetup_requires = numpy>=1.13\n")
-    (repo / "setup.py").write_text(
-        "import os\nsetup_requires = []\nif not os.path.exists('PKG-INFO'):\n"
-        "    setup_requires.extend(['cython>=0.21', 'jinja2>=2.7'])\nsetup_requires.append('extension-helpers')\n"
-        "setup_requires += ('wheel',)\nsetup(name='x', setup_requires=setup_requires + ['six'])\n"
-        "setup(setup_requires=['pbr'])\n")
-    _git(repo, "init", "-q")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", "r")
+    commit = _committed(repo, {
+        "setup.cfg": "[options]\nsetup_requires = numpy>=1.13\n",
+        "setup.py": "import os\nsetup_requires = []\nif not os.path.exists('PKG-INFO'):\n"
+                    "    setup_requires.extend(['cython>=0.21', 'jinja2>=2.7'])\n"
+                    "setup_requires.append('extension-helpers')\nsetup_requires += ('wheel',)\n"
+                    "setup(name='x', setup_requires=setup_requires + ['six'])\nsetup(setup_requires=['pbr'])\n"})
     notes: list[str] = []
-    reqs = _build_requires(repo, _git(repo, "rev-parse", "HEAD"), notes)
+    reqs = _build_requires(repo, commit, notes)
     assert reqs[0] == "numpy>=1.13"  # setup.cfg's first, then setup.py's (in syntax-tree order)
     assert sorted(reqs[1:]) == ["cython>=0.21", "extension-helpers", "jinja2>=2.7", "pbr", "wheel"]
     assert notes == []
-    pinned = _build_requires(repo, _git(repo, "rev-parse", "HEAD"), notes, pinned=frozenset({"cython", "jinja2"}))
+    pinned = _build_requires(repo, commit, notes, pinned=frozenset({"cython", "jinja2"}))
     assert "cython>=0.21" not in pinned and "jinja2>=2.7" not in pinned and "pbr" in pinned  # the spec's pins win
     (repo / "setup.py").write_text("setup_requires = [\n")
     _git(repo, "commit", "-qam", "broken")
