@@ -172,12 +172,13 @@ def submodule_sources(clone: Path, commit: str, repo_cache: Path) -> list[tuple[
     return out
 
 
-def check_out_submodules(into: Path, clone: Path, commit: str, repo_cache: Path, say: Say) -> list[str]:
-    """Check out ``commit``'s submodules in the testbed ``into`` from their clones in ``repo_cache``. Returns a
-    warning for each one that cannot be (no clone of it in the repo cache, or the clone lacks the pinned commit):
-    the testbed then has an empty folder there, as a plain ``git clone`` leaves it."""
+def check_out_submodules(into: Path, sources: list[tuple[Submodule, Path | None]], repo_cache: Path,
+                         say: Say) -> list[str]:
+    """Check out the testbed ``into``'s submodules from their clones (``submodule_sources``). Returns a warning for
+    each one that cannot be (no clone of it in ``repo_cache``, or the clone lacks the pinned commit): the testbed
+    then has an empty folder there, as a plain ``git clone`` leaves it."""
     warnings = []
-    for sub, source in submodule_sources(clone, commit, repo_cache):
+    for sub, source in sources:
         if source is None:
             where = clone_candidates(repo_cache, sub.repo)[0] if sub.repo else f"{repo_cache}/<owner>__<name>"
             warnings.append(f"submodule {sub.path} ({sub.url} at {sub.commit[:12]}) is not in the repo cache; its "
@@ -232,20 +233,22 @@ class Testbed:
             self._say(f"preparing {TESTBED} at {self.commit[:12]} ({len(self.tags)} tags)")
             prepare_testbed(self.clone, self.commit, self.path, self.tags)
             if self.repo_cache is not None:
-                self.warnings = check_out_submodules(self.path, self.clone, self.commit, self.repo_cache, self._say)
+                self.warnings = check_out_submodules(self.path, self.submodule_sources, self.repo_cache, self._say)
                 for warning in self.warnings:
                     self._say(f"warning: {warning}")
             self.ready = True
         return self.path
 
     @functools.cached_property
+    def submodule_sources(self) -> list[tuple[Submodule, Path | None]]:
+        """The commit's submodules with their clones in the repo cache (looked up once per testbed)."""
+        return [] if self.repo_cache is None else submodule_sources(self.clone, self.commit, self.repo_cache)
+
+    @property
     def submodule_state(self) -> list[tuple[str, str, bool]]:
         """(path, pinned commit, whether the repo cache has it) per submodule: part of the cache keys of what is
         built from the checkout (empty for a repository without submodules, so those keys stay as they were)."""
-        if self.repo_cache is None:
-            return []
-        return [(sub.path, sub.commit, source is not None)
-                for sub, source in submodule_sources(self.clone, self.commit, self.repo_cache)]
+        return [(sub.path, sub.commit, source is not None) for sub, source in self.submodule_sources]
 
     def clean(self) -> None:
         """Drop whatever resolving the project's dependencies wrote into or changed in the work tree (egg-info,
