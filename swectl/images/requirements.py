@@ -269,16 +269,15 @@ def _build_requires(clone: Path, commit: str, notes: list[str], pinned: frozense
     """pyproject.toml's ``build-system.requires`` and setup.cfg's and setup.py's ``setup_requires`` (build isolation
     is off). setup.py's leave out the packages in ``pinned`` (the spec's pip_packages pin them, and a newer one
     installed first drags newer dependencies in: astropy 1.3's ``jinja2>=2.7`` against the spec's jinja2==2.10)."""
-    from_setup_py = [r for r in _setup_py_requires(clone, commit, notes) if conda_name(r) not in pinned]
     text = read_at(clone, commit, "pyproject.toml")
-    if text is None:
-        return list(dict.fromkeys([*_setup_requires(clone, commit, notes), *from_setup_py]))
-    try:
-        requires = tomllib.loads(text).get("build-system", {}).get("requires", [])
-    except tomllib.TOMLDecodeError as exc:
-        notes.append(f"pyproject.toml: not valid TOML ({exc}); build requirements not taken")
-        requires = []
+    requires: list[object] = []
+    if text is not None:
+        try:
+            requires = tomllib.loads(text).get("build-system", {}).get("requires", [])
+        except tomllib.TOMLDecodeError as exc:
+            notes.append(f"pyproject.toml: not valid TOML ({exc}); build requirements not taken")
     found = _pip_lines(map(str, requires), "pyproject.toml build-system.requires", notes)
+    from_setup_py = [r for r in _setup_py_requires(clone, commit, notes) if conda_name(r) not in pinned]
     return list(dict.fromkeys([*found, *_setup_requires(clone, commit, notes), *from_setup_py]))
 
 
