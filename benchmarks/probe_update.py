@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -210,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
                 advantages.append(adv)
         compared: dict[str, float] = {}
         if args.compare_gold and gold:
-            import math
             g_gold = gold_gradient(model, gold)
             denominator = float(max(1, sum(map(sum, masks))))
             g_batch = batch_gradient(model, batch, masks, advantages, denominator)
