@@ -242,7 +242,7 @@ def test_submodules_come_from_their_own_clone_in_the_repo_cache(tmp_path: Path) 
     """astropy <= 3.x keeps astropy_helpers as a submodule its setup.py needs: the testbed gets it at the pinned
     commit from the repo cache, with no remote pointing at the host; without its clone, a warning and an empty
     folder (what a plain git clone leaves)."""
-    from swectl.images.clones import Testbed, submodule_sources
+    from swectl.images.clones import Testbed, missing_files, submodule_sources
 
     cache = tmp_path / "cache"
     helpers, proj = cache / "acme__helpers", cache / "acme__proj"
@@ -267,6 +267,10 @@ def test_submodules_come_from_their_own_clone_in_the_repo_cache(tmp_path: Path) 
     assert (sub.path, sub.commit, sub.repo, source) == ("ext/helpers", pinned, "acme/helpers", helpers)
     said: list[str] = []
     testbed = Testbed(proj, commit, [], tmp_path / "testbed", said.append, repo_cache=cache)
+    # one listing of the tree serves every check: the gitlink is a "commit" entry, the files "blob" ones
+    assert sorted((e.kind, e.path) for e in testbed.tree) == [
+        ("blob", ".gitmodules"), ("blob", "setup.py"), ("commit", "ext/helpers")]
+    assert testbed.submodule_sources == [(sub, source)] and missing_files(proj, commit, testbed.tree) == []
     bed = testbed.get()
     assert (bed / "ext" / "helpers" / "helpers.py").read_text() == "PINNED = True\n"
     assert testbed.warnings == [] and any("submodule ext/helpers" in line for line in said)

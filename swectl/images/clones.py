@@ -71,16 +71,35 @@ def resolve_commit(clone: Path, commit: str) -> str:
     return proc.stdout.decode().strip()
 
 
-def missing_files(clone: Path, commit: str) -> list[str]:
-    """The paths of ``commit``'s tree whose contents the clone lacks (a partial mirror that left large files
-    out); empty for a whole clone. Submodule entries are not files of the clone and are not checked."""
+@dataclass(frozen=True)
+class TreeEntry:
+    """One entry of a commit's tree, recursively listed: ``kind`` is ``blob`` (a file), or ``commit`` (a
+    submodule's gitlink)."""
+
+    kind: str
+    sha: str
+    path: str
+
+
+def list_tree(clone: Path, commit: str) -> list[TreeEntry]:
+    """Every entry of ``commit``'s tree (``git ls-tree -r``): one walk that the checks below can share."""
     tree = _git("-C", str(clone), "ls-tree", "-r", "-z", commit, check=True).stdout.split(b"\0")
-    blobs: dict[str, str] = {}
+    out = []
     for entry in filter(None, tree):
         meta, _, path = entry.partition(b"\t")
         _mode, kind, sha = meta.split()
-        if kind == b"blob":
-            blobs.setdefault(sha.decode(), path.decode(errors="replace"))
+        out.append(TreeEntry(kind.decode(), sha.decode(), path.decode(errors="replace")))
+    return out
+
+
+def missing_files(clone: Path, commit: str, tree: list[TreeEntry] | None = None) -> list[str]:
+    """The paths of ``commit``'s tree whose contents the clone lacks (a partial mirror that left large files
+    out); empty for a whole clone. Submodule entries are not files of the clone and are not checked. ``tree`` is
+    the commit's :func:`list_tree` when the caller has it."""
+    blobs: dict[str, str] = {}
+    for entry in list_tree(clone, commit) if tree is None else tree:
+        if entry.kind == "blob":
+            blobs.setdefault(entry.sha, entry.path)
     check = _git("-C", str(clone), "cat-file", "--batch-check", input="".join(f"{s}\n" for s in blobs).encode())
     gone = [line.split()[0] for line in check.stdout.decode().splitlines() if line.endswith(" missing")]
     return [blobs[sha] for sha in gone if sha in blobs]
@@ -91,13 +110,12 @@ C_SOURCE_SUFFIXES = (".c", ".cc", ".cpp", ".cxx", ".pyx", ".f", ".f90")
 _NOT_BUILT = frozenset({"test", "tests", "testing", "doc", "docs", "examples"})
 
 
-def has_c_sources(clone: Path, commit: str) -> bool:
+def has_c_sources(clone: Path, commit: str, tree: list[TreeEntry] | None = None) -> bool:
     """Whether ``commit``'s tree has C, C++, Cython or Fortran sources outside tests, docs and examples (building
     the project needs a compiler)."""
-    names = _git("-C", str(clone), "ls-tree", "-r", "-z", "--name-only", commit).stdout.split(b"\0")
-    for name in (n.decode(errors="replace") for n in names if n):
-        parts = name.lower().split("/")
-        if parts[-1].endswith(C_SOURCE_SUFFIXES) and not _NOT_BUILT.intersection(parts[:-1]):
+    for entry in list_tree(clone, commit) if tree is None else tree:
+        parts = entry.path.lower().split("/")
+        if entry.kind == "blob" and parts[-1].endswith(C_SOURCE_SUFFIXES) and not _NOT_BUILT.intersection(parts[:-1]):
             return True
     return False
 
@@ -134,7 +152,7 @@ class Submodule:
         return f"{found[1]}/{found[2]}" if found else None
 
 
-def submodules(clone: Path, commit: str) -> list[Submodule]:
+def submodules(clone: Path, commit: str, tree: list[TreeEntry] | None = None) -> list[Submodule]:
     """The submodules of ``commit``: each gitlink of its tree with the name and URL ``.gitmodules`` gives it."""
     config = _git("-C", str(clone), "config", "--blob", f"{commit}:.gitmodules", "--list")
     if config.returncode != 0:
@@ -146,22 +164,19 @@ def submodules(clone: Path, commit: str) -> list[Submodule]:
         if found:
             names.setdefault(found[1], {})[found[2]] = value
     by_path = {v["path"]: (name, v.get("url", "")) for name, v in names.items() if "path" in v}
-    tree = _git("-C", str(clone), "ls-tree", "-r", "-z", commit, check=True).stdout.split(b"\0")
     out = []
-    for entry in filter(None, tree):
-        meta, _, raw_path = entry.partition(b"\t")
-        _mode, kind, sha = meta.split()
-        path = raw_path.decode(errors="replace")
-        if kind == b"commit" and path in by_path:
-            name, url = by_path[path]
-            out.append(Submodule(name, path, url, sha.decode()))
+    for entry in list_tree(clone, commit) if tree is None else tree:
+        if entry.kind == "commit" and entry.path in by_path:
+            name, url = by_path[entry.path]
+            out.append(Submodule(name, entry.path, url, entry.sha))
     return out
 
 
-def submodule_sources(clone: Path, commit: str, repo_cache: Path) -> list[tuple[Submodule, Path | None]]:
+def submodule_sources(clone: Path, commit: str, repo_cache: Path,
+                      tree: list[TreeEntry] | None = None) -> list[tuple[Submodule, Path | None]]:
     """``commit``'s submodules, each with the clone in ``repo_cache`` that has its pinned commit (or None)."""
     out: list[tuple[Submodule, Path | None]] = []
-    for sub in submodules(clone, commit):
+    for sub in submodules(clone, commit, tree):
         source = None
         if sub.repo:
             try:
@@ -242,7 +257,13 @@ class Testbed:
     @functools.cached_property
     def submodule_sources(self) -> list[tuple[Submodule, Path | None]]:
         """The commit's submodules with their clones in the repo cache (looked up once per testbed)."""
-        return [] if self.repo_cache is None else submodule_sources(self.clone, self.commit, self.repo_cache)
+        return [] if self.repo_cache is None else submodule_sources(self.clone, self.commit, self.repo_cache,
+                                                                    self.tree)
+
+    @functools.cached_property
+    def tree(self) -> list[TreeEntry]:
+        """The commit's tree, listed once for every check of it (missing files, C sources, submodules)."""
+        return list_tree(self.clone, self.commit)
 
     @property
     def submodule_state(self) -> list[tuple[str, str, bool]]:

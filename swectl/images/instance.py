@@ -313,7 +313,7 @@ def _plan(task: Task, spec: RepoSpec, testbed: Testbed, base: str, allow_network
     reqs = spec_requirements(task, spec, testbed.clone, testbed.commit)
     # the base image has no compiler (the official base image has build-essential): a project with C sources
     # gets one from apt, as the C libraries of its conda environment do
-    toolchain = ["build-essential"] if has_c_sources(testbed.clone, testbed.commit) else []
+    toolchain = ["build-essential"] if has_c_sources(testbed.clone, testbed.commit, testbed.tree) else []
     build_on, apt = _apt_base(spec, with_python, image_id(with_python) or base_id, allow_network, log, say, notes,
                               [*toolchain, *reqs.apt])
     build_on_id = image_id(build_on) or base_id
@@ -461,17 +461,17 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
     clone = find_clone(Path(repo_cache), task.repo)
     steps.append("base_commit")
     commit = resolve_commit(clone, task.base_commit)
+    ctx = cache_dir() / "build" / f"inst-{task.instance_id}"
+    shutil.rmtree(ctx, ignore_errors=True)
+    testbed = Testbed(clone, commit, ancestor_tags(clone, commit), ctx / "testbed",
+                      lambda line: say(f"{task.instance_id}: {line}"), repo_cache=Path(repo_cache))
     steps.append("clone")
-    if lacking := missing_files(clone, commit):
+    if lacking := missing_files(clone, commit, testbed.tree):
         raise ImageBuildError(
             f"the clone {clone} lacks {len(lacking)} file(s) of {task.repo} at {commit[:12]} "
             f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}): a partial mirror that left large "
             "files out cannot make the testbed; clone the full repository into the repo cache")
     steps.append("plan")
-    ctx = cache_dir() / "build" / f"inst-{task.instance_id}"
-    shutil.rmtree(ctx, ignore_errors=True)
-    testbed = Testbed(clone, commit, ancestor_tags(clone, commit), ctx / "testbed",
-                       lambda line: say(f"{task.instance_id}: {line}"), repo_cache=Path(repo_cache))
     plan = _plan(task, spec, testbed, base, allow_network, log, say, uploaded_prior_to)
     for warning in plan.warnings:
         say(f"{task.instance_id}: warning: {warning}")
