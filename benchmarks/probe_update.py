@@ -120,7 +120,7 @@ def after_first_slip(mask: list[int], rollout_logp: list[float], slip_logp: floa
 
 
 def batch_gradient(model, batch: list[GradedEpisode], masks: list[list[int]], advantages: list[float],
-                   denominator: float) -> torch.Tensor:
+                   denominator: float, prob_weight: float = 0.0) -> torch.Tensor:
     """The policy gradient of ``batch`` (flattened); one ``denominator`` for every mask compared, so that the
     difference of two masks' gradients is the gradient of the tokens between them."""
     model.train()
@@ -130,7 +130,7 @@ def batch_gradient(model, batch: list[GradedEpisode], masks: list[list[int]], ad
         return flat_grad(model)
     logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
     adv = torch.tensor(advantages)[:, None].expand_as(logp)
-    loss, _ = policy_loss(logp, logp.detach(), rollout, adv, mask, denominator=denominator)
+    loss, _ = policy_loss(logp, logp.detach(), rollout, adv, mask, denominator=denominator, prob_weight=prob_weight)
     loss.backward()
     out = flat_grad(model)
     model.zero_grad()
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--estimator", choices=("grpo", "drgrpo", "rloo"), default="grpo")
     parser.add_argument("--mask", choices=("none", "truncated", "first"), default="none")
     parser.add_argument("--positive-only", action="store_true")
+    parser.add_argument("--prob-weight", type=float, default=0.0,
+                        help="advantage reweighting alpha (train.prob_weight): advantages times alpha * p + 1 - alpha")
     parser.add_argument("--requires-submit", action="store_true", help="as train.reward_requires_submit")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -213,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare_gold and gold:
             g_gold = gold_gradient(model, gold)
             denominator = float(max(1, sum(map(sum, masks))))
-            g_batch = batch_gradient(model, batch, masks, advantages, denominator)
+            g_batch = batch_gradient(model, batch, masks, advantages, denominator, args.prob_weight)
             slip_masks = [after_first_slip(m, e.logprobs, math.log(args.slip_p)) if a < 0 else m
                           for e, m, a in zip(batch, masks, advantages, strict=True)]
-            g_slip = batch_gradient(model, batch, slip_masks, advantages, denominator)
+            g_slip = batch_gradient(model, batch, slip_masks, advantages, denominator, args.prob_weight)
             cos = torch.nn.functional.cosine_similarity
             compared = {"cos_gold": round(float(cos(g_batch, g_gold, dim=0)), 4),
                         "cos_gold_slip_masked": round(float(cos(g_slip, g_gold, dim=0)), 4),
@@ -229,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             model.train()
             logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
             adv = torch.tensor(advantages)[:, None].expand_as(logp)
-            loss, _ = policy_loss(logp, logp.detach(), rollout, adv, mask, denominator=float(mask.sum()))
+            loss, _ = policy_loss(logp, logp.detach(), rollout, adv, mask, denominator=float(mask.sum()),
+                                  prob_weight=args.prob_weight)
             optimizer.zero_grad()
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))

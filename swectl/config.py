@@ -206,6 +206,9 @@ class TrainConfig(_Section):
     eps_high: Annotated[float, msgspec.Meta(ge=0.0)] = 0.28
     tis_cap: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0  # truncated importance sampling ratio cap C
     kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # KL to the initial policy; 0 = off (no reference)
+    # alpha of advantage reweighting: each token's advantage times alpha * p(token) + 1 - alpha, so unlikely
+    # sampled tokens do not dominate the update (Yang et al. 2025); 0 = off
+    prob_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     resolved_reward: float = 1.0
     unresolved_reward: float = 0.0
     mask_truncated: bool = False  # truncated (overlong) episodes carry no gradient

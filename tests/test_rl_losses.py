@@ -500,3 +500,25 @@ def test_any_split_gives_the_whole_batch_loss_and_gradients(algorithm: str, aggr
             torch.testing.assert_close(grads[key], whole_grads[key], atol=1e-6, rtol=1e-5, msg=f"{name} {key}")
         for key in whole_stats:
             torch.testing.assert_close(stats[key], whole_stats[key], atol=1e-5, rtol=1e-5, msg=f"{name} {key}")
+
+
+def test_prob_weight_scales_each_tokens_advantage_by_its_probability() -> None:
+    """Advantage reweighting: with alpha = prob_weight, a token's gradient is that of the plain loss times
+    alpha * p + 1 - alpha (p = exp(old_logp)), so an unlikely token no longer dominates; 0 changes nothing."""
+    probs = torch.tensor([[0.9, 0.05, 0.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+
+    def grad(alpha: float, adv: float) -> torch.Tensor:
+        logp = probs.log().clone().requires_grad_(True)
+        loss, _ = policy_loss(logp, logp.detach(), logp.detach(), torch.full((1, 3), adv), mask, denominator=2.0,
+                              prob_weight=alpha)
+        loss.backward()
+        assert logp.grad is not None
+        return logp.grad[0]
+
+    plain = grad(0.0, -1.0)
+    assert torch.allclose(plain, torch.tensor([0.5, 0.5, 0.0]))  # -A * ratio / denominator, masked token 0
+    assert torch.allclose(grad(1.0, -1.0), plain * torch.tensor([0.9, 0.05, 0.0]))
+    assert torch.allclose(grad(0.5, 1.0), -plain * torch.tensor([0.95, 0.525, 0.0]))
+    with pytest.raises(ValueError, match="prob_weight"):
+        policy_loss(probs.log(), probs.log(), probs.log(), torch.ones(1, 3), mask, denominator=2.0, prob_weight=1.5)

@@ -195,7 +195,7 @@ class Trainer:
             loss, stats = policy_loss(logp, logp.detach(), mb["rollout_logp"], mb["advantages"], mask,
                                       denominator=denominator, aggregation=s.aggregation, eps_low=s.eps_low,
                                       eps_high=s.eps_high, tis_cap=s.tis_cap, ref_logp=ref_logp,
-                                      kl_coef=s.kl_coef)
+                                      kl_coef=s.kl_coef, prob_weight=s.prob_weight)
         with torch.no_grad():
             entropy = (token_entropy(logits.detach()) * mask).sum()
         stats = {k: v.detach().float() for k, v in stats.items()}

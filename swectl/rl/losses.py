@@ -164,7 +164,7 @@ def _tis_weight(keep: Tensor, old_logp: Tensor, rollout_logp: Tensor, cap: float
 def policy_loss(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                 denominator: float, aggregation: Aggregation = "token_mean", eps_low: float = 0.2,
                 eps_high: float = 0.28, tis_cap: float | None = 2.0, ref_logp: Tensor | None = None,
-                kl_coef: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+                kl_coef: float = 0.0, prob_weight: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped policy-gradient loss of one micro-batch, as its share of the global batch's loss.
 
     All tensors are ``[B, T]``: ``logp`` the policy being trained (with gradient), ``old_logp`` the policy at the
@@ -175,6 +175,12 @@ def policy_loss(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages
         L     = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
         w     = min(exp(old_logp - rollout_logp), tis_cap)     (constant; 1 when tis_cap is None)
         loss  = w * L + kl_coef * low_var_kl(logp, ref_logp)   (the KL term only when ref_logp is given)
+
+    With ``prob_weight`` = alpha > 0, each token's advantage is first scaled by the constant
+    ``alpha * exp(old_logp) + (1 - alpha)`` (advantage reweighting, Yang et al. 2025, "Do Not Let Low-Probability
+    Tokens Over-Dominate in RL for LLMs"): a sampled token's log-probability gradient grows as its probability
+    falls, so a few unlikely tokens (a slip the episode survived, the text after one it did not) otherwise carry
+    most of the update; 0 (the default) leaves the advantages as they are.
 
     summed and divided by ``denominator`` (see the module docstring for ``aggregation``). The gradient of an
     unclipped token's surrogate with respect to its logp is ``-w * A * ratio``; a clipped one has none.
@@ -195,8 +201,14 @@ def policy_loss(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages
     """
     _check_aggregation(aggregation, denominator)
     keep = _keep(mask)
+    if not 0.0 <= prob_weight <= 1.0:
+        raise ValueError(f"prob_weight must be in [0, 1], got {prob_weight}")
     ratio = torch.exp(_masked(keep, logp - old_logp))
     advantages = _masked(keep, advantages)
+    if prob_weight:
+        with torch.no_grad():
+            scale = prob_weight * torch.exp(_masked(keep, old_logp.detach(), fill=-math.inf)) + (1.0 - prob_weight)
+        advantages = advantages * scale
     surrogate = _clip_surrogate(ratio, advantages, eps_low, eps_high)
     raw_tis, weight = _tis_weight(keep, old_logp, rollout_logp, tis_cap)
     per_token = weight * surrogate

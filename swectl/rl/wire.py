@@ -41,6 +41,7 @@ class TrainerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     eps_high: float = 0.28
     tis_cap: float | None = 2.0
     kl_coef: float = 0.0
+    prob_weight: float = 0.0
     micro_batch_tokens: int = 8192
     threads: int = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
