@@ -95,13 +95,19 @@ def flat_grad(model) -> torch.Tensor:
                       for p in model.parameters()])
 
 
+CHUNK = 4  # episodes per forward/backward pass: a batch's logits at once (vocabulary x tokens) overflow memory
+
+
 def gold_gradient(model, gold: list[GradedEpisode]) -> torch.Tensor:
     """The gradient of SFT's loss on the gold trajectories (their loss masks), flattened."""
     model.train()
     model.zero_grad()
-    ids, attention, mask, _ = _tensors(gold, [e.loss_mask for e in gold])
-    logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
-    sft_loss(logp, mask, denominator=float(mask.sum()))[0].backward()
+    denominator = float(sum(map(sum, (e.loss_mask for e in gold)))) or 1.0
+    for i in range(0, len(gold), CHUNK):
+        part = gold[i:i + CHUNK]
+        ids, attention, mask, _ = _tensors(part, [e.loss_mask for e in part])
+        logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
+        sft_loss(logp, mask, denominator=denominator)[0].backward()
     out = flat_grad(model)
     model.zero_grad()
     return out
@@ -123,18 +129,31 @@ def batch_gradient(model, batch: list[GradedEpisode], masks: list[list[int]], ad
                    denominator: float, prob_weight: float = 0.0) -> torch.Tensor:
     """The policy gradient of ``batch`` (flattened); one ``denominator`` for every mask compared, so that the
     difference of two masks' gradients is the gradient of the tokens between them."""
-    model.train()
     model.zero_grad()
-    ids, attention, mask, rollout = _tensors(batch, masks)
-    if mask.sum() == 0:
-        return flat_grad(model)
-    logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
-    adv = torch.tensor(advantages)[:, None].expand_as(logp)
-    loss, _ = policy_loss(logp, logp.detach(), rollout, adv, mask, denominator=denominator, prob_weight=prob_weight)
-    loss.backward()
+    accumulate_policy_gradient(model, batch, masks, advantages, denominator, prob_weight)
     out = flat_grad(model)
     model.zero_grad()
     return out
+
+
+def accumulate_policy_gradient(model, batch: list[GradedEpisode], masks: list[list[int]], advantages: list[float],
+                               denominator: float, prob_weight: float) -> float:
+    """Add the policy loss's gradient over ``batch`` to the parameters' ``.grad``, ``CHUNK`` episodes per pass
+    (the loss is a sum over tokens divided by one ``denominator``, so the passes add up to the whole batch's).
+    Returns the loss."""
+    model.train()
+    total = 0.0
+    for i in range(0, len(batch), CHUNK):
+        ids, attention, mask, rollout = _tensors(batch[i:i + CHUNK], masks[i:i + CHUNK])
+        if mask.sum() == 0:
+            continue
+        logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
+        adv = torch.tensor(advantages[i:i + CHUNK])[:, None].expand_as(logp)
+        loss, _ = policy_loss(logp, logp.detach(), rollout, adv, mask, denominator=denominator,
+                              prob_weight=prob_weight)
+        loss.backward()
+        total += float(loss.detach())
+    return total
 
 
 def train_mask(e: GradedEpisode, advantage: float, args: argparse.Namespace) -> list[int]:
@@ -225,26 +244,20 @@ def main(argv: list[str] | None = None) -> int:
                         "post_slip_share_of_norm": round(float((g_batch - g_slip).norm() / g_batch.norm()), 3)
                         if g_batch.norm() > 0 else 0.0,
                         "post_slip_tokens": int(sum(map(sum, masks)) - sum(map(sum, slip_masks)))}
-        ids, attention, mask, rollout = _tensors(batch, masks)
+        trained = sum(map(sum, masks))
         loss_value, grad_norm = 0.0, 0.0
-        if mask.sum() > 0:
-            model.train()
-            logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
-            adv = torch.tensor(advantages)[:, None].expand_as(logp)
-            loss, _ = policy_loss(logp, logp.detach(), rollout, adv, mask, denominator=float(mask.sum()),
-                                  prob_weight=args.prob_weight)
+        if trained > 0:
             optimizer.zero_grad()
-            loss.backward()
+            loss_value = accumulate_policy_gradient(model, batch, masks, advantages, float(trained), args.prob_weight)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
             optimizer.step()
-            loss_value = float(loss.detach())
         now, gold_now = total_logprobs(model, held_eps), total_logprobs(model, gold)
 
         def mean_change(rows: list[int], a: list[float] = now, b: list[float] = base) -> float:
             return sum(a[i] - b[i] for i in rows) / len(rows) if rows else float("nan")
 
         row = {"step": step, "loss": round(loss_value, 4), "grad_norm": round(grad_norm, 4),
-               "trained_tokens": int(mask.sum()), "d_logp_resolved": round(mean_change(good), 2),
+               "trained_tokens": int(trained), "d_logp_resolved": round(mean_change(good), 2),
                "d_logp_failed": round(mean_change(bad), 2),
                "d_logp_gold": round(mean_change(list(range(len(gold))), gold_now, gold_base), 2),
                "d_logp_gold_min": round(min((x - y for x, y in zip(gold_now, gold_base, strict=True)),
