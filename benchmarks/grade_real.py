@@ -95,6 +95,20 @@ async def grade_swectl(task: Task, images: dict[str, str], timeout_s: float) -> 
     return out
 
 
+def earlier_verdicts(tasks: dict[str, Task]) -> tuple[list[Task], list[dict]]:
+    """The instances and verdict rows of the last report (results/grade_real.json), for ``--resume``; an instance
+    the task set no longer has is left out with its rows."""
+    from common import RESULTS_DIR
+
+    path = RESULTS_DIR / f"{SUITE}.json"
+    if not path.exists():
+        return [], []
+    meta = json.loads(path.read_text())["meta"]
+    chosen = [tasks[i] for i in meta.get("instances", []) if i in tasks]
+    kept = {t.instance_id for t in chosen}
+    return chosen, [r for r in meta.get("verdicts", []) if r["instance_id"] in kept]
+
+
 def verdict_row(task: Task, kind: str, ours: GradeResult, theirs: OfficialVerdict) -> dict:
     return {
         "instance_id": task.instance_id, "patch": kind, "swectl": ours.status, "swectl_reason": ours.reason,
@@ -154,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave this repository's instances out (repeatable)")
     parser.add_argument("--wait", type=float, default=0.0,
                         help="seconds to wait for more validated instances while the validation goes on (default 0)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the verdicts of the last report (results/grade_real.json) and check -n instances "
+                             "in all, adding new ones (their timings were measured then, under that run's load)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill (and a background run's only way): as Ctrl-C
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with SIGINT ignored
@@ -162,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     host = host_meta()
     deadline = time.monotonic() + args.wait
+    if args.resume:
+        tasks = {t.instance_id: t for t in load_tasks(
+            args.tasks or json.loads((args.validation / "validation.json").read_text())["tasks"]).tasks}
+        chosen, rows = earlier_verdicts(tasks)
+        print(f"resumed: {len(chosen)} instances checked before", file=sys.stderr)
     print(f"up to {args.n} validated instances, 3 patches each, both graders; load {host['loadavg_start']}",
           file=sys.stderr)
     try:
