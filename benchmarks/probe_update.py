@@ -78,14 +78,20 @@ def _tensors(episodes: list[GradedEpisode], masks: list[list[int]]) -> tuple[tor
     return ids, attention, mask, rollout
 
 
+def _forward(model, episodes: list[GradedEpisode], masks: list[list[int]]) -> tuple[torch.Tensor, ...]:
+    """One forward pass over ``episodes``: their token log-probabilities, loss masks and rollout log-probabilities
+    (``[B, T]`` each)."""
+    ids, attention, mask, rollout = _tensors(episodes, masks)
+    return token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids), mask, rollout
+
+
 @torch.no_grad()
 def total_logprobs(model, episodes: list[GradedEpisode], chunk: int = 8) -> list[float]:
     model.eval()
     out: list[float] = []
     for i in range(0, len(episodes), chunk):
         part = episodes[i:i + chunk]
-        ids, attention, mask, _ = _tensors(part, [e.loss_mask for e in part])
-        logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
+        logp, mask, _ = _forward(model, part, [e.loss_mask for e in part])
         out += (logp * mask).sum(-1).tolist()
     return out
 
@@ -105,8 +111,7 @@ def gold_gradient(model, gold: list[GradedEpisode]) -> torch.Tensor:
     denominator = float(sum(map(sum, (e.loss_mask for e in gold)))) or 1.0
     for i in range(0, len(gold), CHUNK):
         part = gold[i:i + CHUNK]
-        ids, attention, mask, _ = _tensors(part, [e.loss_mask for e in part])
-        logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
+        logp, mask, _ = _forward(model, part, [e.loss_mask for e in part])
         sft_loss(logp, mask, denominator=denominator)[0].backward()
     out = flat_grad(model)
     model.zero_grad()
@@ -144,10 +149,9 @@ def accumulate_policy_gradient(model, batch: list[GradedEpisode], masks: list[li
     model.train()
     total = 0.0
     for i in range(0, len(batch), CHUNK):
-        ids, attention, mask, rollout = _tensors(batch[i:i + CHUNK], masks[i:i + CHUNK])
-        if mask.sum() == 0:
+        if not any(map(any, masks[i:i + CHUNK])):
             continue
-        logp = token_logprobs(model(input_ids=ids, attention_mask=attention).logits.float(), ids)
+        logp, mask, rollout = _forward(model, batch[i:i + CHUNK], masks[i:i + CHUNK])
         adv = torch.tensor(advantages[i:i + CHUNK])[:, None].expand_as(logp)
         loss, _ = policy_loss(logp, logp.detach(), rollout, adv, mask, denominator=denominator,
                               prob_weight=prob_weight)
@@ -230,10 +234,11 @@ def main(argv: list[str] | None = None) -> int:
                 batch.append(e)
                 masks.append(train_mask(e, adv, args))
                 advantages.append(adv)
+        trained = sum(map(sum, masks))
         compared: dict[str, float] = {}
         if args.compare_gold and gold:
             g_gold = gold_gradient(model, gold)
-            denominator = float(max(1, sum(map(sum, masks))))
+            denominator = float(max(1, trained))
             g_batch = batch_gradient(model, batch, masks, advantages, denominator, args.prob_weight)
             slip_masks = [after_first_slip(m, e.logprobs, math.log(args.slip_p)) if a < 0 else m
                           for e, m, a in zip(batch, masks, advantages, strict=True)]
@@ -243,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cos_gold_slip_masked": round(float(cos(g_slip, g_gold, dim=0)), 4),
                         "post_slip_share_of_norm": round(float((g_batch - g_slip).norm() / g_batch.norm()), 3)
                         if g_batch.norm() > 0 else 0.0,
-                        "post_slip_tokens": int(sum(map(sum, masks)) - sum(map(sum, slip_masks)))}
-        trained = sum(map(sum, masks))
+                        "post_slip_tokens": int(trained - sum(map(sum, slip_masks)))}
         loss_value, grad_norm = 0.0, 0.0
         if trained > 0:
             optimizer.zero_grad()

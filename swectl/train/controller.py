@@ -80,8 +80,7 @@ def trainer_settings(config: ClusterConfig, plan: TrainPlan, run_dir: Path, resu
         total_steps=t.steps, schedule=t.schedule, min_lr_ratio=t.min_lr_ratio, weight_decay=t.weight_decay,
         grad_clip=t.grad_clip, aggregation=t.aggregation, eps_low=t.eps_low, eps_high=t.eps_high,
         tis_cap=t.tis_cap, kl_coef=t.kl_coef, prob_weight=t.prob_weight, micro_batch_tokens=tr.micro_batch_tokens,
-        threads=tr.threads_per_rank,
-        backend=tr.backend, seed=t.seed, resume=resume, sync_dtype=tr.weight_sync_dtype,
+        threads=tr.threads_per_rank, backend=tr.backend, seed=t.seed, resume=resume, sync_dtype=tr.weight_sync_dtype,
     )
 
 
