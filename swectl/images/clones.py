@@ -237,9 +237,10 @@ class Testbed:
     it; a cached image needs neither)."""
 
     def __init__(self, clone: Path, commit: str, tags: list[str], path: Path, say: Say,
-                 repo_cache: Path | None = None) -> None:
+                 repo_cache: Path | None = None, tree: list[TreeEntry] | None = None) -> None:
         self.clone, self.commit, self.tags, self.path, self._say = clone, commit, tags, path, say
         self.repo_cache = repo_cache
+        self._listed = tree  # the commit's list_tree, when the caller has it already
         self.ready = False
         self.warnings: list[str] = []
 
@@ -263,7 +264,7 @@ class Testbed:
     @functools.cached_property
     def tree(self) -> list[TreeEntry]:
         """The commit's tree, listed once for every check of it (missing files, C sources, submodules)."""
-        return list_tree(self.clone, self.commit)
+        return self._listed if self._listed is not None else list_tree(self.clone, self.commit)
 
     @property
     def submodule_state(self) -> list[tuple[str, str, bool]]:

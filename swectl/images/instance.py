@@ -56,6 +56,7 @@ from swectl.images.clones import (
     ancestor_tags,
     find_clone,
     has_c_sources,
+    list_tree,
     missing_files,
     resolve_commit,
 )
@@ -461,17 +462,18 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
     clone = find_clone(Path(repo_cache), task.repo)
     steps.append("base_commit")
     commit = resolve_commit(clone, task.base_commit)
-    ctx = cache_dir() / "build" / f"inst-{task.instance_id}"
-    shutil.rmtree(ctx, ignore_errors=True)
-    testbed = Testbed(clone, commit, ancestor_tags(clone, commit), ctx / "testbed",
-                      lambda line: say(f"{task.instance_id}: {line}"), repo_cache=Path(repo_cache))
     steps.append("clone")
-    if lacking := missing_files(clone, commit, testbed.tree):
+    tree = list_tree(clone, commit)
+    if lacking := missing_files(clone, commit, tree):
         raise ImageBuildError(
             f"the clone {clone} lacks {len(lacking)} file(s) of {task.repo} at {commit[:12]} "
             f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}): a partial mirror that left large "
             "files out cannot make the testbed; clone the full repository into the repo cache")
     steps.append("plan")
+    ctx = cache_dir() / "build" / f"inst-{task.instance_id}"
+    shutil.rmtree(ctx, ignore_errors=True)
+    testbed = Testbed(clone, commit, ancestor_tags(clone, commit), ctx / "testbed",
+                      lambda line: say(f"{task.instance_id}: {line}"), repo_cache=Path(repo_cache), tree=tree)
     plan = _plan(task, spec, testbed, base, allow_network, log, say, uploaded_prior_to)
     for warning in plan.warnings:
         say(f"{task.instance_id}: warning: {warning}")
