@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=4, help="episodes per task in each evaluation")
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--sft-lr", type=float, default=2e-3)
+    parser.add_argument("--give-up", type=int, default=0, metavar="K",
+                        help="SFT data from a noisy teacher: besides each task's gold trajectory, K copies of a "
+                             "trajectory that looks at the same code and submits no change (`swectl data gold "
+                             "--script give-up`), so the SFT model edits on some tries and gives up on others")
     parser.add_argument("--grpo-steps", type=int, default=15)
     parser.add_argument("--grpo-lr", type=float, default=2e-4, help="GRPO learning rate (--grpo-start weights)")
     parser.add_argument("--grpo-start", choices=("checkpoint", "weights"), default="weights",
@@ -148,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         timings["gold_s"] = run(["data", "gold", "--tasks", str(work / "train.jsonl"), "--model", str(model),
                                  "--out", str(gold), "--concurrency", "4", *rollout_sets(args)], "gold")
 
+    sft_data = [str(gold)]
+    if args.give_up:
+        give_up = work / "give-up"
+        if not (give_up / "summary.json").exists():
+            timings["give_up_s"] = run(["data", "gold", "--script", "give-up", "--tasks", str(work / "train.jsonl"),
+                                        "--model", str(model), "--out", str(give_up), "--concurrency", "4",
+                                        *rollout_sets(args)], "give-up")
+        sft_data += [str(give_up)] * args.give_up
+
     rates: dict[str, dict] = {}
     t0 = time.monotonic()
     rates["train_before"] = evaluate(args, model, work / "train.jsonl", work / "eval-before")
@@ -155,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     sft_weights = train(args, work, "sft", {
-        "train.model": repr(str(model)), "train.algorithm": '"sft"', "train.sft_data": f'["{gold}"]',
+        "train.model": repr(str(model)), "train.algorithm": '"sft"', "train.sft_data": json.dumps(sft_data),
+        "train.sft_resolved_only": str(not args.give_up).lower(),
         "train.steps": args.sft_steps,
         "train.sft_batch_size": 8, "train.lr": args.sft_lr, "train.warmup_steps": 3, "train.seed": args.seed,
         "train.save_every": args.sft_steps})

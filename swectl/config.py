@@ -190,6 +190,9 @@ class TrainConfig(_Section):
     # at the start by running each task's gold patch as agent turns), then GRPO from there
     sft_steps: NonNegative = 0
     sft_strict: bool = False  # a malformed sft_data row stops the run (else it is skipped with file:line and field)
+    # traj.json runs in sft_data: only the resolved episodes (rejection-sampling fine-tuning); false trains on every
+    # episode, e.g. a teacher's right and wrong attempts (`swectl data gold --script give-up`)
+    sft_resolved_only: bool = True
     steps: Count = 20
     tasks_per_step: Count = 4  # groups per grpo step
     n_samples: Count = 4  # episodes per task (the group)

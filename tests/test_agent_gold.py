@@ -15,7 +15,7 @@ import anyio
 import msgspec
 import pytest
 
-from swectl.agent.gold import SUBMIT_COMMAND, GoldScriptError, gold_replies, parse_patch
+from swectl.agent.gold import SUBMIT_COMMAND, GoldScriptError, give_up_replies, gold_replies, parse_patch
 from swectl.agent.loop import Engine
 from swectl.agent.protocol import SUBMIT_SENTINEL, parse_action
 from swectl.agent.scripted import ScriptedEngine, end_of_turn_id
@@ -112,6 +112,15 @@ def test_bundled_gold_replies_are_protocol_turns(task: Task) -> None:
     assert "\n" not in actions[1] and len(actions[1]) < 160
     if len(replies) == 4:
         assert "python -m pytest" in actions[2] and task.FAIL_TO_PASS[0] in actions[2]
+
+
+@pytest.mark.parametrize("task", BUNDLED[:3], ids=lambda t: t.instance_id)
+def test_give_up_replies_share_the_gold_look_then_submit(task: Task) -> None:
+    gold, give_up = gold_replies(task), give_up_replies(task)
+    assert len(give_up) == 2 and give_up[0] == gold[0]
+    assert parse_action(give_up[1]) == SUBMIT_COMMAND and "without a change" in give_up[1]
+    with pytest.raises(GoldScriptError, match="demo__demo-1: the task has no gold patch"):
+        give_up_replies(_task(""))
 
 
 @needs_tools

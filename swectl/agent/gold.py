@@ -8,6 +8,10 @@ for sed and the shell and checked here), otherwise a small Python script that re
 which it asserts is there exactly once. A patch that cannot be written as such commands (binary, renames,
 mode changes, text that is not Unicode) raises ``GoldScriptError`` with the reason.
 
+``give_up_replies(task)`` is a wrong teacher's trajectory for the same task: the same first look at the code, then
+a submission with no change (a weak agent that gives up). It never resolves; mixed into SFT data it gives a
+model that edits on some tries and gives up on others, which only a reward can tell apart (the learning demo).
+
 No I/O: the replies are derived from ``Task.patch``, ``FAIL_TO_PASS`` and ``eval_script`` alone.
 """
 
@@ -180,6 +184,21 @@ def gold_replies(task: Task) -> list[str]:
         else:
             steps.append(("The fix is in place. I submit my changes.", SUBMIT_COMMAND))
         return [_reply(thought, command) for thought, command in steps]
+    except GoldScriptError as exc:
+        raise GoldScriptError(f"{task.instance_id}: {exc}") from None
+
+
+GIVE_UP_THOUGHT = "I do not see what is wrong in this code. I submit without a change."
+
+
+def give_up_replies(task: Task) -> list[str]:
+    """A giving-up teacher's replies: the gold script's first look at the code, then a submission with no change.
+    GoldScriptError (naming the task) when the gold script itself cannot be written."""
+    try:
+        if not task.patch.strip():
+            raise GoldScriptError("the task has no gold patch")
+        look = _look(parse_patch(task.patch))
+        return [_reply(*look), _reply(GIVE_UP_THOUGHT, SUBMIT_COMMAND)]
     except GoldScriptError as exc:
         raise GoldScriptError(f"{task.instance_id}: {exc}") from None
 

@@ -83,6 +83,10 @@ def _gold_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must not hold a run)")
     parser.add_argument("--concurrency", type=int, default=4, help="episodes at once (default 4)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="grading timeout per task, seconds")
+    parser.add_argument("--script", choices=("gold", "give-up"), default="gold",
+                        help="gold (default): act out the gold patch, keep what resolves; give-up: a wrong teacher "
+                        "that looks at the same code and submits no change, keep what does not resolve (SFT data "
+                        "mixing right and wrong attempts, for train.sft_resolved_only = false; the learning demo)")
 
 
 def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,13 +177,13 @@ def _run_gold(args: argparse.Namespace) -> int:
     config = msgspec.structs.replace(config, env_pool=msgspec.structs.replace(config.env_pool, warm=0))
     summary = anyio.run(lambda: make_gold(config, tasks, out, tokenizer, tokenizer_path=args.model,
                                           concurrency=args.concurrency, grade_timeout_s=args.timeout,
-                                          tasks_source=str(args.tasks), status=say))
+                                          tasks_source=str(args.tasks), status=say, script=args.script))
     print(msgspec.json.format(msgspec.json.encode(summary)).decode())
-    say(f"{summary.resolved} of {summary.total} gold trajectories kept, {len(summary.excluded)} excluded; "
+    say(f"{summary.kept} of {summary.total} {args.script} trajectories kept, {len(summary.excluded)} excluded; "
         f"wrote {out / 'summary.json'}")
     for e in summary.excluded:
         say(f"excluded {e.instance_id} ({e.stage}): {e.reason}")
-    return 0 if summary.resolved else 1
+    return 0 if summary.kept else 1
 
 
 def _run_prepare(args: argparse.Namespace) -> int:

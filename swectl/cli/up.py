@@ -149,7 +149,8 @@ def _sft_samples(config: ClusterConfig, model: str) -> list:
             tokenizer = tokenizer or load_tokenizer(model, "train.model")
             samples += samples_from_messages_jsonl(path, tokenizer, strict=config.train.sft_strict)
         else:
-            samples += samples_from_runs([path], resolved_only=True)  # rejection-sampling fine-tuning
+            # rejection-sampling fine-tuning, unless sft_resolved_only = false (a teacher's every attempt)
+            samples += samples_from_runs([path], resolved_only=config.train.sft_resolved_only)
     if not samples:
         raise TaskDataError(f"train.sft_data: no trajectories found in {', '.join(config.train.sft_data)}")
     return samples

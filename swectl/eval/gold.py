@@ -8,6 +8,10 @@ A gold trajectory that does not resolve, or whose model tokens are not exactly t
 moved to ``<out>/excluded/``, so the run folder holds only trajectories to learn from:
 ``swectl.data.trajectories.samples_from_runs([out])`` reads them.
 
+``script="give-up"`` acts out ``give_up_replies`` instead (look at the code, submit no change): a wrong teacher's
+trajectories for SFT data that mixes right and wrong attempts. Those are kept when they submitted exactly the script
+and did not resolve (one that resolves means the task's tests pass with no change: excluded, stage ``grade``).
+
 Outputs in ``--out``: ``<instance_id>__0/`` per resolved task (``traj.json``, ``patch.diff``, ``meta.json``),
 ``excluded/`` (the ones that failed, for a look), ``results.jsonl`` (one EpisodeResult per episode),
 ``summary.json`` (a GoldSummary), ``grade-logs/`` and ``swectl.log``.
@@ -29,7 +33,7 @@ import msgspec
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GraderConfig
 from swectl.actors.rollout import EpisodeResult, Rollout
-from swectl.agent.gold import GoldScriptError, gold_replies
+from swectl.agent.gold import GoldScriptError, give_up_replies, gold_replies
 from swectl.agent.scripted import ScriptedEngine, end_of_turn_id
 from swectl.config import ClusterConfig
 from swectl.data.trajectories import TRAJ_FILE, samples_from_runs
@@ -44,6 +48,8 @@ SUMMARY_FORMAT = 1
 EXCLUDED_DIR = "excluded"
 
 Status = Callable[[str], None]
+Script = Literal["gold", "give-up"]
+SCRIPTS: dict[str, Callable[[Task], list[str]]] = {"gold": gold_replies, "give-up": give_up_replies}
 
 
 def _stderr(message: str) -> None:
@@ -77,7 +83,9 @@ class GoldSummary(msgspec.Struct, kw_only=True):
     tokenizer: str  # the --model folder whose tokenizer and chat template made the tokens
     total: int  # tasks selected
     scripted: int  # tasks whose gold patch could be written as agent commands
-    resolved: int  # gold trajectories kept (resolved, tokens exactly the script)
+    resolved: int  # gold trajectories kept (resolved, tokens exactly the script); 0 for script "give-up"
+    script: str = "gold"  # gold (the gold patch) or give-up (look, then submit no change)
+    kept: int = 0  # trajectories kept (gold: resolved; give-up: submitted the script and did not resolve)
     excluded: list[GoldExclusion]
     tokens: TokenStats
     elapsed_s: float
@@ -92,9 +100,13 @@ def check_out_dir(out: Path) -> None:
 
 async def make_gold(config: ClusterConfig, tasks: list[Task], out: Path, tokenizer: Any, *, tokenizer_path: str,
                     concurrency: int = 4, grade_timeout_s: float = 1800.0, resolver: ImageResolver | None = None,
-                    tasks_source: str = "", status: Status = _stderr, progress: bool = True) -> GoldSummary:
-    """Run every task's gold script through the Rollout actor (sandboxes per ``config``, episode limits from its
-    ``[rollout]`` section, one sample per task), grade it, keep what resolves; writes summary.json."""
+                    tasks_source: str = "", status: Status = _stderr, progress: bool = True,
+                    script: Script = "gold") -> GoldSummary:
+    """Run every task's ``script`` (gold: the gold patch; give-up: look, then submit no change) through the Rollout
+    actor (sandboxes per ``config``, episode limits from its ``[rollout]`` section, one sample per task), grade it,
+    keep what resolves (give-up: what does not); writes summary.json."""
+    if script not in SCRIPTS:
+        raise ConfigError(f"unknown gold script {script!r} (choose from {', '.join(SCRIPTS)})")
     check_out_dir(out)
     started = time.monotonic()
     excluded: list[GoldExclusion] = []
@@ -103,7 +115,8 @@ async def make_gold(config: ClusterConfig, tasks: list[Task], out: Path, tokeniz
     eot = end_of_turn_id(tokenizer)
     for task in tasks:
         try:
-            scripts[task.instance_id] = _fitting(gold_replies(task), tokenizer, rollout.episode.sampling.max_new_tokens)
+            scripts[task.instance_id] = _fitting(SCRIPTS[script](task), tokenizer,
+                                                 rollout.episode.sampling.max_new_tokens)
         except GoldScriptError as exc:
             why = str(exc).removeprefix(f"{task.instance_id}: ")
             excluded.append(GoldExclusion(task.instance_id, "script", why))
@@ -116,11 +129,11 @@ async def make_gold(config: ClusterConfig, tasks: list[Task], out: Path, tokeniz
         engines[task.instance_id] = ScriptedEngine(scripts[task.instance_id], tokenizer, eot_id=eot)
         return engines[task.instance_id]
 
-    bar = Progress(len(scripted), "gold") if progress and scripted else None
+    bar = Progress(len(scripted), script) if progress and scripted else None
     with (out / "results.jsonl").open("ab") as results:
 
         def record(r: EpisodeResult) -> None:
-            why = _exclusion(r, engines[r.instance_id])
+            why = _exclusion(r, engines[r.instance_id], want_resolved=script == "gold")
             if why is None:
                 kept.append(Path(r.artifacts) / TRAJ_FILE)
             else:
@@ -129,10 +142,10 @@ async def make_gold(config: ClusterConfig, tasks: list[Task], out: Path, tokeniz
             results.write(msgspec.json.encode(r) + b"\n")
             results.flush()
             if bar:
-                bar.advance("resolved" if why is None else f"excluded ({why.stage})")
+                bar.advance("kept" if why is None else f"excluded ({why.stage})")
 
         if scripted:
-            status(f"{len(scripted)} gold scripts, concurrency {concurrency}, output {out}")
+            status(f"{len(scripted)} {script} scripts, concurrency {concurrency}, output {out}")
             async with running_pool(config) as pool, anyio.create_task_group() as tg:
                 grader = Grader(GraderConfig(timeout_s=grade_timeout_s, concurrency=rollout.concurrency), pool,
                                 resolver=resolver, log_dir=out / "grade-logs")
@@ -144,7 +157,8 @@ async def make_gold(config: ClusterConfig, tasks: list[Task], out: Path, tokeniz
     stats = _token_stats(sorted(kept))
     order = {t.instance_id: n for n, t in enumerate(tasks)}
     summary = GoldSummary(tasks=tasks_source, tokenizer=tokenizer_path, total=len(tasks), scripted=len(scripted),
-                          resolved=stats.count, excluded=sorted(excluded, key=lambda e: order.get(e.instance_id, 0)),
+                          resolved=stats.count if script == "gold" else 0, script=script, kept=stats.count,
+                          excluded=sorted(excluded, key=lambda e: order.get(e.instance_id, 0)),
                           tokens=stats, elapsed_s=round(time.monotonic() - started, 2))
     (out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
     return summary
@@ -161,13 +175,18 @@ def _fitting(replies: list[str], tokenizer: Any, max_tokens: int) -> list[str]:
     return replies
 
 
-def _exclusion(r: EpisodeResult, engine: ScriptedEngine) -> GoldExclusion | None:
-    """Why an episode's gold trajectory is not kept, or None: it submitted, resolved, and its model tokens are
-    exactly the scripted replies (no template realignment, no reply cut by max_tokens)."""
+def _exclusion(r: EpisodeResult, engine: ScriptedEngine, *, want_resolved: bool = True) -> GoldExclusion | None:
+    """Why an episode's scripted trajectory is not kept, or None: it submitted, resolved (``want_resolved``; else it
+    did not), and its model tokens are exactly the scripted replies (no template realignment, no reply cut by
+    max_tokens)."""
     if r.outcome == "ABORTED" or r.exit_status != "Submitted":
         return GoldExclusion(r.instance_id, "episode", f"{r.exit_status}: {r.reason}".rstrip(": "))
-    if not r.resolved:
+    if want_resolved and not r.resolved:
         return GoldExclusion(r.instance_id, "grade", _grade_reason(r))
+    if not want_resolved and (r.grade is None or r.grade.status != "unresolved"):
+        why = ("resolved with no change: the task's tests pass on the unchanged repository" if r.resolved
+               else _grade_reason(r))
+        return GoldExclusion(r.instance_id, "grade", why)
     traj = msgspec.json.decode((Path(r.artifacts) / TRAJ_FILE).read_bytes())["episode"]["trajectory"]
     trained = [t for t, m in zip(traj["token_ids"], traj["loss_mask"], strict=True) if m]
     expected = [t for n in range(r.turns) for t in engine.reply_ids(n)]

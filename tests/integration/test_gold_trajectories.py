@@ -72,3 +72,25 @@ def test_gold_trajectories_resolve_and_train_on_exactly_the_script(model: Path, 
     # a rerun into the same folder is refused rather than mixed in
     assert main(["data", "gold", "--model", str(model), "--instances", ids[0], "--out", str(out)]) == 2
     assert "holds an earlier run" in capsys.readouterr().err
+
+
+def test_give_up_trajectories_look_then_submit_nothing_and_are_kept_unresolved(
+        model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "give-up"
+    task_id = "inflection__inflection-0.5.1.0af49555"
+    assert main(["data", "gold", "--script", "give-up", "--model", str(model), "--instances", task_id,
+                 "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["script"] == "give-up" and summary["kept"] == 1 and summary["resolved"] == 0
+    assert summary["excluded"] == []
+    assert "1 of 1 give-up trajectories kept" in capsys.readouterr().err
+    [result] = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert result["exit_status"] == "Submitted" and not result["resolved"]
+    assert result["grade"]["status"] == "unresolved" and result["grade"]["f2p_failed"]  # the real tests ran
+    # rejection-sampling SFT skips it; sft_resolved_only = false trains on it, with the unresolved reward
+    assert samples_from_runs([out], resolved_only=True) == []
+    [sample] = samples_from_runs([out])
+    assert sample.reward == 0.0
+    episode = json.loads((out / f"{task_id}__0" / "traj.json").read_text())["episode"]
+    assert [s["action"].split()[0] for s in episode["steps"]] == ["nl", "echo"]
+    assert episode["patch"] == ""
