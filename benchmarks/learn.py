@@ -2,12 +2,16 @@
 
 1. the tiny model (`swectl model init`), a seeded train/test split of the bundled tasks (the split `swectl up`
    makes with train.test_fraction 0.5 and train.seed);
-2. gold trajectories of the train split (`swectl data gold`: each gold patch acted out as agent turns);
-3. SFT on them (`swectl up` with train.algorithm = "sft") to a checkpoint that solves some train tasks;
-4. GRPO from that checkpoint (`swectl up`), and two control runs, so any gain of the real run is shown to come
-   from the reward: the same with every advantage zeroed (train.zero_advantages: no update at all), and the same
-   with each group's rewards shuffled (train.shuffle_rewards: updates as large as the real run's, blind to which
-   episode resolved its task);
+2. gold trajectories of the train split (`swectl data gold`: each gold patch acted out as agent turns) and, with
+   ``--give-up K`` (default 1), K copies of a wrong teacher's trajectory per task (`swectl data gold --script
+   give-up`: the same first look at the code, then a submission with no change);
+3. SFT on them all (`swectl up` with train.algorithm = "sft", train.sft_resolved_only = false) to a checkpoint
+   that edits on some tries and gives up on others: it imitates a teacher that is right 1 time in K+1, and only
+   the reward says which attempts are right;
+4. GRPO from that checkpoint (`swectl up`), and control runs, so any gain of the real run is shown to come from
+   the reward: the same with every advantage zeroed (train.zero_advantages: no update at all; the default
+   control) and, with ``--controls zero,shuffle``, the same with each group's rewards shuffled
+   (train.shuffle_rewards: updates as large as the real run's, blind to which episode resolved its task);
 5. sampled resolve rates (temperature 1, ``--samples`` episodes per task, `swectl eval`) on the train split
    before training, after SFT, after GRPO and after each control run, and on the held-out split after GRPO.
 
@@ -108,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=None, help="folder for every run (default runs/learn-seed<seed>)")
     parser.add_argument("--samples", type=int, default=4, help="episodes per task in each evaluation")
-    parser.add_argument("--sft-steps", type=int, default=200)
+    parser.add_argument("--sft-steps", type=int, default=400)
     parser.add_argument("--sft-lr", type=float, default=2e-3)
-    parser.add_argument("--give-up", type=int, default=0, metavar="K",
+    parser.add_argument("--sft-schedule", choices=("constant", "cosine"), default="constant",
+                        help="SFT learning-rate schedule (cosine: down to a tenth of --sft-lr)")
+    parser.add_argument("--give-up", type=int, default=1, metavar="K",
                         help="SFT data from a noisy teacher: besides each task's gold trajectory, K copies of a "
                              "trajectory that looks at the same code and submits no change (`swectl data gold "
                              "--script give-up`), so the SFT model edits on some tries and gives up on others")
@@ -131,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
                         help="more `--set` overrides for the GRPO and control runs (repeatable)")
     parser.add_argument("--tag", default="", help="suffix of the GRPO and control run folders (to compare settings)")
-    parser.add_argument("--controls", default="zero,shuffle",
+    parser.add_argument("--controls", default="zero",
                         help="control runs, comma-separated: zero (advantages zeroed), shuffle (rewards shuffled)")
     parser.add_argument("--no-control", action="store_true", help="skip the control runs")
     parser.add_argument("--results", type=Path, default=RESULTS)
@@ -171,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         "train.model": repr(str(model)), "train.algorithm": '"sft"', "train.sft_data": json.dumps(sft_data),
         "train.sft_resolved_only": str(not args.give_up).lower(),
         "train.steps": args.sft_steps,
-        "train.sft_batch_size": 8, "train.lr": args.sft_lr, "train.warmup_steps": 3, "train.seed": args.seed,
+        "train.sft_batch_size": 8, "train.lr": args.sft_lr, "train.warmup_steps": 3,
+        "train.schedule": f'"{args.sft_schedule}"', "train.seed": args.seed,
         "train.save_every": args.sft_steps})
     timings["sft_s"] = time.monotonic() - t0
     rates["train_after_sft"] = evaluate(args, sft_weights, work / "train.jsonl", work / "eval-sft")
