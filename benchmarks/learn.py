@@ -153,19 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     train_tasks, test_tasks = split_tasks(load_tasks(BUNDLED_TASKS).tasks, 0.5, args.seed)
     for name, tasks in (("train", train_tasks), ("test", test_tasks)):
         (work / f"{name}.jsonl").write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t in tasks))
-    gold = work / "gold"
-    if not (gold / "summary.json").exists():
-        timings["gold_s"] = run(["data", "gold", "--tasks", str(work / "train.jsonl"), "--model", str(model),
-                                 "--out", str(gold), "--concurrency", "4", *rollout_sets(args)], "gold")
 
-    sft_data = [str(gold)]
-    if args.give_up:
-        give_up = work / "give-up"
-        if not (give_up / "summary.json").exists():
-            timings["give_up_s"] = run(["data", "gold", "--script", "give-up", "--tasks", str(work / "train.jsonl"),
-                                        "--model", str(model), "--out", str(give_up), "--concurrency", "4",
-                                        *rollout_sets(args)], "give-up")
-        sft_data += [str(give_up)] * args.give_up
+    def scripted(script: str) -> Path:
+        """`swectl data gold --script SCRIPT` on the train split into work/SCRIPT, once."""
+        out = work / script
+        if not (out / "summary.json").exists():
+            timings[f"{script.replace('-', '_')}_s"] = run(
+                ["data", "gold", "--script", script, "--tasks", str(work / "train.jsonl"), "--model", str(model),
+                 "--out", str(out), "--concurrency", "4", *rollout_sets(args)], script)
+        return out
+
+    gold = scripted("gold")
+    sft_data = [str(gold)] + ([str(scripted("give-up"))] * args.give_up if args.give_up else [])
 
     rates: dict[str, dict] = {}
     t0 = time.monotonic()

@@ -171,11 +171,9 @@ def gold_replies(task: Task) -> list[str]:
     """The agent replies (THOUGHT + one bash block each) that look at the code, apply ``task.patch``, run the
     failing tests and submit. GoldScriptError (naming the task) when the patch cannot be written that way."""
     try:
-        if not task.patch.strip():
-            raise GoldScriptError("the task has no gold patch")
         if any(0xD800 <= ord(c) <= 0xDFFF for c in task.patch):
             raise GoldScriptError("the gold patch holds bytes that are not UTF-8 text")
-        files = parse_patch(task.patch)
+        files = _patch_files(task)
         steps = [_look(files), _edit(files)]
         test = _test_command(task)
         if test:
@@ -195,12 +193,16 @@ def give_up_replies(task: Task) -> list[str]:
     """A giving-up teacher's replies: the gold script's first look at the code, then a submission with no change.
     GoldScriptError (naming the task) when the gold script itself cannot be written."""
     try:
-        if not task.patch.strip():
-            raise GoldScriptError("the task has no gold patch")
-        look = _look(parse_patch(task.patch))
-        return [_reply(*look), _reply(GIVE_UP_THOUGHT, SUBMIT_COMMAND)]
+        return [_reply(*_look(_patch_files(task))), _reply(GIVE_UP_THOUGHT, SUBMIT_COMMAND)]
     except GoldScriptError as exc:
         raise GoldScriptError(f"{task.instance_id}: {exc}") from None
+
+
+def _patch_files(task: Task) -> list[FilePatch]:
+    """The files and hunks of the task's gold patch; GoldScriptError when there is none."""
+    if not task.patch.strip():
+        raise GoldScriptError("the task has no gold patch")
+    return parse_patch(task.patch)
 
 
 def _reply(thought: str, command: str) -> str:
