@@ -14,6 +14,9 @@
    (train.shuffle_rewards: updates as large as the real run's, blind to which episode resolved its task);
 5. sampled resolve rates (temperature 1, ``--samples`` episodes per task, `swectl eval`) on the train split
    before training, after SFT, after GRPO and after each control run, and on the held-out split after GRPO.
+   The zero-advantage control makes no update, so its final weights are the SFT weights: when their sha256 agree,
+   the SFT and control evaluations are pooled into one estimate of the SFT policy (``train_after_sft_pooled_pct``)
+   and GRPO's gain is also reported against it (``grpo_gain_vs_pooled_sft_points``, the less noisy reading).
 
 Writes ``benchmarks/results/learn.json`` (rates, per-step GRPO curves of both runs, timings, the seed) and keeps
 every run folder under ``--work`` (default runs/learn-seed<seed>).
@@ -22,6 +25,7 @@ every run folder under ``--work`` (default runs/learn-seed<seed>).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import subprocess
@@ -63,15 +67,43 @@ def rollout_sets(args: argparse.Namespace) -> list[str]:
                       "rollout.max_format_errors": args.max_format_errors, "env_pool.warm": 0})
 
 
-def evaluate(args: argparse.Namespace, model: Path, tasks: Path, out: Path) -> dict:
+def evaluate(args: argparse.Namespace, model: Path, tasks: Path, out: Path, samples: int | None = None) -> dict:
+    """`swectl eval` of ``model`` on ``tasks`` (``samples`` episodes per task, default ``--samples``) into ``out``,
+    once: a folder with a summary is read back."""
     if not (out / "summary.json").exists():
-        run(["eval", "--model", str(model), "--tasks", str(tasks), "--samples", str(args.samples), "--temperature",
+        run(["eval", "--model", str(model), "--tasks", str(tasks), "--samples", str(samples or args.samples),
+             "--temperature",
              "1.0", "--step-limit", str(args.step_limit), "--max-tokens", str(args.max_tokens), "--concurrency",
              str(args.concurrency), "--out", str(out), "--fresh", "--set", "env_pool.warm=0", "--set",
              f"rollout.max_format_errors={args.max_format_errors}"], f"eval {out.name}")
     summary = json.loads((out / "summary.json").read_text())
     return {"resolve_rate": summary["resolve_rate"], "resolved": summary["resolved"], "episodes": summary["finished"],
-            "aborted": summary["infra_errors"], "folder": str(out)}
+            "aborted": summary["infra_errors"], "folder": str(out), "model": str(model)}
+
+
+def weights_digest(weights: Path) -> str:
+    """sha256 over a weights folder's safetensors files (names and bytes): equal digests, equal policies."""
+    digest = hashlib.sha256()
+    for path in sorted(weights.glob("*.safetensors")):
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def pooled_sft(rates: dict[str, dict]) -> dict | None:
+    """The SFT policy's rate from every evaluation of it: the SFT evaluation and, when the zero-advantage control's
+    final weights are the SFT weights byte for byte (it made no update), the control's evaluation too. Two
+    evaluations of one policy are one sample twice as large; None when there is nothing to pool."""
+    sft, control = rates.get("train_after_sft"), rates.get("train_after_control")
+    if sft is None or control is None:
+        return None
+    if weights_digest(Path(sft["model"])) != weights_digest(Path(control["model"])):
+        return None
+    resolved, episodes = sft["resolved"] + control["resolved"], sft["episodes"] + control["episodes"]
+    return {"resolve_rate": round(resolved / episodes, 4), "resolved": resolved, "episodes": episodes,
+            "evaluations": [sft["folder"], control["folder"]]}
 
 
 def train(args: argparse.Namespace, out_dir: Path, run_id: str, sets: dict[str, object],
@@ -111,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=None, help="folder for every run (default runs/learn-seed<seed>)")
-    parser.add_argument("--samples", type=int, default=4, help="episodes per task in each evaluation")
+    parser.add_argument("--samples", type=int, default=8,
+                        help="episodes per task in the train-split evaluations after SFT, GRPO and the controls")
+    parser.add_argument("--before-samples", type=int, default=2,
+                        help="episodes per task in the evaluation of the untrained model")
+    parser.add_argument("--test-samples", type=int, default=4,
+                        help="episodes per task in the held-out evaluation after GRPO")
     parser.add_argument("--sft-steps", type=int, default=400)
     parser.add_argument("--sft-lr", type=float, default=2e-3)
     parser.add_argument("--sft-schedule", choices=("constant", "cosine"), default="constant",
@@ -168,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rates: dict[str, dict] = {}
     t0 = time.monotonic()
-    rates["train_before"] = evaluate(args, model, work / "train.jsonl", work / "eval-before")
+    rates["train_before"] = evaluate(args, model, work / "train.jsonl", work / "eval-before", args.before_samples)
     timings["eval_before_s"] = time.monotonic() - t0
 
     t0 = time.monotonic()
@@ -214,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         curves[name] = curve(work / (name + suffix), after=args.sft_steps if continue_sft else 0)
         rates[f"train_after_{name}"] = evaluate(args, weights, work / "train.jsonl", work / f"eval-{name}{suffix}")
         if name == "grpo":
-            rates["test_after_grpo"] = evaluate(args, weights, work / "test.jsonl", work / f"eval-grpo{suffix}-test")
+            rates["test_after_grpo"] = evaluate(args, weights, work / "test.jsonl", work / f"eval-grpo{suffix}-test",
+                                                 args.test_samples)
 
     def pct(key: str) -> float | None:  # None (JSON null) for a phase not run (--no-control)
         return round(100 * rates[key]["resolve_rate"], 1) if key in rates else None
@@ -223,12 +261,17 @@ def main(argv: list[str] | None = None) -> int:
         after, before = pct(key), pct("train_after_sft")
         return round(after - before, 1) if after is not None and before is not None else None
 
+    pooled = pooled_sft(rates)
     result = {
         "seed": args.seed, "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "train_tasks": len(train_tasks), "test_tasks": len(test_tasks),
         "resolve_rate_pct": {k: pct(k) for k in rates},
         "grpo_gain_points": gain("train_after_grpo"), "control_gain_points": gain("train_after_control"),
         "shuffle_control_gain_points": gain("train_after_control_shuffle"),
+        "train_after_sft_pooled_pct": None if pooled is None else round(100 * pooled["resolve_rate"], 1),
+        "grpo_gain_vs_pooled_sft_points": (None if pooled is None or pct("train_after_grpo") is None
+                                           else round(pct("train_after_grpo") - 100 * pooled["resolve_rate"], 1)),
+        "sft_pooled": pooled,
         "rates": rates, "curves": curves, "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "total_minutes": round((time.monotonic() - started) / 60, 1), "work": str(work),
     }
@@ -238,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     runs_by_key[f"seed{args.seed}:{work.name}{suffix}"] = result
     args.results.write_text(json.dumps({"runs": runs_by_key, "latest": result}, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("seed", "resolve_rate_pct", "grpo_gain_points", "control_gain_points",
-                                                "shuffle_control_gain_points", "total_minutes")}, indent=1))
+                                                "shuffle_control_gain_points", "train_after_sft_pooled_pct",
+                                                "grpo_gain_vs_pooled_sft_points", "total_minutes")}, indent=1))
     return 0
 
 
