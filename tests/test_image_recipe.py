@@ -11,12 +11,23 @@ from pathlib import Path
 
 import pytest
 
-from swectl.images.instance import _label_value, python_warning
+from swectl.images.instance import _label_value, env_image_name, python_warning
 from swectl.images.project import ImageBuildError
 from swectl.images.pythons import find_interpreter
-from swectl.images.recipe import apt_containerfile, bash_syntax_error, is_apt_step, setup_script, split_pre_install
+from swectl.images.recipe import (
+    ENV_WARNINGS,
+    WARNING_TAG,
+    apt_containerfile,
+    bash_syntax_error,
+    env_containerfile,
+    install_deps_script,
+    instance_containerfile,
+    is_apt_step,
+    setup_script,
+    split_pre_install,
+)
 from swectl.images.requirements import _build_requires
-from swectl.images.wheels import OFFICIAL_CUTOFF, check_date_policy, pip_env, prior_to
+from swectl.images.wheels import OFFICIAL_CUTOFF, StageWheels, check_date_policy, pip_env, prior_to
 from swectl.tasks.record import Task
 from swectl.tasks.specs import SpecTable
 
@@ -331,3 +342,25 @@ def test_c_sources_outside_tests_and_docs_need_a_compiler(tmp_path: Path) -> Non
     assert has_c_sources(tmp_path, "HEAD") is False
     commit("pkg/_speedups.c")
     assert has_c_sources(tmp_path, "HEAD") is True
+
+
+def test_environment_and_instance_containerfiles_split_as_the_official_harness(specs: SpecTable) -> None:
+    """The environment image holds the venv and its wheels, nothing of the testbed; the instance image is the
+    testbed and the spec's install on it. Install warnings of the environment are kept in it and printed again
+    by every instance build on it, so each instance's report has them."""
+    env = env_containerfile("localhost/base:1")
+    assert env.startswith("FROM localhost/base:1\n")
+    assert "install-deps.sh" in env and "testbed" not in env and "setup.sh" not in env
+    inst = instance_containerfile("localhost/swectl-env.x_1776_y-1.0:abc")
+    assert inst.startswith("FROM localhost/swectl-env.x_1776_y-1.0:abc\n")
+    assert "COPY testbed /testbed" in inst and "setup.sh" in inst and "install-deps" not in inst
+    deps = install_deps_script([StageWheels(name="pins", install=["six==1.16.0"], files=[])])
+    assert f'echo "{WARNING_TAG} could not install $req" | tee -a {ENV_WARNINGS}' in deps
+    script, _ = setup_script(specs.get("psf/requests", "2.0"), allow_network=False)
+    assert script.splitlines()[2] == f"cat {ENV_WARNINGS} 2>/dev/null"
+
+
+def test_environment_image_names_are_valid_and_per_repo_version() -> None:
+    name = env_image_name(_task(version="0.22"), "0123456789abcdef0123")
+    assert name == "localhost/swectl-env.x_1776_y-0.22:0123456789abcdef"
+    assert name.islower()

@@ -43,8 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prune.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     prune.add_argument("--instances", action="store_true",
                        help="prune instance images instead (`image build --repo-cache`): every one, or with --tasks "
-                       "those of rows not in the set; then the apt and Python images no instance image is built on "
-                       "any more (the shared dependency layers go with the last image using them)")
+                       "those of rows not in the set; then the environment, apt and Python images no instance image is "
+                       "built on any more")
     prune.add_argument("--tasks", default=None, metavar="SOURCE",
                        help="with --instances: the rows whose images to keep")
 
@@ -92,7 +92,10 @@ def _build_instance_images(args: argparse.Namespace) -> int:
         write_image_map(outcomes, args.image_map)
         say(f"wrote {args.image_map}")
     failed = [o for o in outcomes if o.status == "failed"]
-    say(f"{len(outcomes) - len(failed)}/{len(outcomes)} instance images ready")
+    envs = {o.env for o in outcomes if o.ok and o.env}
+    made = sum(o.env_built for o in outcomes)
+    say(f"{len(outcomes) - len(failed)}/{len(outcomes)} instance images ready, on {len(envs)} environment image(s) "
+        f"({made} built now)")
     return 1 if failed else 0
 
 

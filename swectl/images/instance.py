@@ -1,6 +1,9 @@
 """Instance images for classic SWE-bench rows, built offline from a local clone of each task's repository.
 
-One image per task, on swectl's base image (Debian with python3.11, no conda):
+Two layers, the official harness's env/instance split, on swectl's base image (Debian with python3.11, no conda):
+an environment image per (repo, version) and dependency set (``localhost/swectl-env.<repo>-<version>:<hash>``:
+the venv, its wheels, the conda shim), shared by every instance whose dependencies are the same, and a thin
+instance image per task on it (``localhost/swectl-inst.<id>``: the testbed and the spec's install):
 
 - ``/testbed`` is the task's repository at ``base_commit``, with its history up to there and nothing later
   (clones.py).
@@ -26,13 +29,17 @@ The spec's apt steps (recipe.py) run, with ``allow_network`` and a reachable Deb
 of their own (``localhost/swectl-apt:<hash>``, built with the network, shared by every row with the same
 steps) that the instance image is built on; ``swectl.apt`` says whether they ran.
 
-This module plans a build (the content hash over everything that goes into the image), writes the build
-context and runs ``podman build --network none`` (the network only where ``allow_network`` runs other network
-steps); images carry the label ``swectl.content`` and are rebuilt only when it changes.
+This module plans a build (the content hashes over everything that goes into each of the two images), writes
+the build contexts and runs ``podman build --network none`` (the instance build gets the network only where
+``allow_network`` runs other network steps); images carry the label ``swectl.content`` and are rebuilt only when
+it changes. Builds of one environment image wait for each other (a file lock in the cache), so parallel builds
+(``--jobs``, or two processes) of one (repo, version) build it once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -42,7 +49,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -75,8 +82,9 @@ from swectl.images.recipe import (
     WARNING_TAG,
     apt_containerfile,
     conda_shim,
-    containerfile_body,
+    env_containerfile,
     install_deps_script,
+    instance_containerfile,
     needs_network,
     setup_script,
     split_pre_install,
@@ -99,6 +107,9 @@ from swectl.tasks.record import TESTBED, Task
 from swectl.tasks.specs import RepoSpec, SpecTable
 
 INSTANCE_PREFIX = "localhost/swectl-inst."
+ENV_PREFIX = "localhost/swectl-env."
+# How long a build waits for another one building the same environment image (seconds).
+ENV_LOCK_TIMEOUT_S = 3600.0
 APT_IMAGE = "localhost/swectl-apt"
 # Pythons whose ensurepip bundles a pip older than 19.3 (no manylinux2014): the venv's pip is upgraded first.
 OLD_PIP_BELOW = (3, 7)
@@ -122,6 +133,8 @@ class InstanceOutcome(msgspec.Struct, kw_only=True):
     seconds: float = 0.0
     built: BuiltImage | None = None
     step: str = ""  # failed: the build step that failed (BUILD_STEPS)
+    env: str = ""  # the environment image the instance image is built on
+    env_built: bool = False  # whether this build made that environment image (else it was there)
 
     @property
     def ok(self) -> bool:
@@ -133,9 +146,24 @@ def instance_image_name(task: Task) -> str:
     return f"{INSTANCE_PREFIX}{docker_id(task.instance_id)}:latest"
 
 
+def env_image_name(task: Task, content: str) -> str:
+    """``localhost/swectl-env.<owner>_1776_<name>-<version>:<content[:16]>``: one per (repo, version) and
+    dependency set."""
+    return f"{ENV_PREFIX}{docker_id(task.repo.replace('/', '__'))}-{task.version.lower()}:{content[:16]}"
+
+
 def _label_value(text: str) -> str:
     """``text`` as a double-quoted Containerfile LABEL value (``$`` escaped: LABEL expands variables)."""
     return json.dumps(text).replace("$", "\\$")
+
+
+def _env_label(task: Task, plan: _Plan) -> str:
+    labels = {
+        "swectl.image": "env", "swectl.repo": task.repo, "swectl.version": task.version,
+        "swectl.content": plan.env_content, "swectl.uploaded_prior_to": plan.date or "none",
+        "swectl.python": plan.python, "swectl.apt": plan.apt,
+    }
+    return "LABEL " + " ".join(f"{k}={_label_value(v)}" for k, v in labels.items()) + "\n"
 
 
 def _label(task: Task, plan: _Plan) -> str:
@@ -143,18 +171,22 @@ def _label(task: Task, plan: _Plan) -> str:
         "swectl.image": "instance", "swectl.instance": task.instance_id, "swectl.content": plan.content,
         "swectl.uploaded_prior_to": plan.date or "none", "swectl.python": plan.python,
         "swectl.spec_python": plan.spec_python or "unset", "swectl.apt": plan.apt,
-        "swectl.warnings": json.dumps(plan.warnings),
+        "swectl.warnings": json.dumps(plan.warnings), "swectl.env": plan.env_image,
     }
     return "LABEL " + " ".join(f"{k}={_label_value(v)}" for k, v in labels.items()) + "\n"
 
 
 class _Plan(msgspec.Struct, frozen=True):
-    """Everything one build writes into its context but the testbed, and the content hash of the image."""
+    """Everything the two builds write into their contexts but the testbed and the wheels, and the content hashes
+    of both images."""
 
     image: str
     commit: str
     stages: list[StageWheels]
-    files: dict[str, str]  # build-context path -> text
+    env_image: str
+    env_files: dict[str, str]  # build-context path -> text, of the environment image
+    env_content: str
+    files: dict[str, str]  # build-context path -> text, of the instance image
     content: str
     warnings: list[str]
     date: str  # uploaded-prior-to of the downloads; "" for none
@@ -328,22 +360,25 @@ def _plan(task: Task, spec: RepoSpec, testbed: Testbed, base: str, allow_network
     setup, setup_warnings = setup_script(spec, allow_network=allow_network, apt_layer=apt == "ran")
     _apt_steps, other, _ = split_pre_install(spec.pre_install)
     network = allow_network and any(needs_network(step) for step in other)
-    files = {
+    env_files = {
         "tools/install-deps.sh": install_deps_script(stages, python),
         "tools/conda-activate": conda_shim(),
-        "tools/setup.sh": setup,
-        "Containerfile": containerfile_body(build_on),
+        "Containerfile": env_containerfile(build_on),
         **{f"wheels/{stage_file(i, s.name)}": "".join(f"{r}\n" for r in s.install) for i, s in enumerate(stages)},
     }
-    recipe = [build_on_id, testbed.commit, testbed.tags, files, [(s.name, s.files) for s in stages], network,
-              date, python_version, apt]
+    env_content = cache_key("env", msgspec.to_builtins(
+        [build_on_id, env_files, [(s.name, s.files) for s in stages], date, python_version, apt]))
+    env_image = env_image_name(task, env_content)
+    files = {"tools/setup.sh": setup, "Containerfile": instance_containerfile(env_image)}
+    recipe = [env_content, testbed.commit, testbed.tags, files, network]
     if testbed.submodule_state:  # only then: the images of repositories without submodules keep their hash
         recipe.append(testbed.submodule_state)
     content = cache_key("content", msgspec.to_builtins(recipe))
     warnings = [*notes, *reqs.notes, *(n for s in stages for n in s.notes),
                 *setup_warnings]
-    return _Plan(image=instance_image_name(task), commit=testbed.commit, stages=stages, files=files,
-                 content=content, warnings=warnings, date=date, python=python_version, spec_python=spec.python,
+    return _Plan(image=instance_image_name(task), commit=testbed.commit, stages=stages, env_image=env_image,
+                 env_files=env_files, env_content=env_content, files=files, content=content, warnings=warnings,
+                 date=date, python=python_version, spec_python=spec.python,
                  apt=apt, network=network)
 
 
@@ -354,18 +389,59 @@ def _link(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _write_context(task: Task, plan: _Plan, ctx: Path, testbed: Testbed) -> None:
-    testbed.get()
-    wheels = ctx / "wheels"
-    shutil.rmtree(wheels, ignore_errors=True)
-    wheels.mkdir(parents=True)
-    for name in sorted({f for s in plan.stages for f in s.files}):
-        _link(wheel_pool() / name, wheels / name)
-    for rel, text in plan.files.items():
+def _write_files(ctx: Path, files: dict[str, str], label: str) -> None:
+    for rel, text in files.items():
         (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
         (ctx / rel).write_text(text)
     with (ctx / "Containerfile").open("a") as f:
-        f.write(_label(task, plan))
+        f.write(label)
+
+
+def _write_env_context(task: Task, plan: _Plan, ctx: Path) -> None:
+    wheels = ctx / "wheels"
+    wheels.mkdir(parents=True)
+    for name in sorted({f for s in plan.stages for f in s.files}):
+        _link(wheel_pool() / name, wheels / name)
+    _write_files(ctx, plan.env_files, _env_label(task, plan))
+
+
+@contextlib.contextmanager
+def _build_lock(key: str, timeout: float = ENV_LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold an exclusive lock named ``key`` in the cache (threads and processes alike), waiting at most
+    ``timeout`` seconds for it."""
+    path = cache_dir() / "locks" / f"{key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ImageBuildError(f"waited {timeout:.0f} s for another build holding {path}; "
+                                          "is one hung?") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _ensure_env(task: Task, plan: _Plan, log: Path, say: Say) -> bool:
+    """Build the plan's environment image unless an image of its content is there. Whether it was built."""
+    with _build_lock(f"env-{plan.env_content}"):
+        if image_label(plan.env_image, "swectl.content") == plan.env_content:
+            return False
+        ctx = cache_dir() / "build" / f"env-{plan.env_content}"
+        shutil.rmtree(ctx, ignore_errors=True)
+        _write_env_context(task, plan, ctx)
+        check_disk(ctx)
+        say(f"{task.instance_id}: building {plan.env_image}, the environment of {task.repo} {task.version} "
+            f"(log: {log})")
+        _podman_build(plan.env_image, ctx, log, network=False)
+        shutil.rmtree(ctx, ignore_errors=True)
+        return True
 
 
 def _podman_build(image: str, ctx: Path, log: Path, network: bool) -> str:
@@ -453,9 +529,20 @@ def failed_run_step(output: str) -> str:
     return "podman_build"
 
 
+class _Built(msgspec.Struct, frozen=True):
+    """What ``_build`` made: the instance image, the warnings, and its environment image (whether made now)."""
+
+    image: BuiltImage
+    warnings: list[str]
+    env: str
+    env_built: bool = False
+
+
 def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say, force: bool,
-           allow_network: bool, uploaded_prior_to: str, steps: list[str] | None = None) -> tuple[BuiltImage, list[str]]:
-    """Build one image; ``steps`` gets each step's name (BUILD_STEPS) as it starts, so a failure can be placed."""
+           allow_network: bool, uploaded_prior_to: str, steps: list[str] | None = None) -> _Built:
+    """Build one instance image, and its environment image first where it is missing (``force`` rebuilds the
+    instance image only); ``steps`` gets each step's name (BUILD_STEPS) as it starts, so a failure can be
+    placed."""
     steps = [] if steps is None else steps
     log = cache_dir() / "logs" / f"build-inst-{task.instance_id}.log"
     steps.append("clone")
@@ -480,14 +567,18 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
     if not force and image_label(plan.image, "swectl.content") == plan.content:
         shutil.rmtree(ctx, ignore_errors=True)
         say(f"{task.instance_id}: {plan.image} is up to date")
-        return BuiltImage(plan.image, plan.content, plan.commit, cached=True), [*plan.warnings, *testbed.warnings]
-    _write_context(task, plan, ctx, testbed)
-    steps.append("disk")
-    check_disk(ctx)
-    say(f"{task.instance_id}: building {plan.image} (log: {log})")
-    previous = image_id(plan.image)
+        return _Built(BuiltImage(plan.image, plan.content, plan.commit, cached=True),
+                      [*plan.warnings, *testbed.warnings], plan.env_image)
     steps.append("podman_build")
     try:
+        env_built = _ensure_env(task, plan, log, say)
+        testbed.get()
+        _write_files(ctx, plan.files, _label(task, plan))
+        steps.append("disk")
+        check_disk(ctx)
+        say(f"{task.instance_id}: building {plan.image} (log: {log})")
+        previous = image_id(plan.image)
+        steps.append("podman_build")
         output = _podman_build(plan.image, ctx, log, plan.network)
     except BuildStepError as exc:
         steps.append(exc.step)
@@ -499,8 +590,8 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
     build_warnings = [line.strip() for line in output.splitlines() if line.startswith(WARNING_TAG)]
     for warning in build_warnings:
         say(f"{task.instance_id}: {warning}")
-    return BuiltImage(plan.image, plan.content, plan.commit, cached=False), [*plan.warnings, *testbed.warnings,
-                                                                             *build_warnings]
+    return _Built(BuiltImage(plan.image, plan.content, plan.commit, cached=False),
+                  [*plan.warnings, *testbed.warnings, *build_warnings], plan.env_image, env_built)
 
 
 def build_instance_image(
@@ -511,7 +602,7 @@ def build_instance_image(
     ``uploaded_prior_to``: the date policy of the downloads (wheels.py: official, created_at, env-commit, none
     or an ISO date)."""
     return _build(task, spec, repo_cache, base=base, say=say, force=force, allow_network=allow_network,
-                  uploaded_prior_to=check_date_policy(uploaded_prior_to))[0]
+                  uploaded_prior_to=check_date_policy(uploaded_prior_to)).image
 
 
 def _skip_reason(task: Task) -> str:
@@ -531,15 +622,16 @@ def _outcome(task: Task, specs: SpecTable, repo_cache: Path, *, base: str, say: 
     steps = ["spec"]
     try:
         spec = specs.get(task.repo, task.version)
-        built, warnings = _build(task, spec, repo_cache, base=base, say=say, force=force,
-                                 allow_network=allow_network, uploaded_prior_to=uploaded_prior_to, steps=steps)
+        made = _build(task, spec, repo_cache, base=base, say=say, force=force, allow_network=allow_network,
+                      uploaded_prior_to=uploaded_prior_to, steps=steps)
     except (SwectlError, OSError, subprocess.SubprocessError) as exc:
         say(f"{task.instance_id}: FAILED in {steps[-1]}: {exc}")
         return InstanceOutcome(instance_id=task.instance_id, status="failed", message=str(exc),
                                seconds=round(time.monotonic() - started, 1), step=steps[-1])
     return InstanceOutcome(
-        instance_id=task.instance_id, status="cached" if built.cached else "built", image=built.image,
-        warnings=warnings, seconds=round(time.monotonic() - started, 1), built=built,
+        instance_id=task.instance_id, status="cached" if made.image.cached else "built", image=made.image.image,
+        warnings=made.warnings, seconds=round(time.monotonic() - started, 1), built=made.image, env=made.env,
+        env_built=made.env_built,
     )
 
 
@@ -582,15 +674,15 @@ def _labelled(kind: str) -> list[tuple[str, str]]:
 
 
 def prune_instance_images(keep: set[str] | None = None, *, dry_run: bool = False) -> list[str]:
-    """Remove the instance images (all of them, or those of instance ids not in ``keep``), then the apt and Python
-    images under them that no image is built on any more (podman refuses to remove an image with children, so
-    the ones still in use stay). The dependency layers go with the last image that shares them. The names
-    removed (or, with ``dry_run``, the instance images that would be)."""
+    """Remove the instance images (all of them, or those of instance ids not in ``keep``), then the environment,
+    apt and Python images under them that no image is built on any more (podman refuses to remove an image with
+    children, so the ones still in use stay). The names removed (or, with ``dry_run``, the instance images that
+    would be)."""
     doomed = [name for name, inst in _labelled("instance") if keep is None or inst not in keep]
     if dry_run:
         return doomed
     removed = [name for name in doomed if remove_instance_image(name)]
-    for kind in ("apt", "python"):  # apt images are built on Python images: apt first
+    for kind in ("env", "apt", "python"):  # each kind is built on the next: children first
         in_use = _ancestors_of_named_images()
         for name, _inst in _labelled(kind):
             if image_id(name) not in in_use and remove_instance_image(name):

@@ -17,8 +17,9 @@
 - The venv's python is a real binary and the base interpreter sees the venv's packages (``make_venv``), so
   tools that re-exec ``sys.executable`` or link to it (tox --current-env) keep the venv.
 
-Dependency layers come first in the Containerfile: tasks of one spec with the same wheels share them through
-podman's layer cache.
+Two Containerfiles, the official harness's env/instance split: the environment image (:func:`env_containerfile`:
+the venv and its wheels, shared by every instance of a (repo, version) with the same dependencies) and the thin
+instance image on it (:func:`instance_containerfile`: the testbed and the spec's install).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ WHEELS = "/opt/swectl-wheels"
 TOOLS = "/opt/swectl"
 CONDA_ACTIVATE = "/opt/miniconda3/bin/activate"
 WARNING_TAG = "swectl-warning:"
+ENV_WARNINGS = f"{TOOLS}/env-warnings.txt"  # the environment image's build warnings (install-deps.sh)
 # A pre_install line that runs one of these needs the network.
 _NETWORK_STEP = re.compile(r"(?:^|[\s;&|(`])(?:apt-get|apt|wget|curl|conda|pip3?|git\s+clone)(?=\s|$)")
 _BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -107,7 +109,8 @@ def stage_file(index: int, name: str) -> str:
 
 def install_deps_script(stages: list[StageWheels], python: str = "python3") -> str:
     """Creates the venv with ``python`` and installs the stages in order: each all at once, else one
-    requirement at a time (a requirement that does not install is a warning)."""
+    requirement at a time (a requirement that does not install is a warning, kept in the environment image so
+    that every instance build on it reports it again)."""
     lines = [
         "#!/bin/bash",
         "set -uo pipefail",
@@ -116,7 +119,7 @@ def install_deps_script(stages: list[StageWheels], python: str = "python3") -> s
         f'    {VENV}/bin/pip install -r "$1" && return 0',
         '    echo "swectl: installing $1 together failed; installing its requirements one by one"',
         "    while IFS= read -r req; do",
-        f'        {VENV}/bin/pip install "$req" || echo "{WARNING_TAG} could not install $req"',
+        f'        {VENV}/bin/pip install "$req" || echo "{WARNING_TAG} could not install $req" | tee -a {ENV_WARNINGS}',
         '    done < "$1"',
         "}",
     ]
@@ -128,7 +131,7 @@ def setup_script(spec: RepoSpec, *, allow_network: bool, apt_layer: bool = False
     """The script run in TESTBED at build time (pre_install, then install), and warnings about skipped steps.
     ``apt_layer``: the apt steps ran in the image under this one (they are left out here)."""
     apt, other, warnings = split_pre_install(spec.pre_install)
-    lines = ["#!/bin/bash", "set -uo pipefail", f"cd {TESTBED}"]
+    lines = ["#!/bin/bash", "set -uo pipefail", f"cat {ENV_WARNINGS} 2>/dev/null", f"cd {TESTBED}"]
     for step in spec.pre_install:
         if step not in other:
             if step in apt and not apt_layer:
@@ -147,8 +150,9 @@ def setup_script(spec: RepoSpec, *, allow_network: bool, apt_layer: bool = False
     return "\n".join(lines), warnings
 
 
-def containerfile_body(base: str) -> str:
-    """Everything but the label. The dependency layers come first so that tasks of one spec share them."""
+def env_containerfile(base: str) -> str:
+    """The environment image of a (repo, version), everything but the label: the venv with the stages' wheels
+    installed, offline pip and the conda shim. Instances whose dependencies are the same share it."""
     env = {
         "PATH": f"{VENV}/bin:{_BASE_PATH}",
         "PIP_NO_INDEX": "1",
@@ -166,6 +170,15 @@ def containerfile_body(base: str) -> str:
         f"COPY tools/install-deps.sh tools/conda-activate {TOOLS}/",
         f"RUN bash {TOOLS}/install-deps.sh && mkdir -p {posixpath.dirname(CONDA_ACTIVATE)} "
         f"&& cp {TOOLS}/conda-activate {CONDA_ACTIVATE} && git config --system --add safe.directory '*'",
+        "",
+    ])
+
+
+def instance_containerfile(env_image: str) -> str:
+    """The thin per-instance image on its environment image, everything but the label: the testbed at the base
+    commit and the spec's pre_install / install run in it (the ENV of the environment image carries over)."""
+    return "\n".join([
+        f"FROM {env_image}",
         f"COPY testbed {TESTBED}",
         f"COPY tools/setup.sh {TOOLS}/",
         f"WORKDIR {TESTBED}",

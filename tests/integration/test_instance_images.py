@@ -26,6 +26,7 @@ from swectl.grading.eval_script import build_classic_eval_script, with_exit_code
 from swectl.images.clones import find_clone
 from swectl.images.instance import (
     APT_IMAGE,
+    ENV_PREFIX,
     _labelled,
     apt_mirror,
     build_one,
@@ -99,7 +100,20 @@ def podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
 
 def build_instance_image(task: Task, *args, **kwargs) -> BuiltImage:
     BUILT.append(instance_image_name(task))  # a failed build may have tagged nothing: removing is harmless
-    return _build_instance_image(task, *args, **kwargs)
+    built = _build_instance_image(task, *args, **kwargs)
+    BUILT.append(image_label(built.image, "swectl.env") or "")
+    return built
+
+
+def removal_order(image: str) -> int:
+    """Children before the images they are built on: instance, environment, apt."""
+    return 2 if APT_IMAGE in image else 1 if image.startswith(ENV_PREFIX) else 0
+
+
+def layers(image: str) -> list[str]:
+    out = podman("image", "inspect", "--format", "{{json .RootFS.Layers}}", image)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 def spec(**changes: object):
@@ -149,8 +163,8 @@ def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fake]:
         built = build_instance_image(task, spec(), root / "repos")
         yield Fake(repo_cache=root / "repos", clone=clone, task=task, future_commit=future, built=built,
                    build_s=time.monotonic() - started)
-    built = list(reversed(dict.fromkeys(BUILT)))
-    for image in sorted(built, key=lambda i: APT_IMAGE in i) + python:  # children first: instance, apt, python
+    built = [image for image in reversed(dict.fromkeys(BUILT)) if image]
+    for image in sorted(built, key=removal_order) + python:  # children first: instance, env, apt, python
         remove_instance_image(image)
 
 
@@ -239,7 +253,9 @@ def test_python_3_6_from_the_node_gets_a_pip_that_takes_todays_wheels(fake: Fake
     python, pip = r.stdout.split()
     assert python == interp.full_version
     assert tuple(int(p) for p in pip.split(".")[:2]) >= (19, 3)
+    env = image_label(built.image, "swectl.env") or ""
     remove_instance_image(built.image)
+    remove_instance_image(env)
     if not had_python:
         remove_instance_image(python_image_name(interp, image_id(DEFAULT_BASE) or ""))
 
@@ -266,6 +282,23 @@ def test_second_build_is_cached(fake: Fake) -> None:
     assert again.cached
     assert again.content == fake.built.content
     assert again.image == fake.built.image
+
+
+def test_instances_of_one_version_share_one_environment_image(fake: Fake) -> None:
+    """The official harness's env/instance split: a second row of the same (repo, version) and dependencies
+    is a thin layer on the first one's environment image, which is not built again."""
+    twin = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "7")
+    BUILT.append(instance_image_name(twin))
+    lines: list[str] = []
+    outcome = build_one(twin, load_specs(), fake.repo_cache, say=lines.append)
+    env = image_label(fake.built.image, "swectl.env") or ""
+    assert (outcome.status, outcome.env, outcome.env_built) == ("built", env, False), outcome
+    assert env.startswith(f"{ENV_PREFIX}psf_1776_requests-2.0:"), env
+    assert not any("building localhost/swectl-env." in line for line in lines), lines
+    assert [image_label(env, k) for k in ("swectl.image", "swectl.repo", "swectl.version")] == ["env", REPO, VERSION]
+    under, over = layers(env), layers(outcome.image)
+    assert over[:len(under)] == under and len(over) > len(under)  # the instance image is the env image + layers
+    print(f"instance layers on the environment image: {len(over) - len(under)}")
 
 
 # ------------------------------------------------------------------------------------------------ grading
@@ -431,6 +464,7 @@ def test_build_many_goes_on_past_failures_and_writes_the_map(fake: Fake, tmp_pat
 
 
 def test_prune_removes_instance_images_not_kept_and_leaves_images_in_use(fake: Fake) -> None:
+    under = image_label(fake.built.image, "swectl.python")
     variant = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "9")
     built = build_instance_image(variant, spec(), fake.repo_cache, say=lambda _: None)
     others = {inst for _name, inst in _labelled("instance")} - {variant.instance_id}  # other runs' images stay
@@ -440,10 +474,22 @@ def test_prune_removes_instance_images_not_kept_and_leaves_images_in_use(fake: F
     assert built.image in removed
     assert podman("image", "exists", built.image).returncode != 0
     assert podman("image", "exists", fake.built.image).returncode == 0
-    under = image_label(fake.built.image, "swectl.python")
+    assert podman("image", "exists", image_label(fake.built.image, "swectl.env") or "-").returncode == 0  # in use
     interp = find_interpreter("3.9")
     if interp and under == interp.full_version:  # its Python image is in use: podman keeps it
         assert podman("image", "exists", python_image_name(interp, image_id(DEFAULT_BASE) or "")).returncode == 0
+
+
+def test_prune_removes_an_environment_image_with_its_last_instance(fake: Fake) -> None:
+    variant = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "8")
+    built = build_instance_image(variant, spec(pip_packages=["six"]), fake.repo_cache, say=lambda _: None)
+    env = image_label(built.image, "swectl.env") or ""
+    assert env.startswith(ENV_PREFIX) and env != image_label(fake.built.image, "swectl.env")
+    others = {inst for _name, inst in _labelled("instance")} - {variant.instance_id}
+    removed = prune_instance_images(others)
+    assert built.image in removed and env in removed
+    assert podman("image", "exists", env).returncode != 0
+    assert podman("image", "exists", fake.built.image).returncode == 0
 
 
 # ------------------------------------------------------------------------------------------------ requirements
