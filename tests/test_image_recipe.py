@@ -26,7 +26,7 @@ from swectl.images.recipe import (
     setup_script,
     split_pre_install,
 )
-from swectl.images.requirements import _build_requires
+from swectl.images.requirements import _build_requires, conda_era_caps, setup_py_install_requires
 from swectl.images.wheels import OFFICIAL_CUTOFF, StageWheels, check_date_policy, pip_env, prior_to
 from swectl.tasks.record import Task
 from swectl.tasks.specs import SpecTable
@@ -228,6 +228,27 @@ def test_setup_py_literal_setup_requires_join_the_build_stage(tmp_path: Path) ->
     _git(repo, "commit", "-qam", "broken")
     assert _build_requires(repo, _git(repo, "rev-parse", "HEAD"), notes) == ["numpy>=1.13"]
     assert len(notes) == 1 and "setup.py: not parsable" in notes[0]
+
+
+def test_setup_py_install_requires_names_what_it_builds_from_strings(tmp_path: Path) -> None:
+    """scikit-learn 0.22's setup.py cannot say what it requires on the host (it needs numpy and an old
+    setuptools to run): the names its install_requires list spells are read from the syntax tree instead."""
+    repo = tmp_path / "r"
+    commit = _committed(repo, {"setup.py": (
+        "NUMPY_MIN_VERSION = '1.11.0'\nV = '0.11'\n"
+        "setup(name='x', install_requires=['numpy>={}'.format(NUMPY_MIN_VERSION), 'scipy>=' + V, "
+        "f'joblib>={V}', 'six>=1.1', some_name, 'not a requirement!'])\n")})
+    assert setup_py_install_requires(repo, commit) == ["numpy", "scipy", "joblib", "six>=1.1"]
+    (repo / "setup.py").write_text("setup(install_requires=deps)\n")
+    _git(repo, "commit", "-qam", "computed")
+    assert setup_py_install_requires(repo, _git(repo, "rev-parse", "HEAD")) == []
+
+
+def test_conda_era_caps_hold_back_what_conda_never_built_for_an_old_python() -> None:
+    notes: list[str] = []
+    assert conda_era_caps(["numpy", "cython", "Cython>=0.28"], "3.6", notes) == ["numpy", "cython<3", "Cython>=0.28"]
+    assert len(notes) == 1 and "cython capped <3 for python 3.6" in notes[0]
+    assert conda_era_caps(["cython"], "3.9", notes) == ["cython"]
 
 
 def test_missing_files_names_what_a_partial_mirror_left_out(tmp_path: Path) -> None:

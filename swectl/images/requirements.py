@@ -121,6 +121,29 @@ def conda_to_pip(spec: str, origin: str, notes: list[str]) -> str | None:
     return _pip_requirement(spec, origin, notes)
 
 
+# Conda's channels stopped building some packages for an old Python before a major release that PyPI still
+# ships for it: a conda environment of that Python (what the official images have) gets the last build before
+# the major, while pip resolving by date gets the new one. Cython 3 has cp36 wheels on PyPI, but no conda build
+# for Python 3.6, and scikit-learn 0.2x does not compile with it (binary_tree.pxi: "Cannot assign type 'double'
+# to 'ITYPE_t'"). Applied to the unpinned packages of a spec's conda package list.
+CONDA_ERA_CAPS: dict[str, dict[str, str]] = {"3.6": {"cython": "<3"}}
+
+
+def conda_era_caps(requirements: list[str], python: str, notes: list[str]) -> list[str]:
+    """``requirements`` (from a conda package list) with the caps of ``CONDA_ERA_CAPS`` for ``python`` added to
+    the unpinned ones it names, each with a note."""
+    caps = CONDA_ERA_CAPS.get(".".join(python.split(".")[:2]), {})
+    out = []
+    for req in requirements:
+        name = conda_name(req)
+        if name in caps and req.strip().lower() == name:
+            notes.append(f"spec packages: {name} capped {caps[name]} for python {python} (conda has no newer build "
+                         "for it; pip by date would take one)")
+            req = f"{req}{caps[name]}"
+        out.append(req)
+    return out
+
+
 def _logical_lines(text: str) -> list[str]:
     """Requirements-file lines: comments dropped, backslash continuations joined, blanks removed."""
     joined = re.sub(r"\\\r?\n", "", text)
@@ -265,6 +288,44 @@ def _setup_py_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
     return _pip_lines(dict.fromkeys(found), "setup.py setup_requires", notes)
 
 
+_LEADING_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def setup_py_install_requires(clone: Path, commit: str) -> list[str]:
+    """The distributions setup.py's ``setup(install_requires=[...])`` names, read (never run) from its syntax tree:
+    literal entries as written; an entry built from a string (``'numpy>={}'.format(NUMPY_MIN_VERSION)``,
+    ``'scipy>=' + V``) by the name it starts with, unversioned. For a project whose metadata cannot be prepared on
+    the host (scikit-learn 0.2x: its setup.py needs numpy and an old setuptools to say what it requires), so its
+    dependencies are still downloaded (as of the image's date) for the offline install."""
+    text = read_at(clone, commit, "setup.py")
+    if text is None or "install_requires" not in text:
+        return []
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+
+    def leading(node: ast.AST) -> str:
+        """The requirement, or the name a string expression starts with."""
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        inner = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else \
+            node.left if isinstance(node, ast.BinOp) else \
+            node.values[0] if isinstance(node, ast.JoinedStr) and node.values else None
+        if isinstance(inner, ast.Constant) and isinstance(inner.value, str):
+            match = _LEADING_NAME.match(inner.value)
+            return match.group(1) if match else ""
+        return ""
+
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg == "install_requires" and isinstance(kw.value, ast.List | ast.Tuple):
+                    found += [x for x in map(leading, kw.value.elts) if x]
+    return _pip_lines(dict.fromkeys(found), "setup.py install_requires", [])
+
+
 def _build_requires(clone: Path, commit: str, notes: list[str], pinned: frozenset[str] = frozenset()) -> list[str]:
     """pyproject.toml's ``build-system.requires`` and setup.cfg's and setup.py's ``setup_requires`` (build isolation
     is off). setup.py's leave out the packages in ``pinned`` (the spec's pip_packages pin them, and a newer one
@@ -300,6 +361,7 @@ def spec_requirements(task: Task, spec: RepoSpec, clone: Path, commit: str) -> R
         packages, apt = _repo_file_requirements(task, spec, clone, commit, notes)
     else:
         packages = [r for r in (conda_to_pip(p, "spec packages", notes) for p in shlex.split(spec.packages)) if r]
+        packages = conda_era_caps(packages, spec.python, notes)
     stages = [
         Stage(name="runner", requirements=list(RUNNER_REQUIREMENTS)),
         Stage(name="packages", requirements=list(dict.fromkeys(packages))),

@@ -54,7 +54,7 @@ import msgspec
 
 from swectl.images.clones import Testbed, commit_date
 from swectl.images.project import ImageBuildError, cache_dir
-from swectl.images.requirements import RUNNER_REQUIREMENTS, Stage
+from swectl.images.requirements import RUNNER_REQUIREMENTS, Stage, setup_py_install_requires
 from swectl.tasks.record import Task
 
 # Bump when the recipe changes in a way the content hash does not see (it sees every generated file).
@@ -215,11 +215,19 @@ def _download_stage(stage: Stage, dest: Path, log: Path, notes: list[str], targe
     return [req for req in stage.requirements if _download_one(req, dest, log, notes, target)]
 
 
-def _download_project(project: str, dest: Path, log: Path, notes: list[str], target: Target) -> None:
+def _download_project(project: str, dest: Path, log: Path, notes: list[str], target: Target,
+                      declared: list[str] | None = None) -> None:
+    """The project's dependencies resolved from its checkout; where pip cannot prepare its metadata on the host,
+    those ``declared`` in setup.py (``setup_py_install_requires``), with a note."""
     if _pip_download([project], dest, log, "binary", target):
         return
     if _pip_download([project], dest, log, "prefer-binary", target):
         notes.append(f"project dependencies: {_sdists_note(dest, target.python)}")
+        return
+    if declared and (_pip_download(declared, dest, log, "binary", target)
+                     or _pip_download(declared, dest, log, "prefer-binary", target)):
+        notes.append("project dependencies: pip could not prepare the project's metadata on the host; downloaded "
+                     f"what setup.py's install_requires names instead: {', '.join(declared)}")
         return
     notes.append("project dependencies: pip could not resolve them; `install` may fail offline")
 
@@ -295,10 +303,11 @@ def fetch_project_dependencies(testbed: Testbed, extras: list[str], log: Path, t
         if edit is not None:
             edit(checkout)
         project = str(checkout) + (f"[{','.join(extras)}]" if extras else "")
-        _download_project(project, dest, log, notes, target)
+        _download_project(project, dest, log, notes, target, declared)
         testbed.clean()
         return []
 
+    declared = setup_py_install_requires(testbed.clone, testbed.commit)
     key = cache_key("project", testbed.commit, extras, target.python, target.date, edits or [],
-                    *([testbed.submodule_state] if testbed.submodule_state else []))
+                    *([testbed.submodule_state] if testbed.submodule_state else []), *([declared] if declared else []))
     return _fetch("project", key, download)
