@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = json.loads(args.results.read_text()) if args.results.exists() else {}
     runs_by_key = previous.get("runs", {}) if isinstance(previous, dict) else {}
     runs_by_key[f"seed{args.seed}:{work.name}{suffix}"] = result
-    args.results.write_text(json.dumps({"runs": runs_by_key, "latest": result}, indent=1) + "\n")
+    kept = previous if isinstance(previous, dict) else {}  # other keys (a file's notes) stay as they are
+    args.results.write_text(json.dumps({**kept, "runs": runs_by_key, "latest": result}, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("seed", "resolve_rate_pct", "grpo_gain_points", "control_gain_points",
                                                 "shuffle_control_gain_points", "train_after_sft_pooled_pct",
                                                 "grpo_gain_vs_pooled_sft_points", "total_minutes")}, indent=1))
