@@ -27,7 +27,7 @@ from swectl.images.recipe import (
     split_pre_install,
 )
 from swectl.images.requirements import _build_requires, conda_era_caps, setup_py_install_requires
-from swectl.images.wheels import OFFICIAL_CUTOFF, StageWheels, check_date_policy, pip_env, prior_to
+from swectl.images.wheels import OFFICIAL_CUTOFF, StageWheels, _attempt, check_date_policy, pip_env, prior_to
 from swectl.tasks.record import Task
 from swectl.tasks.specs import SpecTable
 
@@ -385,3 +385,15 @@ def test_environment_image_names_are_valid_and_per_repo_version() -> None:
     name = env_image_name(_task(version="0.22"), "0123456789abcdef0123")
     assert name == "localhost/swectl-env.x_1776_y-0.22:0123456789abcdef"
     assert name.islower()
+
+
+def test_a_killed_download_raises_rather_than_caching_a_failure(tmp_path: Path) -> None:
+    """A pip run killed midway (a signal or the timeout) says nothing about what resolves: it must not be recorded
+    as "could not resolve" for good (the stage manifest is written only when the download returns)."""
+    log = tmp_path / "pip.log"
+    assert _attempt([sys.executable, "-c", "pass"], log) is True
+    assert _attempt([sys.executable, "-c", "raise SystemExit(1)"], log) is False  # a plain failure is an answer
+    with pytest.raises(ImageBuildError, match="killed by signal 9; nothing was cached"):
+        _attempt([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], log)
+    with pytest.raises(ImageBuildError, match=r"timed out after 0\.5 s"):
+        _attempt([sys.executable, "-c", "import time; time.sleep(30)"], log, timeout=0.5)

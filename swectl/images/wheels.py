@@ -160,15 +160,24 @@ def pip_env() -> dict[str, str]:
 
 
 def _attempt(argv: list[str], log: Path, *, timeout: float = 1800) -> bool:
-    """Run ``argv``, appending its output to ``log``; whether it succeeded."""
+    """Run ``argv``, appending its output to ``log``; whether it succeeded. A run that was killed (a signal, or
+    the timeout) says nothing about what resolves: it raises, so no stage is cached from it and the next build
+    tries again."""
+    killed = ""
     try:
         proc = subprocess.run(argv, capture_output=True, timeout=timeout, env=pip_env())
         ok, output = proc.returncode == 0, (proc.stdout + proc.stderr).decode(errors="replace")
+        if proc.returncode < 0:
+            killed = f"was killed by signal {-proc.returncode}"
     except subprocess.TimeoutExpired as exc:
         ok, output = False, f"timed out after {timeout:g} s: {exc}\n"
+        killed = f"timed out after {timeout:g} s"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a", encoding="utf-8") as f:
         f.write("$ " + shlex.join(argv) + "\n" + output + ("" if ok else "(failed)\n"))
+    if killed:
+        raise ImageBuildError(f"pip download {killed}; nothing was cached from it, so the next build tries again; "
+                              f"log: {log}")
     return ok
 
 
