@@ -157,13 +157,17 @@ def _label_value(text: str) -> str:
     return json.dumps(text).replace("$", "\\$")
 
 
+def _label_line(labels: dict[str, str]) -> str:
+    return "LABEL " + " ".join(f"{k}={_label_value(v)}" for k, v in labels.items()) + "\n"
+
+
 def _env_label(task: Task, plan: _Plan) -> str:
     labels = {
         "swectl.image": "env", "swectl.repo": task.repo, "swectl.version": task.version,
         "swectl.content": plan.env_content, "swectl.uploaded_prior_to": plan.date or "none",
         "swectl.python": plan.python, "swectl.apt": plan.apt,
     }
-    return "LABEL " + " ".join(f"{k}={_label_value(v)}" for k, v in labels.items()) + "\n"
+    return _label_line(labels)
 
 
 def _label(task: Task, plan: _Plan) -> str:
@@ -173,7 +177,7 @@ def _label(task: Task, plan: _Plan) -> str:
         "swectl.spec_python": plan.spec_python or "unset", "swectl.apt": plan.apt,
         "swectl.warnings": json.dumps(plan.warnings), "swectl.env": plan.env_image,
     }
-    return "LABEL " + " ".join(f"{k}={_label_value(v)}" for k, v in labels.items()) + "\n"
+    return _label_line(labels)
 
 
 class _Plan(msgspec.Struct, frozen=True):

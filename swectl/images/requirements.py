@@ -251,17 +251,25 @@ def _setup_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
     return _pip_lines(joined, "setup.cfg setup_requires", notes)
 
 
+def _setup_py_tree(clone: Path, commit: str, keyword: str, notes: list[str]) -> ast.Module | None:
+    """setup.py's syntax tree at ``commit`` when it mentions ``keyword``; None when it does not, is missing, or
+    does not parse (with a note)."""
+    text = read_at(clone, commit, "setup.py")
+    if text is None or keyword not in text:
+        return None
+    try:
+        return ast.parse(text)
+    except (SyntaxError, ValueError) as exc:
+        notes.append(f"setup.py: not parsable ({exc}); its {keyword} not taken")
+        return None
+
+
 def _setup_py_requires(clone: Path, commit: str, notes: list[str]) -> list[str]:
     """The literal ``setup_requires`` of setup.py, read (never run) from its syntax tree: ``setup_requires = [...]``,
     ``setup_requires.extend([...])`` / ``.append(...)`` / ``+= [...]`` and ``setup(setup_requires=[...])``.
     astropy 3.x adds ``cython`` and ``jinja2`` this way when built from a git checkout."""
-    text = read_at(clone, commit, "setup.py")
-    if text is None or "setup_requires" not in text:
-        return []
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError) as exc:
-        notes.append(f"setup.py: not parsable ({exc}); its setup_requires not taken")
+    tree = _setup_py_tree(clone, commit, "setup_requires", notes)
+    if tree is None:
         return []
 
     def strings(node: ast.AST | None) -> list[str]:
@@ -297,12 +305,8 @@ def setup_py_install_requires(clone: Path, commit: str) -> list[str]:
     ``'scipy>=' + V``) by the name it starts with, unversioned. For a project whose metadata cannot be prepared on
     the host (scikit-learn 0.2x: its setup.py needs numpy and an old setuptools to say what it requires), so its
     dependencies are still downloaded (as of the image's date) for the offline install."""
-    text = read_at(clone, commit, "setup.py")
-    if text is None or "install_requires" not in text:
-        return []
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
+    tree = _setup_py_tree(clone, commit, "install_requires", [])
+    if tree is None:
         return []
 
     def leading(node: ast.AST) -> str:
