@@ -4,7 +4,9 @@
    makes with train.test_fraction 0.5 and train.seed);
 2. gold trajectories of the train split (`swectl data gold`: each gold patch acted out as agent turns) and, with
    ``--give-up K`` (default 1), K copies of a wrong teacher's trajectory per task (`swectl data gold --script
-   give-up`: the same first look at the code, then a submission with no change);
+   give-up`: the same first look at the code, then a submission with no change) and, with ``--recover K``
+   (default 1), K copies of a teacher that slips and recovers (`swectl data gold --script recover`: a cut-off,
+   malformed copy of the first look and of the edit before each; SFT masks the malformed replies);
 3. SFT on them all (`swectl up` with train.algorithm = "sft", train.sft_resolved_only = false) to a checkpoint
    that edits on some tries and gives up on others: it imitates a teacher that is right 1 time in K+1, and only
    the reward says which attempts are right;
@@ -157,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="SFT data from a noisy teacher: besides each task's gold trajectory, K copies of a "
                              "trajectory that looks at the same code and submits no change (`swectl data gold "
                              "--script give-up`), so the SFT model edits on some tries and gives up on others")
+    parser.add_argument("--recover", type=int, default=1, metavar="K",
+                        help="SFT data: K copies per task of a teacher that slips and recovers (`swectl data gold "
+                             "--script recover`: the gold replies, each of the first two after a cut-off copy the "
+                             "agent loop rejects as malformed; SFT masks the malformed ones), so the model answers a "
+                             "format error with the right reply instead of more malformed ones")
     parser.add_argument("--grpo-steps", type=int, default=15)
     parser.add_argument("--grpo-lr", type=float, default=2e-4, help="GRPO learning rate (--grpo-start weights)")
     parser.add_argument("--grpo-start", choices=("checkpoint", "weights"), default="weights",
@@ -171,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--mask-truncated", action=argparse.BooleanOptionalAction, default=True,
                         help="GRPO: truncated episodes (step limit, malformed replies) carry no gradient")
+    parser.add_argument("--mask-format-errors", action=argparse.BooleanOptionalAction, default=True,
+                        help="GRPO: malformed replies carry no gradient (train.mask_format_errors); the turns around "
+                             "them train as usual")
     parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
                         help="more `--set` overrides for the GRPO and control runs (repeatable)")
     parser.add_argument("--tag", default="", help="suffix of the GRPO and control run folders (to compare settings)")
@@ -201,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     gold = scripted("gold")
-    sft_data = [str(gold)] + ([str(scripted("give-up"))] * args.give_up if args.give_up else [])
+    sft_data = ([str(gold)] + ([str(scripted("give-up"))] * args.give_up if args.give_up else [])
+                + ([str(scripted("recover"))] * args.recover if args.recover else []))
 
     rates: dict[str, dict] = {}
     t0 = time.monotonic()
@@ -224,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         "train.algorithm": '"grpo"', "train.tasks_per_step": args.tasks_per_step, "train.n_samples": args.n_samples,
         "train.seed": args.seed, "train.test_fraction": 0.5, "train.save_every": 5,
         "train.concurrency": args.concurrency, "train.max_sampling_rounds": 2,
-        "train.mask_truncated": str(args.mask_truncated).lower()}
+        "train.mask_truncated": str(args.mask_truncated).lower(),
+        "train.mask_format_errors": str(args.mask_format_errors).lower()}
     if continue_sft:  # steps 1..sft_steps were the SFT run's; the optimizer's learning rate is the SFT's
         grpo_sets.update({"train.sft_steps": args.sft_steps, "train.steps": args.sft_steps + args.grpo_steps})
     else:

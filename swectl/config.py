@@ -217,6 +217,8 @@ class TrainConfig(_Section):
     mask_truncated: bool = False  # truncated (overlong) episodes carry no gradient
     # the turns after an episode's first malformed reply carry no gradient (nor that reply, if its advantage is > 0)
     mask_after_format_error: bool = False
+    # malformed replies (no single bash block) carry no gradient, whatever the advantage; the other turns train
+    mask_format_errors: bool = False
     # an episode that never submitted (TRUNCATED) gets unresolved_reward even if the diff it left resolves the task
     reward_requires_submit: bool = False
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal and draw more tasks

@@ -15,9 +15,17 @@ import anyio
 import msgspec
 import pytest
 
-from swectl.agent.gold import SUBMIT_COMMAND, GoldScriptError, give_up_replies, gold_replies, parse_patch
+from swectl.agent.gold import (
+    SUBMIT_COMMAND,
+    GoldScriptError,
+    give_up_replies,
+    gold_replies,
+    malformed_copy,
+    parse_patch,
+    recover_replies,
+)
 from swectl.agent.loop import Engine
-from swectl.agent.protocol import SUBMIT_SENTINEL, parse_action
+from swectl.agent.protocol import SUBMIT_SENTINEL, FormatError, parse_action
 from swectl.agent.scripted import ScriptedEngine, end_of_turn_id
 from swectl.engine.wire import GenerateRequest, SamplingParams
 from swectl.images.project import BUNDLED_TASKS
@@ -121,6 +129,27 @@ def test_give_up_replies_share_the_gold_look_then_submit(task: Task) -> None:
     assert parse_action(give_up[1]) == SUBMIT_COMMAND and "without a change" in give_up[1]
     with pytest.raises(GoldScriptError, match="demo__demo-1: the task has no gold patch"):
         give_up_replies(_task(""))
+
+
+@pytest.mark.parametrize("task", BUNDLED, ids=lambda t: t.instance_id)
+def test_recover_replies_put_a_malformed_copy_before_the_look_and_the_edit(task: Task) -> None:
+    gold, recover = gold_replies(task), recover_replies(task)
+    assert len(recover) == len(gold) + 2
+    slip_look, look, slip_edit, edit, *rest = recover
+    assert [look, edit, *rest] == gold
+    for slip, right in ((slip_look, look), (slip_edit, edit)):
+        assert right.startswith(slip) and len(slip) < len(right)
+        with pytest.raises(FormatError):
+            parse_action(slip)
+    assert recover_replies(task) == recover  # the cut points are stable
+
+
+def test_a_malformed_copy_is_cut_before_the_closing_fence() -> None:
+    reply = "THOUGHT: x\n\n```bash\nls\n```"
+    copy = malformed_copy(reply, "seed")
+    assert reply.startswith(copy) and len(copy) < len(reply)
+    with pytest.raises(FormatError):
+        parse_action(copy)
 
 
 @needs_tools

@@ -49,10 +49,10 @@ def _task(instance_id: str) -> Task:
 
 
 def _episode_folder(run: Path, tokenizer, instance_id: str, *, resolved: bool, sample: int = 0,
-                    cfg: EpisodeConfig | None = None, meta: bool = True) -> Path:
+                    cfg: EpisodeConfig | None = None, meta: bool = True, replies: list[str] = REPLIES) -> Path:
     """Run a scripted episode through the real loop and write it as the Rollout actor does."""
     cfg = cfg or EpisodeConfig()
-    engine = ScriptedEngine(REPLIES, tokenizer)
+    engine = ScriptedEngine(replies, tokenizer)
     episode = anyio.run(lambda: run_episode(_task(instance_id), _Workspace(), engine, tokenizer, cfg))
     assert episode.exit_status == "Submitted"
     folder = run / f"{instance_id}__{sample}"
@@ -91,6 +91,21 @@ def test_samples_from_a_run_folder_are_the_trajectories_tokens(tiny_tokenizer, t
     assert _trained(samples[0]) == _script_ids(tiny_tokenizer)  # mask 1: exactly the scripted replies
     assert samples[0].weight_version == 0 and not samples[0].truncated  # "gold" is not a numeric version
     assert make_batch(0, "sft", samples).loss_tokens == 2 * len(_script_ids(tiny_tokenizer))
+
+
+@pytest.mark.parametrize("per_step", [False, True])
+def test_malformed_replies_carry_no_loss(tiny_tokenizer, tmp_path: Path, per_step: bool) -> None:
+    """A reply the loop rejected (no bash block) is in the tokens but not trained; the recovery after it is."""
+    slip = "THOUGHT: look around first.\n\n```bash\nls -"
+    cfg = EpisodeConfig(per_step_samples=True) if per_step else None
+    folder = _episode_folder(tmp_path / "run", tiny_tokenizer, "demo__a-1", resolved=True, cfg=cfg,
+                             replies=[slip, *REPLIES])
+    steps = json.loads((folder / "traj.json").read_text())["episode"]["steps"]
+    assert [s["format_error"] for s in steps] == [True, False, False]
+    samples = samples_from_runs([folder])
+    trained = [t for s in samples for t in _trained(s)]
+    assert trained == _script_ids(tiny_tokenizer)  # the two good replies, not the slip
+    assert tiny_tokenizer.encode(slip, add_special_tokens=False)[0] in unpack_tokens(samples[0]).tolist()
 
 
 def test_resolved_only_keeps_resolved_episodes(tiny_tokenizer, tmp_path: Path) -> None:

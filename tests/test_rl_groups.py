@@ -10,7 +10,16 @@ import pytest
 from swectl.config import load_config
 from swectl.errors import ConfigError
 from swectl.rl.batch import make_batch, unpack_logprobs, unpack_mask, unpack_tokens
-from swectl.rl.groups import GradedEpisode, Group, episode_samples, group_samples, pass_at_k, score_group
+from swectl.rl.groups import (
+    GradedEpisode,
+    Group,
+    episode_samples,
+    group_samples,
+    mask_turns,
+    pass_at_k,
+    score_group,
+    turn_spans,
+)
 
 
 def _episode(sample: int, resolved: bool, outcome: str = "COMPLETED") -> GradedEpisode:
@@ -124,6 +133,33 @@ def test_turns_after_the_first_malformed_reply_can_be_masked() -> None:
     first = msgspec.structs.replace(episode, format_errors=[True, True, True])
     assert unpack_mask(episode_samples(first, 1.0, 1.0, mask_after_format_error=True)[0]).sum() == 0
     assert unpack_mask(episode_samples(first, -1.0, 0.0, mask_after_format_error=True)[0]).sum() == 2
+
+
+def test_malformed_replies_themselves_can_be_masked() -> None:
+    """mask_format_errors: the malformed turns carry no loss whatever the advantage; the turns around them train."""
+    episode = GradedEpisode(instance_id="t", sample=0, outcome="COMPLETED", resolved=True,
+                            token_ids=list(range(10)), loss_mask=[0, 1, 1, 0, 1, 0, 0, 1, 1, 0],
+                            logprobs=[0.0] * 10, format_errors=[False, True, False],
+                            steps=[([0], [1, 2], [0.0, 0.0]), ([0, 1, 2, 3], [4], [0.0]),
+                                   ([0, 1, 2, 3, 4, 5, 6], [7, 8], [0.0, 0.0])])
+    for advantage in (1.0, -1.0):
+        [sample] = episode_samples(episode, advantage, 1.0, mask_format_errors=True)
+        assert unpack_mask(sample).tolist() == [0, 1, 1, 0, 0, 0, 0, 1, 1, 0]
+    steps = episode_samples(episode, 1.0, 1.0, mode="step", mask_format_errors=True)
+    assert [int(unpack_mask(s).sum()) for s in steps] == [2, 0, 2]
+    # with mask_after_format_error too, a failed episode keeps only the turns before its first slip
+    [both] = episode_samples(episode, -1.0, 0.0, mask_format_errors=True, mask_after_format_error=True)
+    assert unpack_mask(both).tolist() == [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert unpack_mask(episode_samples(episode, 1.0, 1.0)[0]).tolist() == episode.loss_mask  # off by default
+
+
+def test_turn_spans_and_masking_turns_by_number() -> None:
+    mask = [0, 1, 1, 0, 1, 0, 0, 1, 1]
+    assert turn_spans(mask) == [(1, 3), (4, 5), (7, 9)]
+    assert mask_turns(mask, [0, 2]) == [0, 0, 0, 0, 1, 0, 0, 0, 0]
+    assert mask_turns(mask, []) == mask
+    with pytest.raises(ValueError, match="turn 3 has no trained span"):
+        mask_turns(mask, [3])
 
 
 def test_a_resolved_episode_that_never_submitted_can_count_as_unresolved() -> None:

@@ -12,11 +12,15 @@ mode changes, text that is not Unicode) raises ``GoldScriptError`` with the reas
 a submission with no change (a weak agent that gives up). It never resolves; mixed into SFT data it gives a
 model that edits on some tries and gives up on others, which only a reward can tell apart (the learning demo).
 
+``recover_replies(task)`` is a teacher that slips and recovers: the gold replies with a malformed (cut off) copy of
+the first look and of the edit before each, which the agent loop rejects with its format-error message.
+
 No I/O: the replies are derived from ``Task.patch``, ``FAIL_TO_PASS`` and ``eval_script`` alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
 from collections.abc import Iterator
@@ -196,6 +200,39 @@ def give_up_replies(task: Task) -> list[str]:
         return [_reply(*_look(_patch_files(task))), _reply(GIVE_UP_THOUGHT, SUBMIT_COMMAND)]
     except GoldScriptError as exc:
         raise GoldScriptError(f"{task.instance_id}: {exc}") from None
+
+
+RECOVER_TURNS = (0, 1)  # the first look and the edit: where a sampling slip ends most failed episodes
+_CUT_RANGE = (0.4, 0.8)  # where a malformed copy of a reply is cut, as a fraction of its characters
+
+
+def recover_replies(task: Task) -> list[str]:
+    """A teacher that slips and recovers: the gold replies, with a malformed copy of each reply in
+    ``RECOVER_TURNS`` before it (the reply cut off partway, no closing fence, as a reply cut by max_tokens or
+    derailed by a sampling slip ends). The agent loop answers each with its format-error message, and the next
+    reply is the right one. SFT masks malformed replies (swectl.data.trajectories), so a model learns to
+    recover from a slip, never to make one. GoldScriptError (naming the task) as for ``gold_replies``."""
+    replies = gold_replies(task)
+    out: list[str] = []
+    for n, reply in enumerate(replies):
+        if n in RECOVER_TURNS:
+            out.append(malformed_copy(reply, f"{task.instance_id}#{n}"))
+        out.append(reply)
+    return out
+
+
+def malformed_copy(reply: str, seed: str) -> str:
+    """``reply`` cut at a point chosen by ``seed`` (stable across runs) between 40% and 80% of its length, so it
+    holds no complete bash block: the protocol rejects it. GoldScriptError if no cut does that."""
+    low, high = (int(len(reply) * f) for f in _CUT_RANGE)
+    start = low + int(hashlib.sha256(seed.encode()).hexdigest(), 16) % max(high - low, 1)
+    for cut in (*range(start, high), *range(low, start)):
+        copy = reply[:cut].rstrip()
+        try:
+            parse_action(copy)
+        except FormatError:
+            return copy
+    raise GoldScriptError(f"no cut of the reply leaves it malformed: {reply[:80]!r}")
 
 
 def _patch_files(task: Task) -> list[FilePatch]:

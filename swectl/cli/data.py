@@ -83,10 +83,13 @@ def _gold_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must not hold a run)")
     parser.add_argument("--concurrency", type=int, default=4, help="episodes at once (default 4)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="grading timeout per task, seconds")
-    parser.add_argument("--script", choices=("gold", "give-up"), default="gold",
+    parser.add_argument("--script", choices=("gold", "give-up", "recover"), default="gold",
                         help="gold (default): act out the gold patch, keep what resolves; give-up: a wrong teacher "
                         "that looks at the same code and submits no change, keep what does not resolve (SFT data "
-                        "mixing right and wrong attempts, for train.sft_resolved_only = false; the learning demo)")
+                        "mixing right and wrong attempts, for train.sft_resolved_only = false; the learning demo); "
+                        "recover: the gold patch with a cut-off (malformed) copy of the first look and of the edit "
+                        "before each, keep what resolves (SFT masks the malformed replies: the model learns to "
+                        "recover from a slip)")
 
 
 def _prepare_arguments(parser: argparse.ArgumentParser) -> None:

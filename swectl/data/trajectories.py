@@ -34,6 +34,7 @@ from swectl.agent.loop import FORMAT_VERSION, Episode
 from swectl.agent.scripted import end_of_turn_id
 from swectl.errors import TaskDataError
 from swectl.rl.batch import TrainSample, pack_sample
+from swectl.rl.groups import mask_turns
 from swectl.tasks.sources import RowProblem, RowProblemError
 
 _log = logging.getLogger(__name__)
@@ -137,19 +138,24 @@ def _read_meta(path: Path, *, required: bool) -> _Meta | None:
 
 
 def _episode_samples(path: Path, episode: Episode, meta: _Meta | None) -> list[TrainSample]:
+    """One sample per episode (or per step, when the episode recorded them). A reply the agent loop rejected as
+    malformed (no single bash block: ``Step.format_error``) carries no loss: SFT learns what came after a slip
+    (the recovery), never the slip itself."""
     sample = meta.sample if meta else _sample_number(path.parent.name)
+    malformed = [s.step for s in episode.steps if s.format_error]
     uid = f"{episode.instance_id}#{sample}"
     fields = {"advantage": 1.0, "reward": 0.0 if meta and not meta.resolved else 1.0,
               "truncated": episode.outcome == "TRUNCATED"}
     if episode.samples:  # the single stream is not what the model saw: one sample per step
         return [pack_sample(f"{uid}.{s.step}", episode.instance_id, [*s.prompt_ids, *s.output_ids],
-                            [0] * len(s.prompt_ids) + [1] * len(s.output_ids),
+                            [0] * len(s.prompt_ids) + [0 if s.step in malformed else 1] * len(s.output_ids),
                             [0.0] * len(s.prompt_ids) + list(s.output_logprobs),
                             weight_version=_version([s.weight_version]), **fields)
                 for s in episode.samples]
     t = episode.trajectory
     try:
-        return [pack_sample(uid, episode.instance_id, t.token_ids, t.loss_mask, t.logprobs,
+        mask = mask_turns(t.loss_mask, malformed) if malformed else t.loss_mask
+        return [pack_sample(uid, episode.instance_id, t.token_ids, mask, t.logprobs,
                             weight_version=_version(t.weight_versions), **fields)]
     except ValueError as exc:
         raise TaskDataError(f"{path}: {exc}") from exc

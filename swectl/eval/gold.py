@@ -11,6 +11,9 @@ moved to ``<out>/excluded/``, so the run folder holds only trajectories to learn
 ``script="give-up"`` acts out ``give_up_replies`` instead (look at the code, submit no change): a wrong teacher's
 trajectories for SFT data that mixes right and wrong attempts. Those are kept when they submitted exactly the script
 and did not resolve (one that resolves means the task's tests pass with no change: excluded, stage ``grade``).
+``script="recover"`` acts out ``recover_replies`` (the gold replies, with a cut-off copy of the first look and of
+the edit before each, which the loop rejects as malformed): kept like gold trajectories when they resolve; SFT
+trains on the recoveries, not on the slips.
 
 Outputs in ``--out``: ``<instance_id>__0/`` per resolved task (``traj.json``, ``patch.diff``, ``meta.json``),
 ``excluded/`` (the ones that failed, for a look), ``results.jsonl`` (one EpisodeResult per episode),
@@ -33,7 +36,7 @@ import msgspec
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GraderConfig
 from swectl.actors.rollout import EpisodeResult, Rollout
-from swectl.agent.gold import GoldScriptError, give_up_replies, gold_replies
+from swectl.agent.gold import GoldScriptError, give_up_replies, gold_replies, recover_replies
 from swectl.agent.scripted import ScriptedEngine, end_of_turn_id
 from swectl.config import ClusterConfig
 from swectl.data.trajectories import TRAJ_FILE, samples_from_runs
@@ -48,8 +51,9 @@ SUMMARY_FORMAT = 1
 EXCLUDED_DIR = "excluded"
 
 Status = Callable[[str], None]
-Script = Literal["gold", "give-up"]
-SCRIPTS: dict[str, Callable[[Task], list[str]]] = {"gold": gold_replies, "give-up": give_up_replies}
+Script = Literal["gold", "give-up", "recover"]
+SCRIPTS: dict[str, Callable[[Task], list[str]]] = {"gold": gold_replies, "give-up": give_up_replies,
+                                                   "recover": recover_replies}
 
 
 def _stderr(message: str) -> None:
@@ -83,8 +87,8 @@ class GoldSummary(msgspec.Struct, kw_only=True):
     tokenizer: str  # the --model folder whose tokenizer and chat template made the tokens
     total: int  # tasks selected
     scripted: int  # tasks whose gold patch could be written as agent commands
-    resolved: int  # gold trajectories kept (resolved, tokens exactly the script); 0 for script "give-up"
-    script: str = "gold"  # gold (the gold patch) or give-up (look, then submit no change)
+    resolved: int  # trajectories kept that resolve (tokens exactly the script); 0 for script "give-up"
+    script: str = "gold"  # gold (the gold patch), give-up (look, then submit no change) or recover (gold with slips)
     kept: int = 0  # trajectories kept (gold: resolved; give-up: submitted the script and did not resolve)
     excluded: list[GoldExclusion]
     tokens: TokenStats
@@ -133,7 +137,7 @@ async def make_gold(config: ClusterConfig, tasks: list[Task], out: Path, tokeniz
     with (out / "results.jsonl").open("ab") as results:
 
         def record(r: EpisodeResult) -> None:
-            why = _exclusion(r, engines[r.instance_id], want_resolved=script == "gold")
+            why = _exclusion(r, engines[r.instance_id], want_resolved=script != "give-up")
             if why is None:
                 kept.append(Path(r.artifacts) / TRAJ_FILE)
             else:
@@ -157,7 +161,7 @@ async def make_gold(config: ClusterConfig, tasks: list[Task], out: Path, tokeniz
     stats = _token_stats(sorted(kept))
     order = {t.instance_id: n for n, t in enumerate(tasks)}
     summary = GoldSummary(tasks=tasks_source, tokenizer=tokenizer_path, total=len(tasks), scripted=len(scripted),
-                          resolved=stats.count if script == "gold" else 0, script=script, kept=stats.count,
+                          resolved=stats.count if script != "give-up" else 0, script=script, kept=stats.count,
                           excluded=sorted(excluded, key=lambda e: order.get(e.instance_id, 0)),
                           tokens=stats, elapsed_s=round(time.monotonic() - started, 2))
     (out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))

@@ -10,7 +10,7 @@ and what it emitted, mask 1), all sharing the episode's advantage.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import msgspec
@@ -92,6 +92,38 @@ def first_format_error(episode: GradedEpisode) -> int | None:
     return next((i for i, bad in enumerate(episode.format_errors) if bad), None)
 
 
+def turn_spans(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
+    """The trained spans of ``loss_mask`` (runs of non-zero entries: one agent turn's reply each) as
+    ``(start, end)`` index pairs, in order."""
+    spans: list[tuple[int, int]] = []
+    start = None
+    for i, value in enumerate([*loss_mask, 0]):
+        if value and start is None:
+            start = i
+        elif not value and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def mask_turns(loss_mask: Sequence[int], turns: Iterable[int]) -> list[int]:
+    """``loss_mask`` with the trained spans numbered in ``turns`` (0-based agent turns) set to 0. ValueError when
+    a turn has no span (the mask does not hold one span per turn)."""
+    out = list(loss_mask)
+    spans = turn_spans(loss_mask)
+    for turn in turns:
+        if not 0 <= turn < len(spans):
+            raise ValueError(f"turn {turn} has no trained span (the loss mask holds {len(spans)})")
+        start, end = spans[turn]
+        out[start:end] = [0] * (end - start)
+    return out
+
+
+def malformed_turns(episode: GradedEpisode) -> list[int]:
+    """The agent turns whose reply was malformed (no single bash block)."""
+    return [i for i, bad in enumerate(episode.format_errors) if bad]
+
+
 def mask_turns_after(loss_mask: Sequence[int], last_kept: int) -> list[int]:
     """``loss_mask`` with every trained span (a run of non-zero entries: one agent turn's reply) after span
     number ``last_kept`` (0-based) set to 0."""
@@ -108,13 +140,18 @@ def mask_turns_after(loss_mask: Sequence[int], last_kept: int) -> list[int]:
 
 
 def episode_samples(episode: GradedEpisode, advantage: float, reward_value: float, *, mode: SampleMode = "episode",
-                    mask_truncated: bool = False, mask_after_format_error: bool = False) -> list[TrainSample]:
+                    mask_truncated: bool = False, mask_after_format_error: bool = False,
+                    mask_format_errors: bool = False) -> list[TrainSample]:
     """The training samples of one episode. A truncated episode with ``mask_truncated`` keeps its tokens but no
     loss (mask all 0), so it still counts in nothing but the logs. With ``mask_after_format_error`` the turns
     after the episode's first malformed reply carry no loss: the malformed reply itself keeps a negative
     advantage (it is pushed down) and loses a positive one (a resolved episode that stumbled must not teach the
     stumble: seen in learn_experiments.json, where it was learnt), and what the policy wrote after it (off the
-    path it was trained on, often degenerate) never reaches the gradient."""
+    path it was trained on, often degenerate) never reaches the gradient. With ``mask_format_errors`` the malformed
+    replies themselves carry no loss, whatever the advantage's sign, and the turns around them train as usual: a
+    resolved episode that recovered from a slip reinforces the recovery, not the slip, and a failed one does not
+    push probability off a reply the protocol already rejects (pushing it down spreads probability: see
+    learn_experiments.json, session 4)."""
     uid = f"{episode.instance_id}#{episode.sample}"
     truncated = episode.truncated
     keep = not (mask_truncated and truncated)
@@ -123,10 +160,11 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
         cut -= 1  # a malformed reply is never reinforced: with a positive advantage it is masked too
     common = {"advantage": advantage, "reward": reward_value, "weight_version": episode.weight_version,
               "truncated": truncated}
+    malformed = set(malformed_turns(episode)) if mask_format_errors else set()
     if mode == "step" and episode.steps:
         out = []
         for i, (prompt, output, logprobs) in enumerate(episode.steps):
-            trained = keep and (cut is None or i <= cut)
+            trained = keep and (cut is None or i <= cut) and i not in malformed
             mask = [0] * len(prompt) + [1 if trained else 0] * len(output)
             out.append(pack_sample(f"{uid}.{i}", episode.instance_id, [*prompt, *output], mask,
                                    [0.0] * len(prompt) + list(logprobs), **common))
@@ -137,16 +175,19 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
         mask = mask_turns_after(episode.loss_mask, cut)
     else:
         mask = episode.loss_mask
+    if keep and malformed:
+        mask = mask_turns(mask, [t for t in malformed if cut is None or t <= cut])
     return [pack_sample(uid, episode.instance_id, episode.token_ids, mask, episode.logprobs, **common)]
 
 
 def group_samples(groups: Sequence[Group], *, mode: SampleMode = "episode", mask_truncated: bool = False,
-                  mask_after_format_error: bool = False) -> list[TrainSample]:
+                  mask_after_format_error: bool = False, mask_format_errors: bool = False) -> list[TrainSample]:
     samples: list[TrainSample] = []
     for g in groups:
         for episode, adv, rew in zip(g.episodes, g.advantages, g.rewards, strict=True):
             samples += episode_samples(episode, adv, rew, mode=mode, mask_truncated=mask_truncated,
-                                       mask_after_format_error=mask_after_format_error)
+                                       mask_after_format_error=mask_after_format_error,
+                                       mask_format_errors=mask_format_errors)
     return samples
 
 

@@ -223,7 +223,8 @@ class Controller:
             assert pool is not None and engines is not None and source is not None
             groups, results, info, tasks_seen = await self._collect(step, pool, engines, source)
             samples = group_samples(groups, mode=t.sample_mode, mask_truncated=t.mask_truncated,
-                                    mask_after_format_error=t.mask_after_format_error)
+                                    mask_after_format_error=t.mask_after_format_error,
+                                    mask_format_errors=t.mask_format_errors)
             values.update(info)
             values.update(_rollout_values(groups, results))
             record.update(tasks=tasks_seen, groups=[g.instance_id for g in groups],

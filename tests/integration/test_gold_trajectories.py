@@ -94,3 +94,26 @@ def test_give_up_trajectories_look_then_submit_nothing_and_are_kept_unresolved(
     episode = json.loads((out / f"{task_id}__0" / "traj.json").read_text())["episode"]
     assert [s["action"].split()[0] for s in episode["steps"]] == ["nl", "echo"]
     assert episode["patch"] == ""
+
+
+def test_recover_trajectories_slip_twice_recover_and_train_on_the_recoveries(
+        model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "recover"
+    task_id = "inflection__inflection-0.5.1.0af49555"
+    assert main(["data", "gold", "--script", "recover", "--model", str(model), "--instances", task_id,
+                 "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["script"] == "recover" and summary["kept"] == 1 and summary["resolved"] == 1
+    episode = json.loads((out / f"{task_id}__0" / "traj.json").read_text())["episode"]
+    assert [s["format_error"] for s in episode["steps"]][:4] == [True, False, True, False]
+    observations = [m["content"] for m in episode["trajectory"]["messages"][3::2]]
+    assert "EXACTLY ONE bash code block" in observations[0] and "EXACTLY ONE" in observations[2]
+    # SFT trains on exactly the gold replies: the two malformed ones are in the tokens but carry no loss
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    eot = end_of_turn_id(tokenizer)
+    [task] = [t for t in load_tasks(BUNDLED_TASKS).tasks if t.instance_id == task_id]
+    expected = [t for r in gold_replies(task) for t in [*tokenizer.encode(r, add_special_tokens=False), eot]]
+    [sample] = samples_from_runs([out], resolved_only=True)
+    tokens, mask = unpack_tokens(sample), unpack_mask(sample)
+    assert tokens[mask == 1].tolist() == expected
+    assert len(tokens) > len(expected) + 100
