@@ -26,10 +26,15 @@ from swectl.images.recipe import (
     setup_script,
     split_pre_install,
 )
-from swectl.images.requirements import _build_requires, conda_era_caps, setup_py_install_requires
+from swectl.images.requirements import (
+    _build_requires,
+    conda_era_caps,
+    setup_py_install_requires,
+    spec_requirements,
+)
 from swectl.images.wheels import OFFICIAL_CUTOFF, StageWheels, _attempt, check_date_policy, pip_env, prior_to
 from swectl.tasks.record import Task
-from swectl.tasks.specs import SpecTable
+from swectl.tasks.specs import RepoSpec, SpecTable
 
 
 def _task(**fields: object) -> Task:
@@ -242,6 +247,24 @@ def test_setup_py_install_requires_names_what_it_builds_from_strings(tmp_path: P
     (repo / "setup.py").write_text("setup(install_requires=deps)\n")
     _git(repo, "commit", "-qam", "computed")
     assert setup_py_install_requires(repo, _git(repo, "rev-parse", "HEAD")) == []
+
+
+def test_requirements_files_are_read_at_the_environment_setup_commit(tmp_path: Path) -> None:
+    """As the official harness: every row of a (repo, version) reads the requirements at the one environment setup
+    commit, so rows whose base commits changed the file still share an environment; a clone without that commit
+    falls back to the base commit."""
+    repo = tmp_path / "r"
+    env_commit = _committed(repo, {"requirements.txt": "asgiref>=3.2\n"})
+    (repo / "requirements.txt").write_text("asgiref>=3.2.10\nsqlparse\n")
+    _git(repo, "commit", "-q", "-am", "later")
+    base = _git(repo, "rev-parse", "HEAD")
+    spec = RepoSpec(repo="x/y", version="1.0", python="3.9", packages="requirements.txt")
+    stage = {s.name: s.requirements for s in spec_requirements(_task(environment_setup_commit=env_commit), spec,
+                                                                repo, base).stages}
+    assert stage["packages"] == ["asgiref>=3.2"]
+    missing = _task(environment_setup_commit="e" * 40)
+    stage = {s.name: s.requirements for s in spec_requirements(missing, spec, repo, base).stages}
+    assert stage["packages"] == ["asgiref>=3.2.10", "sqlparse"]
 
 
 def test_conda_era_caps_hold_back_what_conda_never_built_for_an_old_python() -> None:

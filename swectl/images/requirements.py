@@ -212,12 +212,12 @@ def environment_yml(text: str, origin: str, notes: list[str]) -> list[str]:
 
 def _repo_file_requirements(task: Task, spec: RepoSpec, clone: Path, commit: str,
                             notes: list[str]) -> tuple[list[str], list[str]]:
-    """The requirements file / environment.yml the spec names, at the base commit (else at the environment
-    setup commit, where SWE-bench reads it), and the Debian packages of the C libraries an environment.yml
-    names."""
+    """The requirements file / environment.yml the spec names, read where the official harness reads it: at the
+    row's environment setup commit (the same commit for every row of a (repo, version), so its rows share one
+    environment), else at the base commit; and the Debian packages of the C libraries an environment.yml names."""
     kind = spec.packages
     paths = (REQS_PATHS if kind == "requirements.txt" else ENV_YML_PATHS).get(task.repo, (kind,))
-    commits = [c for c in (commit, task.environment_setup_commit) if has_commit(clone, c)]
+    commits = [c for c in dict.fromkeys((task.environment_setup_commit, commit)) if c and has_commit(clone, c)]
     for at in commits:
         for path in paths:
             text = read_at(clone, at, path)
