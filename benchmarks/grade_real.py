@@ -136,7 +136,7 @@ def disk_per_image(images: list[str]) -> dict[str, dict[str, int]]:
     ``images`` shares (its own: the testbed and the install, and any dependency layer only it uses)."""
     from collections import Counter
 
-    from swectl.images.instance import storage_root
+    from swectl.images.builds import storage_root
     from swectl.images.project import DEFAULT_BASE
     from swectl.remote.nodes.podman import run_local_podman
 

@@ -10,7 +10,7 @@ Classes defined elsewhere are marked with their module (they live next to the co
     +-- DiffError                    a diff cannot be parsed or reversed; a ValueError (swectl.tasks.diffs)
     +-- SpecError                    SWE-bench repo specs missing, or no spec / eval script for a task
     +-- ImageBuildError              an image build step failed; names the step and its log (swectl.images.project)
-    |   +-- BuildStepError           podman build failed in a known RUN step (swectl.images.instance)
+    |   +-- BuildStepError           podman build failed in a known RUN step (swectl.images.builds)
     +-- ModelInitError               `swectl model init` cannot write its folder, or the ML stack is missing
     |                                (swectl.model.tiny)
     +-- PoolClosedError              the env pool is shutting down

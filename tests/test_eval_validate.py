@@ -9,7 +9,8 @@ import msgspec
 
 from swectl.actors.grader import GradeResult
 from swectl.eval.validate import GradeRecord, build_validation_report, classify, load_grades
-from swectl.images.instance import InstanceOutcome, failed_run_step
+from swectl.images.builds import failed_run_step
+from swectl.images.instance import InstanceOutcome
 from swectl.tasks.record import Task
 
 TASK = Task(instance_id="o__r-1", repo="o/r", version="1.0", base_commit="abc", patch="p", test_patch="t",

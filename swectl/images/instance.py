@@ -38,8 +38,6 @@ it changes. Builds of one environment image wait for each other (a file lock in 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import json
 import os
@@ -49,14 +47,15 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
-from swectl.errors import CommandError, ConfigError, SwectlError
+from swectl.errors import ConfigError, SwectlError
+from swectl.images.builds import BuildStepError, check_disk, ensure_image, podman_build
 from swectl.images.clones import (
     Say,
     Testbed,
@@ -73,7 +72,6 @@ from swectl.images.project import (
     BuiltImage,
     ImageBuildError,
     cache_dir,
-    drop_failed_layers,
     image_id,
     image_label,
 )
@@ -108,8 +106,6 @@ from swectl.tasks.specs import RepoSpec, SpecTable
 
 INSTANCE_PREFIX = "localhost/swectl-inst."
 ENV_PREFIX = "localhost/swectl-env."
-# How long a build waits for another one building the same environment image (seconds).
-ENV_LOCK_TIMEOUT_S = 3600.0
 APT_IMAGE = "localhost/swectl-apt"
 # Pythons whose ensurepip bundles a pip older than 19.3 (no manylinux2014): the venv's pip is upgraded first.
 OLD_PIP_BELOW = (3, 7)
@@ -255,6 +251,8 @@ def _python_base(spec: RepoSpec, base: str, base_id: str, log: Path, warnings: l
     try:
         return python_image(interp, base, base_id, log), interp.executable, interp.full_version
     except ImageBuildError as exc:
+        if isinstance(exc, BuildStepError) and exc.step == "disk":
+            raise
         warnings.append(python_warning(spec, str(exc)))
         return base, "python3", PYTHON_VERSION
 
@@ -293,22 +291,12 @@ def _apt_image(steps: list[str], base: str, base_id: str, log: Path, say: Say) -
     """The image of ``base`` with the apt ``steps`` run, built with the network (cached by content)."""
     content = cache_key("apt", base_id, steps)
     image = f"{APT_IMAGE}:{content[:16]}"
-    if image_label(image, "swectl.content") == content:
-        return image
-    ctx = cache_dir() / "build" / f"apt-{content}"
-    shutil.rmtree(ctx, ignore_errors=True)
-    ctx.mkdir(parents=True)
-    (ctx / "Containerfile").write_text(apt_containerfile(base, steps)
-                                       + f"LABEL swectl.image=apt swectl.content={content}\n")
-    say(f"building {image}: the apt steps, with the network (log: {log})")
-    try:
-        out = run_local_podman("build", "--pull=never", "-t", image, str(ctx), timeout=3600, check=False, log=log)
-    except CommandError as exc:
-        raise ImageBuildError(f"the apt image {image} did not finish; log: {log}\n{exc}") from exc
-    shutil.rmtree(ctx, ignore_errors=True)
-    if out.exit_code != 0:
-        drop_failed_layers((out.stdout + out.stderr).decode(errors="replace"))
-        raise ImageBuildError(f"the apt steps failed (exit {out.exit_code}); log: {log}")
+
+    def fill(ctx: Path) -> None:
+        (ctx / "Containerfile").write_text(apt_containerfile(base, steps)
+                                           + f"LABEL swectl.image=apt swectl.content={content}\n")
+
+    ensure_image(image, content, fill, what="the apt steps, with the network", log=log, network=True, say=say)
     return image
 
 
@@ -332,8 +320,10 @@ def _apt_base(spec: RepoSpec, base: str, base_id: str, allow_network: bool, log:
         return base, "skipped"
     try:
         return _apt_image(apt, base, base_id, log, say), "ran"
-    except ImageBuildError as exc:
-        warnings.append(f"{exc}; building without them")
+    except BuildStepError as exc:
+        if exc.step == "disk":
+            raise
+        warnings.append(f"the apt steps failed: {str(exc).splitlines()[0]}; building without them")
         return base, "skipped"
 
 
@@ -409,128 +399,11 @@ def _write_env_context(task: Task, plan: _Plan, ctx: Path) -> None:
     _write_files(ctx, plan.env_files, _env_label(task, plan))
 
 
-@contextlib.contextmanager
-def _build_lock(key: str, timeout: float = ENV_LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold an exclusive lock named ``key`` in the cache (threads and processes alike), waiting at most
-    ``timeout`` seconds for it."""
-    path = cache_dir() / "locks" / f"{key}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ImageBuildError(f"waited {timeout:.0f} s for another build holding {path}; "
-                                          "is one hung?") from None
-                time.sleep(0.5)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _ensure_env(task: Task, plan: _Plan, log: Path, say: Say) -> bool:
     """Build the plan's environment image unless an image of its content is there. Whether it was built."""
-    with _build_lock(f"env-{plan.env_content}"):
-        if image_label(plan.env_image, "swectl.content") == plan.env_content:
-            return False
-        ctx = cache_dir() / "build" / f"env-{plan.env_content}"
-        shutil.rmtree(ctx, ignore_errors=True)
-        _write_env_context(task, plan, ctx)
-        check_disk(ctx)
-        say(f"{task.instance_id}: building {plan.env_image}, the environment of {task.repo} {task.version} "
-            f"(log: {log})")
-        _podman_build(plan.env_image, ctx, log, network=False)
-        shutil.rmtree(ctx, ignore_errors=True)
-        return True
-
-
-def _podman_build(image: str, ctx: Path, log: Path, network: bool) -> str:
-    args = ["build", "--pull=never", "-t", image, "-f", str(ctx / "Containerfile")]
-    args += [] if network else ["--network", "none"]
-    try:
-        out = run_local_podman(*args, str(ctx), timeout=3600, check=False, log=log)
-    except CommandError as exc:
-        raise ImageBuildError(f"podman build of {image} did not finish; log: {log}\n{exc}") from exc
-    output = (out.stdout + out.stderr).decode(errors="replace")
-    if out.exit_code != 0:
-        drop_failed_layers(output)
-        if "no space left on device" in output.lower():
-            shutil.rmtree(ctx, ignore_errors=True)  # the context is what can be given back at once
-            root = storage_root()
-            raise BuildStepError("disk", f"podman build of {image} ran out of disk (no space left on device): "
-                                         f"{_gib(shutil.disk_usage(root).free)} free in {root} now; free some "
-                                         f"(swectl image prune --instances) and build again; log: {log}")
-        step = failed_run_step(output)
-        raise BuildStepError(step, f"podman build of {image} failed in {step} (exit {out.exit_code}); log: {log}; "
-                                   f"build context kept at {ctx}\n{output[-1500:]}")
-    return output
-
-
-# Free disk a build must leave at least (bytes; $SWECTL_BUILD_MIN_FREE overrides): below it the build stops before
-# podman starts, rather than filling the disk halfway through a layer.
-MIN_FREE_BYTES = 2 << 30
-
-
-def storage_root() -> Path:
-    """Where podman keeps image layers on this node (its graph root)."""
-    out = run_local_podman("info", "--format", "{{.Store.GraphRoot}}", timeout=60, check=False)
-    root = out.stdout.decode().strip()
-    return Path(root) if out.exit_code == 0 and root else Path("/var/lib/containers/storage")
-
-
-def _gib(n: float) -> str:
-    return f"{n / (1 << 30):.1f} GiB"
-
-
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                continue
-    return total
-
-
-def check_disk(ctx: Path) -> None:
-    """Stop a build that would not fit: it needs about three times its build context (the context copied into a
-    layer, the wheels installed, the testbed's install) on podman's storage, and MIN_FREE_BYTES left after that.
-    Raises BuildStepError("disk") saying how much is needed and how much there is."""
-    root = storage_root()
-    context = _tree_bytes(ctx)
-    need = 3 * context + int(os.environ.get("SWECTL_BUILD_MIN_FREE") or MIN_FREE_BYTES)
-    free = shutil.disk_usage(root).free
-    if free < need:
-        shutil.rmtree(ctx, ignore_errors=True)
-        raise BuildStepError("disk", f"not enough disk for this build: it needs about {_gib(need)} free in {root} "
-                                     f"(three times its {_gib(context)} context plus a reserve), {_gib(free)} is; "
-                                     "free some (swectl image prune --instances) or lower the reserve "
-                                     "($SWECTL_BUILD_MIN_FREE, bytes)")
-
-
-class BuildStepError(ImageBuildError):
-    """A build that failed in a known step (BUILD_STEPS)."""
-
-    def __init__(self, step: str, message: str) -> None:
-        super().__init__(message)
-        self.step = step
-
-
-def failed_run_step(output: str) -> str:
-    """Which of the Containerfile's RUN steps a failed ``podman build``'s output stopped in: ``install_deps``
-    (the venv's dependencies), ``setup`` (the spec's pre_install / install) or ``podman_build`` (elsewhere)."""
-    steps = re.findall(r"^STEP \d+/\d+: (.*)$", output, flags=re.MULTILINE)
-    last = steps[-1] if steps else ""
-    if "install-deps.sh" in last:
-        return "install_deps"
-    if "setup.sh" in last:
-        return "setup"
-    return "podman_build"
+    return ensure_image(plan.env_image, plan.env_content, lambda ctx: _write_env_context(task, plan, ctx),
+                        what=f"the environment of {task.repo} {task.version}", log=log, network=False,
+                        say=lambda line: say(f"{task.instance_id}: {line}"))
 
 
 class _Built(msgspec.Struct, frozen=True):
@@ -583,7 +456,7 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
         say(f"{task.instance_id}: building {plan.image} (log: {log})")
         previous = image_id(plan.image)
         steps.append("podman_build")
-        output = _podman_build(plan.image, ctx, log, plan.network)
+        output = podman_build(plan.image, ctx, log, network=plan.network)
     except BuildStepError as exc:
         steps.append(exc.step)
         raise
@@ -629,9 +502,10 @@ def _outcome(task: Task, specs: SpecTable, repo_cache: Path, *, base: str, say: 
         made = _build(task, spec, repo_cache, base=base, say=say, force=force, allow_network=allow_network,
                       uploaded_prior_to=uploaded_prior_to, steps=steps)
     except (SwectlError, OSError, subprocess.SubprocessError) as exc:
-        say(f"{task.instance_id}: FAILED in {steps[-1]}: {exc}")
+        step = exc.step if isinstance(exc, BuildStepError) else steps[-1]  # e.g. the disk, while planning
+        say(f"{task.instance_id}: FAILED in {step}: {exc}")
         return InstanceOutcome(instance_id=task.instance_id, status="failed", message=str(exc),
-                               seconds=round(time.monotonic() - started, 1), step=steps[-1])
+                               seconds=round(time.monotonic() - started, 1), step=step)
     return InstanceOutcome(
         instance_id=task.instance_id, status="cached" if made.image.cached else "built", image=made.image.image,
         warnings=made.warnings, seconds=round(time.monotonic() - started, 1), built=made.image, env=made.env,

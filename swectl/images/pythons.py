@@ -24,9 +24,8 @@ from pathlib import Path
 
 import msgspec
 
-from swectl.errors import CommandError
-from swectl.images.project import ImageBuildError, cache_dir, drop_failed_layers, image_label
-from swectl.remote.nodes.podman import run_local_podman
+from swectl.images.builds import BuildStepError, ensure_image
+from swectl.images.project import ImageBuildError
 
 PYTHONS_ENV = "SWECTL_PYTHONS"
 PYTHON_IMAGE = "localhost/swectl-python"
@@ -111,29 +110,25 @@ def python_image(interp: Interpreter, base: str, base_id: str, log: Path) -> str
     it does not build or does not run there."""
     content = _content(interp, base_id)
     image = python_image_name(interp, base_id)
-    if image_label(image, "swectl.content") == content:
-        return image
-    ctx = cache_dir() / "build" / f"python-{content}"
-    shutil.rmtree(ctx, ignore_errors=True)
     rel = Path("python") / interp.full_version
-    shutil.copytree(interp.prefix, ctx / rel, symlinks=True, ignore=_ignore(Path(interp.prefix), interp.version),
-                    copy_function=_link)
-    (ctx / "Containerfile").write_text("\n".join([
-        f"FROM {base}",
-        f"COPY {rel} {interp.prefix}",
-        f"RUN {interp.executable} -c 'import {_CHECK_MODULES}'",
-        f"LABEL swectl.image=python swectl.python={interp.full_version} swectl.content={content}",
-        "",
-    ]))
+
+    def fill(ctx: Path) -> None:
+        shutil.copytree(interp.prefix, ctx / rel, symlinks=True, ignore=_ignore(Path(interp.prefix), interp.version),
+                        copy_function=_link)
+        (ctx / "Containerfile").write_text("\n".join([
+            f"FROM {base}",
+            f"COPY {rel} {interp.prefix}",
+            f"RUN {interp.executable} -c 'import {_CHECK_MODULES}'",
+            f"LABEL swectl.image=python swectl.python={interp.full_version} swectl.content={content}",
+            "",
+        ]))
+
     try:
-        out = run_local_podman("build", "--pull=never", "--network", "none", "-t", image, str(ctx), timeout=1800,
-                               check=False, log=log)
-    except CommandError as exc:
-        raise ImageBuildError(f"the python image {image} did not finish; log: {log}\n{exc}") from exc
-    finally:
-        shutil.rmtree(ctx, ignore_errors=True)
-    if out.exit_code != 0:
-        drop_failed_layers((out.stdout + out.stderr).decode(errors="replace"))
-        raise ImageBuildError(f"python {interp.full_version} from {interp.prefix} does not run in {base} "
-                              f"(exit {out.exit_code}); log: {log}")
+        ensure_image(image, content, fill, what=f"python {interp.full_version}", log=log, network=False,
+                     timeout=1800)
+    except BuildStepError as exc:
+        if exc.step == "disk":
+            raise
+        raise ImageBuildError(f"python {interp.full_version} from {interp.prefix} does not run in {base}: "
+                              f"{str(exc).splitlines()[0]}") from exc
     return image
