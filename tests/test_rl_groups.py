@@ -112,13 +112,18 @@ def test_truncated_episodes_can_be_masked() -> None:
     assert unpack_mask(group_samples([group])[0]).sum() == 2
 
 
+def _three_turns(format_errors: list[bool], *, outcome: str, resolved: bool) -> GradedEpisode:
+    """Three turns, each one span of the loss mask (2, 1 and 2 tokens)."""
+    return GradedEpisode(instance_id="t", sample=0, outcome=outcome, resolved=resolved,
+                         token_ids=list(range(10)), loss_mask=[0, 1, 1, 0, 1, 0, 0, 1, 1, 0],
+                         logprobs=[0.0] * 10, format_errors=format_errors,
+                         steps=[([0], [1, 2], [0.0, 0.0]), ([0, 1, 2, 3], [4], [0.0]),
+                                ([0, 1, 2, 3, 4, 5, 6], [7, 8], [0.0, 0.0])])
+
+
 def test_turns_after_the_first_malformed_reply_can_be_masked() -> None:
     """Three turns (spans of the loss mask); the second was malformed: it keeps its loss, the third does not."""
-    episode = GradedEpisode(instance_id="t", sample=0, outcome="TRUNCATED", resolved=False,
-                            token_ids=list(range(10)), loss_mask=[0, 1, 1, 0, 1, 0, 0, 1, 1, 0],
-                            logprobs=[0.0] * 10, format_errors=[False, True, True],
-                            steps=[([0], [1, 2], [0.0, 0.0]), ([0, 1, 2, 3], [4], [0.0]),
-                                   ([0, 1, 2, 3, 4, 5, 6], [7, 8], [0.0, 0.0])])
+    episode = _three_turns([False, True, True], outcome="TRUNCATED", resolved=False)
     clean = msgspec.structs.replace(episode, format_errors=[False, False, False])
     group = score_group(Group(instance_id="t", episodes=[episode, clean]), estimator="drgrpo")
     cut, untouched = group_samples([group], mask_after_format_error=True)
@@ -137,11 +142,7 @@ def test_turns_after_the_first_malformed_reply_can_be_masked() -> None:
 
 def test_malformed_replies_themselves_can_be_masked() -> None:
     """mask_format_errors: the malformed turns carry no loss whatever the advantage; the turns around them train."""
-    episode = GradedEpisode(instance_id="t", sample=0, outcome="COMPLETED", resolved=True,
-                            token_ids=list(range(10)), loss_mask=[0, 1, 1, 0, 1, 0, 0, 1, 1, 0],
-                            logprobs=[0.0] * 10, format_errors=[False, True, False],
-                            steps=[([0], [1, 2], [0.0, 0.0]), ([0, 1, 2, 3], [4], [0.0]),
-                                   ([0, 1, 2, 3, 4, 5, 6], [7, 8], [0.0, 0.0])])
+    episode = _three_turns([False, True, False], outcome="COMPLETED", resolved=True)
     for advantage in (1.0, -1.0):
         [sample] = episode_samples(episode, advantage, 1.0, mask_format_errors=True)
         assert unpack_mask(sample).tolist() == [0, 1, 1, 0, 0, 0, 0, 1, 1, 0]

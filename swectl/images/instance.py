@@ -446,20 +446,16 @@ def _build(task: Task, spec: RepoSpec, repo_cache: Path, *, base: str, say: Say,
         say(f"{task.instance_id}: {plan.image} is up to date")
         return _Built(BuiltImage(plan.image, plan.content, plan.commit, cached=True),
                       [*plan.warnings, *testbed.warnings], plan.env_image)
+    steps.append("podman_build")  # a BuildStepError names its own step (_outcome)
+    env_built = _ensure_env(task, plan, log, say)
+    testbed.get()
+    _write_files(ctx, plan.files, _label(task, plan))
+    steps.append("disk")
+    check_disk(ctx)
+    say(f"{task.instance_id}: building {plan.image} (log: {log})")
+    previous = image_id(plan.image)
     steps.append("podman_build")
-    try:
-        env_built = _ensure_env(task, plan, log, say)
-        testbed.get()
-        _write_files(ctx, plan.files, _label(task, plan))
-        steps.append("disk")
-        check_disk(ctx)
-        say(f"{task.instance_id}: building {plan.image} (log: {log})")
-        previous = image_id(plan.image)
-        steps.append("podman_build")
-        output = podman_build(plan.image, ctx, log, network=plan.network)
-    except BuildStepError as exc:
-        steps.append(exc.step)
-        raise
+    output = podman_build(plan.image, ctx, log, network=plan.network)
     shutil.rmtree(ctx, ignore_errors=True)
     if previous and previous != image_id(plan.image):
         # the image this one replaces lost its name: remove it (not forced: a container using it keeps it)

@@ -89,7 +89,7 @@ def score_group(group: Group, *, estimator: str, resolved_reward: float = 1.0, u
 
 def first_format_error(episode: GradedEpisode) -> int | None:
     """The index of the episode's first malformed reply (an agent turn), or None."""
-    return next((i for i, bad in enumerate(episode.format_errors) if bad), None)
+    return next(iter(malformed_turns(episode)), None)
 
 
 def turn_spans(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
@@ -124,21 +124,6 @@ def malformed_turns(episode: GradedEpisode) -> list[int]:
     return [i for i, bad in enumerate(episode.format_errors) if bad]
 
 
-def mask_turns_after(loss_mask: Sequence[int], last_kept: int) -> list[int]:
-    """``loss_mask`` with every trained span (a run of non-zero entries: one agent turn's reply) after span
-    number ``last_kept`` (0-based) set to 0."""
-    out = list(loss_mask)
-    span = -1
-    previous = 0
-    for i, value in enumerate(out):
-        if value and not previous:
-            span += 1
-        previous = value
-        if value and span > last_kept:
-            out[i] = 0
-    return out
-
-
 def episode_samples(episode: GradedEpisode, advantage: float, reward_value: float, *, mode: SampleMode = "episode",
                     mask_truncated: bool = False, mask_after_format_error: bool = False,
                     mask_format_errors: bool = False) -> list[TrainSample]:
@@ -161,22 +146,19 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
     common = {"advantage": advantage, "reward": reward_value, "weight_version": episode.weight_version,
               "truncated": truncated}
     malformed = set(malformed_turns(episode)) if mask_format_errors else set()
+
+    def trained(turn: int) -> bool:
+        return keep and (cut is None or turn <= cut) and turn not in malformed
+
     if mode == "step" and episode.steps:
         out = []
         for i, (prompt, output, logprobs) in enumerate(episode.steps):
-            trained = keep and (cut is None or i <= cut) and i not in malformed
-            mask = [0] * len(prompt) + [1 if trained else 0] * len(output)
+            mask = [0] * len(prompt) + [1 if trained(i) else 0] * len(output)
             out.append(pack_sample(f"{uid}.{i}", episode.instance_id, [*prompt, *output], mask,
                                    [0.0] * len(prompt) + list(logprobs), **common))
         return out
-    if not keep:
-        mask = [0] * len(episode.loss_mask)
-    elif cut is not None:
-        mask = mask_turns_after(episode.loss_mask, cut)
-    else:
-        mask = episode.loss_mask
-    if keep and malformed:
-        mask = mask_turns(mask, [t for t in malformed if cut is None or t <= cut])
+    spans = len(turn_spans(episode.loss_mask))
+    mask = mask_turns(episode.loss_mask, [t for t in range(spans) if not trained(t)])
     return [pack_sample(uid, episode.instance_id, episode.token_ids, mask, episode.logprobs, **common)]
 
 
