@@ -65,6 +65,16 @@ from swectl.schema import TrainerStatistics
 _log = logging.getLogger(__name__)
 _READY = re.compile(r"swectl-trainer ready on (\S+):(\d+)\s*$")
 TAIL_LINES = 40
+# A Python exception's last line in a rank's output ("RuntimeError: ...", "[rank1]: ValueError: ..."): the cause that
+# torchrun's ChildFailedError summary, printed after it, pushes out of the tail.
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[A-Za-z_]\w*\.)*([A-Z]\w*(?:Error|Exception)): ")
+ERROR_LINES = 3
+
+
+def exception_line(line: str) -> bool:
+    """Whether ``line`` ends a Python traceback of a rank (torchrun's own ChildFailedError does not count)."""
+    found = _EXCEPTION_LINE.match(line)
+    return found is not None and found.group(1) != "ChildFailedError"
 
 
 class TrainerLostError(InfraError):
@@ -84,6 +94,7 @@ class _Launch:
         self.index = index
         self.proc: NodeProcess | None = None
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.errors: list[str] = []  # the first exception lines of the ranks' output (see exception_line)
         self.exit_code: int | None = None
         self.ready: tuple[str, int] | None = None
         self.changed = anyio.Event()
@@ -96,6 +107,8 @@ class _Launch:
             self.exited.set()
         else:
             self.tail.append(line)
+            if len(self.errors) < ERROR_LINES and exception_line(line):
+                self.errors.append(line.strip())
             found = _READY.search(line)
             if not found:
                 return
@@ -196,8 +209,10 @@ class Trainer:
         if "No module named 'torch'" in tail or "No module named 'swectl'" in tail:
             hint = (f"\n  {self._config.python or sys.executable} on {launch.host.node.name} lacks torch or swectl: "
                     "install swectl[cpu] there, or point trainer.python at an interpreter that has them")
+        errors = "".join(f"\n  error: {line}" for line in launch.errors)
         return TrainerLostError(f"trainer on {launch.host.node.name} {what} (log: "
-                                f"{self._log_dir / f'trainer{launch.index}.log'}); last output:\n    {tail}{hint}")
+                                f"{self._log_dir / f'trainer{launch.index}.log'}){errors}\n  last output:\n    {tail}"
+                                f"{hint}")
 
     async def _connect(self) -> Ready:
         first = self._launches[0]

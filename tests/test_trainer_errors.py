@@ -33,3 +33,39 @@ def test_a_checkpoint_failure_names_the_first_ranks_cause() -> None:
     text = describe(CheckpointException("failed", failures))
     assert text == "checkpoint failed on ranks [0, 1]: rank 0: RuntimeError: unexpected pos 704 vs 598"
     assert describe(ValueError("bad batch")) == "ValueError: bad batch"
+
+
+TORCHRUN_OUTPUT = """\
+Traceback (most recent call last):
+  File "/x/swectl/remote/programs/trainer.py", line 103, in _device
+    raise RuntimeError(f"local rank {local} has no GPU of its own: ...")
+RuntimeError: local rank 1 has no GPU of its own: this node has 1 GPU(s)
+W1126 16:22:27.095000 994 torch/distributed/elastic/multiprocessing/api.py:1012] Sending process 1020 closing signal
+Traceback (most recent call last):
+  File "/opt/torch/.venv/lib/python3.12/site-packages/torch/distributed/run.py", line 994, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+""" + "  rank      : 0 (local_rank: 0)\n" * 40
+
+
+def test_a_lost_trainer_quotes_the_ranks_exception_that_torchruns_summary_pushed_out_of_the_tail(tmp_path) -> None:
+    """Seen on a one-GPU machine: the cause scrolled out of the 40-line tail behind torchrun's ChildFailedError."""
+    import anyio
+
+    from swectl.actors.engines import EngineHost
+    from swectl.actors.trainer import TAIL_LINES, Trainer, _Launch, exception_line
+    from swectl.config import TrainerConfig
+    from swectl.rl.wire import TrainerSettings
+
+    assert exception_line("[rank1]: ValueError: bad") and exception_line("torch.OutOfMemoryError: CUDA out of memory")
+    assert not exception_line("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ")
+    assert not exception_line("  raise RuntimeError(f'x')") and not exception_line("step 3: Error rate 2%")
+    launch = _Launch(EngineHost.local(), 0, anyio.Event())
+    for line in TORCHRUN_OUTPUT.splitlines():
+        launch.on_line(line)
+    assert not any("no GPU of its own" in line for line in launch.tail) and len(launch.tail) == TAIL_LINES
+    trainer = Trainer(TrainerConfig(), TrainerSettings(model="m", out_dir=str(tmp_path)), [EngineHost.local()],
+                      log_dir=tmp_path)
+    message = str(trainer._lost(launch, "exited with 1 while starting"))
+    assert "error: RuntimeError: local rank 1 has no GPU of its own" in message
+    assert "ChildFailedError" not in message.split("last output:")[0]

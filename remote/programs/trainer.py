@@ -98,6 +98,11 @@ def _device(s: TrainerSettings) -> tuple[torch.device, str]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", "0"))
+        gpus = torch.cuda.device_count()
+        if local >= gpus:  # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): say so before it does
+            raise RuntimeError(f"local rank {local} has no GPU of its own: this node has {gpus} GPU(s) and NCCL puts "
+                               f"one rank on each; set [trainer] nproc_per_node to at most {gpus} (or backend = "
+                               f"\"gloo\" to train on the CPU)")
         torch.cuda.set_device(local)
         return torch.device("cuda", local), backend
     return torch.device("cpu"), backend
@@ -225,9 +230,9 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        totals = _reduce(sums, dist.ReduceOp.SUM)
-        peaks = _reduce(maxes, dist.ReduceOp.MAX)
-        tokens_all = _reduce({"t": torch.tensor(float(tokens))}, dist.ReduceOp.SUM)["t"]
+        totals = _reduce(sums, dist.ReduceOp.SUM, self.device)
+        peaks = _reduce(maxes, dist.ReduceOp.MAX, self.device)
+        tokens_all = _reduce({"t": torch.tensor(float(tokens))}, dist.ReduceOp.SUM, self.device)["t"]
         lr = self.scheduler.get_last_lr()[0]
         metrics = _metrics(totals, peaks, batch)
         metrics.update(grad_norm=float(grad_norm), lr=lr, tokens=float(tokens_all),
@@ -408,12 +413,13 @@ def write_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
     os.replace(tmp, path)
 
 
-def _reduce(values: dict[str, torch.Tensor], op: dist.ReduceOp) -> dict[str, float]:
-    """All-reduce a dict of scalars (the same keys on every rank) in one collective."""
+def _reduce(values: dict[str, torch.Tensor], op: dist.ReduceOp, device: torch.device) -> dict[str, float]:
+    """All-reduce a dict of scalars (the same keys on every rank) in one collective, on ``device``: the default
+    group's (NCCL reduces only CUDA tensors, gloo CPU ones)."""
     keys = sorted(values)
     if not keys:
         return {}
-    flat = torch.stack([values[k].detach().float().cpu().reshape(()) for k in keys])
+    flat = torch.stack([values[k].detach().float().reshape(()).to(device) for k in keys])
     dist.all_reduce(flat, op=op)
     return {k: float(v) for k, v in zip(keys, flat.tolist(), strict=True)}
 

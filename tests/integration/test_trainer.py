@@ -26,36 +26,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
-import numpy as np
 import pytest
 
 from swectl.actors.engines import EngineHost, engine_hosts
 from swectl.actors.trainer import Trainer, TrainerFailedError, TrainerLostError
 from swectl.config import TrainerConfig, decode_config
-from swectl.rl.batch import TrainBatch, make_batch, pack_sample
 from swectl.rl.shm import BatchWriter
 from swectl.rl.wire import TrainerSettings
 from swectl.testing import nodes as testnodes
+from swectl.testing.batches import synthetic_batch as _batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 GOLDEN = Path(__file__).parent.parent / "golden" / "train_losses.json"
 # Measured: two runs on this machine agree to ~1e-7 relative; a changed formula moves losses by >1e-3.
 TOLERANCE = 1e-4
-
-
-def _batch(step: int, algorithm: str, vocab: int, *, seed: int, n: int = 6, nan: bool = False) -> TrainBatch:
-    rng = np.random.default_rng(seed)
-    samples = []
-    for i in range(n):
-        length = int(rng.integers(24, 64))
-        prompt = int(rng.integers(4, length // 2))
-        tokens = rng.integers(3, vocab, size=length).tolist()
-        mask = [0] * prompt + [1] * (length - prompt)
-        logprobs = [0.0] * prompt + (rng.normal(-6.0, 0.5, size=length - prompt)).tolist()
-        advantage = float("nan") if nan else float(rng.choice([-1.0, 1.0]))
-        samples.append(pack_sample(f"s{i}", f"g{i // 2}", tokens, mask, logprobs, advantage=advantage,
-                                   reward=1.0))
-    return make_batch(step, algorithm, samples)  # type: ignore[arg-type]
 
 
 def _settings(model: Path, out: Path, **kw) -> TrainerSettings:
