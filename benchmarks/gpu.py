@@ -85,21 +85,15 @@ def settings(ctx: Context, model: Path, out: Path, **kw: Any) -> Any:
 async def with_trainer(ctx: Context, out: Path, body: Callable[[Any, Any], Awaitable[Any]], *, ranks: int = 1,
                        model: Path | None = None, micro_batch_tokens: int = 8192, **kw: Any) -> Any:
     """Start the Trainer actor (``ranks`` torchrun workers on this machine), run ``body(trainer, ready)``, stop."""
-    import anyio
-
     from swectl.actors.engines import EngineHost
     from swectl.actors.trainer import Trainer
     from swectl.config import TrainerConfig
+    from swectl.testing import trainers as trainers
 
     config = TrainerConfig(nproc_per_node=ranks, threads_per_rank=4, start_timeout_s=300, step_timeout_s=600)
     trainer = Trainer(config, settings(ctx, model or ctx.tiny, out, micro_batch_tokens=micro_batch_tokens, **kw),
                       [EngineHost.local()], log_dir=out)
-    async with anyio.create_task_group() as tg:
-        ready = await tg.start(trainer.run)
-        try:
-            return await body(trainer, ready)
-        finally:
-            tg.cancel_scope.cancel()
+    return await trainers.with_trainer(trainer, body)
 
 
 def vocab(model: Path) -> int:

@@ -35,6 +35,7 @@ from swectl.rl.shm import BatchWriter
 from swectl.rl.wire import TrainerSettings
 from swectl.testing import nodes as testnodes
 from swectl.testing.batches import synthetic_batch as _batch
+from swectl.testing.trainers import with_trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 GOLDEN = Path(__file__).parent.parent / "golden" / "train_losses.json"
@@ -54,12 +55,7 @@ def _vocab(model: Path) -> int:
 async def _with_trainer(model: Path, out: Path, body, **settings):
     trainer = Trainer(TrainerConfig(nproc_per_node=2, start_timeout_s=300, step_timeout_s=300),
                       _settings(model, out, **settings), [EngineHost.local()], log_dir=out)
-    async with anyio.create_task_group() as tg:
-        ready = await tg.start(trainer.run)
-        try:
-            return await body(trainer, ready)
-        finally:
-            tg.cancel_scope.cancel()
+    return await with_trainer(trainer, body)
 
 
 async def test_sft_and_grpo_losses_match_the_golden_file(model: Path, tmp_path: Path) -> None:
