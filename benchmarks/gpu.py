@@ -15,6 +15,8 @@ Checks (``--checks``; all by default), each recorded as ok / failed with what it
 - ``one_gpu_two_ranks``: on a one-GPU machine, ``nproc_per_node = 2`` fails at start with the trainer's clear error.
 - ``throughput``: training tokens/s of one rank on a randomly initialised Qwen3 of Qwen3-0.6B's shape, GRPO batches
   of 16 x 1-2k tokens (benchmarks/train.py's trainer batch) and 64 x 4-8k tokens (its transport batch).
+- ``profile``: where one micro-batch's time goes on that model (4096 and 8192 tokens): the worker's loss + backward,
+  the bare model's forward + backward with and without the attention mask, the forward alone; peak GPU memory.
 
     python benchmarks/gpu.py --tiny MODEL_DIR --out benchmarks/results/gpu.json
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -285,6 +288,7 @@ async def check_throughput(ctx: Context) -> dict[str, Any]:
     big = ctx.throughput_model or ctx.work / "qwen3-0p6b-shape"
     if not ctx.throughput_model and not (big / bench_train.BIG_MARKER).is_file():
         ctx.progress(f"building a random Qwen3 of Qwen3-0.6B's shape in {big}")
+        big.parent.mkdir(parents=True, exist_ok=True)
         await anyio.to_thread.run_sync(bench_train.build_big_model, str(big), str(ctx.tiny))
     result: dict[str, Any] = {"parameters": bench_train.model_parameters(big)}
     for label, samples, lo, hi in (("16x1-2k", 16, 1000, 2000), ("64x4-8k", 64, 4096, 8192)):
@@ -301,9 +305,103 @@ async def check_throughput(ctx: Context) -> dict[str, Any]:
     return result
 
 
+PROFILE_LENGTHS = (4096, 8192)
+
+
+def profile_one(trainer: Any, device: Any, sample: Any, batch: Any, reps: int = 3) -> dict[str, float]:
+    """Median seconds of each way to run one micro-batch of ``sample`` (after a warm-up each)."""
+    import torch
+
+    mb = {k: v.to(device) for k, v in trainer._collate([sample]).items()}
+
+    def timed(fn: Callable[[], None]) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return round(statistics.median(times), 4)
+
+    def real() -> None:
+        loss, _ = trainer._micro_loss(mb, batch)
+        loss.backward()
+
+    def bare(mask: bool) -> Callable[[], None]:
+        def run() -> None:
+            out = trainer.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"] if mask else None)
+            out.logits[..., :1].float().sum().backward()
+        return run
+
+    def forward() -> None:
+        with torch.no_grad():
+            trainer.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    row = {"micro_loss_and_backward_s": timed(real), "model_fwd_bwd_s": timed(bare(True)),
+           "model_fwd_bwd_no_mask_s": timed(bare(False)), "model_forward_s": timed(forward)}
+    if device.type == "cuda":
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    return row
+
+
+def profile_micro_batch(ctx: Context, model: Path) -> dict[str, Any]:
+    """Where one micro-batch's time goes, in this process: the worker's own Trainer (one rank, world of one) on the
+    throughput model; per length, median seconds of the real ``_micro_loss`` + backward, and of the bare model
+    (forward + backward of a trivial loss) with and without the all-ones attention mask, and a forward alone."""
+    import socket
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from swectl.remote.programs import trainer as worker
+    from swectl.rl.batch import make_batch, pack_sample
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    s = settings(ctx, model, ctx.work / "profile", algorithm="grpo", lr=1e-6)
+    device, backend = worker._device(s)
+    dist.init_process_group(backend=backend)
+    try:
+        trainer = worker.Trainer(s)
+
+        result: dict[str, Any] = {"device": str(device)}
+        rng = np.random.default_rng(0)
+        for length in PROFILE_LENGTHS:
+            prompt = length // 4
+            sample = pack_sample("p", "g", rng.integers(3, vocab(model), size=length).tolist(),
+                                 [0] * prompt + [1] * (length - prompt),
+                                 [0.0] * prompt + [-2.0] * (length - prompt), advantage=1.0, reward=1.0)
+            row = profile_one(trainer, device, sample, make_batch(1, "grpo", [sample]))
+            row["tokens_per_s_micro_loss"] = round(length / row["micro_loss_and_backward_s"])
+            result[str(length)] = row
+            ctx.progress(f"profile {length} tokens: {json.dumps(row)}")
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+async def check_profile(ctx: Context) -> dict[str, Any]:
+    import train as bench_train
+
+    big = ctx.throughput_model or ctx.work / "qwen3-0p6b-shape"
+    if not ctx.throughput_model and not (big / bench_train.BIG_MARKER).is_file():
+        big.parent.mkdir(parents=True, exist_ok=True)
+        bench_train.build_big_model(str(big), str(ctx.tiny))
+    return profile_micro_batch(ctx, big)
+
+
 CHECKS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "golden": check_golden, "resume": check_resume, "engine": check_engine,
-    "one_gpu_two_ranks": check_one_gpu_two_ranks, "throughput": check_throughput,
+    "one_gpu_two_ranks": check_one_gpu_two_ranks, "throughput": check_throughput, "profile": check_profile,
 }
 
 

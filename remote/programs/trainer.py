@@ -185,7 +185,9 @@ class Trainer:
     def _micro_loss(self, mb: dict[str, torch.Tensor], batch: TrainBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         s = self.s
         mb = {k: v.to(self.device) for k, v in mb.items()}
-        logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits.float()
+        # bf16 on a GPU: token_logprobs and token_entropy cast chunk by chunk; a whole float32 copy of [B, T, V] would
+        # be the largest tensor of the step (5 GB for 8192 tokens of a 152k vocabulary)
+        logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
         logp = token_logprobs(logits, mb["input_ids"])
         mask = mb["mask"]
         denominator = float(batch.loss_tokens if s.aggregation == "token_mean" else batch.sequences) or 1.0
@@ -196,7 +198,7 @@ class Trainer:
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logits = self.ref_model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-                    ref_logp = token_logprobs(ref_logits.float(), mb["input_ids"])
+                    ref_logp = token_logprobs(ref_logits, mb["input_ids"])
             loss, stats = policy_loss(logp, logp.detach(), mb["rollout_logp"], mb["advantages"], mask,
                                       denominator=denominator, aggregation=s.aggregation, eps_low=s.eps_low,
                                       eps_high=s.eps_high, tis_cap=s.tis_cap, ref_logp=ref_logp,
