@@ -165,7 +165,9 @@ class TrainerConfig(_Section):
     python: str = ""  # the node's interpreter with swectl[cpu] (torch, transformers); "" = this controller's
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     threads_per_rank: Count = 1  # torch.set_num_threads in each rank (two ranks must not fight over 2 cores)
-    micro_batch_tokens: Count = 8192  # padded tokens per forward pass (micro-batches packed by this budget)
+    # padded tokens per forward pass (micro-batches packed by this budget). On a GPU raise it as far as memory allows:
+    # a forward + backward has a large fixed cost (H200, Qwen3-0.6B shape: 0.22 s for 4096 tokens, 0.26 s for 8192)
+    micro_batch_tokens: Count = 8192
     rdzv_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0 = a free port on the first node
     start_timeout_s: Positive = 600.0  # until every rank has loaded the model
     step_timeout_s: Positive = 1800.0  # one optimizer step (and its weight save)
