@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
-from swectl.actors.trainer import Trainer
 from swectl.rl.wire import Ready
 
 T = TypeVar("T")
 
 
-async def with_trainer(trainer: Trainer, body: Callable[[Trainer, Ready], Awaitable[T]]) -> T:
-    """Start ``trainer`` (its workers up and connected), return ``await body(trainer, ready)``, then stop it (its
-    ranks with it), also when the body fails."""
+async def with_trainer(trainer: Any, body: Callable[[Any, Ready], Awaitable[T]]) -> T:
+    """Start ``trainer`` (a swectl.actors.trainer.Trainer: its workers up and connected), return
+    ``await body(trainer, ready)``, then stop it (its ranks with it), also when the body fails. (Typed loosely:
+    swectl.testing sits below the actors and does not import them.)"""
     async with anyio.create_task_group() as tg:
         ready = await tg.start(trainer.run)
         try:
