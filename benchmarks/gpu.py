@@ -78,7 +78,7 @@ class Context:
     throughput_model: Path | None = None
 
 
-def settings(ctx: Context, model: Path, out: Path, **kw: Any) -> Any:
+def settings(model: Path, out: Path, **kw: Any) -> Any:
     from swectl.rl.wire import TrainerSettings
 
     return TrainerSettings(**{"model": str(model), "out_dir": str(out), "lr": 1e-3, "total_steps": 8, "seed": 0,
@@ -94,7 +94,7 @@ async def with_trainer(ctx: Context, out: Path, body: Callable[[Any, Any], Await
     from swectl.testing import trainers as trainers
 
     config = TrainerConfig(nproc_per_node=ranks, threads_per_rank=4, start_timeout_s=300, step_timeout_s=600)
-    trainer = Trainer(config, settings(ctx, model or ctx.tiny, out, micro_batch_tokens=micro_batch_tokens, **kw),
+    trainer = Trainer(config, settings(model or ctx.tiny, out, micro_batch_tokens=micro_batch_tokens, **kw),
                       [EngineHost.local()], log_dir=out)
     return await trainers.with_trainer(trainer, body)
 
@@ -281,15 +281,18 @@ async def check_one_gpu_two_ranks(ctx: Context) -> dict[str, Any]:
     raise CheckFailed("unreachable")
 
 
-async def check_throughput(ctx: Context) -> dict[str, Any]:
-    import anyio
+def throughput_model(ctx: Context) -> Path:
+    """``--throughput-model``, else benchmarks/train.py's random Qwen3 of Qwen3-0.6B's shape (made once into
+    results/.cache)."""
     import train as bench_train
 
-    big = ctx.throughput_model or ctx.work / "qwen3-0p6b-shape"
-    if not ctx.throughput_model and not (big / bench_train.BIG_MARKER).is_file():
-        ctx.progress(f"building a random Qwen3 of Qwen3-0.6B's shape in {big}")
-        big.parent.mkdir(parents=True, exist_ok=True)
-        await anyio.to_thread.run_sync(bench_train.build_big_model, str(big), str(ctx.tiny))
+    return ctx.throughput_model or bench_train.big_model(ctx.tiny, ctx.progress)
+
+
+async def check_throughput(ctx: Context) -> dict[str, Any]:
+    import train as bench_train
+
+    big = throughput_model(ctx)
     result: dict[str, Any] = {"parameters": bench_train.model_parameters(big)}
     for label, samples, lo, hi in (("16x1-2k", 16, 1000, 2000), ("64x4-8k", 64, 4096, 8192)):
         batch = bench_train.realistic_batch(samples, lo, hi, seed=1, vocab=vocab(big))
@@ -367,7 +370,7 @@ def profile_micro_batch(ctx: Context, model: Path) -> dict[str, Any]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    s = settings(ctx, model, ctx.work / "profile", algorithm="grpo", lr=1e-6)
+    s = settings(model, ctx.work / "profile", algorithm="grpo", lr=1e-6)
     device, backend = worker._device(s)
     dist.init_process_group(backend=backend)
     try:
@@ -390,13 +393,7 @@ def profile_micro_batch(ctx: Context, model: Path) -> dict[str, Any]:
 
 
 async def check_profile(ctx: Context) -> dict[str, Any]:
-    import train as bench_train
-
-    big = ctx.throughput_model or ctx.work / "qwen3-0p6b-shape"
-    if not ctx.throughput_model and not (big / bench_train.BIG_MARKER).is_file():
-        big.parent.mkdir(parents=True, exist_ok=True)
-        bench_train.build_big_model(str(big), str(ctx.tiny))
-    return profile_micro_batch(ctx, big)
+    return profile_micro_batch(ctx, throughput_model(ctx))
 
 
 CHECKS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {

@@ -23,4 +23,3 @@ async def with_trainer(trainer: Any, body: Callable[[Any, Ready], Awaitable[T]])
         finally:
             tg.cancel_scope.cancel()
     raise AssertionError("unreachable")  # the task group only ends through the return or an exception
-
