@@ -42,6 +42,7 @@ from swectl.images.project import BUNDLED_TASKS
 from swectl.tasks.sources import load_tasks
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learn.json"
+OVERLONG_ENDINGS = ["LimitsExceeded", "TimeExceeded", "ContextExceeded"]  # the TRUNCATED endings but FormatError
 SWECTL = [sys.executable, "-m", "swectl.cli.main"]
 
 
@@ -178,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--mask-truncated", action=argparse.BooleanOptionalAction, default=True,
                         help="GRPO: truncated episodes (step limit, malformed replies) carry no gradient")
+    parser.add_argument("--mask-truncated-endings", choices=("all", "overlong"), default="all",
+                        help="with --mask-truncated, which endings are masked: all (the step limit, time, context and "
+                             "the malformed-reply limit) or overlong (not the malformed-reply limit: those episodes "
+                             "train their well-formed turns with their advantage)")
     parser.add_argument("--mask-format-errors", action=argparse.BooleanOptionalAction, default=True,
                         help="GRPO: malformed replies carry no gradient (train.mask_format_errors); the turns around "
                              "them train as usual")
@@ -236,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         "train.seed": args.seed, "train.test_fraction": 0.5, "train.save_every": 5,
         "train.concurrency": args.concurrency, "train.max_sampling_rounds": 2,
         "train.mask_truncated": str(args.mask_truncated).lower(),
+        "train.mask_truncated_endings": json.dumps(OVERLONG_ENDINGS if args.mask_truncated_endings == "overlong"
+                                                   else [*OVERLONG_ENDINGS, "FormatError"]),
         "train.mask_format_errors": str(args.mask_format_errors).lower()}
     if continue_sft:  # steps 1..sft_steps were the SFT run's; the optimizer's learning rate is the SFT's
         grpo_sets.update({"train.sft_steps": args.sft_steps, "train.steps": args.sft_steps + args.grpo_steps})

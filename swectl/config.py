@@ -24,6 +24,8 @@ DEFAULT_IMAGE = "localhost/swectl-base:bookworm"
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+# the exit statuses of a TRUNCATED episode (swectl.agent.protocol.ExitStatus)
+TruncatedEnding = Literal["LimitsExceeded", "TimeExceeded", "ContextExceeded", "FormatError"]
 NodeName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
 
 
@@ -216,7 +218,12 @@ class TrainConfig(_Section):
     prob_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     resolved_reward: float = 1.0
     unresolved_reward: float = 0.0
-    mask_truncated: bool = False  # truncated (overlong) episodes carry no gradient
+    mask_truncated: bool = False  # truncated episodes carry no gradient (those ending in mask_truncated_endings)
+    # which TRUNCATED endings mask_truncated masks: the step limit, wall time and context budget (overlong) and the
+    # malformed-reply limit; ["LimitsExceeded", "TimeExceeded", "ContextExceeded"] leaves an episode that ended on
+    # malformed replies its gradient (its well-formed turns carry its advantage)
+    mask_truncated_endings: list[TruncatedEnding] = msgspec.field(
+        default_factory=lambda: ["LimitsExceeded", "TimeExceeded", "ContextExceeded", "FormatError"])
     # the turns after an episode's first malformed reply carry no gradient (nor that reply, if its advantage is > 0)
     mask_after_format_error: bool = False
     # malformed replies (no single bash block) carry no gradient, whatever the advantage; the other turns train

@@ -16,6 +16,7 @@ from swectl.rl.groups import (
     episode_samples,
     group_samples,
     mask_turns,
+    masked_as_truncated,
     pass_at_k,
     score_group,
     turn_spans,
@@ -110,6 +111,27 @@ def test_truncated_episodes_can_be_masked() -> None:
     assert unpack_mask(masked[0]).sum() == 0 and masked[0].truncated
     assert unpack_mask(masked[1]).sum() == 2
     assert unpack_mask(group_samples([group])[0]).sum() == 2
+
+
+def test_mask_truncated_masks_only_the_endings_it_is_given() -> None:
+    """The step limit's ending is masked; with the overlong endings alone, an episode the malformed-reply limit
+    ended keeps its well-formed turns (its malformed one stays masked by mask_format_errors)."""
+    step_limit = msgspec.structs.replace(_three_turns([False, False, False], outcome="TRUNCATED", resolved=False),
+                                         exit_status="LimitsExceeded")
+    malformed = msgspec.structs.replace(_three_turns([False, True, True], outcome="TRUNCATED", resolved=False),
+                                        sample=1, exit_status="FormatError")
+    resolved = msgspec.structs.replace(_three_turns([False, False, False], outcome="COMPLETED", resolved=True),
+                                       sample=2, exit_status="Submitted")
+    group = score_group(Group(instance_id="t", episodes=[step_limit, malformed, resolved]), estimator="grpo")
+    everything = group_samples([group], mask_truncated=True, mask_format_errors=True)
+    assert [int(unpack_mask(s).sum()) for s in everything] == [0, 0, 5]
+    overlong = group_samples([group], mask_truncated=True, mask_format_errors=True,
+                             truncated_endings=["LimitsExceeded", "TimeExceeded", "ContextExceeded"])
+    assert [int(unpack_mask(s).sum()) for s in overlong] == [0, 2, 5]
+    assert unpack_mask(overlong[1]).tolist() == [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert overlong[1].advantage < 0
+    unknown = msgspec.structs.replace(malformed, exit_status="")  # an exit status not known: any truncated ending
+    assert masked_as_truncated(unknown, ["LimitsExceeded"]) and not masked_as_truncated(resolved)
 
 
 def _three_turns(format_errors: list[bool], *, outcome: str, resolved: bool) -> GradedEpisode:

@@ -19,6 +19,9 @@ from swectl.rl.advantages import group_advantages, informative
 from swectl.rl.batch import TrainSample, pack_sample
 
 SampleMode = Literal["episode", "step"]
+# the exit statuses of a TRUNCATED episode: the step limit, the wall time, the context budget (the overlong
+# endings) and the malformed-reply limit
+TRUNCATED_ENDINGS = ("LimitsExceeded", "TimeExceeded", "ContextExceeded", "FormatError")
 
 
 class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,6 +37,7 @@ class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
     weight_version: int = 0
     steps: list[tuple[list[int], list[int], list[float]]] = []  # per step: prompt ids, output ids, logprobs
     format_errors: list[bool] = []  # per agent turn: the reply was malformed (no single bash block)
+    exit_status: str = ""  # the agent loop's (Submitted, LimitsExceeded, FormatError, ...); "" when not known
 
     @property
     def truncated(self) -> bool:
@@ -124,22 +128,34 @@ def malformed_turns(episode: GradedEpisode) -> list[int]:
     return [i for i, bad in enumerate(episode.format_errors) if bad]
 
 
+def masked_as_truncated(episode: GradedEpisode, endings: Iterable[str] = TRUNCATED_ENDINGS) -> bool:
+    """Whether ``mask_truncated`` masks this episode: it is TRUNCATED and its exit status is one of ``endings``
+    (an episode whose exit status is not known counts as any truncated one)."""
+    return episode.truncated and (not episode.exit_status or episode.exit_status in set(endings))
+
+
 def episode_samples(episode: GradedEpisode, advantage: float, reward_value: float, *, mode: SampleMode = "episode",
                     mask_truncated: bool = False, mask_after_format_error: bool = False,
-                    mask_format_errors: bool = False) -> list[TrainSample]:
+                    mask_format_errors: bool = False,
+                    truncated_endings: Iterable[str] = TRUNCATED_ENDINGS) -> list[TrainSample]:
     """The training samples of one episode. A truncated episode with ``mask_truncated`` keeps its tokens but no
-    loss (mask all 0), so it still counts in nothing but the logs. With ``mask_after_format_error`` the turns
-    after the episode's first malformed reply carry no loss: the malformed reply itself keeps a negative
-    advantage (it is pushed down) and loses a positive one (a resolved episode that stumbled must not teach the
-    stumble: seen in learn_experiments.json, where it was learnt), and what the policy wrote after it (off the
-    path it was trained on, often degenerate) never reaches the gradient. With ``mask_format_errors`` the malformed
-    replies themselves carry no loss, whatever the advantage's sign, and the turns around them train as usual: a
-    resolved episode that recovered from a slip reinforces the recovery, not the slip, and a failed one does not
-    push probability off a reply the protocol already rejects (pushing it down spreads probability: see
+    loss (mask all 0), so it still counts in nothing but the logs; ``truncated_endings`` says which exit statuses
+    it masks (e.g. only the overlong ones, so an episode the malformed-reply limit ended still trains its
+    well-formed turns with its advantage: with ``mask_format_errors`` too, masking that ending whole leaves it the
+    one ending nothing pushes back on, and GRPO moves probability into it, learn_experiments.json session 6).
+
+    With ``mask_after_format_error`` the turns after the episode's first malformed reply carry no loss: the
+    malformed reply itself keeps a negative advantage (it is pushed down) and loses a positive one (a resolved
+    episode that stumbled must not teach the stumble: seen in learn_experiments.json, where it was learnt), and what
+    the policy wrote after it (off the path it was trained on, often degenerate) never reaches the gradient. With
+    ``mask_format_errors`` the malformed replies themselves carry no loss, whatever the advantage's sign, and the
+    turns around them train as usual: a resolved episode that recovered from a slip reinforces the recovery, not the
+    slip, and a failed one does not push probability off a reply the protocol already rejects (pushing it down
+    spreads probability: see
     learn_experiments.json, session 4)."""
     uid = f"{episode.instance_id}#{episode.sample}"
     truncated = episode.truncated
-    keep = not (mask_truncated and truncated)
+    keep = not (mask_truncated and masked_as_truncated(episode, truncated_endings))
     cut = first_format_error(episode) if mask_after_format_error else None
     if cut is not None and advantage > 0:
         cut -= 1  # a malformed reply is never reinforced: with a positive advantage it is masked too
@@ -163,13 +179,15 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
 
 
 def group_samples(groups: Sequence[Group], *, mode: SampleMode = "episode", mask_truncated: bool = False,
-                  mask_after_format_error: bool = False, mask_format_errors: bool = False) -> list[TrainSample]:
+                  mask_after_format_error: bool = False, mask_format_errors: bool = False,
+                  truncated_endings: Iterable[str] = TRUNCATED_ENDINGS) -> list[TrainSample]:
     samples: list[TrainSample] = []
     for g in groups:
         for episode, adv, rew in zip(g.episodes, g.advantages, g.rewards, strict=True):
             samples += episode_samples(episode, adv, rew, mode=mode, mask_truncated=mask_truncated,
                                        mask_after_format_error=mask_after_format_error,
-                                       mask_format_errors=mask_format_errors)
+                                       mask_format_errors=mask_format_errors,
+                                       truncated_endings=truncated_endings)
     return samples
 
 

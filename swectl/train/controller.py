@@ -110,7 +110,7 @@ def graded_episode(result: EpisodeResult) -> GradedEpisode:
     return GradedEpisode(instance_id=result.instance_id, sample=result.sample, outcome=result.outcome,
                          resolved=result.resolved, token_ids=t.token_ids, loss_mask=t.loss_mask, logprobs=t.logprobs,
                          weight_version=_weight_version(t.weight_versions), steps=steps,
-                         format_errors=[s.format_error for s in episode.steps])
+                         format_errors=[s.format_error for s in episode.steps], exit_status=result.exit_status)
 
 
 class _TrajFile(msgspec.Struct):
@@ -224,7 +224,8 @@ class Controller:
             groups, results, info, tasks_seen = await self._collect(step, pool, engines, source)
             samples = group_samples(groups, mode=t.sample_mode, mask_truncated=t.mask_truncated,
                                     mask_after_format_error=t.mask_after_format_error,
-                                    mask_format_errors=t.mask_format_errors)
+                                    mask_format_errors=t.mask_format_errors,
+                                    truncated_endings=t.mask_truncated_endings)
             values.update(info)
             values.update(_rollout_values(groups, results))
             record.update(tasks=tasks_seen, groups=[g.instance_id for g in groups],
