@@ -151,8 +151,7 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
     ``mask_format_errors`` the malformed replies themselves carry no loss, whatever the advantage's sign, and the
     turns around them train as usual: a resolved episode that recovered from a slip reinforces the recovery, not the
     slip, and a failed one does not push probability off a reply the protocol already rejects (pushing it down
-    spreads probability: see
-    learn_experiments.json, session 4)."""
+    spreads probability: see learn_experiments.json, session 4)."""
     uid = f"{episode.instance_id}#{episode.sample}"
     truncated = episode.truncated
     keep = not (mask_truncated and masked_as_truncated(episode, truncated_endings))
