@@ -281,6 +281,45 @@ async def test_concurrent_requests_are_batched_and_give_the_sequential_results(e
         assert_close(together.output_logprobs, want_lps)
 
 
+async def test_requests_arriving_mid_batch_join_it_and_give_the_sequential_results(
+    engine: str, ref_a: Reference
+) -> None:
+    """Continuous batching: requests sent while a batch decodes join it between two steps instead of waiting for
+    it to end, and get what they get alone; the running row's cache survives the merges and the trimming of the
+    padding that a finished wide row leaves behind."""
+    long = greedy_request(prompts(1, seed=5)[0], 300, ignore_eos=True)
+    candidates = prompts(8, seed=6)  # 3 to 89 tokens: the widest row (89) leaves first, its padding is trimmed
+    late = [greedy_request(candidates[i], n) for i, n in ((7, 7), (2, 20), (4, 12))]
+    async with SglangClient(engine, timeout_s=120) as client:
+        alone = {key: await client.generate(r) for key, r in [("long", long), *enumerate(late)]}
+        before = await server_state(engine)
+        together: dict[object, GenerateResult] = {}
+
+        async def one(key: object, request: GenerateRequest) -> None:
+            together[key] = await client.generate(request)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "long", long)
+            with anyio.fail_after(30):  # the long request is decoding: its batch window has closed
+                while (await server_state(engine))["decode_steps"] < before["decode_steps"] + 5:  # noqa: ASYNC110
+                    await anyio.sleep(0.005)
+            for index, request in enumerate(late):
+                tg.start_soon(one, index, request)
+    state = await server_state(engine)
+    assert state["joined_requests"] > before["joined_requests"], state
+    assert state["batches"] - before["batches"] < 1 + len(late), state
+    assert 1 < state["mean_decode_batch"] <= state["largest_batch"], state
+    for key, result in alone.items():
+        assert together[key].output_ids == result.output_ids, key
+        assert_close(together[key].output_logprobs, result.output_logprobs)
+    for index, request in enumerate(late):
+        want_ids, want_lps = ref_a.greedy(request.input_ids, request.sampling_params.max_new_tokens)
+        assert together[index].output_ids == want_ids
+        assert_close(together[index].output_logprobs, want_lps)
+    assert len(together["long"].output_ids) == 300
+    assert_close(together["long"].output_logprobs, ref_a.output_logprobs(long.input_ids, together["long"].output_ids))
+
+
 async def test_max_new_tokens_gives_length(engine: str) -> None:
     prompt = prompts(1, seed=3)[0]
     async with SglangClient(engine, timeout_s=30) as client:

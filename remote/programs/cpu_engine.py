@@ -1,7 +1,8 @@
 """A CPU inference server that speaks the subset of SGLang's HTTP API swectl uses (DESIGN 4.12).
 
     python -m swectl.remote.programs.cpu_engine --model DIR [--host 127.0.0.1] [--port 30000] [--max-batch 8]
-        [--device cpu] [--batch-wait-ms 5] [--threads 1] [--weight-version default] [--api-key KEY]
+        [--device cpu] [--batch-wait-ms 5] [--threads 1] [--batching continuous] [--kv-cache in-place]
+        [--weight-version default] [--api-key KEY]
 
 Loads any local Hugging Face causal-LM folder with transformers (torch, CPU, float32) and serves
 ``/health``, ``/health_generate``, ``/generate``, ``/flush_cache``, ``/update_weights_from_disk``,
@@ -13,12 +14,14 @@ weight group over gloo: remote/programs/weight_group.py), ``/get_weights_by_name
 Prints ``ready on http://HOST:PORT`` once it listens (``--port 0`` picks a free port).
 
 Batching: requests that arrive within ``--batch-wait-ms`` of the first (up to ``--max-batch``) are decoded
-together, one token per step, left-padded with an attention mask, explicit position ids and a shared KV
-cache; a finished sequence leaves the batch at once. Requests arriving meanwhile wait for the next batch
-(static batching). The per-token logprobs are those a single-sequence forward pass gives, within float
-rounding, and follow SGLang's convention: ``log_softmax(logits)`` when greedy (temperature 0), else
-``log_softmax(logits / temperature)`` before top-k/top-p/min-p truncation. Sampling uses one
-torch.Generator per request, seeded by ``sampling_params.sampling_seed`` when given, so a seeded request
+together, one token per step, left-padded with an attention mask, explicit position ids and a shared KV cache
+(remote/programs/kv_cache.py: it grows in place); a finished sequence leaves the batch at once. Requests
+arriving meanwhile join the running batch between two steps while it has room (continuous batching: their
+prompts are prefilled apart, then their cache rows are left-padded to the batch's width), except while a
+weight update waits, which runs once the batch has drained. The per-token logprobs are those a single-sequence
+forward pass gives, within float rounding, and follow SGLang's convention: ``log_softmax(logits)`` when greedy
+(temperature 0), else ``log_softmax(logits / temperature)`` before top-k/top-p/min-p truncation. Sampling uses
+one torch.Generator per request, seeded by ``sampling_params.sampling_seed`` when given, so a seeded request
 gives the same tokens whatever it is batched with. Generation stops on EOS (unless ``ignore_eos``), on
 ``stop_token_ids``, on ``stop`` strings or at ``max_new_tokens``; the finishing token is part of
 ``output_ids`` as in SGLang, and ``length`` is checked first, as in SGLang.
@@ -61,6 +64,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
 from swectl.engine.wire import (
     ChatMessage,
@@ -74,6 +78,7 @@ from swectl.engine.wire import (
     UpdateWeightsFromDistributedRequest,
 )
 from swectl.errors import SwectlError
+from swectl.remote.programs.kv_cache import SpareRoomLayer, decode_cache
 
 T = TypeVar("T")
 
@@ -144,15 +149,22 @@ def _load_causal_lm(path: Path, attn_implementation: str, device: torch.device) 
 class Model:
     """The model and its tokenizer. Used by the scheduler's worker thread only, one call at a time."""
 
-    def __init__(self, path: Path, *, attn_implementation: str, device: str = "cpu") -> None:
+    def __init__(self, path: Path, *, attn_implementation: str, device: str = "cpu", kv_cache: str = "in-place"
+                 ) -> None:
         self.path = path
         self.attn_implementation = attn_implementation
+        self.kv_cache = kv_cache  # in-place (remote/programs/kv_cache.py) | concat (transformers' DynamicCache)
         self.device = torch.device(device)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
         self.net = _load_causal_lm(path, attn_implementation, self.device)
         self.eos_ids = _eos_ids(self.net, self.tokenizer)
         self.vocab_size: int = self.net.get_input_embeddings().num_embeddings
         self.context_length: int = int(getattr(self.net.config, "max_position_embeddings", 0) or 1 << 30)
+
+    def new_cache(self) -> DynamicCache:
+        if self.kv_cache == "concat":
+            return DynamicCache(config=self.net.config)
+        return decode_cache(self.net.config)
 
     def load_weights(self, path: Path) -> None:
         """Copy the weights of another folder of the same architecture in (SGLang's update_weights_from_disk)."""
@@ -223,7 +235,7 @@ def prefill(model: Model, seqs: Sequence[Seq]) -> Batch:
         mask[row, width - len(context) :] = 1
     ids, mask = ids.to(model.device), mask.to(model.device)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.net.config)
+    cache = model.new_cache()
     out = model.net(
         input_ids=ids,
         attention_mask=mask,
@@ -235,6 +247,51 @@ def prefill(model: Model, seqs: Sequence[Seq]) -> Batch:
     lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=model.device)
     # Sampling runs on the CPU (per-request CPU generators), so logits come back to it.
     return Batch(list(seqs), out.past_key_values, mask, lengths, out.logits[:, -1, :].float().cpu())
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """``t`` with zeros before its entries along ``dim`` up to ``width``."""
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def trim_padding(batch: Batch) -> None:
+    """Drop the leading positions that are padding in every row (left behind by rows that left the batch), so a
+    batch that keeps taking newcomers does not keep growing wider."""
+    used = batch.mask.any(dim=0).nonzero()
+    first = int(used[0]) if len(used) else 0
+    if first == 0:
+        return
+    for layer in batch.cache.layers:
+        if isinstance(layer, SpareRoomLayer):
+            layer.drop_front(first)
+        else:
+            layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
+    batch.mask = batch.mask[:, first:]
+
+
+def can_join(batch: Batch) -> bool:
+    """Whether new rows can be merged into this batch's cache (full-attention layers only)."""
+    return all(type(layer) in (DynamicLayer, SpareRoomLayer) for layer in batch.cache.layers)
+
+
+def join(model: Model, batch: Batch, seqs: Sequence[Seq]) -> Batch:
+    """Prefill ``seqs`` and merge them into the running ``batch``: both caches and masks are left-padded to the
+    wider one's positions (the padding is masked out; keys keep their rotary positions) and stacked row-wise."""
+    new = prefill(model, seqs)
+    width = max(batch.mask.shape[1], new.mask.shape[1])
+    cache = model.new_cache()
+    for merged, old_layer, new_layer in zip(cache.layers, batch.cache.layers, new.cache.layers, strict=True):
+        keys = torch.cat([_left_pad(old_layer.keys, width, -2), _left_pad(new_layer.keys, width, -2)])
+        values = torch.cat([_left_pad(old_layer.values, width, -2), _left_pad(new_layer.values, width, -2)])
+        merged.update(keys, values)
+    mask = torch.cat([_left_pad(batch.mask, width, 1), _left_pad(new.mask, width, 1)])
+    return Batch([*batch.seqs, *new.seqs], cache, mask, torch.cat([batch.next_pos, new.next_pos]),
+                 torch.cat([batch.logits, new.logits]))
 
 
 def _truncate(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -300,6 +357,7 @@ def step(model: Model, batch: Batch) -> list[Seq]:
         batch.cache.batch_select_indices(index)
         batch.mask = batch.mask[index]
         batch.next_pos = batch.next_pos[index]
+        trim_padding(batch)
     batch.mask = torch.cat([batch.mask, torch.ones((len(keep), 1), dtype=torch.long, device=model.device)], dim=1)
     out = model.net(
         input_ids=torch.tensor([[tokens[row]] for row in keep], dtype=torch.long, device=model.device),
@@ -333,15 +391,21 @@ class WeightUpdate:
 class Scheduler:
     """Owns the model: batches requests, runs weight updates at safe points, honours pause/continue."""
 
-    def __init__(self, model: Model, *, max_batch: int, batch_wait_s: float, threads: int, weight_version: str):
+    def __init__(self, model: Model, *, max_batch: int, batch_wait_s: float, threads: int, weight_version: str,
+                 continuous: bool = True):
         self.model = model
         self.max_batch = max_batch
+        self.continuous = continuous  # False: static batching (requests wait for the running batch to end)
         self.batch_wait_s = batch_wait_s
         self.threads = threads
         self.weight_version = weight_version
         self.updates = 0
         self.batches = 0
         self.largest_batch = 0
+        self.joined = 0  # requests that joined a batch already decoding
+        self.decode_steps = 0
+        self.decoded_rows = 0  # rows over all decode steps: decoded_rows / decode_steps is the mean batch
+        self.seconds_in: dict[str, float] = {}  # model time by kind of call (prefill, join, step, weight loads)
         self.paused: PauseMode | None = None
         self._waiting: deque[Seq] = deque()
         self._running: list[Seq] = []
@@ -442,8 +506,13 @@ class Scheduler:
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         if torch.get_num_threads() != self.threads:  # the setting is per OS thread
             torch.set_num_threads(self.threads)
-        with torch.inference_mode():
-            return fn(*args)
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                return fn(*args)
+        finally:
+            name = getattr(fn, "__name__", "other")
+            self.seconds_in[name] = self.seconds_in.get(name, 0.0) + time.perf_counter() - started
 
     async def _safe_point(self) -> None:
         """No forward in flight: run queued weight updates, acknowledge a pause."""
@@ -472,12 +541,19 @@ class Scheduler:
         update.done.set()
 
     async def _run_batch(self, seqs: list[Seq]) -> None:
-        self._running = seqs
+        self._running = list(seqs)
         self.batches += 1
         self.largest_batch = max(self.largest_batch, len(seqs))
         try:
             batch = await self._in_thread(prefill, self.model, seqs)
             while batch.seqs:
+                if self._may_join(batch):
+                    newcomers = [self._waiting.popleft()
+                                 for _ in range(min(self.max_batch - len(batch.seqs), len(self._waiting)))]
+                    self._running += newcomers
+                    self.joined += len(newcomers)
+                    batch = await self._in_thread(join, self.model, batch, newcomers)
+                    self.largest_batch = max(self.largest_batch, len(batch.seqs))
                 if any(seq.abort_message is not None for seq in batch.seqs):
                     batch = await self._abort_marked(batch)
                     continue
@@ -487,14 +563,24 @@ class Scheduler:
                     if mode == "retract" and batch.seqs:  # recompute the KV cache (new weights, if any)
                         batch = await self._in_thread(prefill, self.model, batch.seqs)
                     continue
+                self.decode_steps += 1
+                self.decoded_rows += len(batch.seqs)
                 for seq in await self._in_thread(step, self.model, batch):
                     self._finish(seq, seq.finish or {"type": "abort", "message": "no finish reason"})
+                self._running = [seq for seq in self._running if not seq.done.is_set()]
         except Exception as exc:  # a failed forward ends this batch's requests, not the server
-            for seq in seqs:
+            for seq in self._running:
                 if not seq.done.is_set():
                     self._finish(seq, {"type": "abort", "message": f"engine error: {type(exc).__name__}: {exc}"})
         finally:
             self._running = []
+
+    def _may_join(self, batch: Batch) -> bool:
+        """Waiting requests join between steps while the batch has room, nothing is paused or aborting, and no
+        weight update waits (it runs when the batch drains: joining could starve it)."""
+        return (self.continuous and bool(self._waiting) and len(batch.seqs) < self.max_batch and self.paused is None
+                and not self._controls and can_join(batch)
+                and all(seq.abort_message is None for seq in batch.seqs))
 
     async def _abort_marked(self, batch: Batch) -> Batch:
         rest = [seq for seq in batch.seqs if seq.abort_message is None]
@@ -800,6 +886,11 @@ class Api:
         state = {
             "batches": scheduler.batches,
             "largest_batch": scheduler.largest_batch,
+            "joined_requests": scheduler.joined,
+            "decode_steps": scheduler.decode_steps,
+            "model_seconds": {name: round(value, 3) for name, value in scheduler.seconds_in.items()},
+            "mean_decode_batch": round(scheduler.decoded_rows / scheduler.decode_steps, 3)
+            if scheduler.decode_steps else 0.0,
             "running_requests": scheduler.running,
             "waiting_requests": scheduler.waiting,
             "paused": scheduler.paused,
@@ -899,6 +990,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--batch-wait-ms", type=float, default=5.0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--batching", default="continuous", choices=["continuous", "static"],
+                        help="continuous: requests join a running batch between steps; static: they wait for it to "
+                        "end (the older scheduler, kept as just bench engine's baseline)")
+    parser.add_argument("--kv-cache", default="in-place", choices=["in-place", "concat"],
+                        help="in-place: decode steps write into a cache with spare room; concat: transformers' "
+                        "DynamicCache, which copies the cache on every token (just bench engine's baseline)")
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--api-key", default=os.environ.get("SWECTL_ENGINE_API_KEY") or None,
@@ -933,6 +1030,7 @@ async def serve(args: argparse.Namespace, model: Model, sock: socket.socket) -> 
         batch_wait_s=args.batch_wait_ms / 1000,
         threads=args.threads,
         weight_version=args.weight_version,
+        continuous=args.batching == "continuous",
     )
     api = Api(scheduler, served_model_name=args.served_model_name or str(args.model))
     config = uvicorn.Config(
@@ -953,7 +1051,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()  # weight updates would print a progress bar each
     transformers.logging.disable_progress_bar()
     started = time.perf_counter()
-    model = Model(args.model, attn_implementation=args.attn_implementation, device=args.device)
+    model = Model(args.model, attn_implementation=args.attn_implementation, device=args.device,
+                  kv_cache=args.kv_cache)
     print(f"loaded {args.model} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     sock = socket.create_server((args.host, args.port))
     # Accepted connections inherit it: without it a keep-alive client waits ~40 ms per response for the

@@ -1,0 +1,182 @@
+"""`just bench engine`: the CPU engine's generation throughput under an agent-like load, against its older
+scheduler, in one run.
+
+The load is what `swectl eval` and the GRPO rollouts put on the engine: C clients (the episode concurrency, 8),
+each running episodes of T turns. A turn sends the whole context so far (a prompt of 900-1,300 tokens at first),
+samples 48-192 new tokens (temperature 1; EOS ignored so lengths are the load's, not the random model's), then
+"runs the command" (a think time of 0.1-1.0 s, when the client sends nothing) and appends an observation of
+50-150 tokens. Every configuration gets the same seeded load, on the learn demo's model shape (`swectl model
+init`: 4 layers, hidden 128, vocab 8192; random weights), one engine process with one thread.
+
+Configurations:
+* ``baseline``: static batching (a request that arrives while a batch decodes waits for the whole batch to end)
+  and transformers' DynamicCache (every decode step copies the whole KV cache to append one position): the
+  engine before this benchmark existed;
+* ``in_place``: static batching, the in-place KV cache (remote/programs/kv_cache.py);
+* ``continuous``: the in-place cache and continuous batching (requests join a running batch between steps): the
+  default.
+
+Metrics: generated tokens per second over the run (``engine_tokens_per_s_<config>``), request latency p50
+(``engine_request_p50_s_<config>``), the server's mean rows per decode step, and
+``engine_speedup_vs_baseline`` (continuous over baseline tokens per second). Writes
+benchmarks/results/engine.json.
+
+Run: ``.venv/bin/python benchmarks/engine.py [--quick] [--model DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import Progress, host_meta, report, summarize  # noqa: E402
+
+from swectl.engine.client import SglangClient  # noqa: E402
+from swectl.engine.wire import GenerateRequest, SamplingParams  # noqa: E402
+
+SUITE = "engine"
+CONFIGS = {
+    "baseline": ["--batching", "static", "--kv-cache", "concat"],
+    "in_place": ["--batching", "static", "--kv-cache", "in-place"],
+    "continuous": ["--batching", "continuous", "--kv-cache", "in-place"],
+}
+START_TIMEOUT_S = 180.0
+
+
+def tiny_model(folder: Path, say: Progress) -> Path:
+    """The learn demo's model shape (``swectl model init``), made once into ``folder``."""
+    if not (folder / "config.json").exists():
+        say(f"swectl model init --out {folder}")
+        subprocess.run([sys.executable, "-m", "swectl.cli.main", "model", "init", "--out", str(folder), "--seed", "0"],
+                       check=True, stdout=subprocess.DEVNULL)
+    return folder
+
+
+class Server:
+    def __init__(self, model: Path, log: Path, args: list[str]) -> None:
+        argv = [sys.executable, "-m", "swectl.remote.programs.cpu_engine", "--model", str(model), "--port", "0",
+                "--threads", "1", *args]
+        self.log = log
+        with log.open("wb") as sink:
+            self.proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            found = re.search(r"ready on (http://\S+)", log.read_text(errors="replace"))
+            if found:
+                self.url = found.group(1)
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the CPU engine did not start: {log.read_text(errors='replace')[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+
+
+async def server_state(url: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=10) as http:
+        return (await http.get(f"{url}/get_server_info")).json()["internal_states"][0]
+
+
+async def load(url: str, *, clients: int, episodes: int, turns: int, vocab: int, seed: int) -> dict[str, Any]:
+    """Run the agent-like load; the generated token count, the wall time and each request's latency."""
+    latencies: list[float] = []
+    generated = 0
+
+    async def client_loop(client: SglangClient, index: int) -> None:
+        nonlocal generated
+        rng = random.Random(seed * 1000 + index)
+        for _ in range(episodes):
+            context = [rng.randrange(3, vocab) for _ in range(rng.randint(900, 1300))]
+            for _ in range(turns):
+                request = GenerateRequest(input_ids=context, sampling_params=SamplingParams(
+                    max_new_tokens=rng.randint(48, 192), temperature=1.0, ignore_eos=True,
+                    sampling_seed=rng.randrange(1 << 30)))
+                started = time.monotonic()
+                result = await client.generate(request)
+                latencies.append(time.monotonic() - started)
+                generated += len(result.output_ids)
+                await anyio.sleep(rng.uniform(0.1, 1.0))
+                observation = [rng.randrange(3, vocab) for _ in range(rng.randint(50, 150))]
+                context = [*context, *result.output_ids, *observation]
+
+    started = time.monotonic()
+    async with SglangClient(url, timeout_s=600) as client:
+        async with anyio.create_task_group() as tg:
+            for index in range(clients):
+                tg.start_soon(client_loop, client, index)
+    return {"generated": generated, "wall_s": time.monotonic() - started, "latencies": latencies}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one episode per client instead of two")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a causal-LM folder (default: the learn demo's shape, made once under runs/)")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated, from {', '.join(CONFIGS)} (the speedup needs baseline and continuous)")
+    args = parser.parse_args(argv)
+    say = Progress(SUITE)
+    work = REPO / "runs" / "bench-engine"
+    work.mkdir(parents=True, exist_ok=True)
+    model = args.model or tiny_model(work / "model", say)
+    vocab = int(re.search(r'"vocab_size":\s*(\d+)', (model / "config.json").read_text()).group(1))
+    episodes = 1 if args.quick else 2
+    metrics: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    chosen = [name.strip() for name in args.configs.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {', '.join(unknown)} (choose from {', '.join(CONFIGS)})")
+    for name in chosen:
+        flags = CONFIGS[name]
+        say(f"{name}: {' '.join(flags)}; {args.clients} clients x {episodes} episodes x {args.turns} turns")
+        server = Server(model, work / f"{name}.log", flags)
+        try:
+            run = anyio.run(partial(load, server.url, clients=args.clients, episodes=episodes, turns=args.turns,
+                                    vocab=vocab, seed=args.seed))
+            state = anyio.run(server_state, server.url)
+        finally:
+            server.stop()
+        tokens_per_s = run["generated"] / run["wall_s"]
+        latency = summarize(run["latencies"])
+        metrics[f"engine_tokens_per_s_{name}"] = round(tokens_per_s, 1)
+        metrics[f"engine_request_p50_s_{name}"] = round(latency["p50"], 3)
+        metrics[f"engine_mean_decode_batch_{name}"] = state.get("mean_decode_batch")
+        details[name] = {"flags": flags, "generated_tokens": run["generated"], "wall_s": round(run["wall_s"], 1),
+                         "request_latency_s": latency, "server": state}
+        say(f"{name}: {tokens_per_s:.0f} tokens/s, request p50 {latency['p50']:.2f} s, "
+            f"mean decode batch {state.get('mean_decode_batch')}, model seconds {state.get('model_seconds')}")
+    if {"baseline", "continuous"} <= set(chosen):
+        metrics["engine_speedup_vs_baseline"] = round(
+            metrics["engine_tokens_per_s_continuous"] / metrics["engine_tokens_per_s_baseline"], 2)
+    meta = {**host_meta(), "quick": args.quick, "model": str(model), "clients": args.clients,
+            "episodes_per_client": episodes, "turns": args.turns, "seed": args.seed, "configs": details}
+    report(SUITE, metrics, meta, [])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

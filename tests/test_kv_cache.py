@@ -1,0 +1,68 @@
+"""The CPU engine's in-place KV cache layer holds exactly what transformers' concatenating DynamicLayer holds,
+through prefill, decode steps past its spare room, dropped rows and crops."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the KV cache needs torch (pip install torch==2.13.0)")
+pytest.importorskip("transformers", reason="the KV cache needs transformers")
+
+from transformers.cache_utils import DynamicLayer  # noqa: E402
+
+from swectl.remote.programs.kv_cache import MIN_SPARE, SpareRoomLayer, decode_cache  # noqa: E402
+
+
+def _same(a: DynamicLayer, b: DynamicLayer) -> None:
+    assert a.get_seq_length() == b.get_seq_length()
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_spare_room_layer_matches_the_concatenating_layer() -> None:
+    gen = torch.Generator().manual_seed(0)
+    ours, theirs = SpareRoomLayer(), DynamicLayer()
+    prompt = torch.randn(3, 2, 40, 8, generator=gen), torch.randn(3, 2, 40, 8, generator=gen)
+    for layer in (ours, theirs):
+        got = layer.update(*prompt)
+    assert torch.equal(got[0], prompt[0])
+    _same(ours, theirs)
+    room = ours._key_room.shape[-2]
+    rows = 3
+    for step in range(MIN_SPARE + 60):  # past the first room: one reallocation
+        kv = torch.randn(rows, 2, 1, 8, generator=gen), torch.randn(rows, 2, 1, 8, generator=gen)
+        k, v = ours.update(*kv)
+        k2, v2 = theirs.update(*kv)
+        assert torch.equal(k, k2) and torch.equal(v, v2) and k.shape[0] == rows
+        if step == 100:  # a finished row leaves the batch
+            keep = torch.tensor([0, 2])
+            ours.batch_select_indices(keep)
+            theirs.batch_select_indices(keep)
+            _same(ours, theirs)
+            rows = 2
+    assert ours._key_room.shape[-2] > room, "the room grew"
+    _same(ours, theirs)
+    ours.drop_front(7)  # positions no row attends to any more
+    theirs.keys, theirs.values = theirs.keys[..., 7:, :], theirs.values[..., 7:, :]
+    _same(ours, theirs)
+    kv = torch.randn(rows, 2, 1, 8, generator=gen), torch.randn(rows, 2, 1, 8, generator=gen)
+    assert all(torch.equal(a, b) for a, b in zip(ours.update(*kv), theirs.update(*kv), strict=True))
+    with pytest.raises(ValueError, match="cannot drop"):
+        ours.drop_front(ours.length + 1)
+    ours.crop(-5)
+    theirs.crop(-5)
+    _same(ours, theirs)
+    ours.reset()
+    assert ours.get_seq_length() == 0 and not ours.is_initialized
+
+
+def test_decode_cache_uses_the_layer_for_full_attention_only() -> None:
+    transformers = pytest.importorskip("transformers")
+    full = transformers.Qwen3Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=16, intermediate_size=64, vocab_size=64)
+    assert all(type(layer) is SpareRoomLayer for layer in decode_cache(full).layers)
+    mixed = transformers.Qwen3Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=16, intermediate_size=64, vocab_size=64,
+                                     use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                                     layer_types=["full_attention", "sliding_attention"])
+    kinds = [type(layer) for layer in decode_cache(mixed).layers]
+    assert kinds[0] is SpareRoomLayer and kinds[1] is not SpareRoomLayer
