@@ -415,6 +415,40 @@ async def test_update_weights_from_disk(
     assert back.output_ids == before.output_ids
 
 
+async def test_a_next_turn_reuses_the_finished_turns_kv_until_a_flush_or_a_weight_update(
+    mutable_engine: str, models: Models, ref_a: Reference, ref_b: Reference
+) -> None:
+    """The prefix store: a request that continues a finished one (an agent's next turn: its prompt is the last
+    prompt, the last output and an observation) reads only its new tokens and gets the answer of a fresh full
+    forward; after a flush or a weight update nothing old is reused (the KV was the old weights')."""
+    first_prompt = prompts(7, seed=7)[6]  # 55 tokens
+    async with SglangClient(mutable_engine, timeout_s=60) as client:
+        first = await client.generate(greedy_request(first_prompt, 12, ignore_eos=True))
+        turn = [*first_prompt, *first.output_ids, *prompts(3, seed=8)[2]]
+        before = (await server_state(mutable_engine))["prefix_cache"]
+        second = await client.generate(greedy_request(turn, 10, ignore_eos=True))
+        after = (await server_state(mutable_engine))["prefix_cache"]
+        assert await client.flush_cache()
+        flushed = (await server_state(mutable_engine))["prefix_cache"]
+        again = await client.generate(greedy_request(turn, 10, ignore_eos=True))
+        await client.update_weights_from_disk(str(models.b), weight_version="b")
+        updated = (await server_state(mutable_engine))["prefix_cache"]
+        third = await client.generate(greedy_request(turn, 10, ignore_eos=True))
+        final = (await server_state(mutable_engine))["prefix_cache"]
+        await client.update_weights_from_disk(str(models.a), weight_version="default")  # leave model A loaded
+    assert after["hits"] == before["hits"] + 1
+    assert after["tokens_reused"] - before["tokens_reused"] == len(first_prompt) + len(first.output_ids) - 1
+    want_ids, _ = ref_a.greedy(turn, 10)
+    assert second.output_ids[: len(want_ids)] == want_ids
+    assert_close(second.output_logprobs, ref_a.output_logprobs(turn, second.output_ids))
+    assert flushed["entries"] == 0 and flushed["bytes"] == 0
+    assert again.output_ids == second.output_ids  # computed afresh: the same answer
+    assert_close(again.output_logprobs, second.output_logprobs)
+    assert updated["entries"] == 0
+    assert final["hits"] == updated["hits"]  # the old weights' KV is gone
+    assert_close(third.output_logprobs, ref_b.output_logprobs(turn, third.output_ids))
+
+
 def split_point(got: Sequence[float], want: Sequence[float]) -> int:
     """How many leading logprobs agree."""
     for index, (g, w) in enumerate(zip(got, want, strict=True)):

@@ -10,7 +10,7 @@ pytest.importorskip("transformers", reason="the KV cache needs transformers")
 
 from transformers.cache_utils import DynamicLayer  # noqa: E402
 
-from swectl.remote.programs.kv_cache import MIN_SPARE, SpareRoomLayer, decode_cache  # noqa: E402
+from swectl.remote.programs.kv_cache import MIN_SPARE, PrefixStore, SpareRoomLayer, decode_cache  # noqa: E402
 
 
 def _same(a: DynamicLayer, b: DynamicLayer) -> None:
@@ -66,3 +66,30 @@ def test_decode_cache_uses_the_layer_for_full_attention_only() -> None:
                                      layer_types=["full_attention", "sliding_attention"])
     kinds = [type(layer) for layer in decode_cache(mixed).layers]
     assert kinds[0] is SpareRoomLayer and kinds[1] is not SpareRoomLayer
+
+
+def _kv(tokens: int, layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.full((1, 2, tokens, 4), float(i)), torch.full((1, 2, tokens, 4), -float(i))) for i in range(layers)]
+
+
+def test_prefix_store_finds_the_longest_common_beginning_within_its_byte_budget() -> None:
+    entry_bytes = sum(k.nbytes + v.nbytes for k, v in _kv(40))
+    store = PrefixStore(max_bytes=2 * entry_bytes + 1, min_tokens=8)
+    turn = list(range(100, 140))  # 40 tokens
+    other = list(range(100, 110)) + list(range(500, 530))  # shares 10 tokens with `turn`
+    store.put(turn, _kv(40))
+    store.put(other, _kv(40))
+    assert len(store) == 2 and store.bytes == 2 * entry_bytes
+    assert store.longest([*turn, 7, 8, 9])[0] == 40  # the next turn: all of the last one
+    assert store.longest(turn)[0] == 39  # the model must still read the last token
+    assert store.longest([*range(100, 110), 1, 2, 3])[0] == 10
+    assert store.longest(list(range(100, 105)) + [1] * 20) is None  # 5 < min_tokens
+    assert store.longest([1, 2]) is None
+    assert store.hits == 3 and store.tokens_reused == 40 + 39 + 10
+    # the last lookup (a tie at 10 tokens) used `other`, so `turn` is the least recently used: over budget, it goes
+    store.put(list(range(600, 640)), _kv(40))
+    assert len(store) == 2 and store.longest(other)[0] == 39 and store.longest([*turn, 1])[0] == 10
+    store.put(list(range(10)), _kv(10_000))  # larger than the whole budget: not kept
+    assert len(store) == 2
+    store.clear()
+    assert len(store) == 0 and store.bytes == 0 and store.longest([*turn, 1]) is None

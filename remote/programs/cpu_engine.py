@@ -18,7 +18,10 @@ together, one token per step, left-padded with an attention mask, explicit posit
 (remote/programs/kv_cache.py: it grows in place); a finished sequence leaves the batch at once. Requests
 arriving meanwhile join the running batch between two steps while it has room (continuous batching: their
 prompts are prefilled apart, then their cache rows are left-padded to the batch's width), except while a
-weight update waits, which runs once the batch has drained. The per-token logprobs are those a single-sequence
+weight update waits, which runs once the batch has drained. Prefix store (``--prefix-cache-mb``): the KV of
+finished requests is kept, and a request that begins the same way (an agent's next turn sends the whole
+conversation again; the samples of one task share their first prompt) reuses the longest common beginning and
+reads only the rest; a weight update or ``/flush_cache`` empties it. The per-token logprobs are those a single-sequence
 forward pass gives, within float rounding, and follow SGLang's convention: ``log_softmax(logits)`` when greedy
 (temperature 0), else ``log_softmax(logits / temperature)`` before top-k/top-p/min-p truncation. Sampling uses
 one torch.Generator per request, seeded by ``sampling_params.sampling_seed`` when given, so a seeded request
@@ -78,7 +81,7 @@ from swectl.engine.wire import (
     UpdateWeightsFromDistributedRequest,
 )
 from swectl.errors import SwectlError
-from swectl.remote.programs.kv_cache import SpareRoomLayer, decode_cache
+from swectl.remote.programs.kv_cache import PrefixStore, SpareRoomLayer, decode_cache
 
 T = TypeVar("T")
 
@@ -149,11 +152,12 @@ def _load_causal_lm(path: Path, attn_implementation: str, device: torch.device) 
 class Model:
     """The model and its tokenizer. Used by the scheduler's worker thread only, one call at a time."""
 
-    def __init__(self, path: Path, *, attn_implementation: str, device: str = "cpu", kv_cache: str = "in-place"
-                 ) -> None:
+    def __init__(self, path: Path, *, attn_implementation: str, device: str = "cpu", kv_cache: str = "in-place",
+                 prefix_cache_bytes: int = 0) -> None:
         self.path = path
         self.attn_implementation = attn_implementation
         self.kv_cache = kv_cache  # in-place (remote/programs/kv_cache.py) | concat (transformers' DynamicCache)
+        self.prefixes = PrefixStore(prefix_cache_bytes)  # finished sequences' KV, for requests that begin the same way
         self.device = torch.device(device)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
         self.net = _load_causal_lm(path, attn_implementation, self.device)
@@ -171,6 +175,7 @@ class Model:
         fresh = _load_causal_lm(path, self.attn_implementation, torch.device("cpu"))
         if type(fresh) is not type(self.net):
             raise ValueError(f"{path} holds a {type(fresh).__name__}, the engine serves a {type(self.net).__name__}")
+        self.prefixes.clear()
         self.net.load_state_dict(fresh.state_dict(), strict=True)
         self.path = path
 
@@ -185,6 +190,7 @@ class Model:
                  if t.shape != state[name].shape]
         if wrong:
             raise ValueError(f"shapes differ: {'; '.join(wrong[:5])}")
+        self.prefixes.clear()
         with torch.no_grad():
             for name, tensor in named:
                 state[name].copy_(tensor)
@@ -225,6 +231,23 @@ class Batch:
 
 
 def prefill(model: Model, seqs: Sequence[Seq]) -> Batch:
+    """The batch of ``seqs`` (prompt + output so far) with its KV cache: a sequence that begins the way a
+    finished one did reuses that one's KV and computes the rest alone (``extend``); the others run through the
+    model together, left-padded (``prefill_rows``); the parts are then merged."""
+    fresh: list[Seq] = []
+    parts: list[Batch] = []
+    for seq in seqs:
+        found = model.prefixes.longest(seq.prompt + seq.output) if can_reuse(model) else None
+        if found is None:
+            fresh.append(seq)
+        else:
+            parts.append(extend(model, seq, *found))
+    if fresh:
+        parts.insert(0, prefill_rows(model, fresh))
+    return parts[0] if len(parts) == 1 else merge(model, parts)
+
+
+def prefill_rows(model: Model, seqs: Sequence[Seq]) -> Batch:
     """Left-pad the sequences (prompt + output so far) and run them through the model in one forward."""
     contexts = [s.prompt + s.output for s in seqs]
     width = max(len(c) for c in contexts)
@@ -247,6 +270,41 @@ def prefill(model: Model, seqs: Sequence[Seq]) -> Batch:
     lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=model.device)
     # Sampling runs on the CPU (per-request CPU generators), so logits come back to it.
     return Batch(list(seqs), out.past_key_values, mask, lengths, out.logits[:, -1, :].float().cpu())
+
+
+def extend(model: Model, seq: Seq, reused: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Batch:
+    """One row whose first ``reused`` positions come from a stored KV (``kv``, per layer); the model reads only
+    the rest of the sequence."""
+    context = seq.prompt + seq.output
+    cache = model.new_cache()
+    for layer, (keys, values) in zip(cache.layers, kv, strict=True):
+        layer.update(keys[..., :reused, :], values[..., :reused, :])
+    out = model.net(
+        input_ids=torch.tensor([context[reused:]], dtype=torch.long, device=model.device),
+        attention_mask=torch.ones((1, len(context)), dtype=torch.long, device=model.device),
+        position_ids=torch.arange(reused, len(context), device=model.device)[None],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    mask = torch.ones((1, len(context)), dtype=torch.long, device=model.device)
+    lengths = torch.tensor([len(context)], dtype=torch.long, device=model.device)
+    return Batch([seq], out.past_key_values, mask, lengths, out.logits[:, -1, :].float().cpu())
+
+
+def keep_prefix(model: Model, batch: Batch, row: int) -> None:
+    """Store a finished row's KV (the positions the model has read: all its tokens but the last) for later
+    requests that begin the same way."""
+    seq = batch.seqs[row]
+    length = int(batch.mask[row].sum())
+    width = batch.mask.shape[1]
+    kv = [(layer.keys[row : row + 1, :, width - length :, :].clone(),
+           layer.values[row : row + 1, :, width - length :, :].clone()) for layer in batch.cache.layers]
+    model.prefixes.put((seq.prompt + seq.output)[:length], kv)
+
+
+def can_reuse(model: Model) -> bool:
+    return model.prefixes.enabled
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -280,18 +338,22 @@ def can_join(batch: Batch) -> bool:
 
 
 def join(model: Model, batch: Batch, seqs: Sequence[Seq]) -> Batch:
-    """Prefill ``seqs`` and merge them into the running ``batch``: both caches and masks are left-padded to the
-    wider one's positions (the padding is masked out; keys keep their rotary positions) and stacked row-wise."""
-    new = prefill(model, seqs)
-    width = max(batch.mask.shape[1], new.mask.shape[1])
+    """Prefill ``seqs`` and merge them into the running ``batch``."""
+    return merge(model, [batch, prefill(model, seqs)])
+
+
+def merge(model: Model, parts: Sequence[Batch]) -> Batch:
+    """One batch of the rows of ``parts``: their caches and masks left-padded to the widest one's positions (the
+    padding is masked out; keys keep their rotary positions) and stacked row-wise."""
+    width = max(part.mask.shape[1] for part in parts)
     cache = model.new_cache()
-    for merged, old_layer, new_layer in zip(cache.layers, batch.cache.layers, new.cache.layers, strict=True):
-        keys = torch.cat([_left_pad(old_layer.keys, width, -2), _left_pad(new_layer.keys, width, -2)])
-        values = torch.cat([_left_pad(old_layer.values, width, -2), _left_pad(new_layer.values, width, -2)])
-        merged.update(keys, values)
-    mask = torch.cat([_left_pad(batch.mask, width, 1), _left_pad(new.mask, width, 1)])
-    return Batch([*batch.seqs, *new.seqs], cache, mask, torch.cat([batch.next_pos, new.next_pos]),
-                 torch.cat([batch.logits, new.logits]))
+    for index, merged in enumerate(cache.layers):
+        layers = [part.cache.layers[index] for part in parts]
+        merged.update(torch.cat([_left_pad(layer.keys, width, -2) for layer in layers]),
+                      torch.cat([_left_pad(layer.values, width, -2) for layer in layers]))
+    return Batch([seq for part in parts for seq in part.seqs], cache,
+                 torch.cat([_left_pad(part.mask, width, 1) for part in parts]),
+                 torch.cat([part.next_pos for part in parts]), torch.cat([part.logits for part in parts]))
 
 
 def _truncate(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -349,6 +411,8 @@ def step(model: Model, batch: Batch) -> list[Seq]:
             keep.append(row)
         else:
             finished.append(seq)
+            if can_reuse(model) and can_join(batch):
+                keep_prefix(model, batch, row)
     if len(keep) < len(batch.seqs):
         index = torch.tensor(keep, dtype=torch.long, device=model.device)
         batch.seqs = [batch.seqs[row] for row in keep]
@@ -780,9 +844,10 @@ class Api:
         return {"text": self._text(seq), "output_ids": seq.output, "meta_info": meta}
 
     async def flush_cache(self, request: Request) -> Response:
-        # There is no prefix cache to flush; answer as SGLang does, which declines while requests run.
+        # As SGLang: declined while requests run (then no forward is in flight: the store is not in use)
         if self.scheduler.busy:
             return Response("Cache not flushed: requests are running or waiting.\n", status_code=400)
+        self.model.prefixes.clear()
         return Response("Cache flushed.\n", status_code=200)
 
     async def update_weights_from_disk(self, request: Request) -> Response:
@@ -888,6 +953,8 @@ class Api:
             "largest_batch": scheduler.largest_batch,
             "joined_requests": scheduler.joined,
             "decode_steps": scheduler.decode_steps,
+            "prefix_cache": {"entries": len(self.model.prefixes), "bytes": self.model.prefixes.bytes,
+                             "hits": self.model.prefixes.hits, "tokens_reused": self.model.prefixes.tokens_reused},
             "model_seconds": {name: round(value, 3) for name, value in scheduler.seconds_in.items()},
             "mean_decode_batch": round(scheduler.decoded_rows / scheduler.decode_steps, 3)
             if scheduler.decode_steps else 0.0,
@@ -993,6 +1060,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batching", default="continuous", choices=["continuous", "static"],
                         help="continuous: requests join a running batch between steps; static: they wait for it to "
                         "end (the older scheduler, kept as just bench engine's baseline)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=512.0,
+                        help="KV of finished requests kept for requests that begin the same way (an agent's next "
+                        "turn, the samples of one task); 0 turns it off")
     parser.add_argument("--kv-cache", default="in-place", choices=["in-place", "concat"],
                         help="in-place: decode steps write into a cache with spare room; concat: transformers' "
                         "DynamicCache, which copies the cache on every token (just bench engine's baseline)")
@@ -1052,7 +1122,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     transformers.logging.disable_progress_bar()
     started = time.perf_counter()
     model = Model(args.model, attn_implementation=args.attn_implementation, device=args.device,
-                  kv_cache=args.kv_cache)
+                  kv_cache=args.kv_cache, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
     print(f"loaded {args.model} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     sock = socket.create_server((args.host, args.port))
     # Accepted connections inherit it: without it a keep-alive client waits ~40 ms per response for the

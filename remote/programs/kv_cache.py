@@ -9,6 +9,7 @@ the filled part; it grows (one copy) only when the room runs out, by half again 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -103,3 +104,63 @@ def decode_cache(config: Any) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [SpareRoomLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+class PrefixStore:
+    """The KV of recently finished sequences, kept for the requests that begin the same way: an agent's next turn
+    sends the whole conversation again (its prompt begins with the last turn's prompt and output), and the samples
+    of one task share their first prompt. A new request reuses the longest common beginning and computes only the
+    rest. It holds at most ``max_bytes`` of KV, least recently used entries going first; a weight update must
+    ``clear`` it (the KV belongs to the weights that computed it)."""
+
+    def __init__(self, max_bytes: int, *, min_tokens: int = 32) -> None:
+        self.max_bytes = max_bytes
+        self.min_tokens = min_tokens  # shorter common beginnings are computed afresh
+        self._store: OrderedDict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]] = (
+            OrderedDict())
+        self._next = 0
+        self.bytes = 0
+        self.hits = 0
+        self.tokens_reused = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def put(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep ``kv`` (per layer, keys and values of shape ``[1, heads, len(tokens), head_dim]``) for ``tokens``."""
+        size = sum(keys.nbytes + values.nbytes for keys, values in kv)
+        if len(tokens) < self.min_tokens or size > self.max_bytes:
+            return
+        self._store[self._next] = (torch.tensor(tokens, dtype=torch.long), kv, size)
+        self._next += 1
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            self.bytes -= self._store.popitem(last=False)[1][2]
+
+    def longest(self, tokens: list[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The longest beginning of ``tokens`` some entry holds (at most all but the last token, which the model
+        must still read to give the next token's logits) and that entry's KV, or None below ``min_tokens``."""
+        if not self._store or len(tokens) <= self.min_tokens:
+            return None
+        wanted = torch.tensor(tokens, dtype=torch.long)
+        best, best_key = 0, None
+        for key, (held, _, _) in self._store.items():
+            m = min(len(held), len(wanted) - 1)
+            differ = (held[:m] != wanted[:m]).nonzero()
+            common = int(differ[0]) if len(differ) else m
+            if common > best:
+                best, best_key = common, key
+        if best_key is None or best < self.min_tokens:
+            return None
+        self._store.move_to_end(best_key)
+        self.hits += 1
+        self.tokens_reused += best
+        return best, self._store[best_key][1]
+
+    def clear(self) -> None:
+        self._store.clear()
+        self.bytes = 0
