@@ -47,6 +47,7 @@ from common import Progress, host_meta, report, summarize  # noqa: E402
 
 from swectl.engine.client import SglangClient  # noqa: E402
 from swectl.engine.wire import GenerateRequest, SamplingParams  # noqa: E402
+from swectl.testing.cpu_engines import start_cpu_engine  # noqa: E402
 
 SUITE = "engine"
 CONFIGS = {
@@ -65,33 +66,6 @@ def tiny_model(folder: Path, say: Progress) -> Path:
         subprocess.run([sys.executable, "-m", "swectl.cli.main", "model", "init", "--out", str(folder), "--seed", "0"],
                        check=True, stdout=subprocess.DEVNULL)
     return folder
-
-
-class Server:
-    def __init__(self, model: Path, log: Path, args: list[str]) -> None:
-        argv = [sys.executable, "-m", "swectl.remote.programs.cpu_engine", "--model", str(model), "--port", "0",
-                "--threads", "1", *args]
-        self.log = log
-        with log.open("wb") as sink:
-            self.proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            found = re.search(r"ready on (http://\S+)", log.read_text(errors="replace"))
-            if found:
-                self.url = found.group(1)
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"the CPU engine did not start: {log.read_text(errors='replace')[-2000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
 
 
 async def server_state(url: str) -> dict[str, Any]:
@@ -158,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         flags = CONFIGS[name]
         say(f"{name}: {' '.join(flags) or 'the defaults'}; "
             f"{args.clients} clients x {episodes} episodes x {args.turns} turns")
-        server = Server(model, work / f"{name}.log", flags)
+        server = start_cpu_engine(model, work / f"{name}.log", "--threads", "1", *flags, cwd=REPO,
+                                  timeout_s=START_TIMEOUT_S)
         try:
             run = anyio.run(partial(load, server.url, clients=args.clients, episodes=episodes, turns=args.turns,
                                     vocab=vocab, seed=args.seed))

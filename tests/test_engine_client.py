@@ -13,8 +13,6 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -37,6 +35,7 @@ from swectl.engine.errors import (
 )
 from swectl.engine.wire import ChatMessage, GenerateRequest, GenerateResult, SamplingParams, decode_generate_response
 from swectl.errors import InfraError
+from swectl.testing.cpu_engines import CpuEngineProcess, start_cpu_engine
 
 torch = pytest.importorskip("torch", reason="the engine tests need torch (pip install torch==2.13.0)")
 transformers = pytest.importorskip("transformers", reason="the engine tests need transformers")
@@ -165,35 +164,8 @@ def assert_close(got: Sequence[float], want: Sequence[float]) -> None:
 # ---------------------------------------------------------------- engine processes
 
 
-@dataclass
-class Engine:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
-
-
-def start_engine(model: Path, log: Path, *args: str) -> Engine:
-    """``python -m swectl.remote.programs.cpu_engine --port 0``; the URL comes from its ``ready on`` line."""
-    argv = [sys.executable, "-m", "swectl.remote.programs.cpu_engine", "--model", str(model), "--port", "0", *args]
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = re.search(r"ready on (http://\S+)", log.read_text(errors="replace"))
-        if found:
-            return Engine(proc, found.group(1), log)
-        time.sleep(0.05)
-    Engine(proc, "", log).stop()
-    raise RuntimeError(f"the CPU engine did not start: {log.read_text(errors='replace')[-3000:]}")
+def start_engine(model: Path, log: Path, *args: str) -> CpuEngineProcess:
+    return start_cpu_engine(model, log, *args, cwd=REPO, timeout_s=START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
