@@ -237,7 +237,7 @@ def prefill(model: Model, seqs: Sequence[Seq]) -> Batch:
     fresh: list[Seq] = []
     parts: list[Batch] = []
     for seq in seqs:
-        found = model.prefixes.longest(seq.prompt + seq.output) if can_reuse(model) else None
+        found = model.prefixes.longest(seq.prompt + seq.output) if model.prefixes.enabled else None
         if found is None:
             fresh.append(seq)
         else:
@@ -279,15 +279,15 @@ def extend(model: Model, seq: Seq, reused: int, kv: list[tuple[torch.Tensor, tor
     cache = model.new_cache()
     for layer, (keys, values) in zip(cache.layers, kv, strict=True):
         layer.update(keys[..., :reused, :], values[..., :reused, :])
+    mask = torch.ones((1, len(context)), dtype=torch.long, device=model.device)
     out = model.net(
         input_ids=torch.tensor([context[reused:]], dtype=torch.long, device=model.device),
-        attention_mask=torch.ones((1, len(context)), dtype=torch.long, device=model.device),
+        attention_mask=mask,
         position_ids=torch.arange(reused, len(context), device=model.device)[None],
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
     )
-    mask = torch.ones((1, len(context)), dtype=torch.long, device=model.device)
     lengths = torch.tensor([len(context)], dtype=torch.long, device=model.device)
     return Batch([seq], out.past_key_values, mask, lengths, out.logits[:, -1, :].float().cpu())
 
@@ -301,10 +301,6 @@ def keep_prefix(model: Model, batch: Batch, row: int) -> None:
     kv = [(layer.keys[row : row + 1, :, width - length :, :].clone(),
            layer.values[row : row + 1, :, width - length :, :].clone()) for layer in batch.cache.layers]
     model.prefixes.put((seq.prompt + seq.output)[:length], kv)
-
-
-def can_reuse(model: Model) -> bool:
-    return model.prefixes.enabled
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -411,7 +407,7 @@ def step(model: Model, batch: Batch) -> list[Seq]:
             keep.append(row)
         else:
             finished.append(seq)
-            if can_reuse(model) and can_join(batch):
+            if model.prefixes.enabled and can_join(batch):
                 keep_prefix(model, batch, row)
     if len(keep) < len(batch.seqs):
         index = torch.tensor(keep, dtype=torch.long, device=model.device)
