@@ -15,6 +15,8 @@ START_TIMEOUT_S = 120.0
 
 @dataclass
 class CpuEngineProcess:
+    """A running engine server: its process, base URL and log file; ``stop`` ends it."""
+
     proc: subprocess.Popen[bytes]
     url: str
     log: Path
