@@ -316,6 +316,7 @@ def profile_one(trainer: Any, device: Any, sample: Any, batch: Any, reps: int = 
     import torch
 
     mb = {k: v.to(device) for k, v in trainer._collate([sample]).items()}
+    ones = torch.ones_like(mb["input_ids"])  # the all-ones attention mask (the worker itself passes none)
 
     def timed(fn: Callable[[], None]) -> float:
         fn()
@@ -337,13 +338,13 @@ def profile_one(trainer: Any, device: Any, sample: Any, batch: Any, reps: int = 
 
     def bare(mask: bool) -> Callable[[], None]:
         def run() -> None:
-            out = trainer.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"] if mask else None)
+            out = trainer.model(input_ids=mb["input_ids"], attention_mask=ones if mask else None)
             out.logits[..., :1].float().sum().backward()
         return run
 
     def forward() -> None:
         with torch.no_grad():
-            trainer.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])
+            trainer.model(input_ids=mb["input_ids"])
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -16,7 +16,12 @@ from swectl.rl.losses import (
     MAX_STATS,
     low_var_kl,
     policy_loss,
+    predicting_positions,
+    row_entropy,
+    row_logprobs,
     sft_loss,
+    spread,
+    targets_at,
     token_entropy,
     token_logprobs,
 )
@@ -139,6 +144,41 @@ def test_token_entropy_matches_a_naive_loop(chunk_rows: int | None) -> None:
     assert got.dtype == torch.float32 and got.shape == logits.shape[:2]
     assert torch.equal(got[:, 0], torch.zeros(3))
     torch.testing.assert_close(got, naive_entropy(logits), atol=1e-5, rtol=1e-5)
+
+
+def test_selected_positions_give_token_logprobs_and_entropy_at_the_mask() -> None:
+    """The trainer's selected-logits path: the logits at predicting_positions, scored with row_logprobs /
+    row_entropy and spread back, equal token_logprobs / token_entropy wherever the mask is 1 and are 0 elsewhere
+    (a mask-1 token at position 0 has no predictor: 0, as token_logprobs gives)."""
+    logits, tokens = random_logits(seed=5)
+    mask = torch.tensor([[1, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 1]], dtype=torch.float32)
+    rows_, cols = predicting_positions(mask)
+    assert rows_.tolist() == [0, 0, 2, 2, 2] and cols.tolist() == [1, 2, 0, 1, 4]
+    assert targets_at(tokens, rows_, cols).tolist() == [tokens[0, 2], tokens[0, 3], tokens[2, 1], tokens[2, 2],
+                                                         tokens[2, 5]]
+    chosen = logits[rows_, cols].clone().requires_grad_(True)
+    logp = spread(row_logprobs(chosen, targets_at(tokens, rows_, cols), chunk_rows=2), rows_, cols, mask.shape)
+    entropy = spread(row_entropy(chosen.detach(), chunk_rows=3), rows_, cols, mask.shape)
+    torch.testing.assert_close(logp, token_logprobs(logits, tokens) * mask, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(entropy, token_entropy(logits) * mask, atol=1e-6, rtol=1e-6)
+    full = logits.clone().requires_grad_(True)
+    (token_logprobs(full, tokens) * mask).sum().backward()
+    logp.sum().backward()
+    assert chosen.grad is not None and full.grad is not None
+    torch.testing.assert_close(chosen.grad, full.grad[rows_, cols])
+
+
+def test_selected_positions_of_an_empty_mask_and_bad_shapes() -> None:
+    rows_, cols = predicting_positions(torch.zeros(2, 4))
+    assert rows_.numel() == 0
+    nothing = torch.zeros(0, 11, requires_grad=True)
+    logp = spread(row_logprobs(nothing, torch.zeros(0, dtype=torch.long)), rows_, cols, (2, 4))
+    assert torch.equal(logp, torch.zeros(2, 4)) and row_entropy(nothing).shape == (0,)
+    logp.sum().backward()
+    for call in (lambda: row_logprobs(torch.zeros(3, 5), torch.zeros(2, dtype=torch.long)),
+                 lambda: row_entropy(torch.zeros(3)), lambda: predicting_positions(torch.zeros(4))):
+        with pytest.raises(ConfigError):
+            call()
 
 
 def test_token_entropy_of_uniform_and_certain_distributions() -> None:

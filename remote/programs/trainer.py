@@ -45,7 +45,17 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from swectl.rl.batch import TrainBatch, TrainSample
-from swectl.rl.losses import policy_loss, sft_loss, token_entropy, token_logprobs
+from swectl.rl.losses import (
+    policy_loss,
+    predicting_positions,
+    row_entropy,
+    row_logprobs,
+    sft_loss,
+    spread,
+    targets_at,
+    token_entropy,
+    token_logprobs,
+)
 from swectl.rl.packing import plan_micro_batches
 from swectl.rl.shm import BatchReader, BatchWriter
 from swectl.rl.weight_sync import ParamSpec, engine_name, sync_dtype
@@ -122,7 +132,58 @@ def build_model(s: TrainerSettings, device: torch.device) -> torch.nn.Module:
     for layer in layers or []:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
+    model.swectl_selected_logits = _selected_logits_path(model)
     return model
+
+
+# Config fields by which a model's forward changes its logits after the output projection (Gemma's soft-capping,
+# Cohere's and Granite's scaling): the selected-logits path would skip that, so such models keep the full path.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _selected_logits_path(model: torch.nn.Module) -> bool:
+    """Give ``model`` a forward method ``selected_logits(input_ids, attention_mask, rows, cols)``: the decoder's
+    hidden states at ``(rows, cols)`` only, through the output projection (``[N, V]``). The loss reads the logits
+    that predict mask-1 tokens (a quarter of an SFT batch's positions), and the ``[B, T, V]`` logits were half of a
+    step's time on the CPU (their projection, its backward, two full-vocabulary softmaxes).
+
+    Registered with FSDP2 (``register_fsdp_forward_method``) so the root unit's parameters (embeddings, final
+    norm, output projection) are all-gathered around it as around ``forward``. True when the model has the
+    standard decoder + output-projection shape, no logit transform, and a check on a short input gives the
+    same logits as ``forward``; otherwise the trainer computes full logits, as before (logged)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    transforms = [k for k in LOGIT_TRANSFORMS if getattr(model.config, k, None) not in (None, 1, 1.0)]
+    if decoder is None or head is None or transforms:
+        log(f"full logits: {'logit transform ' + ', '.join(transforms) if transforms else 'no decoder/output head'}")
+        return False
+
+    def selected_logits(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor,
+                        cols: torch.Tensor) -> torch.Tensor:
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return head(hidden[rows, cols])
+
+    model.selected_logits = selected_logits
+    register_fsdp_forward_method(model, "selected_logits")
+    param = next(model.parameters())
+    vocab = int(model.config.vocab_size)
+    ids = (torch.arange(16, device=param.device).reshape(2, 8) * 7919 + 3) % vocab
+    attention = torch.ones_like(ids)
+    attention[1, 6:] = 0
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=attention).logits.float()
+        rows, cols = attention.nonzero(as_tuple=True)
+        chosen = model.selected_logits(ids, attention, rows, cols).float()
+    # FSDP2 keeps the root unit's parameters gathered after a forward (a backward would free them): free them here on
+    # every rank, or a rank that frees them later (a weight save) all-gathers when the others do not
+    model.reshard()
+    gap = float((full[rows, cols] - chosen).abs().max())
+    if gap > 1e-3 * max(1.0, float(full.abs().max())):
+        log(f"full logits: the selected-logits path differs from forward by {gap:.3g} on a check input")
+        return False
+    return True
 
 
 class Trainer:
@@ -163,32 +224,52 @@ class Trainer:
         if not samples:
             one = torch.full((1, 1), self.pad_id, dtype=torch.long)
             zero = torch.zeros((1, 1))
-            return {"input_ids": one, "attention_mask": torch.ones_like(one), "mask": zero,
+            return {"input_ids": one, "mask": zero,
                     "rollout_logp": zero, "advantages": zero}
         width = max(s.length for s in samples)
         ids = np.full((len(samples), width), self.pad_id, dtype=np.int64)
-        attn = np.zeros((len(samples), width), dtype=np.int64)
         mask = np.zeros((len(samples), width), dtype=np.float32)
         lp = np.zeros((len(samples), width), dtype=np.float32)
         adv = np.zeros((len(samples), width), dtype=np.float32)
         for row, sample in enumerate(samples):
             n = sample.length
             ids[row, :n] = np.frombuffer(sample.tokens, dtype="<i4")
-            attn[row, :n] = 1
             mask[row, :n] = np.frombuffer(sample.loss_mask, dtype=np.uint8)
             lp[row, :n] = np.frombuffer(sample.logprobs, dtype="<f4")
             adv[row, :n] = sample.advantage
         return {k: torch.from_numpy(v) for k, v in
-                (("input_ids", ids), ("attention_mask", attn), ("mask", mask), ("rollout_logp", lp),
+                (("input_ids", ids), ("mask", mask), ("rollout_logp", lp),
                  ("advantages", adv))}
+
+    def _token_logprobs(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` logprobs of the micro-batch's tokens (0 where not needed) and the logits they came from:
+        on the selected-logits path only the rows that predict mask-1 tokens (``[N, V]``), else ``[B, T, V]``."""
+        # No attention mask: the rows are right-padded, so causal attention already keeps every real token from the
+        # pads after it (and positions count from 0 either way); a padding mask only sends attention down its
+        # slower masked path (CPU: the decoder's forward + backward took 1.45x as long)
+        ids = mb["input_ids"]
+        if getattr(model, "swectl_selected_logits", False):
+            rows, cols = predicting_positions(mb["mask"])
+            logits = model.selected_logits(ids, None, rows, cols)
+            return spread(row_logprobs(logits, targets_at(ids, rows, cols)), rows, cols, ids.shape), logits
+        # bf16 on a GPU: token_logprobs and token_entropy cast chunk by chunk; a whole float32 copy of [B, T, V] would
+        # be the largest tensor of the step (5 GB for 8192 tokens of a 152k vocabulary)
+        logits = model(input_ids=ids).logits
+        return token_logprobs(logits, ids), logits
+
+    def _entropy_sum(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = mb["mask"]
+        with torch.no_grad():
+            if logits.dim() == 2:
+                rows, cols = predicting_positions(mask)
+                return (spread(row_entropy(logits.detach()), rows, cols, mask.shape) * mask).sum()
+            return (token_entropy(logits.detach()) * mask).sum()
 
     def _micro_loss(self, mb: dict[str, torch.Tensor], batch: TrainBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         s = self.s
         mb = {k: v.to(self.device) for k, v in mb.items()}
-        # bf16 on a GPU: token_logprobs and token_entropy cast chunk by chunk; a whole float32 copy of [B, T, V] would
-        # be the largest tensor of the step (5 GB for 8192 tokens of a 152k vocabulary)
-        logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-        logp = token_logprobs(logits, mb["input_ids"])
+        logp, logits = self._token_logprobs(self.model, mb)
         mask = mb["mask"]
         denominator = float(batch.loss_tokens if s.aggregation == "token_mean" else batch.sequences) or 1.0
         if batch.algorithm == "sft":
@@ -197,16 +278,13 @@ class Trainer:
             ref_logp = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logits = self.ref_model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-                    ref_logp = token_logprobs(ref_logits, mb["input_ids"])
+                    ref_logp, _ = self._token_logprobs(self.ref_model, mb)
             loss, stats = policy_loss(logp, logp.detach(), mb["rollout_logp"], mb["advantages"], mask,
                                       denominator=denominator, aggregation=s.aggregation, eps_low=s.eps_low,
                                       eps_high=s.eps_high, tis_cap=s.tis_cap, ref_logp=ref_logp,
                                       kl_coef=s.kl_coef, prob_weight=s.prob_weight)
-        with torch.no_grad():
-            entropy = (token_entropy(logits.detach()) * mask).sum()
         stats = {k: v.detach().float() for k, v in stats.items()}
-        stats["entropy_sum"] = entropy.float()
+        stats["entropy_sum"] = self._entropy_sum(logits, mb).float()
         return loss, stats
 
     def train_step(self, req: StepRequest) -> StepReply:

@@ -64,27 +64,51 @@ def _check_shapes(logits: Tensor, tokens: Tensor) -> None:
                           f"{tuple(logits.shape)} and tokens {tuple(tokens.shape)}")
 
 
+def row_logprobs(rows: Tensor, targets: Tensor, *, chunk_rows: int | None = None) -> Tensor:
+    """``[N]`` float32: the log-probability of ``targets[i]`` under the logits ``rows[i]`` (``[N, V]``).
+
+    Computed as ``logit[target] - logsumexp(logits)`` per row, which equals ``log_softmax`` followed by a gather
+    but never materialises a whole log-softmax (nor keeps one for backward): the temporaries are one chunk of
+    ``chunk_rows`` rows (default: about CHUNK_ELEMENTS elements) at a time. Logits of another dtype are cast to
+    float32 chunk by chunk. Differentiable with respect to ``rows``, also when N is 0 (a rank's empty micro-batch
+    must still run backward through the model, for FSDP's collectives).
+    """
+    if rows.dim() != 2 or targets.shape != rows.shape[:1]:
+        raise ConfigError(f"row_logprobs: logits must be [N, V] and targets [N]; got logits {tuple(rows.shape)} "
+                          f"and targets {tuple(targets.shape)}")
+    size = _chunk_size(rows.shape[1], chunk_rows)  # no shortcut for N = 0: the result stays in the graph
+    parts = []
+    for chunk, target in zip(rows.split(size), targets.long().reshape(-1, 1).split(size), strict=True):
+        chunk = chunk.float()
+        parts.append(chunk.gather(1, target).squeeze(1) - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(parts)
+
+
+def row_entropy(rows: Tensor, *, chunk_rows: int | None = None) -> Tensor:
+    """``[N]`` float32: the entropy of each row's distribution (``rows``: ``[N, V]`` logits), chunked like
+    ``row_logprobs``; differentiable."""
+    if rows.dim() != 2:
+        raise ConfigError(f"row_entropy: logits must be [N, V]; got {tuple(rows.shape)}")
+    parts = []
+    for chunk in rows.split(_chunk_size(rows.shape[1], chunk_rows)):
+        logp = torch.log_softmax(chunk.float(), dim=-1)
+        parts.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(parts)
+
+
 def token_logprobs(logits: Tensor, tokens: Tensor, *, chunk_rows: int | None = None) -> Tensor:
     """``[B, T]`` float32: the log-probability of ``tokens[:, t]`` under ``logits[:, t - 1]``; 0 at position 0.
 
-    Computed as ``logit[token] - logsumexp(logits)`` per row, which equals ``log_softmax`` followed by a gather
-    but never materialises a ``[B, T, V]`` log-softmax (nor keeps one for backward): the temporaries are one
-    chunk of ``chunk_rows`` rows (default: about CHUNK_ELEMENTS elements) at a time. The full-length rows are used
-    (no ``logits[:, :-1]`` slice, which would copy when B > 1); the last position's result is dropped. Logits of
-    another dtype are cast to float32 chunk by chunk. Differentiable with respect to ``logits``.
+    ``row_logprobs`` over the full-length rows (no ``logits[:, :-1]`` slice, which would copy when B > 1); the
+    last position's result is dropped. Differentiable with respect to ``logits``.
     """
     _check_shapes(logits, tokens)
     batch, length, vocab = logits.shape
     if length == 0:
         return logits.new_zeros((batch, 0), dtype=torch.float32)
     rows = logits.reshape(batch * length, vocab)
-    targets = _next_tokens(tokens.long()).reshape(batch * length, 1)
-    size = _chunk_size(vocab, chunk_rows)
-    parts = []
-    for chunk, target in zip(rows.split(size), targets.split(size), strict=True):
-        chunk = chunk.float()
-        parts.append(chunk.gather(1, target).squeeze(1) - torch.logsumexp(chunk, dim=-1))
-    return _align(torch.cat(parts).reshape(batch, length))
+    targets = _next_tokens(tokens.long()).reshape(batch * length)
+    return _align(row_logprobs(rows, targets, chunk_rows=chunk_rows).reshape(batch, length))
 
 
 def token_entropy(logits: Tensor, *, chunk_rows: int | None = None) -> Tensor:
@@ -95,11 +119,35 @@ def token_entropy(logits: Tensor, *, chunk_rows: int | None = None) -> Tensor:
     batch, length, vocab = logits.shape
     if length == 0:
         return logits.new_zeros((batch, 0), dtype=torch.float32)
-    parts = []
-    for chunk in logits.reshape(batch * length, vocab).split(_chunk_size(vocab, chunk_rows)):
-        logp = torch.log_softmax(chunk.float(), dim=-1)
-        parts.append(-(logp.exp() * logp).sum(-1))
-    return _align(torch.cat(parts).reshape(batch, length))
+    return _align(row_entropy(logits.reshape(batch * length, vocab), chunk_rows=chunk_rows).reshape(batch, length))
+
+
+# ---------------------------------------------------------------- only the positions the loss reads
+
+
+def predicting_positions(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(rows, cols)``: where the logits that predict the mask-1 tokens sit. Token ``(b, t)`` is predicted by
+    the logits at ``(b, t - 1)``; a mask-1 token at position 0 has no predictor and is left out (its
+    per-token quantities are 0, as in ``token_logprobs``). Row-major order, the order ``spread`` expects."""
+    if mask.dim() != 2:
+        raise ConfigError(f"predicting_positions: mask must be [B, T]; got {tuple(mask.shape)}")
+    keep = mask != 0
+    keep[:, 0] = False
+    rows, cols = keep.nonzero(as_tuple=True)
+    return rows, cols - 1
+
+
+def targets_at(tokens: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """``[N]``: the tokens that the logits at ``(rows, cols)`` predict (``tokens[rows, cols + 1]``)."""
+    return tokens[rows, cols + 1]
+
+
+def spread(values: Tensor, rows: Tensor, cols: Tensor, shape: torch.Size | tuple[int, int]) -> Tensor:
+    """``[B, T]`` float32, aligned like ``token_logprobs``: ``values[i]`` (computed from the logits at
+    ``(rows[i], cols[i])``) lands on the token it predicts, ``(rows[i], cols[i] + 1)``; every other position
+    holds 0. Differentiable with respect to ``values``."""
+    out = values.new_zeros(tuple(shape), dtype=torch.float32)
+    return out.index_put((rows, cols + 1), values.float())
 
 
 # ---------------------------------------------------------------- aggregation
