@@ -7,6 +7,13 @@ applied, like the official harness); run the eval script (exit code recorded) un
 the grading timeout, its log written to a file inside the sandbox and read back whole; parse with swebench's
 parser and judge by F2P/P2P (swectl.grading.rules).
 
+With ``reuse`` (the agent runs: ``[rollout] reuse_grades``, on by default) two gradings are skipped: an empty patch
+for a task with FAIL_TO_PASS tests is unresolved without a run, as the SWE-bench harness scores it (those tests
+fail on the untouched tree: that is what makes them FAIL_TO_PASS), and a patch identical to one already graded for
+the same task and image gets that verdict (an identical patch being graded is waited for, not run twice). Such a
+result says so in ``shortcut``. Only verdicts are reused (resolved, unresolved, a patch that does not apply), never
+errors that may not repeat (timeouts, infrastructure). Validation and patch grading keep running every patch.
+
 A failure of the infrastructure (sandbox or node lost, lease expired, no test output) is an ``error`` with
 ``infra=True``: never a reward. A patch that does not apply or an eval that times out is an ``error`` with
 ``infra=False``: the patch's fault, reported with its reason, still not "unresolved".
@@ -19,6 +26,7 @@ between ``await tg.start(grader.run)`` and the cancellation of that task.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -56,6 +64,7 @@ class GraderConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The grader's section: the eval script's timeout and how many gradings run at once."""
     timeout_s: float = 1800.0  # the eval script's wall time
     concurrency: int = 8  # gradings at once (each holds one lease)
+    reuse: bool = False  # empty patches unresolved without a run; identical patches of a task graded once
 
 
 class GradeResult(msgspec.Struct, kw_only=True):
@@ -75,6 +84,7 @@ class GradeResult(msgspec.Struct, kw_only=True):
     node: str = ""
     duration_s: float = 0.0
     log_path: str = ""
+    shortcut: str = ""  # why no sandbox ran ("empty patch", "same patch as <label>"); "" when it was graded
 
     @property
     def resolved(self) -> bool:
@@ -135,7 +145,9 @@ class Grader:
         self._specs = specs
         self._log_dir = log_dir
         self._running = False
-        self._counts = dict.fromkeys(("graded", "resolved", "unresolved", "errors", "infra_errors"), 0)
+        self._counts = dict.fromkeys(("graded", "resolved", "unresolved", "errors", "infra_errors", "reused"), 0)
+        self._verdicts: dict[tuple[str, str, str], tuple[GradeResult, str]] = {}  # reuse: key -> (result, label)
+        self._in_flight: dict[tuple[str, str, str], anyio.Event] = {}
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Take gradings until cancelled."""
@@ -151,7 +163,7 @@ class Grader:
         return GraderStatistics(
             running=self._limit.borrowed_tokens, waiting=self._limit.statistics().tasks_waiting,
             graded=c["graded"], resolved=c["resolved"], unresolved=c["unresolved"], errors=c["errors"],
-            infra_errors=c["infra_errors"],
+            infra_errors=c["infra_errors"], reused=c["reused"],
         )
 
     async def grade(
@@ -159,6 +171,39 @@ class Grader:
     ) -> GradeResult:
         """The verdict on ``patch`` for ``task``. Never raises for infrastructure failures; cancellation
         propagates. ``timeout_s`` overrides the eval script's wall time of the config for this grading."""
+        if not self._config.reuse:
+            return await self._grade_fresh(task, patch, label, timeout_s)
+        if not patch.strip() and task.FAIL_TO_PASS:
+            return self._reused(GradeResult(
+                instance_id=task.instance_id, status="unresolved", apply_method="empty",
+                detail="empty patch: nothing changed, so the FAIL_TO_PASS tests fail as before (not run)",
+                f2p_failed=list(task.FAIL_TO_PASS), f2p_total=len(task.FAIL_TO_PASS),
+                p2p_total=len(task.PASS_TO_PASS)), "empty patch")
+        key = (task.instance_id, self._resolver.resolve(task),
+               hashlib.sha256(patch.encode("utf-8", errors="surrogateescape")).hexdigest())
+        while key in self._in_flight:  # the same patch is being graded: its verdict, not a second run
+            await self._in_flight[key].wait()
+        if key in self._verdicts:
+            earlier, earlier_label = self._verdicts[key]
+            return self._reused(msgspec.structs.replace(earlier), f"same patch as {earlier_label or 'an earlier one'}")
+        done = self._in_flight[key] = anyio.Event()
+        try:
+            result = await self._grade_fresh(task, patch, label, timeout_s)
+        finally:
+            del self._in_flight[key]
+            done.set()
+        if result.status != "error" or result.reason == "patch_apply_failed":
+            self._verdicts[key] = (msgspec.structs.replace(result), label)
+        return result
+
+    def _reused(self, result: GradeResult, shortcut: str) -> GradeResult:
+        """A verdict given without a sandbox: counted like a grading, and as reused."""
+        result.shortcut, result.duration_s, result.node = shortcut, 0.0, ""
+        self._count(result)
+        self._counts["reused"] += 1
+        return result
+
+    async def _grade_fresh(self, task: Task, patch: str, label: str, timeout_s: float | None) -> GradeResult:
         result = GradeResult(instance_id=task.instance_id, status="error")
         async with self._grading(result):
             script = with_exit_code(eval_script_for(task, self._specs))

@@ -152,6 +152,10 @@ class RolloutOptions(_Section):
     # Head+tail context management when a conversation outgrows `context` (keeps system, problem, the
     # earliest ~30% and the latest ~70% of turns).
     manage_context: bool = False
+    # Grading shortcuts: an empty patch is unresolved without a test run (as the SWE-bench harness scores it) and
+    # identical patches of one task are graded once per run (their verdict is shared). false: every episode's
+    # patch runs the tests in its own sandbox (to see flaky tests, say).
+    reuse_grades: bool = True
 
 
 class TrainerConfig(_Section):

@@ -231,6 +231,7 @@ class GraderStatistics(msgspec.Struct, frozen=True):
     unresolved: int
     errors: int
     infra_errors: int  # errors that are the infrastructure's (dropped, never scored)
+    reused: int = 0  # verdicts given without a sandbox (empty patch, a patch graded before): GraderConfig.reuse
 
 
 class RolloutStatistics(msgspec.Struct, frozen=True):

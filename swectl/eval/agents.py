@@ -76,6 +76,7 @@ class AgentSummary(RunReport, kw_only=True):
     finished: int  # episodes with a result (this run and the ones it resumed)
     avg_steps: float
     exit_status: dict[str, int]
+    grades_reused: int = 0  # verdicts given without a test run ([rollout] reuse_grades: empty or repeated patches)
     metrics: dict[str, float]
     settings: RunSettings
 
@@ -166,7 +167,8 @@ def summarize(settings: RunSettings, tasks_source: str, total: int, results: lis
         infra_errors=aborted, resolve_rate=resolve_rate(resolved, len(results), aborted),
         elapsed_s=round(elapsed, 2), finished=len(results),
         avg_steps=round(sum(r.turns for r in results) / len(results), 2) if results else 0.0,
-        exit_status=statuses, metrics={k: round(v, 4) for k, v in agent_metrics(results).items()},
+        exit_status=statuses, grades_reused=sum(bool(r.grade and r.grade.shortcut) for r in results),
+        metrics={k: round(v, 4) for k, v in agent_metrics(results).items()},
         settings=settings,
     )
 
@@ -318,7 +320,8 @@ async def eval_model(
 
                 def engine_for(t: Task, n: int):
                     return chat
-            grader = Grader(GraderConfig(timeout_s=grade_timeout_s, concurrency=rollout.concurrency), pool,
+            grader = Grader(GraderConfig(timeout_s=grade_timeout_s, concurrency=rollout.concurrency,
+                                         reuse=settings.rollout.reuse_grades), pool,
                             resolver=resolver, log_dir=out / "grade-logs")
             await tg.start(grader.run, name="grader")
             ro = Rollout(rollout, pool, grader, engine_for, tokenizer, out, resolver=resolver)

@@ -345,7 +345,8 @@ class Controller:
         dropped = {"uninformative": 0, "aborted": 0}
         rounds = 0
         out = self.run_dir / "episodes" / step_name(step)
-        grader = Grader(GraderConfig(concurrency=t.concurrency), pool, log_dir=out / "grade-logs")
+        grader = Grader(GraderConfig(concurrency=t.concurrency, reuse=self.config.rollout.reuse_grades), pool,
+                        log_dir=out / "grade-logs")
         rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.n_samples,
                                         episode=episode_config(self.config, temperature=t.temperature)),
                           pool, grader, lambda task, n: engines.route(f"{task.instance_id}#{step}#{n}"),
@@ -441,7 +442,8 @@ class Controller:
             return
         out = self.run_dir / "eval" / step_name(step)
         t = self.train
-        grader = Grader(GraderConfig(concurrency=t.concurrency), pool, log_dir=out / "grade-logs")
+        grader = Grader(GraderConfig(concurrency=t.concurrency, reuse=self.config.rollout.reuse_grades), pool,
+                        log_dir=out / "grade-logs")
         rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.eval_samples,
                                         episode=episode_config(self.config, temperature=t.temperature)),
                           pool, grader, lambda task, n: engines.route(f"eval#{task.instance_id}#{step}#{n}"),

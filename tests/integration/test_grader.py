@@ -110,6 +110,44 @@ async def test_gold_resolves_empty_does_not(project_task: Task, run_id: str) -> 
     assert not empty.infra
 
 
+async def test_reuse_grades_each_distinct_patch_once(task: Task, run_id: str) -> None:
+    """GraderConfig.reuse ([rollout] reuse_grades): identical patches of a task get one sandbox run (a copy being
+    graded is waited for), an empty patch is unresolved without one, as a real run of it says (the test above);
+    a timeout is no verdict and is not reused."""
+    config = load_config(None, ["env_pool.warm=0", "sandbox.backend='podman'"])
+    async with running_pool(config, run_id) as pool, anyio.create_task_group() as tg:
+        grader = Grader(GraderConfig(reuse=True), pool)
+        await tg.start(grader.run)
+        results: dict[str, GradeResult] = {}
+
+        async def one(name: str, patch: str) -> None:
+            results[name] = await grader.grade(task, patch, label=name)
+
+        async with anyio.create_task_group() as both:
+            both.start_soon(one, "first", task.patch)
+            both.start_soon(one, "second", task.patch)
+        await one("third", task.patch)
+        await one("empty", "")
+        await one("broken", "not a diff\n")
+        await one("broken again", "not a diff\n")
+        slow = [await grader.grade(task, task.patch + " ", label="slow", timeout_s=0.01) for _ in range(2)]
+        stats = grader.statistics()
+        tg.cancel_scope.cancel()
+    gold = [results[k] for k in ("first", "second", "third")]
+    assert all(r.status == "resolved" for r in gold), gold
+    assert sorted(r.shortcut for r in gold)[0] == "" and sum(r.shortcut == "" for r in gold) == 1
+    ran = next(r for r in gold if not r.shortcut)
+    assert all(r.shortcut.startswith("same patch as ") and r.duration_s == 0.0 for r in gold if r is not ran)
+    assert all(r.f2p_failed == ran.f2p_failed and r.log_path == ran.log_path for r in gold)
+    empty = results["empty"]
+    assert (empty.status, empty.shortcut, empty.apply_method) == ("unresolved", "empty patch", "empty")
+    assert empty.f2p_failed == task.FAIL_TO_PASS and not empty.infra
+    assert results["broken"].reason == results["broken again"].reason == "patch_apply_failed"
+    assert results["broken again"].shortcut == "same patch as broken"
+    assert [r.reason for r in slow] == ["eval_timeout", "eval_timeout"] and [r.shortcut for r in slow] == ["", ""]
+    assert (stats.graded, stats.reused, stats.resolved) == (8, 4, 3)
+
+
 async def test_malformed_patch_is_an_error_not_unresolved(task: Task, run_id: str) -> None:
     r = await grade(task, "this is not a diff\n@@ nonsense @@\n", run_id)
     assert (r.status, r.reason, r.infra) == ("error", "patch_apply_failed", False)
