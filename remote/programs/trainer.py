@@ -132,7 +132,7 @@ def build_model(s: TrainerSettings, device: torch.device) -> torch.nn.Module:
     for layer in layers or []:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
-    model.swectl_selected_logits = _selected_logits_path(model)
+    _add_selected_logits(model)
     return model
 
 
@@ -141,16 +141,17 @@ def build_model(s: TrainerSettings, device: torch.device) -> torch.nn.Module:
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def _selected_logits_path(model: torch.nn.Module) -> bool:
+def _add_selected_logits(model: torch.nn.Module) -> None:
     """Give ``model`` a forward method ``selected_logits(input_ids, attention_mask, rows, cols)``: the decoder's
     hidden states at ``(rows, cols)`` only, through the output projection (``[N, V]``). The loss reads the logits
     that predict mask-1 tokens (a quarter of an SFT batch's positions), and the ``[B, T, V]`` logits were half of a
     step's time on the CPU (their projection, its backward, two full-vocabulary softmaxes).
 
     Registered with FSDP2 (``register_fsdp_forward_method``) so the root unit's parameters (embeddings, final
-    norm, output projection) are all-gathered around it as around ``forward``. True when the model has the
+    norm, output projection) are all-gathered around it as around ``forward``. Kept when the model has the
     standard decoder + output-projection shape, no logit transform, and a check on a short input gives the
-    same logits as ``forward``; otherwise the trainer computes full logits, as before (logged)."""
+    same logits as ``forward``; otherwise the model has no such method and the trainer computes full logits, as
+    before (logged)."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
@@ -158,7 +159,7 @@ def _selected_logits_path(model: torch.nn.Module) -> bool:
     transforms = [k for k in LOGIT_TRANSFORMS if getattr(model.config, k, None) not in (None, 1, 1.0)]
     if decoder is None or head is None or transforms:
         log(f"full logits: {'logit transform ' + ', '.join(transforms) if transforms else 'no decoder/output head'}")
-        return False
+        return
 
     def selected_logits(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor,
                         cols: torch.Tensor) -> torch.Tensor:
@@ -182,8 +183,7 @@ def _selected_logits_path(model: torch.nn.Module) -> bool:
     gap = float((full[rows, cols] - chosen).abs().max())
     if gap > 1e-3 * max(1.0, float(full.abs().max())):
         log(f"full logits: the selected-logits path differs from forward by {gap:.3g} on a check input")
-        return False
-    return True
+        del model.selected_logits
 
 
 class Trainer:
@@ -242,34 +242,37 @@ class Trainer:
                  ("advantages", adv))}
 
     def _token_logprobs(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, T]`` logprobs of the micro-batch's tokens (0 where not needed) and the logits they came from:
-        on the selected-logits path only the rows that predict mask-1 tokens (``[N, V]``), else ``[B, T, V]``."""
+                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``[B, T]`` logprobs of the micro-batch's tokens (0 where not needed), the logits they came from and
+        where those sit: on the selected-logits path only the rows that predict mask-1 tokens (``[N, V]``, with
+        their ``(rows, cols)``), else ``[B, T, V]`` (and None)."""
         # No attention mask: the rows are right-padded, so causal attention already keeps every real token from the
         # pads after it (and positions count from 0 either way); a padding mask only sends attention down its
         # slower masked path (CPU: the decoder's forward + backward took 1.45x as long)
         ids = mb["input_ids"]
-        if getattr(model, "swectl_selected_logits", False):
+        if hasattr(model, "selected_logits"):
             rows, cols = predicting_positions(mb["mask"])
             logits = model.selected_logits(ids, None, rows, cols)
-            return spread(row_logprobs(logits, targets_at(ids, rows, cols)), rows, cols, ids.shape), logits
+            logp = spread(row_logprobs(logits, targets_at(ids, rows, cols)), rows, cols, ids.shape)
+            return logp, logits, (rows, cols)
         # bf16 on a GPU: token_logprobs and token_entropy cast chunk by chunk; a whole float32 copy of [B, T, V] would
         # be the largest tensor of the step (5 GB for 8192 tokens of a 152k vocabulary)
         logits = model(input_ids=ids).logits
-        return token_logprobs(logits, ids), logits
+        return token_logprobs(logits, ids), logits, None
 
-    def _entropy_sum(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        mask = mb["mask"]
+    @staticmethod
+    def _entropy_sum(logits: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor] | None,
+                     mask: torch.Tensor) -> torch.Tensor:
+        """The entropies of the distributions that predicted the mask-1 tokens, weighted by the mask and summed."""
         with torch.no_grad():
-            if logits.dim() == 2:
-                rows, cols = predicting_positions(mask)
-                return (spread(row_entropy(logits.detach()), rows, cols, mask.shape) * mask).sum()
-            return (token_entropy(logits.detach()) * mask).sum()
+            if where is None:
+                return (token_entropy(logits.detach()) * mask).sum()
+            return (spread(row_entropy(logits.detach()), *where, mask.shape) * mask).sum()
 
     def _micro_loss(self, mb: dict[str, torch.Tensor], batch: TrainBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         s = self.s
         mb = {k: v.to(self.device) for k, v in mb.items()}
-        logp, logits = self._token_logprobs(self.model, mb)
+        logp, logits, where = self._token_logprobs(self.model, mb)
         mask = mb["mask"]
         denominator = float(batch.loss_tokens if s.aggregation == "token_mean" else batch.sequences) or 1.0
         if batch.algorithm == "sft":
@@ -278,13 +281,13 @@ class Trainer:
             ref_logp = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logp, _ = self._token_logprobs(self.ref_model, mb)
+                    ref_logp, _, _ = self._token_logprobs(self.ref_model, mb)
             loss, stats = policy_loss(logp, logp.detach(), mb["rollout_logp"], mb["advantages"], mask,
                                       denominator=denominator, aggregation=s.aggregation, eps_low=s.eps_low,
                                       eps_high=s.eps_high, tis_cap=s.tis_cap, ref_logp=ref_logp,
                                       kl_coef=s.kl_coef, prob_weight=s.prob_weight)
         stats = {k: v.detach().float() for k, v in stats.items()}
-        stats["entropy_sum"] = self._entropy_sum(logits, mb).float()
+        stats["entropy_sum"] = self._entropy_sum(logits, where, mask).float()
         return loss, stats
 
     def train_step(self, req: StepRequest) -> StepReply:

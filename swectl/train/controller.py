@@ -345,8 +345,7 @@ class Controller:
         dropped = {"uninformative": 0, "aborted": 0}
         rounds = 0
         out = self.run_dir / "episodes" / step_name(step)
-        grader = Grader(GraderConfig(concurrency=t.concurrency, reuse=self.config.rollout.reuse_grades), pool,
-                        log_dir=out / "grade-logs")
+        grader = self._grader(pool, out)
         rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.n_samples,
                                         episode=episode_config(self.config, temperature=t.temperature)),
                           pool, grader, lambda task, n: engines.route(f"{task.instance_id}#{step}#{n}"),
@@ -407,6 +406,11 @@ class Controller:
                 return Group(instance_id=task.instance_id, episodes=good[:n])
         return None
 
+    def _grader(self, pool: EnvPool, out: Path) -> Grader:
+        """The Grader of one step's rollouts or evaluation (its own verdicts to reuse, its logs under ``out``)."""
+        return Grader(GraderConfig(concurrency=self.train.concurrency, reuse=self.config.rollout.reuse_grades), pool,
+                      log_dir=out / "grade-logs")
+
     def _tokenizer(self):
         if not hasattr(self, "_tok"):
             from swectl.eval.agents import load_tokenizer
@@ -442,8 +446,7 @@ class Controller:
             return
         out = self.run_dir / "eval" / step_name(step)
         t = self.train
-        grader = Grader(GraderConfig(concurrency=t.concurrency, reuse=self.config.rollout.reuse_grades), pool,
-                        log_dir=out / "grade-logs")
+        grader = self._grader(pool, out)
         rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.eval_samples,
                                         episode=episode_config(self.config, temperature=t.temperature)),
                           pool, grader, lambda task, n: engines.route(f"eval#{task.instance_id}#{step}#{n}"),
