@@ -14,8 +14,12 @@
    the reward: the same with every advantage zeroed (train.zero_advantages: no update at all; the default
    control) and, with ``--controls zero,shuffle``, the same with each group's rewards shuffled
    (train.shuffle_rewards: updates as large as the real run's, blind to which episode resolved its task);
-5. sampled resolve rates (temperature 1, ``--samples`` episodes per task, `swectl eval`) on the train split
+5. sampled resolve rates (temperature 1, ``--samples`` episodes per task, `swectl eval --seed`) on the train split
    before training, after SFT, after GRPO and after each control run, and on the held-out split after GRPO.
+
+Every sample is seeded: the GRPO rollouts by train.seed (each request's sampling seed comes from the seed, the step,
+the task, the sample and the turn), the evaluations by ``--eval-seed``. So a rerun with the same seed draws the same
+random numbers and reads the same rates, up to float rounding in the engine's batches.
    The zero-advantage control makes no update, so its final weights are the SFT weights: when their sha256 agree,
    the SFT and control evaluations are pooled into one estimate of the SFT policy (``train_after_sft_pooled_pct``)
    and GRPO's gain is also reported against it (``grpo_gain_vs_pooled_sft_points``, the less noisy reading).
@@ -70,18 +74,22 @@ def rollout_sets(args: argparse.Namespace) -> list[str]:
                       "rollout.max_format_errors": args.max_format_errors, "env_pool.warm": 0})
 
 
-def evaluate(args: argparse.Namespace, model: Path, tasks: Path, out: Path, samples: int | None = None) -> dict:
+def evaluate(args: argparse.Namespace, model: Path, tasks: Path, out: Path, samples: int | None = None,
+             seed_offset: int = 0) -> dict:
     """`swectl eval` of ``model`` on ``tasks`` (``samples`` episodes per task, default ``--samples``) into ``out``,
-    once: a folder with a summary is read back."""
+    once: a folder with a summary is read back. Sampling is seeded with ``--eval-seed`` + ``seed_offset``: every
+    reading of one seed draws the same random numbers (a rerun of the demo reads the same rates), and two
+    readings of one policy that are pooled take different offsets, so they are independent samples."""
     if not (out / "summary.json").exists():
         run(["eval", "--model", str(model), "--tasks", str(tasks), "--samples", str(samples or args.samples),
-             "--temperature",
+             "--seed", str(args.eval_seed + seed_offset), "--temperature",
              "1.0", "--step-limit", str(args.step_limit), "--max-tokens", str(args.max_tokens), "--concurrency",
              str(args.concurrency), "--out", str(out), "--fresh", "--set", "env_pool.warm=0", "--set",
              f"rollout.max_format_errors={args.max_format_errors}"], f"eval {out.name}")
     summary = json.loads((out / "summary.json").read_text())
     return {"resolve_rate": summary["resolve_rate"], "resolved": summary["resolved"], "episodes": summary["finished"],
-            "aborted": summary["infra_errors"], "folder": str(out), "model": str(model)}
+            "aborted": summary["infra_errors"], "folder": str(out), "model": str(model),
+            "seed": summary["settings"]["rollout"].get("seed")}
 
 
 def weights_digest(weights: Path) -> str:
@@ -145,6 +153,9 @@ def curve(run_dir: Path, after: int = 0) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-seed", type=int, default=None, metavar="N",
+                        help="sampling seed of the evaluations (default: --seed); the zero-advantage control's "
+                             "reading uses N+1, so pooled with the SFT's it adds new episodes")
     parser.add_argument("--work", type=Path, default=None, help="folder for every run (default runs/learn-seed<seed>)")
     parser.add_argument("--samples", type=int, default=8,
                         help="episodes per task in the train-split evaluations after SFT, GRPO and the controls")
@@ -194,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-control", action="store_true", help="skip the control runs")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.eval_seed is None:
+        args.eval_seed = args.seed
     work = (args.work or Path("runs") / f"learn-seed{args.seed}").resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -268,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         weights = train(args, work, name + suffix, sets, continue_from=work / "sft" if continue_sft else None)
         timings[f"{name}_s"] = time.monotonic() - t0
         curves[name] = curve(work / (name + suffix), after=args.sft_steps if continue_sft else 0)
-        rates[f"train_after_{name}"] = evaluate(args, weights, work / "train.jsonl", work / f"eval-{name}{suffix}")
+        rates[f"train_after_{name}"] = evaluate(args, weights, work / "train.jsonl", work / f"eval-{name}{suffix}",
+                                                seed_offset=0 if name == "grpo" else 1)
         if name == "grpo":
             rates["test_after_grpo"] = evaluate(args, weights, work / "test.jsonl", work / f"eval-grpo{suffix}-test",
                                                  args.test_samples)

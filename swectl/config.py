@@ -152,6 +152,10 @@ class RolloutOptions(_Section):
     # Head+tail context management when a conversation outgrows `context` (keeps system, problem, the
     # earliest ~30% and the latest ~70% of turns).
     manage_context: bool = False
+    # Seeded sampling: each request's seed comes from (seed, task, sample, turn), so the same model gives the same
+    # episodes run after run (the CPU engine; SGLang with --enable-deterministic-inference). Unset: fresh randomness.
+    # `swectl eval` only: training seeds its rollouts from train.seed.
+    seed: int | None = None
     # Grading shortcuts: an empty patch is unresolved without a test run (as the SWE-bench harness scores it) and
     # identical patches of one task are graded once per run (their verdict is shared). false: every episode's
     # patch runs the tests in its own sandbox (to see flaky tests, say).
@@ -252,6 +256,8 @@ class TrainConfig(_Section):
     eval_every: NonNegative = 0  # evaluate on the held-out split every N steps (0 = never)
     eval_samples: Count = 1
     keep_weights: Count = 2  # weight folders kept besides checkpointed ones
+    # the split, the task order, the SFT order and the rollouts' sampling (each request seeded from it, the step, the
+    # task, the sample and the turn: a rerun samples the same episodes)
     seed: int = 0
 
 

@@ -14,6 +14,7 @@ turn produced; only the loop writes the Episode.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import ClassVar, Literal, Protocol, runtime_checkable
 
@@ -76,6 +77,10 @@ class EpisodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # token stream is then no longer what the model saw, so every step is also recorded as a StepSample.
     manage_context: bool = False
     per_step_samples: bool = False
+    # Seeded sampling: when set, every request carries ``sampling_seed = request_seed(seed, key, turn)``, so the
+    # same weights and the same sandbox outputs give the same episode (the CPU engine honours it; SGLang with
+    # --enable-deterministic-inference). None: the engine draws fresh randomness. Token engines only.
+    seed: str | None = None
 
 
 class Step(msgspec.Struct, kw_only=True):
@@ -169,6 +174,13 @@ class Aborted(EpisodeEnd):
 # ---------------------------------------------------------------- policies
 
 
+def request_seed(seed: str, key: str, turn: int) -> int:
+    """The sampling seed of turn ``turn`` of episode ``key`` (``<instance_id>#<sample>``) under the run's ``seed``:
+    63 bits of sha256, the same in every process and Python version."""
+    digest = hashlib.sha256(f"{seed}\x00{key}\x00{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
 class Reply(msgspec.Struct, frozen=True, kw_only=True):
     """What one model turn produced."""
 
@@ -227,6 +239,8 @@ class _TokenPolicy:
     async def reply(self, n: int, room: int) -> Reply:
         cfg = self._cfg
         sampling = msgspec.structs.replace(cfg.sampling, max_new_tokens=min(cfg.sampling.max_new_tokens, room))
+        if cfg.seed is not None:
+            sampling = msgspec.structs.replace(sampling, sampling_seed=request_seed(cfg.seed, self._key, n))
         result = await self._engine.generate(GenerateRequest(input_ids=self._prompt, sampling_params=sampling,
                                                              rid=f"{self._key}/{n}"))
         if result.finish_reason == "abort":

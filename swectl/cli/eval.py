@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from swectl.images.names import ImageResolver
 
 # [rollout] keys with a shorthand flag (--step-limit sets rollout.step_limit, ...)
-ROLLOUT_FLAGS = ("samples", "step_limit", "max_tokens", "context", "temperature", "manage_context")
+ROLLOUT_FLAGS = ("samples", "step_limit", "max_tokens", "context", "temperature", "manage_context", "seed")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -68,6 +68,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="context budget in tokens (rollout.context, default 8192)")
     agent.add_argument("--temperature", type=float, default=None,
                        help="sampling temperature (rollout.temperature, default 0: greedy)")
+    agent.add_argument("--seed", type=int, default=None, metavar="N",
+                       help="seeded sampling (rollout.seed): every request's seed comes from N, the task, the "
+                       "sample and the turn, so the same model gives the same episodes again (the CPU engine; "
+                       "SGLang with --enable-deterministic-inference). Default: fresh randomness")
     agent.add_argument("--engines", type=int, default=None, metavar="N",
                        help="servers to launch per engine node with --model (default: engine.replicas of the "
                        "config, 1). Which nodes, which kind (cpu or sglang) and how: the [engine] section")

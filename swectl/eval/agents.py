@@ -252,7 +252,7 @@ def _os_reason(exc: BaseException) -> str:
 def rollout_config(options: RolloutOptions, concurrency: int) -> RolloutConfig:
     """The Rollout actor's config from the ``[rollout]`` section."""
     return RolloutConfig(concurrency=concurrency, samples_per_task=options.samples, episode=EpisodeConfig(
-        manage_context=options.manage_context,
+        manage_context=options.manage_context, seed=None if options.seed is None else f"eval:{options.seed}",
         limits=AgentLimits(step_limit=options.step_limit, max_context_tokens=options.context,
                            max_format_errors=options.max_format_errors),
         sampling=SamplingParams(max_new_tokens=options.max_tokens, temperature=options.temperature)))

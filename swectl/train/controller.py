@@ -84,9 +84,10 @@ def trainer_settings(config: ClusterConfig, plan: TrainPlan, run_dir: Path, resu
     )
 
 
-def episode_config(config: ClusterConfig, *, temperature: float) -> EpisodeConfig:
+def episode_config(config: ClusterConfig, *, temperature: float, seed: str | None = None) -> EpisodeConfig:
+    """The episodes' settings from ``[rollout]``; ``seed`` (a namespace) seeds every request's sampling."""
     r = config.rollout
-    return EpisodeConfig(
+    return EpisodeConfig(seed=seed,
         manage_context=r.manage_context, per_step_samples=config.train.sample_mode == "step",
         limits=AgentLimits(step_limit=r.step_limit, max_context_tokens=r.context,
                            max_format_errors=r.max_format_errors),
@@ -347,7 +348,8 @@ class Controller:
         out = self.run_dir / "episodes" / step_name(step)
         grader = self._grader(pool, out)
         rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.n_samples,
-                                        episode=episode_config(self.config, temperature=t.temperature)),
+                                        episode=episode_config(self.config, temperature=t.temperature,
+                                                               seed=f"train:{t.seed}:{step}")),
                           pool, grader, lambda task, n: engines.route(f"{task.instance_id}#{step}#{n}"),
                           self._tokenizer(), out)
         async with anyio.create_task_group() as tg:
@@ -448,7 +450,8 @@ class Controller:
         t = self.train
         grader = self._grader(pool, out)
         rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.eval_samples,
-                                        episode=episode_config(self.config, temperature=t.temperature)),
+                                        episode=episode_config(self.config, temperature=t.temperature,
+                                                               seed=f"eval:{t.seed}")),
                           pool, grader, lambda task, n: engines.route(f"eval#{task.instance_id}#{step}#{n}"),
                           self._tokenizer(), out)
         t0 = time.monotonic()

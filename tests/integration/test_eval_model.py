@@ -62,6 +62,34 @@ def test_eval_with_the_tiny_model(model: Path, tmp_path: Path, capsys: pytest.Ca
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
 
 
+def _episode_tokens(out: Path) -> dict[tuple[str, int], list[int]]:
+    """Every episode's token stream of an evaluation folder, by (instance, sample)."""
+    tokens = {}
+    for line in (out / "results.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        ep = json.loads((Path(r["artifacts"]) / "traj.json").read_text())["episode"]
+        tokens[(r["instance_id"], r["sample"])] = ep["trajectory"]["token_ids"]
+    return tokens
+
+
+def test_seeded_evaluations_repeat(model: Path, tmp_path: Path) -> None:
+    """--seed: at temperature 1, two evaluations with one seed sample the same tokens in every episode (though the
+    engine batches them differently); another seed, or another sample of the same task, samples others."""
+    base = ["eval", "--model", str(model), "--slice", "0:2", "--samples", "2", "--step-limit", "2", "--max-tokens",
+            "16", "--temperature", "1.0", "--concurrency", "2"]
+    runs = {}
+    for name, seed, concurrency in (("a", "7", "2"), ("b", "7", "1"), ("c", "8", "2")):
+        assert main([*base[:-1], concurrency, "--seed", seed, "--out", str(tmp_path / name)]) == 0
+        runs[name] = _episode_tokens(tmp_path / name)
+    assert len(runs["a"]) == 4 and runs["a"].keys() == runs["b"].keys() == runs["c"].keys()
+    assert runs["a"] == runs["b"]
+    assert all(runs["a"][k] != runs["c"][k] for k in runs["a"])
+    for instance in {k[0] for k in runs["a"]}:
+        assert runs["a"][(instance, 0)] != runs["a"][(instance, 1)]
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["settings"]["rollout"]["seed"] == 7
+
+
 def test_eval_with_the_tiny_model_on_namespace_sandboxes(model: Path, tmp_path: Path) -> None:
     args = ["eval", "--model", str(model), "--slice", "0:2", "--step-limit", "2", "--max-tokens", "24",
             "--concurrency", "2", "--set", 'sandbox.backend="namespace"', "--out", str(tmp_path)]
