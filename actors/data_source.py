@@ -20,11 +20,14 @@ from swectl.tasks.record import Task
 
 
 class DataCursor(msgspec.Struct, kw_only=True):
-    """Where the data source stands: the epoch, the position in that epoch's order and the ids handed out."""
+    """Where the data source stands: the epoch, the position in that epoch's order and the ids handed out.
+    ``pending``: ids handed out whose groups were not trained yet when the cursor was saved (the async loop's
+    groups in flight or buffered); a resumed source hands them out again first, without counting them twice."""
 
     epoch: int = 0
     index: int = 0
     consumed: list[str] = []
+    pending: list[str] = []
 
 
 def split_tasks(tasks: Sequence[Task], test_fraction: float, seed: int) -> tuple[list[Task], list[Task]]:
@@ -54,8 +57,16 @@ class DataSource:
         return order
 
     def next(self, n: int) -> list[Task]:
-        """The next ``n`` tasks (crossing into the next epoch as needed)."""
+        """The next ``n`` tasks: first the pending ones of a resumed cursor, then in order (crossing into the next
+        epoch as needed)."""
         out: list[Task] = []
+        by_id = {t.instance_id: t for t in self._tasks} if self.cursor.pending else {}
+        while len(out) < n and self.cursor.pending:
+            instance = self.cursor.pending.pop(0)
+            if instance not in by_id:
+                raise ConfigError(f"the checkpoint's pending task {instance!r} is not in the training split; was the "
+                                  "task file or train.test_fraction changed since?")
+            out.append(by_id[instance])
         while len(out) < n:
             if self.cursor.index >= len(self._order):
                 self.cursor.epoch += 1

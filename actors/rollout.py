@@ -81,7 +81,8 @@ class Rollout:
     token-in/token-out engines."""
 
     def __init__(self, config: RolloutConfig, pool: EnvPool, grader: Grader, engine_for: EngineFor,
-                 tokenizer: ChatTokenizer | None, out_dir: Path, *, resolver: ImageResolver | None = None) -> None:
+                 tokenizer: ChatTokenizer | None, out_dir: Path, *, resolver: ImageResolver | None = None,
+                 limiter: anyio.CapacityLimiter | None = None) -> None:
         self._pool = pool
         self._grader = grader
         self._engine_for = engine_for
@@ -89,7 +90,8 @@ class Rollout:
         self._cfg = config
         self._out = out_dir
         self._resolver = resolver or ImageResolver()
-        self._limit = anyio.CapacityLimiter(config.concurrency)
+        # episodes at once; a limiter passed in is shared with other Rollouts (the async loop's one per group)
+        self._limit = limiter or anyio.CapacityLimiter(config.concurrency)
         self._running = False
         self._counts = dict.fromkeys(("finished", "COMPLETED", "TRUNCATED", "ABORTED", "resolved"), 0)
 

@@ -239,6 +239,10 @@ class TrainConfig(_Section):
     # an episode that never submitted (TRUNCATED) gets unresolved_reward even if the diff it left resolves the task
     reward_requires_submit: bool = False
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal and draw more tasks
+    # asynchronous RL (DESIGN 4.9): episodes keep running while the trainer trains; a group starts only while at most
+    # (max_staleness + 1) x tasks_per_step x n_samples episodes are outstanding, and no episode is trained more than
+    # max_staleness weight versions after it started (a step waits for it instead). 0 = synchronous, on-policy.
+    max_staleness: NonNegative = 0
     max_sampling_rounds: Count = 3  # rounds of drawing more tasks per step before training on what there is
     sample_mode: Literal["episode", "step"] = "episode"  # step: one sample per agent turn (context management)
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # sampling temperature of training episodes
@@ -381,6 +385,9 @@ def check_config(config: ClusterConfig) -> list[str]:
     if train.algorithm == "grpo" and train.sft_steps >= train.steps:
         problems.append(f"train.sft_steps ({train.sft_steps}) must be below train.steps ({train.steps}) for grpo: "
                         'the rest are the GRPO steps; use train.algorithm = "sft" for SFT only')
+    if train.max_staleness and train.algorithm != "grpo":
+        problems.append(f"train.max_staleness = {train.max_staleness}: asynchronous training is for grpo (sft has no "
+                        "rollouts to overlap); set it to 0")
     if train.warmup_steps >= train.steps and train.warmup_steps:
         problems.append(f"train.warmup_steps ({train.warmup_steps}) must be below train.steps ({train.steps})")
     if config.engine.port and config.engine.replicas > 1:

@@ -34,7 +34,8 @@ class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int]
     loss_mask: list[int]
     logprobs: list[float]
-    weight_version: int = 0
+    weight_version: int = 0  # the oldest policy version among its turns
+    mixed_versions: bool = False  # its turns were sampled by more than one policy version (async training)
     steps: list[tuple[list[int], list[int], list[float]]] = []  # per step: prompt ids, output ids, logprobs
     format_errors: list[bool] = []  # per agent turn: the reply was malformed (no single bash block)
     exit_status: str = ""  # the agent loop's (Submitted, LimitsExceeded, FormatError, ...); "" when not known

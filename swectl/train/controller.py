@@ -40,6 +40,7 @@ from swectl.config import ClusterConfig, TrainConfig
 from swectl.engine.wire import SamplingParams
 from swectl.errors import ConfigError, TaskDataError
 from swectl.logs import write_run_log
+from swectl.rl.admission import Admission
 from swectl.rl.advantages import advantage_stats
 from swectl.rl.batch import TrainSample, make_batch
 from swectl.rl.groups import GradedEpisode, Group, group_samples, pass_at_k, score_group
@@ -57,6 +58,7 @@ from swectl.train.checkpoint import (
     truncate_records,
     write_atomic,
 )
+from swectl.train.feed import GroupFeed
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -110,7 +112,8 @@ def graded_episode(result: EpisodeResult) -> GradedEpisode:
     steps = [(s.prompt_ids, s.output_ids, s.output_logprobs) for s in episode.samples]
     return GradedEpisode(instance_id=result.instance_id, sample=result.sample, outcome=result.outcome,
                          resolved=result.resolved, token_ids=t.token_ids, loss_mask=t.loss_mask, logprobs=t.logprobs,
-                         weight_version=_weight_version(t.weight_versions), steps=steps,
+                         weight_version=_weight_version(t.weight_versions),
+                         mixed_versions=len(set(t.weight_versions)) > 1, steps=steps,
                          format_errors=[s.format_error for s in episode.steps], exit_status=result.exit_status)
 
 
@@ -132,6 +135,7 @@ class Controller:
         self._trainer_was_ready = False
         self._weight_group = ""  # the distributed sync's group name; "" = weights go by disk
         self._buckets: list[list[ParamSpec]] = []
+        self._feed: GroupFeed | None = None  # async mode (train.max_staleness > 0): started at the first GRPO step
 
     # ------------------------------------------------------------ the run, with restarts
 
@@ -198,11 +202,15 @@ class Controller:
                 assert engines is not None
                 await self._form_weight_group(trainer, engines, ready.device, run_id)
             source = DataSource(self.plan.train_tasks, seed=t.seed, cursor=self.state.cursor) if rl else None
+            self._feed = None
             with BatchWriter() as writer:
                 if rl and t.eval_every and self.state.step == 0:
                     await self._evaluate(pool, engines, metrics, 0)
                 while self.state.step < t.steps:
                     step = self.state.step + 1
+                    if rl and t.max_staleness and step > t.sft_steps and self._feed is None:
+                        assert pool is not None and engines is not None and source is not None
+                        self._feed = await self._start_feed(tg, pool, engines, source)
                     await self._step(step, pool, engines, trainer, writer, source, metrics, progress)
                     if rl and t.eval_every and (step % t.eval_every == 0 or step == t.steps):
                         await self._evaluate(pool, engines, metrics, step)
@@ -222,7 +230,11 @@ class Controller:
         record: dict = {"step": step}
         if t.algorithm == "grpo" and step > t.sft_steps:
             assert pool is not None and engines is not None and source is not None
-            groups, results, info, tasks_seen = await self._collect(step, pool, engines, source)
+            if self._feed is not None:
+                fed = await self._feed.next()
+                groups, results, info, tasks_seen = fed.groups, fed.results, fed.info, fed.tasks
+            else:
+                groups, results, info, tasks_seen = await self._collect(step, pool, engines, source)
             samples = group_samples(groups, mode=t.sample_mode, mask_truncated=t.mask_truncated,
                                     mask_after_format_error=t.mask_after_format_error,
                                     mask_format_errors=t.mask_format_errors,
@@ -252,8 +264,10 @@ class Controller:
         elif reply is not None and reply.weights_dir:
             self.state.weights = reply.weights_dir
         self.state.step = step
-        if source is not None:
-            self.state.cursor = msgspec.structs.replace(source.cursor, consumed=list(source.cursor.consumed))
+        if source is not None:  # async: the tasks drawn and not trained yet are redone after a resume
+            pending = [*(self._feed.pending_ids() if self._feed else []), *source.cursor.pending]
+            self.state.cursor = msgspec.structs.replace(source.cursor, consumed=list(source.cursor.consumed),
+                                                        pending=pending)
         values["weight_version"] = float(step)
         values["step_s"] = time.monotonic() - t0
         metrics.log(step, values)
@@ -363,13 +377,7 @@ class Controller:
                     if g is None:
                         dropped["aborted"] += 1
                         continue
-                    score_group(g, estimator=t.estimator, resolved_reward=t.resolved_reward,
-                                unresolved_reward=t.unresolved_reward, zero_advantages=t.zero_advantages,
-                                requires_submit=t.reward_requires_submit,
-                                positive_only=t.positive_advantages_only,
-                                positive_scale=t.positive_advantage_scale,
-                                shuffle_seed=f"shuffle:{t.seed}:{step}:{g.instance_id}:{len(every)}"
-                                if t.shuffle_rewards else None)
+                    self._score(g, f"{step}:{g.instance_id}:{len(every)}")
                     every.append(g)
                     if t.dynamic_sampling and not g.informative:
                         dropped["uninformative"] += 1
@@ -387,6 +395,49 @@ class Controller:
         info["resolve_rate"] = sum(e.resolved for e in every_eps) / max(len(every_eps), 1)
         info["pass_at_k"] = pass_at_k(every)
         return kept, results, info, tasks_seen
+
+    def _score(self, group: Group, key: str) -> None:
+        """Rewards and advantages of a finished group (``key`` seeds the shuffled-reward control)."""
+        t = self.train
+        score_group(group, estimator=t.estimator, resolved_reward=t.resolved_reward,
+                    unresolved_reward=t.unresolved_reward, zero_advantages=t.zero_advantages,
+                    requires_submit=t.reward_requires_submit, positive_only=t.positive_advantages_only,
+                    positive_scale=t.positive_advantage_scale,
+                    shuffle_seed=f"shuffle:{t.seed}:{key}" if t.shuffle_rewards else None)
+
+    # ------------------------------------------------------------ async mode
+
+    async def _start_feed(self, tg: anyio.abc.TaskGroup, pool: EnvPool, engines: Engines, source: DataSource
+                          ) -> GroupFeed:
+        """The async loop's group supply (feed.py), its grader and its episode limit, running in ``tg``."""
+        t = self.train
+        grader = self._grader(pool, self.run_dir / "episodes")
+        await tg.start(grader.run, name="feed grader")
+        limiter = anyio.CapacityLimiter(t.concurrency)
+
+        async def run_group(task: Task, draw: int) -> tuple[Group | None, list[EpisodeResult]]:
+            rollout = Rollout(
+                RolloutConfig(concurrency=t.concurrency, samples_per_task=t.n_samples,
+                              episode=episode_config(self.config, temperature=t.temperature,
+                                                     seed=f"train:{t.seed}:g{draw}")),
+                pool, grader, lambda task, n: engines.route(f"{task.instance_id}#g{draw}#{n}"), self._tokenizer(),
+                self.run_dir / "episodes" / f"group_{draw:06d}", limiter=limiter)
+            results: list[EpisodeResult] = []
+            async with anyio.create_task_group() as group_tg:
+                await group_tg.start(rollout.run, name="group rollout")
+                group = await self._group(rollout, task, results)
+                group_tg.cancel_scope.cancel("group sampled")
+            if group is not None:
+                self._score(group, f"g{draw}:{task.instance_id}")
+            return group, results
+
+        feed = GroupFeed(Admission(t.max_staleness, t.tasks_per_step * t.n_samples, version=self.state.step),
+                         source, run_group, group_size=t.n_samples, dynamic_sampling=t.dynamic_sampling,
+                         drop_cap=t.tasks_per_step * t.max_sampling_rounds, draws=len(source.cursor.consumed))
+        await tg.start(feed.run, name="group feed")
+        self.say(f"async training: up to {t.max_staleness + 1} steps of groups outstanding "
+                 f"(max_staleness {t.max_staleness}), {t.concurrency} episodes at once")
+        return feed
 
     async def _group(self, rollout: Rollout, task: Task, results: list[EpisodeResult]) -> Group | None:
         """``n_samples`` finished episodes of ``task``; ABORTED ones are replaced (never scored)."""

@@ -94,6 +94,51 @@ def test_sigkill_of_the_controller_then_resume_repeats_and_skips_nothing(model: 
     _check_records(run)
 
 
+def _check_async_records(run: Path) -> None:
+    """An async run's records: every step once, each task drawn either recorded in one step or pending (in flight
+    at the end), never twice; the draws in the data source's order; no group staler than max_staleness 1."""
+    steps = _lines(run / "steps.jsonl")
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1)), steps
+    recorded = [t for r in steps for t in r["tasks"]]
+    assert len(recorded) == STEPS * TASKS_PER_STEP and len(set(recorded)) == len(recorded), recorded
+    state = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text() / "controller.json")
+                       .read_text())
+    consumed, pending = state["cursor"]["consumed"], state["cursor"]["pending"]
+    train, _ = split_tasks(load_tasks(BUNDLED_TASKS).tasks, 0.5, 0)
+    assert consumed == [t.instance_id for t in DataSource(train, seed=0).next(len(consumed))]
+    assert sorted(recorded + pending) == sorted(consumed)
+    metrics = [r for r in _lines(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
+    assert all(r["staleness_max"] <= 1 for r in metrics)
+
+
+def test_async_run_killed_then_resumed_trains_every_task_once(model: Path, tmp_path: Path) -> None:
+    """train.max_staleness = 1: groups run while the trainer trains. SIGKILL mid-run with groups in flight and
+    buffered, then --resume: those tasks are drawn again first and each is recorded in exactly one step."""
+    run = tmp_path / "async"
+    argv = _argv(model, tmp_path, "async", "--set", "train.max_staleness=1")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(run, 2, proc)
+        time.sleep(2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 60
+    while _rank_pids(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    killed_at = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text() / "controller.json")
+                           .read_text())
+    assert killed_at["cursor"]["pending"]  # groups run ahead of the trainer: some were in flight at the checkpoint
+    done = subprocess.run([sys.executable, "-m", "swectl.cli.main", "up", "--resume", str(run)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming after step" in done.stderr and "async training" in done.stderr
+    _check_async_records(run)
+
+
 def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint(model: Path, tmp_path: Path) -> None:
     run = tmp_path / "rank"
     proc = subprocess.Popen(_argv(model, tmp_path, "rank"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
