@@ -12,11 +12,17 @@ Spreads: ``demo`` is the learning demo's own (learn-rep2's GRPO episodes on this
 agents run), the case the goal is written for. Writes benchmarks/results/async.json: ``async_speedup_k1``,
 ``async_speedup_k2``, ``admitted_reward_bias`` (k = 2), ``trainer_idle_frac_k2`` (agentic spread), the same keys
 with a ``demo_`` prefix, and the drop-stale rows in meta.
+
+``--runs SYNC_RUN ASYNC_RUN`` adds the real thing: two `swectl up` GRPO run folders of one setting on this machine,
+synchronous and asynchronous (e.g. `just learn`'s grpo run and the same with ``--grpo-set train.max_staleness=1``):
+GRPO steps per hour of each (from the steps' wall times), their ratio, and the async run's mean staleness and
+trainer wait (``real_*`` keys).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -58,11 +64,38 @@ def run_setting(policy: str, k: int, sigma: float, steps: int, seeds: int) -> di
     }
 
 
+def real_runs(sync_run: Path, async_run: Path) -> dict[str, float]:
+    """Steps per hour of two GRPO runs (the sum of their steps' wall times) and the async one's staleness."""
+    def steps(run: Path) -> list[dict]:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if "step_s" in r]
+        if not rows:
+            raise SystemExit(f"{run}/metrics.jsonl has no steps")
+        return rows
+
+    sync, fast = steps(sync_run), steps(async_run)
+    per_hour = {name: 3600 * len(rows) / sum(r["step_s"] for r in rows) for name, rows in (("sync", sync),
+                                                                                          ("async", fast))}
+    return {
+        "real_steps_per_hour_sync": round(per_hour["sync"], 2),
+        "real_steps_per_hour_async": round(per_hour["async"], 2),
+        "real_async_speedup": round(per_hour["async"] / per_hour["sync"], 3),
+        "real_async_staleness_mean": round(statistics.mean(r.get("staleness_mean", 0.0) for r in fast), 3),
+        "real_async_trainer_wait_frac": round(sum(r.get("trainer_wait_s", 0.0) for r in fast)
+                                              / sum(r["step_s"] for r in fast), 3),
+        "real_sync_rollout_frac": round(sum(r.get("rollout_s", 0.0) for r in sync) / sum(r["step_s"] for r in sync),
+                                        3),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000, help="trainer steps per simulated run (default 2000)")
     parser.add_argument("--seeds", type=int, default=5, help="simulated runs per setting (default 5)")
     parser.add_argument("--quick", action="store_true", help="300 steps, 2 seeds")
+    parser.add_argument("--runs", nargs=2, type=Path, metavar=("SYNC_RUN", "ASYNC_RUN"),
+                        help="two `swectl up` GRPO run folders of one setting, synchronous and asynchronous: their "
+                             "steps per hour on this machine")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.seeds = 300, 2
@@ -90,11 +123,14 @@ def main(argv: list[str] | None = None) -> int:
                         "max staleness"), table))
     print()
     metrics["admitted_reward_bias_abs"] = abs(metrics["admitted_reward_bias"])
+    if args.runs:
+        metrics.update(real_runs(*args.runs))
     goals = [
         Goal("async_speedup_k2", ">=", 2.0, text=">= 2 (agentic spread)"),
         Goal("admitted_reward_bias_abs", "<=", 0.02, text="<= 0.02 (relative to the population's mean)"),
     ]
-    meta = {**host_meta(), "steps": args.steps, "seeds": args.seeds, "episode_median_s": round(math.exp(MU), 2),
+    meta = {**host_meta(), "runs": [str(r) for r in args.runs or []],
+            "steps": args.steps, "seeds": args.seeds, "episode_median_s": round(math.exp(MU), 2),
             "train_step_s": TRAIN_S, "spreads": SPREADS, "settings": rows,
             "model": "simulated time: lognormal episodes (failures x1.5 slower), Beta(2,2) task solve rates, groups "
                      "of 4, 4 groups a step, 8 rollout slots"}
