@@ -30,10 +30,12 @@ import msgspec
 
 from swectl.actors.env_pool import EnvPool
 from swectl.actors.grader import Grader, GradeResult, prepare_task
-from swectl.agent.loop import ChatEngine, Engine, Episode, EpisodeConfig, run_chat_episode, run_episode
+from swectl.actors.judge import Judge
+from swectl.agent.loop import ChatEngine, Engine, Episode, EpisodeConfig, OnStep, run_chat_episode, run_episode
 from swectl.agent.trajectory import ChatTokenizer
 from swectl.errors import InfraError
 from swectl.images.names import ImageResolver
+from swectl.rl.prm import StepJudgement, StepView
 from swectl.schema import RolloutStatistics
 from swectl.tasks.record import Task
 
@@ -54,6 +56,7 @@ class EpisodeResult(msgspec.Struct, kw_only=True):
     env_time_s: float = 0.0
     eval_time_s: float = 0.0
     artifacts: str = ""
+    step_judgements: list[StepJudgement] = []  # [reward.prm]: the judge's verdict per agent step, in step order
 
 
 class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,6 +74,8 @@ def _write_artifacts(out_dir: Path, ep: Episode, cfg: RolloutConfig, result: Epi
     out_dir.mkdir(parents=True, exist_ok=True)
     traj = {"format_version": ep.format_version, "episode": msgspec.to_builtins(ep),
             "config": msgspec.to_builtins(cfg.episode)}
+    if result.step_judgements:
+        traj["step_judgements"] = msgspec.to_builtins(result.step_judgements)
     (out_dir / "traj.json").write_bytes(msgspec.json.encode(traj))
     (out_dir / "patch.diff").write_text(ep.patch, errors="surrogateescape")
     (out_dir / "meta.json").write_bytes(msgspec.json.format(msgspec.json.encode(result)))
@@ -82,7 +87,7 @@ class Rollout:
 
     def __init__(self, config: RolloutConfig, pool: EnvPool, grader: Grader, engine_for: EngineFor,
                  tokenizer: ChatTokenizer | None, out_dir: Path, *, resolver: ImageResolver | None = None,
-                 limiter: anyio.CapacityLimiter | None = None) -> None:
+                 limiter: anyio.CapacityLimiter | None = None, judge: Judge | None = None) -> None:
         self._pool = pool
         self._grader = grader
         self._engine_for = engine_for
@@ -92,6 +97,7 @@ class Rollout:
         self._resolver = resolver or ImageResolver()
         # episodes at once; a limiter passed in is shared with other Rollouts (the async loop's one per group)
         self._limit = limiter or anyio.CapacityLimiter(config.concurrency)
+        self._judge = judge  # [reward.prm]: judges each step while the episode goes on
         self._running = False
         self._counts = dict.fromkeys(("finished", "COMPLETED", "TRUNCATED", "ABORTED", "resolved"), 0)
 
@@ -116,18 +122,22 @@ class Rollout:
         if not self._running:
             await anyio.lowlevel.checkpoint()  # a caller being cancelled (the actor stopped with it) gets that
             raise RuntimeError("the Rollout is not running: start it with `await tg.start(rollout.run)`")
-        async with self._limit:
-            ep = await self._run(task, sample)
-        result = EpisodeResult(
-            instance_id=task.instance_id, sample=sample, exit_status=ep.exit_status, outcome=ep.outcome,
-            reason=ep.reason, turns=ep.turns, tool_calls=sum(1 for s in ep.steps if s.action),
-            total_time_s=ep.total_time_s, model_time_s=ep.model_time_s, env_time_s=ep.env_time_s,
-        )
-        if self._cfg.grade and ep.outcome != "ABORTED":
-            t0 = time.monotonic()
-            result.grade = await self._grader.grade(task, ep.patch, label=f"rollout{sample}")
-            result.eval_time_s = time.monotonic() - t0
-            result.resolved = result.grade.resolved
+        judged: list[StepJudgement] = []
+        async with anyio.create_task_group() as judges:  # the step judgements finish while the episode is graded
+            on_step = self._judging(judges, task, sample, judged) if self._judge is not None else None
+            async with self._limit:
+                ep = await self._run(task, sample, on_step)
+            result = EpisodeResult(
+                instance_id=task.instance_id, sample=sample, exit_status=ep.exit_status, outcome=ep.outcome,
+                reason=ep.reason, turns=ep.turns, tool_calls=sum(1 for s in ep.steps if s.action),
+                total_time_s=ep.total_time_s, model_time_s=ep.model_time_s, env_time_s=ep.env_time_s,
+            )
+            if self._cfg.grade and ep.outcome != "ABORTED":
+                t0 = time.monotonic()
+                result.grade = await self._grader.grade(task, ep.patch, label=f"rollout{sample}")
+                result.eval_time_s = time.monotonic() - t0
+                result.resolved = result.grade.resolved
+        result.step_judgements = sorted(judged, key=lambda j: j.step)
         out = self._out / f"{task.instance_id}__{sample}"
         result.artifacts = str(out)
         _write_artifacts(out, ep, self._cfg, result)
@@ -136,7 +146,23 @@ class Rollout:
         self._counts["resolved"] += result.resolved
         return result
 
-    async def _run(self, task: Task, sample: int) -> Episode:
+    def _judging(self, tg: anyio.abc.TaskGroup, task: Task, sample: int, judged: list[StepJudgement]) -> OnStep:
+        """The episode's on_step hook: each finished step goes to the judge at once, with the steps before it."""
+        judge = self._judge
+        assert judge is not None
+        history: list[StepView] = []
+        key = f"{task.instance_id}#{sample}"
+
+        async def one(view: StepView, earlier: list[StepView]) -> None:
+            judged.append(await judge.judge(key, task.problem_statement, earlier, view))
+
+        def on_step(view: StepView) -> None:
+            tg.start_soon(one, view, list(history), name=f"judge {key} step {view.step}")
+            history.append(view)
+
+        return on_step
+
+    async def _run(self, task: Task, sample: int, on_step: OnStep | None = None) -> Episode:
         try:
             async with self._pool.lease(self._resolver.resolve(task)) as lease:
                 if not await prepare_task(lease, task):
@@ -145,7 +171,7 @@ class Rollout:
                     case Engine() as engine:
                         assert self._tok is not None, "a token-in/token-out engine needs the tokenizer"
                         return await run_episode(task, lease, engine, self._tok, self._cfg.episode,
-                                                 key=f"{task.instance_id}#{sample}")
+                                                 key=f"{task.instance_id}#{sample}", on_step=on_step)
                     case ChatEngine() as chat:  # an OpenAI-compatible chat endpoint: messages only
                         return await run_chat_episode(task, lease, chat, self._cfg.episode)
                     case other:

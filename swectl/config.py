@@ -162,6 +162,37 @@ class RolloutOptions(_Section):
     reuse_grades: bool = True
 
 
+class PrmConfig(_Section):
+    """The [reward.prm] section: process rewards from a judge model (swectl/rl/prm.py, actors/judge.py).
+
+    Each agent step is shown to the judge (the issue, the last ``history_steps`` steps, the step and its output),
+    sampled ``samples`` times while the episode goes on; its votes (\\boxed{1} / \\boxed{-1}) average to the
+    step's score, and an episode's reward is its outcome + ``step_coef`` x the mean of its step scores. The judge
+    runs as its own engine group from ``model`` (a model folder, launched like [engine]'s servers, never updated)
+    or is reached at ``endpoint`` (a running SGLang-API server; its chat template from ``tokenizer``). Judge
+    failures and unparseable answers are counted, never turned into a score.
+    """
+
+    enabled: bool = False
+    model: str = ""
+    endpoint: str = ""
+    tokenizer: str = ""  # for endpoint: the judge's tokenizer folder (its chat template)
+    samples: Count = 3  # answers per step (m)
+    step_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.1
+    max_tokens: Count = 256  # per answer
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    history_steps: NonNegative = 4  # earlier steps shown
+    max_chars: Count = 2000  # each reply and output shown, clipped to this
+    timeout_s: Positive = 120.0  # per request
+
+
+class RewardConfig(_Section):
+    """The [reward] section: how episodes become rewards beyond the outcome ([train] resolved_reward and
+    unresolved_reward): process rewards in [reward.prm]."""
+
+    prm: PrmConfig = PrmConfig()
+
+
 class TrainerConfig(_Section):
     """The [trainer] section: where and how the torchrun FSDP2 workers run (remote/programs/trainer.py).
 
@@ -276,6 +307,7 @@ class ClusterConfig(_Section):
     rollout: RolloutOptions = msgspec.field(default_factory=RolloutOptions)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
 
     def node(self, name: str) -> NodeConfig:
         for node in self.nodes:
@@ -385,6 +417,13 @@ def check_config(config: ClusterConfig) -> list[str]:
     if train.algorithm == "grpo" and train.sft_steps >= train.steps:
         problems.append(f"train.sft_steps ({train.sft_steps}) must be below train.steps ({train.steps}) for grpo: "
                         'the rest are the GRPO steps; use train.algorithm = "sft" for SFT only')
+    prm = config.reward.prm
+    if prm.enabled and bool(prm.model) == bool(prm.endpoint):
+        problems.append("reward.prm: give the judge as a model folder (reward.prm.model) or a running server "
+                        "(reward.prm.endpoint), one of the two")
+    if prm.enabled and prm.endpoint and not prm.tokenizer:
+        problems.append("reward.prm.endpoint: also give reward.prm.tokenizer (the judge's tokenizer folder, for its "
+                        "chat template)")
     if train.max_staleness and train.algorithm != "grpo":
         problems.append(f"train.max_staleness = {train.max_staleness}: asynchronous training is for grpo (sft has no "
                         "rollouts to overlap); set it to 0")

@@ -245,6 +245,15 @@ class RolloutStatistics(msgspec.Struct, frozen=True):
     resolved: int
 
 
+class JudgeStatistics(msgspec.Struct, frozen=True):
+    """Judge.statistics(): the process-reward judge's steps and votes, and what went wrong."""
+    steps: int  # steps judged (each sampled [reward.prm] samples times)
+    scored: int  # steps with at least one vote that parsed
+    votes: int  # answers that parsed to +1 or -1
+    unparseable: int  # answers without a \\boxed{1} / \\boxed{-1}
+    failures: int  # requests that failed (engine down, timeout, rejected): never a score
+
+
 class TrainerStatistics(msgspec.Struct, frozen=True):
     """Trainer.statistics(): the ranks, steps done and refused, the last step's time."""
     world_size: int

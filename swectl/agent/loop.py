@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -33,6 +34,7 @@ from swectl.agent.protocol import (
 from swectl.agent.trajectory import ChatTokenizer, Message, Trajectory, TrajectoryBuilder
 from swectl.engine.wire import ChatMessage, ChatResult, GenerateRequest, GenerateResult, SamplingParams
 from swectl.errors import InfraError, SwectlError
+from swectl.rl.prm import StepView
 from swectl.schema import ExecResult
 from swectl.tasks.record import TESTBED, Task
 
@@ -288,12 +290,17 @@ class _ChatPolicy:
 # ---------------------------------------------------------------- the loop
 
 
+OnStep = Callable[[StepView], None]
+
+
 async def run_episode(task: Task, workspace: Workspace, engine: Engine, tokenizer: ChatTokenizer,
-                      cfg: EpisodeConfig, *, key: str = "") -> Episode:
+                      cfg: EpisodeConfig, *, key: str = "", on_step: OnStep | None = None) -> Episode:
     """Run one token-in/token-out episode in a prepared sandbox (the task's setup already committed). Requests
-    carry ``rid = <key>/<step>`` (key defaults to ``<instance_id>#0``), unique per request as SGLang expects."""
+    carry ``rid = <key>/<step>`` (key defaults to ``<instance_id>#0``), unique per request as SGLang expects.
+    ``on_step`` sees each finished step (the reply and the observation it got back) as it happens: it must not
+    block (the process-reward judge starts its work from it and returns)."""
     policy = _TokenPolicy(engine, tokenizer, cfg, key or f"{task.instance_id}#0")
-    return await _Run(task, workspace, policy, cfg).episode()
+    return await _Run(task, workspace, policy, cfg, on_step).episode()
 
 
 async def run_chat_episode(task: Task, workspace: Workspace, engine: ChatEngine, cfg: EpisodeConfig) -> Episode:
@@ -304,8 +311,10 @@ async def run_chat_episode(task: Task, workspace: Workspace, engine: ChatEngine,
 class _Run:
     """One episode while it runs: ``episode()`` is the loop, ``_step()`` one turn and its checks."""
 
-    def __init__(self, task: Task, workspace: Workspace, policy: _Policy, cfg: EpisodeConfig) -> None:
+    def __init__(self, task: Task, workspace: Workspace, policy: _Policy, cfg: EpisodeConfig,
+                 on_step: OnStep | None = None) -> None:
         self._task, self._workspace, self._policy, self._cfg = task, workspace, policy, cfg
+        self._on_step = on_step
         self._renderer = Renderer(cfg.templates, cfg.limits)
         self._steps: list[Step] = []
         self._samples: list[StepSample] = []
@@ -364,9 +373,11 @@ class _Run:
         except FormatError as exc:
             step.format_error = True
             self._format_errors += 1
+            message = renderer.format_error(exc.actions)
+            self._seen(n, reply.text, message)
             if self._format_errors >= limits.max_format_errors:
                 raise FormatErrorsExceeded(f"{self._format_errors} malformed replies in a row") from None
-            policy.observe(renderer.format_error(exc.actions))
+            policy.observe(message)
             return
         self._format_errors = 0
         t1 = time.monotonic()
@@ -374,9 +385,18 @@ class _Run:
         step.env_time_s = time.monotonic() - t1
         step.returncode, step.timed_out, step.output_chars = run.exit_code, run.timed_out, len(run.output)
         if run.timed_out:
-            policy.observe(renderer.timeout(step.action, run.output, limits.command_timeout_s))
+            message = renderer.timeout(step.action, run.output, limits.command_timeout_s)
+            self._seen(n, reply.text, message)
+            policy.observe(message)
             return
         submitted = submission(run.output)
         if submitted is not None:
+            self._seen(n, reply.text, run.output)
             raise Submitted(submitted)
-        policy.observe(renderer.observation(run.output, run.exit_code))
+        message = renderer.observation(run.output, run.exit_code)
+        self._seen(n, reply.text, message)
+        policy.observe(message)
+
+    def _seen(self, n: int, reply: str, observation: str) -> None:
+        if self._on_step is not None:
+            self._on_step(StepView(step=n, reply=reply, observation=observation))

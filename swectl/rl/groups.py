@@ -17,6 +17,7 @@ import msgspec
 
 from swectl.rl.advantages import group_advantages, informative
 from swectl.rl.batch import TrainSample, pack_sample
+from swectl.rl.prm import process_bonus
 
 SampleMode = Literal["episode", "step"]
 # the exit statuses of a TRUNCATED episode: the step limit, the wall time, the context budget (the overlong
@@ -36,6 +37,7 @@ class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: list[float]
     weight_version: int = 0  # the oldest policy version among its turns
     mixed_versions: bool = False  # its turns were sampled by more than one policy version (async training)
+    step_scores: list[float | None] = []  # [reward.prm]: the judge's score per agent step (None: no vote parsed)
     steps: list[tuple[list[int], list[int], list[float]]] = []  # per step: prompt ids, output ids, logprobs
     format_errors: list[bool] = []  # per agent turn: the reply was malformed (no single bash block)
     exit_status: str = ""  # the agent loop's (Submitted, LimitsExceeded, FormatError, ...); "" when not known
@@ -60,26 +62,30 @@ class Group(msgspec.Struct, kw_only=True):
 
 
 def reward(episode: GradedEpisode, *, resolved_reward: float = 1.0, unresolved_reward: float = 0.0,
-           requires_submit: bool = False) -> float:
+           requires_submit: bool = False, step_coef: float = 0.0) -> float:
     """``resolved_reward`` for a resolved episode, else ``unresolved_reward``. With ``requires_submit`` an episode
     that never submitted (TRUNCATED: the step limit or malformed replies ended it) counts as unresolved even when
-    the diff it left behind resolves the task."""
+    the diff it left behind resolves the task. ``step_coef``: process rewards, plus ``step_coef`` x the mean of
+    the judge's step scores (rl/prm.py; nothing when no step was scored)."""
     solved = episode.resolved and not (requires_submit and episode.truncated)
-    return resolved_reward if solved else unresolved_reward
+    outcome = resolved_reward if solved else unresolved_reward
+    return outcome + process_bonus(episode.step_scores, step_coef) if step_coef else outcome
 
 
 def score_group(group: Group, *, estimator: str, resolved_reward: float = 1.0, unresolved_reward: float = 0.0,
                 zero_advantages: bool = False, requires_submit: bool = False,
-                positive_only: bool = False, positive_scale: float = 1.0, shuffle_seed: str | None = None) -> Group:
+                positive_only: bool = False, positive_scale: float = 1.0, shuffle_seed: str | None = None,
+                step_coef: float = 0.0) -> Group:
     """Fill in rewards and advantages. ``zero_advantages``: the control run (no learning signal);
     ``requires_submit``: see ``reward``; ``positive_only``: negative advantages become 0 (the episodes worse than
     their group's mean are not pushed down, only the better ones reinforced); ``positive_scale``: positive
     advantages are multiplied by it (W-REINFORCE's lambda, Zhu et al. 2025: below 1 the update leans on pushing the
     failures down; 0 is negative-sample reinforcement alone). ``shuffle_seed``: the shuffled-reward control run:
     the advantages come from the group's rewards in a seeded random order, so every update is as large as the
-    real run's but not tied to what each episode did (``group.rewards`` keeps the true rewards, for the metrics)."""
+    real run's but not tied to what each episode did (``group.rewards`` keeps the true rewards, for the metrics).
+    ``step_coef``: process rewards (see ``reward``)."""
     group.rewards = [reward(e, resolved_reward=resolved_reward, unresolved_reward=unresolved_reward,
-                            requires_submit=requires_submit) for e in group.episodes]
+                            requires_submit=requires_submit, step_coef=step_coef) for e in group.episodes]
     scored = list(group.rewards)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(scored)

@@ -30,6 +30,7 @@ from swectl.actors.data_source import DataCursor, DataSource
 from swectl.actors.engines import Engines, engine_hosts
 from swectl.actors.env_pool import EnvPool, new_run_id, running_pool
 from swectl.actors.grader import Grader, GraderConfig
+from swectl.actors.judge import Judge
 from swectl.actors.metrics import Metrics, StepProgress
 from swectl.actors.rollout import EpisodeResult, Rollout, RolloutConfig
 from swectl.actors.trainer import Trainer, TrainerLostError
@@ -37,6 +38,7 @@ from swectl.agent.loop import Episode, EpisodeConfig
 from swectl.agent.metrics import agent_metrics
 from swectl.agent.protocol import AgentLimits
 from swectl.config import ClusterConfig, TrainConfig
+from swectl.engine.client import SglangClient
 from swectl.engine.wire import SamplingParams
 from swectl.errors import ConfigError, TaskDataError
 from swectl.logs import write_run_log
@@ -114,6 +116,7 @@ def graded_episode(result: EpisodeResult) -> GradedEpisode:
                          resolved=result.resolved, token_ids=t.token_ids, loss_mask=t.loss_mask, logprobs=t.logprobs,
                          weight_version=_weight_version(t.weight_versions),
                          mixed_versions=len(set(t.weight_versions)) > 1, steps=steps,
+                         step_scores=[j.score for j in result.step_judgements],
                          format_errors=[s.format_error for s in episode.steps], exit_status=result.exit_status)
 
 
@@ -136,6 +139,7 @@ class Controller:
         self._weight_group = ""  # the distributed sync's group name; "" = weights go by disk
         self._buckets: list[list[ParamSpec]] = []
         self._feed: GroupFeed | None = None  # async mode (train.max_staleness > 0): started at the first GRPO step
+        self._judge: Judge | None = None  # [reward.prm]: the process-reward judge
 
     # ------------------------------------------------------------ the run, with restarts
 
@@ -203,6 +207,7 @@ class Controller:
                 await self._form_weight_group(trainer, engines, ready.device, run_id)
             source = DataSource(self.plan.train_tasks, seed=t.seed, cursor=self.state.cursor) if rl else None
             self._feed = None
+            self._judge = await self._start_judge(tg, ehosts) if rl and cfg.reward.prm.enabled else None
             with BatchWriter() as writer:
                 if rl and t.eval_every and self.state.step == 0:
                     await self._evaluate(pool, engines, metrics, 0)
@@ -365,7 +370,7 @@ class Controller:
                                         episode=episode_config(self.config, temperature=t.temperature,
                                                                seed=f"train:{t.seed}:{step}")),
                           pool, grader, lambda task, n: engines.route(f"{task.instance_id}#{step}#{n}"),
-                          self._tokenizer(), out)
+                          self._tokenizer(), out, judge=self._judge)
         async with anyio.create_task_group() as tg:
             await tg.start(grader.run, name="grader")
             await tg.start(rollout.run, name="rollout")
@@ -403,9 +408,31 @@ class Controller:
                     unresolved_reward=t.unresolved_reward, zero_advantages=t.zero_advantages,
                     requires_submit=t.reward_requires_submit, positive_only=t.positive_advantages_only,
                     positive_scale=t.positive_advantage_scale,
-                    shuffle_seed=f"shuffle:{t.seed}:{key}" if t.shuffle_rewards else None)
+                    shuffle_seed=f"shuffle:{t.seed}:{key}" if t.shuffle_rewards else None,
+                    step_coef=self.config.reward.prm.step_coef if self.config.reward.prm.enabled else 0.0)
 
     # ------------------------------------------------------------ async mode
+
+    async def _start_judge(self, tg: anyio.abc.TaskGroup, ehosts: list) -> Judge:
+        """The process-reward judge ([reward.prm]): its own engine group from a model folder (on the first engine
+        node, never updated), or a running server; started in ``tg``."""
+        from swectl.eval.agents import load_tokenizer
+
+        prm = self.config.reward.prm
+        if prm.endpoint:
+            client = SglangClient(prm.endpoint, timeout_s=prm.timeout_s)
+            tg.start_soon(_close_at_cancel, client, name="judge client")
+            judge = Judge(prm, lambda key: client, load_tokenizer(prm.tokenizer, "reward.prm.tokenizer"))
+            where = prm.endpoint
+        else:
+            engines = Engines(msgspec.structs.replace(self.config.engine, replicas=1, port=0), model=prm.model,
+                              hosts=ehosts[:1], log_dir=self.run_dir / "judge-logs")
+            await tg.start(engines.run, name="judge engines")
+            judge = Judge(prm, engines.route, load_tokenizer(prm.model, "reward.prm.model"))
+            where = prm.model
+        await tg.start(judge.run, name="judge")
+        self.say(f"process rewards: judge {where}, {prm.samples} answers per step, step_coef {prm.step_coef}")
+        return judge
 
     async def _start_feed(self, tg: anyio.abc.TaskGroup, pool: EnvPool, engines: Engines, source: DataSource
                           ) -> GroupFeed:
@@ -421,7 +448,7 @@ class Controller:
                               episode=episode_config(self.config, temperature=t.temperature,
                                                      seed=f"train:{t.seed}:g{draw}")),
                 pool, grader, lambda task, n: engines.route(f"{task.instance_id}#g{draw}#{n}"), self._tokenizer(),
-                self.run_dir / "episodes" / f"group_{draw:06d}", limiter=limiter)
+                self.run_dir / "episodes" / f"group_{draw:06d}", limiter=limiter, judge=self._judge)
             results: list[EpisodeResult] = []
             async with anyio.create_task_group() as group_tg:
                 await group_tg.start(rollout.run, name="group rollout")
@@ -528,7 +555,25 @@ def _rollout_values(groups: list[Group], results: list[EpisodeResult]) -> dict[s
     values["aborted"] = float(sum(r.outcome == "ABORTED" for r in results))
     values["truncated"] = float(sum(r.outcome == "TRUNCATED" for r in results))
     values.update(agent_metrics(results))
+    judged = [j for r in results for j in r.step_judgements]
+    if judged:  # [reward.prm]
+        scores = [j.score for j in judged if j.score is not None]
+        answers = sum(len(j.votes) + j.unparseable + j.failures for j in judged)
+        values["prm/steps"] = float(len(judged))
+        values["prm/scored_frac"] = len(scores) / len(judged)
+        values["prm/score_mean"] = sum(scores) / len(scores) if scores else 0.0
+        values["prm/unparseable_frac"] = sum(j.unparseable for j in judged) / max(answers, 1)
+        values["prm/failures"] = float(sum(j.failures for j in judged))
     return values
+
+
+async def _close_at_cancel(client: SglangClient) -> None:
+    """Hold ``client`` open until the run's task group is cancelled, then close it."""
+    try:
+        await anyio.sleep_forever()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await client.aclose()
 
 
 def _first_leaf(error: BaseException) -> BaseException:

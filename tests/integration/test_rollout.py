@@ -14,12 +14,16 @@ pytest.importorskip("transformers", reason="needs the cpu extra (pip install 'sw
 
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GraderConfig
+from swectl.actors.judge import Judge
 from swectl.actors.rollout import Rollout, RolloutConfig
 from swectl.agent.loop import EpisodeConfig
 from swectl.agent.metrics import agent_metrics
 from swectl.agent.protocol import AgentLimits
-from swectl.config import load_config
+from swectl.config import PrmConfig, load_config
+from swectl.engine.client import SglangClient
+from swectl.engine.wire import GenerateRequest, GenerateResult
 from swectl.images.project import BUNDLED_TASKS
+from swectl.schema import JudgeStatistics
 from swectl.tasks.record import Task
 from swectl.tasks.sources import load_tasks
 from swectl.testing.replay import ReplayEngine, gold_replies
@@ -129,3 +133,63 @@ def test_engine_dying_mid_episode_is_aborted_not_failed(tokenizer, tmp_path: Pat
     assert r.grade is None
     assert not r.resolved
     assert r.turns == 2
+
+
+class VotingJudge:
+    """A judge engine that answers request ``rid = judge-<key>.<step>/<i>`` with ``answers[i]`` after ``delay_s``."""
+
+    def __init__(self, answers: list[str], tokenizer, delay_s: float) -> None:
+        self.answers, self.tok, self.delay_s = answers, tokenizer, delay_s
+        self.rids: list[str] = []
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self.rids.append(request.rid or "")
+        await anyio.sleep(self.delay_s)
+        ids = [*self.tok.encode(self.answers[int((request.rid or "").rpartition("/")[2])], add_special_tokens=False),
+               self.tok.convert_tokens_to_ids("<|im_end|>")]
+        return GenerateResult(output_ids=ids, output_logprobs=[0.0] * len(ids), finish_reason="stop",
+                              prompt_tokens=len(request.input_ids), completion_tokens=len(ids), weight_version="j",
+                              e2e_latency_s=self.delay_s, client_latency_s=self.delay_s)
+
+
+def judged_rollout(task: Task, engine_for, tokenizer, out: Path, samples: int) -> tuple[list, Judge]:
+    async def main() -> tuple[list, Judge]:
+        config = load_config(None, ["env_pool.warm=0"])
+        async with running_pool(config, "r" + uuid.uuid4().hex[:12]) as pool, anyio.create_task_group() as tg:
+            grader = Grader(GraderConfig(), pool)
+            await tg.start(grader.run)
+            judge = Judge(PrmConfig(enabled=True, model="x", samples=samples, timeout_s=5.0), engine_for, tokenizer)
+            await tg.start(judge.run)
+            ro = Rollout(RolloutConfig(concurrency=2), pool, grader,
+                         lambda t, n: ReplayEngine(gold_replies(t.patch), tokenizer), tokenizer, out, judge=judge)
+            await tg.start(ro.run)
+            results = await ro.collect([task])
+            tg.cancel_scope.cancel()
+        return results, judge
+
+    return anyio.run(main)
+
+
+def test_the_judge_scores_every_step_while_the_episode_goes_on(tokenizer, tmp_path: Path) -> None:
+    """[reward.prm]: each step gets its votes (+1, -1, and one answer without a box: unparseable), the judge's
+    slowness never lengthens the episode, and the judgements land in traj.json and the result."""
+    task = load_tasks(BUNDLED_TASKS).tasks[0]
+    judge_engine = VotingJudge(["fine. \\boxed{1}", "no: \\boxed{-1} wait, \\boxed{1}", "hmm"], tokenizer, 2.0)
+    (r,), judge = judged_rollout(task, lambda key: judge_engine, tokenizer, tmp_path, samples=3)
+    assert r.resolved and r.exit_status == "Submitted" and r.turns == 2
+    assert r.total_time_s < 2.0  # the episode did not wait for its judge (2 s per answer)
+    assert [(j.step, j.votes, j.unparseable, j.failures, j.score) for j in r.step_judgements] == [
+        (0, [1, 1], 1, 0, 1.0), (1, [1, 1], 1, 0, 1.0)]
+    assert sorted(judge_engine.rids) == sorted(f"judge-{task.instance_id}#0.{s}/{i}" for s in (0, 1) for i in range(3))
+    assert judge.statistics() == JudgeStatistics(steps=2, scored=2, votes=4, unparseable=2, failures=0)
+    saved = json.loads((tmp_path / f"{task.instance_id}__0" / "traj.json").read_text())["step_judgements"]
+    assert [j["score"] for j in saved] == [1.0, 1.0]
+
+
+def test_a_judge_that_is_down_is_counted_and_never_a_score(tokenizer, tmp_path: Path) -> None:
+    task = load_tasks(BUNDLED_TASKS).tasks[0]
+    client = SglangClient("http://127.0.0.1:9", timeout_s=5.0)  # nothing listens on the discard port
+    (r,), judge = judged_rollout(task, lambda key: client, tokenizer, tmp_path, samples=2)
+    assert r.resolved and r.outcome == "COMPLETED"  # the outcome stands
+    assert [(j.votes, j.failures, j.score) for j in r.step_judgements] == [([], 2, None), ([], 2, None)]
+    assert judge.statistics().failures == 4 and judge.statistics().scored == 0
