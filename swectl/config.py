@@ -276,6 +276,11 @@ class TrainConfig(_Section):
     max_staleness: NonNegative = 0
     max_sampling_rounds: Count = 3  # rounds of drawing more tasks per step before training on what there is
     sample_mode: Literal["episode", "step"] = "episode"  # step: one sample per agent turn (context management)
+    # per-step samples: "episode" divides an episode's k step samples' advantages by k, so a long episode does not
+    # outweigh a short one; "none" trains each step at the episode's full advantage
+    step_sample_weight: Literal["none", "episode"] = "episode"
+    # per-step samples with [reward.prm]: a step's advantage also gets this x its own judge score (-1..1)
+    step_score_advantage: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # sampling temperature of training episodes
     concurrency: Count = 8  # episodes at once (the [rollout] section gives step limit, max tokens, context)
     zero_advantages: bool = False  # the control run: every advantage 0 (the curve must stay flat)
@@ -424,6 +429,9 @@ def check_config(config: ClusterConfig) -> list[str]:
     if prm.enabled and prm.endpoint and not prm.tokenizer:
         problems.append("reward.prm.endpoint: also give reward.prm.tokenizer (the judge's tokenizer folder, for its "
                         "chat template)")
+    if train.step_score_advantage and (train.sample_mode != "step" or not prm.enabled):
+        problems.append("train.step_score_advantage shapes per-step samples with the judge's step scores: it needs "
+                        'train.sample_mode = "step" and reward.prm.enabled = true')
     if train.max_staleness and train.algorithm != "grpo":
         problems.append(f"train.max_staleness = {train.max_staleness}: asynchronous training is for grpo (sft has no "
                         "rollouts to overlap); set it to 0")

@@ -104,6 +104,18 @@ def test_step_mode_gives_one_sample_per_turn_sharing_the_advantage() -> None:
     assert samples[0].advantage == samples[1].advantage == 1.0
 
 
+def test_step_samples_can_weigh_each_episode_once_and_carry_their_judge_score() -> None:
+    episodes = [msgspec.structs.replace(_episode(0, True), step_scores=[1.0, None]), _episode(1, False)]
+    group = score_group(Group(instance_id="t", episodes=episodes), estimator="rloo")
+    weighted = group_samples([group], mode="step", step_weight="episode")
+    assert [s.advantage for s in weighted] == [0.5, 0.5, -0.5, -0.5]  # each of 2 steps: half the advantage
+    shaped = group_samples([group], mode="step", step_score_coef=0.25)
+    assert [s.advantage for s in shaped] == [1.25, 1.0, -1.0, -1.0]  # a step without a score keeps the episode's
+    both = group_samples([group], mode="step", step_weight="episode", step_score_coef=0.25)
+    assert [s.advantage for s in both] == [0.625, 0.5, -0.5, -0.5]
+    assert group_samples([group], step_weight="episode")[0].advantage == 1.0  # episode mode: one sample, as is
+
+
 def test_truncated_episodes_can_be_masked() -> None:
     episodes = [_episode(0, False, "TRUNCATED"), _episode(1, True)]
     group = score_group(Group(instance_id="t", episodes=episodes), estimator="grpo")

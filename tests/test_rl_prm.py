@@ -66,3 +66,7 @@ def test_the_prm_section_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"reward\.prm\.samples"):
         load_config(None, ["reward.prm.samples=0"])
     assert load_config(None, ["reward.prm.enabled=true", "reward.prm.model='m'"]).reward.prm.samples == 3
+    with pytest.raises(ConfigError, match=r"train\.step_score_advantage .* needs"):
+        load_config(None, ["train.step_score_advantage=0.5", "reward.prm.enabled=true", "reward.prm.model='m'"])
+    load_config(None, ["train.step_score_advantage=0.5", "train.sample_mode='step'", "reward.prm.enabled=true",
+                       "reward.prm.model='m'"])

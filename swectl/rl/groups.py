@@ -20,6 +20,7 @@ from swectl.rl.batch import TrainSample, pack_sample
 from swectl.rl.prm import process_bonus
 
 SampleMode = Literal["episode", "step"]
+StepWeight = Literal["none", "episode"]  # per-step samples: as they come, or each episode weighing one
 # the exit statuses of a TRUNCATED episode: the step limit, the wall time, the context budget (the overlong
 # endings) and the malformed-reply limit
 TRUNCATED_ENDINGS = ("LimitsExceeded", "TimeExceeded", "ContextExceeded", "FormatError")
@@ -144,7 +145,8 @@ def masked_as_truncated(episode: GradedEpisode, endings: Iterable[str] = TRUNCAT
 def episode_samples(episode: GradedEpisode, advantage: float, reward_value: float, *, mode: SampleMode = "episode",
                     mask_truncated: bool = False, mask_after_format_error: bool = False,
                     mask_format_errors: bool = False,
-                    truncated_endings: Iterable[str] = TRUNCATED_ENDINGS) -> list[TrainSample]:
+                    truncated_endings: Iterable[str] = TRUNCATED_ENDINGS, step_weight: StepWeight = "none",
+                    step_score_coef: float = 0.0) -> list[TrainSample]:
     """The training samples of one episode. A truncated episode with ``mask_truncated`` keeps its tokens but no
     loss (mask all 0), so it still counts in nothing but the logs; ``truncated_endings`` says which exit statuses
     it masks (e.g. only the overlong ones, so an episode the malformed-reply limit ended still trains its
@@ -158,7 +160,14 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
     ``mask_format_errors`` the malformed replies themselves carry no loss, whatever the advantage's sign, and the
     turns around them train as usual: a resolved episode that recovered from a slip reinforces the recovery, not the
     slip, and a failed one does not push probability off a reply the protocol already rejects (pushing it down
-    spreads probability: see learn_experiments.json, session 4)."""
+    spreads probability: see learn_experiments.json, session 4).
+
+    Per-step samples (``mode = "step"``): every agent step is a sample trained on exactly the prompt the engine saw,
+    with the episode's advantage, plus ``step_score_coef`` x that step's own judge score ([reward.prm]; 0 for a
+    step without one). ``step_weight = "episode"`` divides each of an episode's k step samples' advantage by k, so
+    an episode weighs the same however many steps it took (the policy loss is linear in the advantage, clipping
+    aside, which depends only on its sign): with sequence-mean aggregation each episode counts once instead of k
+    times; with token-mean a long episode's tokens count 1/k each."""
     uid = f"{episode.instance_id}#{episode.sample}"
     truncated = episode.truncated
     keep = not (mask_truncated and masked_as_truncated(episode, truncated_endings))
@@ -174,10 +183,14 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
 
     if mode == "step" and episode.steps:
         out = []
+        scale = 1.0 / len(episode.steps) if step_weight == "episode" else 1.0
+        scores = episode.step_scores
         for i, (prompt, output, logprobs) in enumerate(episode.steps):
             mask = [0] * len(prompt) + [1 if trained(i) else 0] * len(output)
+            own = scores[i] if i < len(scores) and scores[i] is not None else 0.0
+            fields = {**common, "advantage": (advantage + step_score_coef * own) * scale}
             out.append(pack_sample(f"{uid}.{i}", episode.instance_id, [*prompt, *output], mask,
-                                   [0.0] * len(prompt) + list(logprobs), **common))
+                                   [0.0] * len(prompt) + list(logprobs), **fields))
         return out
     spans = len(turn_spans(episode.loss_mask))
     mask = mask_turns(episode.loss_mask, [t for t in range(spans) if not trained(t)])
@@ -186,14 +199,17 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
 
 def group_samples(groups: Sequence[Group], *, mode: SampleMode = "episode", mask_truncated: bool = False,
                   mask_after_format_error: bool = False, mask_format_errors: bool = False,
-                  truncated_endings: Iterable[str] = TRUNCATED_ENDINGS) -> list[TrainSample]:
+                  truncated_endings: Iterable[str] = TRUNCATED_ENDINGS, step_weight: StepWeight = "none",
+                  step_score_coef: float = 0.0) -> list[TrainSample]:
+    """Every group's training samples (``episode_samples`` per episode, with its advantage and reward)."""
     samples: list[TrainSample] = []
     for g in groups:
         for episode, adv, rew in zip(g.episodes, g.advantages, g.rewards, strict=True):
             samples += episode_samples(episode, adv, rew, mode=mode, mask_truncated=mask_truncated,
                                        mask_after_format_error=mask_after_format_error,
                                        mask_format_errors=mask_format_errors,
-                                       truncated_endings=truncated_endings)
+                                       truncated_endings=truncated_endings, step_weight=step_weight,
+                                       step_score_coef=step_score_coef)
     return samples
 
 

@@ -243,7 +243,8 @@ class Controller:
             samples = group_samples(groups, mode=t.sample_mode, mask_truncated=t.mask_truncated,
                                     mask_after_format_error=t.mask_after_format_error,
                                     mask_format_errors=t.mask_format_errors,
-                                    truncated_endings=t.mask_truncated_endings)
+                                    truncated_endings=t.mask_truncated_endings,
+                                    step_weight=t.step_sample_weight, step_score_coef=t.step_score_advantage)
             values.update(info)
             values.update(_rollout_values(groups, results))
             record.update(tasks=tasks_seen, groups=[g.instance_id for g in groups],
