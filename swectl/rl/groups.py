@@ -213,6 +213,14 @@ def group_samples(groups: Sequence[Group], *, mode: SampleMode = "episode", mask
     return samples
 
 
+def group_outcomes(groups: Sequence[Group]) -> dict[str, float]:
+    """What the policy does over scored groups: mean reward and resolve rate per episode, and pass@k."""
+    episodes = [e for g in groups for e in g.episodes]
+    return {"reward_mean": sum(r for g in groups for r in g.rewards) / max(len(episodes), 1),
+            "resolve_rate": sum(e.resolved for e in episodes) / max(len(episodes), 1),
+            "pass_at_k": pass_at_k(groups)}
+
+
 def pass_at_k(groups: Sequence[Group]) -> float:
     """The fraction of groups with at least one resolved episode (pass@n of the group)."""
     if not groups:

@@ -45,7 +45,7 @@ from swectl.logs import write_run_log
 from swectl.rl.admission import Admission
 from swectl.rl.advantages import advantage_stats
 from swectl.rl.batch import TrainSample, make_batch
-from swectl.rl.groups import GradedEpisode, Group, group_samples, pass_at_k, score_group
+from swectl.rl.groups import GradedEpisode, Group, group_outcomes, group_samples, score_group
 from swectl.rl.shm import BatchWriter
 from swectl.rl.weight_sync import ParamSpec, plan_buckets
 from swectl.rl.wire import StepReply, TrainerSettings
@@ -367,11 +367,7 @@ class Controller:
         rounds = 0
         out = self.run_dir / "episodes" / step_name(step)
         grader = self._grader(pool, out)
-        rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.n_samples,
-                                        episode=episode_config(self.config, temperature=t.temperature,
-                                                               seed=f"train:{t.seed}:{step}")),
-                          pool, grader, lambda task, n: engines.route(f"{task.instance_id}#{step}#{n}"),
-                          self._tokenizer(), out, judge=self._judge)
+        rollout = self._train_rollout(pool, grader, engines, str(step), out)
         async with anyio.create_task_group() as tg:
             await tg.start(grader.run, name="grader")
             await tg.start(rollout.run, name="rollout")
@@ -395,11 +391,7 @@ class Controller:
         info = {"groups": float(len(kept)), "sampling_rounds": float(rounds),
                 "groups_dropped_uninformative": float(dropped["uninformative"]),
                 "groups_dropped_aborted": float(dropped["aborted"])}
-        # reward and resolve rate over every scored group (what the policy does), not only the kept ones
-        every_eps = [e for g in every for e in g.episodes]
-        info["reward_mean"] = sum(r for g in every for r in g.rewards) / max(len(every_eps), 1)
-        info["resolve_rate"] = sum(e.resolved for e in every_eps) / max(len(every_eps), 1)
-        info["pass_at_k"] = pass_at_k(every)
+        info.update(group_outcomes(every))  # over every scored group (what the policy does), not only the kept ones
         return kept, results, info, tasks_seen
 
     def _score(self, group: Group, key: str) -> None:
@@ -444,12 +436,8 @@ class Controller:
         limiter = anyio.CapacityLimiter(t.concurrency)
 
         async def run_group(task: Task, draw: int) -> tuple[Group | None, list[EpisodeResult]]:
-            rollout = Rollout(
-                RolloutConfig(concurrency=t.concurrency, samples_per_task=t.n_samples,
-                              episode=episode_config(self.config, temperature=t.temperature,
-                                                     seed=f"train:{t.seed}:g{draw}")),
-                pool, grader, lambda task, n: engines.route(f"{task.instance_id}#g{draw}#{n}"), self._tokenizer(),
-                self.run_dir / "episodes" / f"group_{draw:06d}", limiter=limiter, judge=self._judge)
+            rollout = self._train_rollout(pool, grader, engines, f"g{draw}",
+                                          self.run_dir / "episodes" / f"group_{draw:06d}", limiter=limiter)
             results: list[EpisodeResult] = []
             async with anyio.create_task_group() as group_tg:
                 await group_tg.start(rollout.run, name="group rollout")
@@ -486,6 +474,17 @@ class Controller:
                 good.sort(key=lambda e: e.sample)
                 return Group(instance_id=task.instance_id, episodes=good[:n])
         return None
+
+    def _train_rollout(self, pool: EnvPool, grader: Grader, engines: Engines, tag: str, out: Path,
+                       limiter: anyio.CapacityLimiter | None = None) -> Rollout:
+        """A Rollout of training episodes: ``n_samples`` per task, sampling seeded and engine sessions keyed by
+        ``tag`` (the step, or the async group's draw), artifacts under ``out``, the process-reward judge if any."""
+        t = self.train
+        config = RolloutConfig(concurrency=t.concurrency, samples_per_task=t.n_samples,
+                               episode=episode_config(self.config, temperature=t.temperature,
+                                                      seed=f"train:{t.seed}:{tag}"))
+        return Rollout(config, pool, grader, lambda task, n: engines.route(f"{task.instance_id}#{tag}#{n}"),
+                       self._tokenizer(), out, limiter=limiter, judge=self._judge)
 
     def _grader(self, pool: EnvPool, out: Path) -> Grader:
         """The Grader of one step's rollouts or evaluation (its own verdicts to reuse, its logs under ``out``)."""

@@ -26,7 +26,7 @@ import msgspec
 from swectl.actors.data_source import DataSource
 from swectl.actors.rollout import EpisodeResult
 from swectl.rl.admission import Admission, Ticket
-from swectl.rl.groups import Group, pass_at_k
+from swectl.rl.groups import Group, group_outcomes
 from swectl.tasks.record import Task
 
 # (task, its draw number) -> its scored group (None: not enough episodes finished) and every episode it ran
@@ -143,12 +143,7 @@ class GroupFeed:
         }
         for k in range(self._admission.max_staleness + 1):
             info[f"staleness/{k}_frac"] = sum(s == k for s in staleness) / max(len(staleness), 1)
-        every = [d for d in (*taken, *dropped) if d.group is not None]
-        rewards = [r for d in every for r in d.group.rewards]  # type: ignore[union-attr]
-        resolved = [e.resolved for d in every for e in d.group.episodes]  # type: ignore[union-attr]
-        info["reward_mean"] = sum(rewards) / max(len(rewards), 1)
-        info["resolve_rate"] = sum(resolved) / max(len(resolved), 1)
-        info["pass_at_k"] = pass_at_k([d.group for d in every if d.group is not None])
+        info.update(group_outcomes([d.group for d in (*taken, *dropped) if d.group is not None]))
         return FeedBatch(groups=[d.group for d in taken if d.group is not None],
                          results=[r for d in (*taken, *dropped) for r in d.results],
                          tasks=[d.instance_id for d in (*taken, *dropped)], staleness=staleness, info=info)
