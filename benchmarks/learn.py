@@ -71,7 +71,8 @@ def set_flags(sets: dict[str, object]) -> list[str]:
 
 def rollout_sets(args: argparse.Namespace) -> list[str]:
     return set_flags({"rollout.step_limit": args.step_limit, "rollout.max_tokens": args.max_tokens,
-                      "rollout.max_format_errors": args.max_format_errors, "env_pool.warm": 0})
+                      "rollout.max_format_errors": args.max_format_errors, "env_pool.warm": 0,
+                      "rollout.context": args.context, "rollout.manage_context": str(args.manage_context).lower()})
 
 
 def evaluate(args: argparse.Namespace, model: Path, tasks: Path, out: Path, samples: int | None = None,
@@ -85,7 +86,8 @@ def evaluate(args: argparse.Namespace, model: Path, tasks: Path, out: Path, samp
              "--seed", str(args.eval_seed + seed_offset), "--temperature",
              "1.0", "--step-limit", str(args.step_limit), "--max-tokens", str(args.max_tokens), "--concurrency",
              str(args.concurrency), "--out", str(out), "--fresh", "--set", "env_pool.warm=0", "--set",
-             f"rollout.max_format_errors={args.max_format_errors}"], f"eval {out.name}")
+             f"rollout.max_format_errors={args.max_format_errors}", "--context", str(args.context),
+             *(["--manage-context"] if args.manage_context else [])], f"eval {out.name}")
     summary = json.loads((out / "summary.json").read_text())
     return {"resolve_rate": summary["resolve_rate"], "resolved": summary["resolved"], "episodes": summary["finished"],
             "aborted": summary["infra_errors"], "folder": str(out), "model": str(model),
@@ -185,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-samples", type=int, default=4, help="GRPO group size")
     parser.add_argument("--step-limit", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--context", type=int, default=8192,
+                        help="context budget in tokens of every episode, training and evaluation (rollout.context)")
+    parser.add_argument("--manage-context", action="store_true",
+                        help="head+tail context management when an episode outgrows --context, in training and "
+                             "in every evaluation (rollout.manage_context); pair with per-step samples: "
+                             "--grpo-set train.sample_mode='\"step\"'")
     parser.add_argument("--max-format-errors", type=int, default=3,
                         help="malformed replies in a row that end an episode (rollout.max_format_errors)")
     parser.add_argument("--concurrency", type=int, default=8)
