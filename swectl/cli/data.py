@@ -1,5 +1,6 @@
 """`swectl data prepare`: a task source -> prompts.jsonl + images.txt for slime / miles (swectl/data/prepare.py);
-`swectl data gold`: gold trajectories for SFT (swectl/eval/gold.py)."""
+`swectl data gold`: gold trajectories for SFT (swectl/eval/gold.py);
+`swectl data judge`: labelled step verdicts from episodes, to train a process-reward judge (swectl/data/judge.py)."""
 
 from __future__ import annotations
 
@@ -33,13 +34,21 @@ examples:
   swectl data gold --model runs/models/tiny-qwen3 --out data/gold
   swectl data gold --model runs/models/tiny-qwen3 --slice 0:4 --out data/gold-4
 """
+JUDGE_EPILOG = """\
+examples:
+  swectl data judge runs/learn/eval-sft --tasks runs/learn/train.jsonl --out data/judge.jsonl
+  swectl up --set train.algorithm='"sft"' --set train.sft_data='["data/judge.jsonl"]' --set train.model=...
+
+labels: a malformed reply is bad; every well-formed step of a resolved episode is good; the last step of
+an episode that submitted without resolving is bad; the other steps of unresolved episodes are left out.
+"""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``data`` (with ``data prepare`` and ``data gold``) to a ``swectl`` sub-command parser; returns the
-    ``data`` parser."""
-    data = subparsers.add_parser("data", help="prepare task sets (prompt files and image lists for training) and "
-                                 "gold trajectories for SFT")
+    """Add ``data`` (with ``data prepare``, ``data gold`` and ``data judge``) to a ``swectl`` sub-command parser;
+    returns the ``data`` parser."""
+    data = subparsers.add_parser("data", help="prepare task sets (prompt files and image lists for training), "
+                                 "gold trajectories for SFT and judge data for process rewards")
     actions = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     prepare_parser = actions.add_parser(
         "prepare",
@@ -65,7 +74,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _gold_arguments(gold_parser)
+    judge_parser = actions.add_parser(
+        "judge",
+        help="labelled step verdicts from recorded episodes, to train a judge model for [reward.prm]",
+        description="Read the episodes of swectl runs (traj.json + meta.json: `swectl eval --model`, `swectl data\n"
+        "gold`, a training run's episodes/), rebuild each step's judge prompt exactly as [reward.prm] asks it\n"
+        "(the issue, the last steps, the step and its output), label the steps the outcome settles, and write\n"
+        "OpenAI-messages JSONL whose answer is \\boxed{1} or \\boxed{-1} (train.sft_data reads it).",
+        epilog=JUDGE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _judge_arguments(judge_parser)
     return data
+
+
+def _judge_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", metavar="RUN",
+                        help="run folders (their <instance_id>__<n>/ episode folders), episode folders or traj.json "
+                        "files")
+    parser.add_argument("--tasks", default=str(BUNDLED_TASKS),
+                        help="the task set the episodes ran on, for the problem statements (default: the bundled "
+                        "set); SWE-bench Verified is refused (an evaluation set is never training data)")
+    parser.add_argument("--out", required=True, metavar="FILE", help="the JSONL file to write")
+    parser.add_argument("--history-steps", type=int, default=4,
+                        help="earlier steps in each prompt (reward.prm.history_steps, default 4)")
+    parser.add_argument("--max-chars", type=int, default=2000,
+                        help="characters kept of each reply and output (reward.prm.max_chars, default 2000)")
 
 
 def _gold_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,7 +184,32 @@ def run(args: argparse.Namespace) -> int:
     """Run ``swectl data prepare`` or ``swectl data gold``."""
     if args.data_command == "gold":
         return _run_gold(args)
+    if args.data_command == "judge":
+        return _run_judge(args)
     return _run_prepare(args)
+
+
+def _run_judge(args: argparse.Namespace) -> int:
+    """``swectl data judge``: 0 when labelled steps were written. Bad input raises (exit 2 through cli.main)."""
+    from pathlib import Path
+
+    import msgspec
+
+    from swectl.data.judge import judge_examples, write_judge_data
+
+    check_not_eval_set(args.tasks, "", allow=False)
+    loaded = load_tasks(args.tasks)
+    problems = {task.instance_id: task.problem_statement for task in loaded.tasks}
+    examples, summary = judge_examples(args.runs, problems, history_steps=args.history_steps,
+                                       max_chars=args.max_chars)
+    for skipped in summary.skipped_episodes[:SHOWN_PROBLEMS]:
+        say(f"skipped {skipped}")
+    write_judge_data(examples, Path(args.out))
+    print(msgspec.json.format(msgspec.json.encode(summary)).decode())
+    say(f"{len(examples)} labelled steps ({summary.good} good, {summary.bad} bad: {summary.bad_malformed} malformed, "
+        f"{summary.bad_submission} unresolved submissions; {summary.unlabelled} left out) from {summary.episodes} "
+        f"episodes; wrote {args.out}")
+    return 0
 
 
 def _run_gold(args: argparse.Namespace) -> int:

@@ -141,9 +141,11 @@ class VotingJudge:
     def __init__(self, answers: list[str], tokenizer, delay_s: float) -> None:
         self.answers, self.tok, self.delay_s = answers, tokenizer, delay_s
         self.rids: list[str] = []
+        self.prompts: dict[str, list[int]] = {}  # rid -> the prompt's token ids
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self.rids.append(request.rid or "")
+        self.prompts[request.rid or ""] = list(request.input_ids)
         await anyio.sleep(self.delay_s)
         ids = [*self.tok.encode(self.answers[int((request.rid or "").rpartition("/")[2])], add_special_tokens=False),
                self.tok.convert_tokens_to_ids("<|im_end|>")]
@@ -184,6 +186,24 @@ def test_the_judge_scores_every_step_while_the_episode_goes_on(tokenizer, tmp_pa
     assert judge.statistics() == JudgeStatistics(steps=2, scored=2, votes=4, unparseable=2, failures=0)
     saved = json.loads((tmp_path / f"{task.instance_id}__0" / "traj.json").read_text())["step_judgements"]
     assert [j["score"] for j in saved] == [1.0, 1.0]
+
+
+def test_judge_data_rebuilds_the_prompts_the_judge_was_sent(tokenizer, tmp_path: Path) -> None:
+    """`swectl data judge` trains a judge on exactly what [reward.prm] asks it: the prompts rebuilt from the
+    recorded episode (swectl/data/judge.py) are token for token the ones the judge engine got, the submission's
+    output included; the resolved episode's steps are labelled good."""
+    from swectl.data.judge import judge_examples
+
+    task = load_tasks(BUNDLED_TASKS).tasks[1]
+    judge_engine = VotingJudge(["\\boxed{1}"], tokenizer, 0.0)
+    (r,), _ = judged_rollout(task, lambda key: judge_engine, tokenizer, tmp_path, samples=1)
+    assert r.resolved and r.turns == 2
+    examples, summary = judge_examples([tmp_path], {task.instance_id: task.problem_statement})
+    assert (summary.episodes, summary.good, summary.bad, summary.unlabelled) == (1, 2, 0, 0)
+    for example in examples:
+        rebuilt = tokenizer.apply_chat_template(example.messages, tokenize=True, add_generation_prompt=True)
+        rebuilt = rebuilt if isinstance(rebuilt, list) else rebuilt["input_ids"]
+        assert [int(t) for t in rebuilt] == judge_engine.prompts[f"judge-{task.instance_id}#0.{example.step}/0"]
 
 
 def test_a_judge_that_is_down_is_counted_and_never_a_score(tokenizer, tmp_path: Path) -> None:

@@ -1,0 +1,196 @@
+"""`just bench prm`: process rewards on this CPU machine, end to end, with a judge that was trained to judge.
+
+An untrained tiny model never writes ``\\boxed{...}``, so a PRM run with it only shows that unparseable votes are
+counted. This suite makes a judge whose votes mean something and measures them:
+
+1. judge data: ``swectl data judge`` over recorded episodes of the learning demo (``--judge-data``: run folders of
+   `swectl eval --model` on the train split), labelling the steps the outcome settles (swectl/data/judge.py);
+2. the judge: SFT (`swectl up`, train.algorithm = "sft") of ``--judge-base`` on that data;
+3. a GRPO run with ``[reward.prm]`` served by that judge as its own engine group, the demo's settings otherwise;
+4. the judge read back: its statistics (steps, votes, unparseable answers, failures: the run's prm/* metrics and
+   every traj.json's ``step_judgements``) and its agreement with the labels the outcome rules give the run's own
+   (fresh, unseen) episodes: a step the judge scores > 0 against a good label, < 0 against a bad one.
+
+Writes ``benchmarks/results/prm.json`` and keeps the run folders under ``--work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import host_meta  # noqa: E402
+
+from swectl.agent.loop import Episode  # noqa: E402
+from swectl.data.judge import step_labels  # noqa: E402
+from swectl.rl.prm import StepJudgement  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results" / "prm.json"
+SWECTL = [sys.executable, "-m", "swectl.cli.main"]
+DEMO_ROLLOUT = {"rollout.step_limit": 6, "rollout.max_tokens": 192, "rollout.max_format_errors": 3,
+                "env_pool.warm": 0}
+
+
+class _Traj(msgspec.Struct):
+    """The parts of a training episode's traj.json this suite reads."""
+
+    episode: Episode
+    step_judgements: list[StepJudgement] = []
+
+
+class _Meta(msgspec.Struct):
+    resolved: bool = False
+
+
+def say(message: str) -> None:
+    print(f"prm: {message}", file=sys.stderr, flush=True)
+
+
+def swectl(argv: list[str], what: str) -> None:
+    say(f"{what}: swectl {' '.join(argv)}")
+    if subprocess.run([*SWECTL, *argv]).returncode != 0:
+        raise SystemExit(f"prm: {what} failed")
+
+
+def sets(values: dict[str, object]) -> list[str]:
+    return [x for k, v in values.items() for x in ("--set", f"{k}={v}")]
+
+
+def final_weights(run_dir: Path) -> Path:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return Path(json.loads((run_dir / "checkpoints" / latest / "controller.json").read_text())["weights"])
+
+
+def up(work: Path, run_id: str, values: dict[str, object]) -> Path:
+    """One `swectl up` run in ``work/run_id`` (resumed, or left as it is, when it has a checkpoint)."""
+    folder = work / run_id
+    if (folder / "checkpoints" / "latest").exists():
+        swectl(["up", "--resume", str(folder), "--steps", str(values["train.steps"])], f"train {run_id}")
+    else:
+        swectl(["up", *sets({"out_dir": repr(str(work)), "run_id": repr(run_id), **values})], f"train {run_id}")
+    return final_weights(folder)
+
+
+def agreement(run_dir: Path) -> dict[str, object]:
+    """The judge's verdicts in a run's episodes against the outcome rules' labels (swectl/data/judge.py)."""
+    counts = {"episodes": 0, "steps": 0, "judged": 0, "scored": 0, "votes": 0, "unparseable": 0, "failures": 0,
+              "labelled": 0, "good_labels": 0, "bad_labels": 0, "good_agree": 0, "bad_agree": 0, "ties": 0}
+    score_by_outcome: dict[str, list[float]] = {"resolved": [], "unresolved": []}
+    for path in sorted(run_dir.glob("episodes/step_*/*/traj.json")):
+        traj = msgspec.json.decode(path.read_bytes(), type=_Traj)
+        resolved = msgspec.json.decode((path.parent / "meta.json").read_bytes(), type=_Meta).resolved
+        counts["episodes"] += 1
+        counts["steps"] += len(traj.episode.steps)
+        labels = step_labels(traj.episode, resolved)
+        for judged in traj.step_judgements:
+            counts["judged"] += 1
+            counts["votes"] += len(judged.votes)
+            counts["unparseable"] += judged.unparseable
+            counts["failures"] += judged.failures
+            if judged.score is None:
+                continue
+            counts["scored"] += 1
+            score_by_outcome["resolved" if resolved else "unresolved"].append(judged.score)
+            if judged.step not in labels:
+                continue
+            label = labels[judged.step][0]
+            counts["labelled"] += 1
+            counts["good_labels" if label > 0 else "bad_labels"] += 1
+            if judged.score == 0:
+                counts["ties"] += 1
+            elif (judged.score > 0) == (label > 0):
+                counts["good_agree" if label > 0 else "bad_agree"] += 1
+
+    def frac(a: str, b: str) -> float | None:
+        return round(counts[a] / counts[b], 4) if counts[b] else None
+
+    answers = counts["votes"] + counts["unparseable"] + counts["failures"]
+    return {**counts,
+            "unparseable_frac": round(counts["unparseable"] / answers, 4) if answers else None,
+            "scored_frac": frac("scored", "judged"),
+            "accuracy": (round((counts["good_agree"] + counts["bad_agree"]) / counts["labelled"], 4)
+                         if counts["labelled"] else None),
+            "accuracy_good": frac("good_agree", "good_labels"), "accuracy_bad": frac("bad_agree", "bad_labels"),
+            "mean_score_resolved_episodes": _mean(score_by_outcome["resolved"]),
+            "mean_score_unresolved_episodes": _mean(score_by_outcome["unresolved"])}
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def prm_metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k == "step" or k.startswith("prm/") or k in ("reward_mean", "resolve_rate")}
+            for r in rows if "reward_mean" in r]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path("runs/prm"), help="folder for the data and every run")
+    parser.add_argument("--tasks", type=Path, required=True,
+                        help="the train split the episodes ran on (the learning demo's WORK/train.jsonl)")
+    parser.add_argument("--judge-data", type=Path, nargs="+", required=True, metavar="RUN",
+                        help="run folders of episodes to label (e.g. the demo's eval-sft)")
+    parser.add_argument("--policy", type=Path, required=True, help="the GRPO start: the demo's SFT weights folder")
+    parser.add_argument("--judge-base", type=Path, default=None,
+                        help="the model the judge is fine-tuned from (default: --policy)")
+    parser.add_argument("--judge-steps", type=int, default=150)
+    parser.add_argument("--judge-lr", type=float, default=1e-3)
+    parser.add_argument("--grpo-steps", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=3, help="judge answers per step (reward.prm.samples)")
+    parser.add_argument("--step-coef", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    t0 = time.monotonic()
+    data = work / "judge.jsonl"
+    if not data.exists():
+        swectl(["data", "judge", *map(str, args.judge_data), "--tasks", str(args.tasks), "--out", str(data)],
+               "judge data")
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    labels = {"good": sum(r["label"] > 0 for r in rows), "bad": sum(r["label"] < 0 for r in rows)}
+    judge = up(work, "judge", {
+        "train.algorithm": '"sft"', "train.model": repr(str(args.judge_base or args.policy)),
+        "train.sft_data": json.dumps([str(data)]), "train.steps": args.judge_steps, "train.sft_batch_size": 8,
+        "train.lr": args.judge_lr, "train.warmup_steps": 3, "train.schedule": '"constant"', "train.seed": args.seed,
+        "train.save_every": args.judge_steps})
+    timings["judge_sft_s"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    grpo = up(work, "grpo-prm", {
+        **DEMO_ROLLOUT, "train.algorithm": '"grpo"', "train.model": repr(str(args.policy)),
+        "train.tasks": repr(str(args.tasks)), "train.test_fraction": 0.0,
+        "train.steps": args.grpo_steps, "train.lr": 2e-4, "train.tasks_per_step": 4, "train.n_samples": 4,
+        "train.seed": args.seed, "train.concurrency": 8, "train.max_sampling_rounds": 1, "train.save_every": 0,
+        "train.mask_truncated": "true", "train.mask_format_errors": "true",
+        "reward.prm.enabled": "true", "reward.prm.model": repr(str(judge)), "reward.prm.samples": args.samples,
+        "reward.prm.step_coef": args.step_coef, "reward.prm.max_tokens": 16})
+    timings["grpo_prm_s"] = time.monotonic() - t0
+
+    result = {"suite": "prm", "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "judge_data": {"rows": len(rows), **labels}, "judge_weights": str(judge), "grpo_weights": str(grpo),
+              "judge": agreement(work / "grpo-prm"), "curve": prm_metrics(work / "grpo-prm"),
+              "timings_s": {k: round(v, 1) for k, v in timings.items()}, "meta": host_meta()}
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["judge"], indent=1))
+    say(f"wrote {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
