@@ -33,11 +33,10 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import anyio
-import anyio.abc
-import anyio.lowlevel
 import msgspec
 
 from swectl.actors.env_pool import EnvPool, Lease
+from swectl.actors.serving import ServingActor
 from swectl.errors import InfraError, NodeLostError, SandboxLostError, SwectlError
 from swectl.grading.eval_script import eval_script_for, log_parser_for, test_files_of, with_exit_code
 from swectl.grading.rules import INFRA_REASONS, GradeStatus, TestVerdict, drop_test_edits, grade_log
@@ -130,13 +129,14 @@ async def prepare_task(lease: Lease, task: Task) -> bool:
     return r.exit_code == 0 and not r.timed_out
 
 
-class Grader:
+class Grader(ServingActor):
     """Grades patches with bounded concurrency over EnvPool leases. Start with ``await tg.start(grader.run)``."""
 
     def __init__(
         self, config: GraderConfig, pool: EnvPool, *, resolver: ImageResolver | None = None,
         specs: object | None = None, log_dir: Path | None = None,
     ) -> None:
+        super().__init__()
         self._config = config
         self._pool = pool
         self._timeout_s = config.timeout_s
@@ -144,19 +144,9 @@ class Grader:
         self._resolver = resolver or ImageResolver()
         self._specs = specs
         self._log_dir = log_dir
-        self._running = False
         self._counts = dict.fromkeys(("graded", "resolved", "unresolved", "errors", "infra_errors", "reused"), 0)
         self._verdicts: dict[tuple[str, str, str], tuple[GradeResult, str]] = {}  # reuse: key -> (result, label)
         self._in_flight: dict[tuple[str, str, str], anyio.Event] = {}
-
-    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Take gradings until cancelled."""
-        self._running = True
-        try:
-            task_status.started()
-            await anyio.sleep_forever()
-        finally:
-            self._running = False
 
     def statistics(self) -> GraderStatistics:
         c = self._counts
@@ -240,9 +230,7 @@ class Grader:
     async def _grading(self, result: GradeResult) -> AsyncIterator[None]:
         """One grading: a slot, its time (not the wait for the slot), its failures into ``result`` (never raised,
         except cancellation), the infra flag and the counters."""
-        if not self._running:
-            await anyio.lowlevel.checkpoint()  # a caller being cancelled (the actor stopped with it) gets that
-            raise RuntimeError("the Grader is not running: start it with `await tg.start(grader.run)`")
+        await self._check_running()
         async with self._limit:
             started = time.monotonic()
             with _failures_into(result):

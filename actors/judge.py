@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import anyio
-import anyio.abc
 
+from swectl.actors.serving import ServingActor
 from swectl.agent.loop import Engine
 from swectl.agent.trajectory import ChatTokenizer
 from swectl.config import PrmConfig
@@ -30,32 +30,22 @@ from swectl.schema import JudgeStatistics
 EngineFor = Callable[[str], Engine]  # a session key -> the judge's engine for it
 
 
-class Judge:
+class Judge(ServingActor):
     """Judges agent steps with the judge model behind ``engine_for``; ``tokenizer`` is the judge's."""
 
     def __init__(self, config: PrmConfig, engine_for: EngineFor, tokenizer: ChatTokenizer) -> None:
+        super().__init__()
         self._cfg = config
         self._engine_for = engine_for
         self._tok = tokenizer
-        self._running = False
         self._counts = dict.fromkeys(("steps", "scored", "votes", "unparseable", "failures"), 0)
-
-    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Judge steps until cancelled."""
-        self._running = True
-        try:
-            task_status.started()
-            await anyio.sleep_forever()
-        finally:
-            self._running = False
 
     def statistics(self) -> JudgeStatistics:
         return JudgeStatistics(**self._counts)
 
     async def judge(self, key: str, problem: str, history: list[StepView], step: StepView) -> StepJudgement:
         """``samples`` answers on ``step`` of episode ``key`` (``<instance_id>#<sample>``), concurrently."""
-        if not self._running:
-            raise RuntimeError("the Judge is not running: start it with `await tg.start(judge.run)`")
+        await self._check_running()
         cfg = self._cfg
         messages = judge_messages(problem, history, step, history_steps=cfg.history_steps, max_chars=cfg.max_chars)
         rendered = self._tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)

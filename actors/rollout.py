@@ -25,12 +25,12 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
-import anyio.lowlevel
 import msgspec
 
 from swectl.actors.env_pool import EnvPool
 from swectl.actors.grader import Grader, GradeResult, prepare_task
 from swectl.actors.judge import Judge
+from swectl.actors.serving import ServingActor
 from swectl.agent.loop import ChatEngine, Engine, Episode, EpisodeConfig, OnStep, run_chat_episode, run_episode
 from swectl.agent.trajectory import ChatTokenizer
 from swectl.errors import InfraError
@@ -81,13 +81,14 @@ def _write_artifacts(out_dir: Path, ep: Episode, cfg: RolloutConfig, result: Epi
     (out_dir / "meta.json").write_bytes(msgspec.json.format(msgspec.json.encode(result)))
 
 
-class Rollout:
+class Rollout(ServingActor):
     """Start with ``await tg.start(rollout.run)``; then ``collect(tasks)``. ``tokenizer`` is needed only for
     token-in/token-out engines."""
 
     def __init__(self, config: RolloutConfig, pool: EnvPool, grader: Grader, engine_for: EngineFor,
                  tokenizer: ChatTokenizer | None, out_dir: Path, *, resolver: ImageResolver | None = None,
                  limiter: anyio.CapacityLimiter | None = None, judge: Judge | None = None) -> None:
+        super().__init__()
         self._pool = pool
         self._grader = grader
         self._engine_for = engine_for
@@ -98,17 +99,7 @@ class Rollout:
         # episodes at once; a limiter passed in is shared with other Rollouts (the async loop's one per group)
         self._limit = limiter or anyio.CapacityLimiter(config.concurrency)
         self._judge = judge  # [reward.prm]: judges each step while the episode goes on
-        self._running = False
         self._counts = dict.fromkeys(("finished", "COMPLETED", "TRUNCATED", "ABORTED", "resolved"), 0)
-
-    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Take episodes until cancelled."""
-        self._running = True
-        try:
-            task_status.started()
-            await anyio.sleep_forever()
-        finally:
-            self._running = False
 
     def statistics(self) -> RolloutStatistics:
         c = self._counts
@@ -119,9 +110,7 @@ class Rollout:
         )
 
     async def episode(self, task: Task, sample: int) -> EpisodeResult:
-        if not self._running:
-            await anyio.lowlevel.checkpoint()  # a caller being cancelled (the actor stopped with it) gets that
-            raise RuntimeError("the Rollout is not running: start it with `await tg.start(rollout.run)`")
+        await self._check_running()
         judged: list[StepJudgement] = []
         async with anyio.create_task_group() as judges:  # the step judgements finish while the episode is graded
             on_step = self._judging(judges, task, sample, judged) if self._judge is not None else None
