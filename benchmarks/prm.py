@@ -11,7 +11,9 @@ counted. This suite makes a judge whose votes mean something and measures them:
    every traj.json's ``step_judgements``) and its agreement with the labels the outcome rules give the run's own
    (fresh, unseen) episodes: a step the judge scores > 0 against a good label, < 0 against a bad one.
 
-Writes ``benchmarks/results/prm.json`` and keeps the run folders under ``--work``.
+Writes ``benchmarks/results/prm.json`` (one entry per GRPO run, keyed ``<work>:<run>``; ``--tag`` and ``--grpo-set``
+make another run with the same judge, e.g. asynchronous with per-step samples) and keeps the run folders under
+``--work``.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def agreement(run_dir: Path) -> dict[str, object]:
     counts = {"episodes": 0, "steps": 0, "judged": 0, "scored": 0, "votes": 0, "unparseable": 0, "failures": 0,
               "labelled": 0, "good_labels": 0, "bad_labels": 0, "good_agree": 0, "bad_agree": 0, "ties": 0}
     score_by_outcome: dict[str, list[float]] = {"resolved": [], "unresolved": []}
-    for path in sorted(run_dir.glob("episodes/step_*/*/traj.json")):
+    for path in sorted(run_dir.glob("episodes/*/*/traj.json")):
         traj = msgspec.json.decode(path.read_bytes(), type=_Traj)
         resolved = msgspec.json.decode((path.parent / "meta.json").read_bytes(), type=_Meta).resolved
         counts["episodes"] += 1
@@ -150,6 +152,10 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=3, help="judge answers per step (reward.prm.samples)")
     parser.add_argument("--step-coef", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="more `swectl up --set` overrides of the GRPO run (e.g. train.max_staleness=1, "
+                        "train.sample_mode='\"step\"', train.step_score_advantage=0.5)")
+    parser.add_argument("--tag", default="", help="suffix of the GRPO run folder and of the results key")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     work = args.work.resolve()
@@ -170,23 +176,34 @@ def main() -> int:
         "train.save_every": args.judge_steps})
     timings["judge_sft_s"] = time.monotonic() - t0
 
+    extra: dict[str, object] = {}
+    for item in args.grpo_set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--grpo-set wants KEY=VALUE, got {item!r}")
+        extra[key] = value
+    run_id = "grpo-prm" + (f"-{args.tag}" if args.tag else "")
     t0 = time.monotonic()
-    grpo = up(work, "grpo-prm", {
+    grpo = up(work, run_id, {
         **DEMO_ROLLOUT, "train.algorithm": '"grpo"', "train.model": repr(str(args.policy)),
         "train.tasks": repr(str(args.tasks)), "train.test_fraction": 0.0,
         "train.steps": args.grpo_steps, "train.lr": 2e-4, "train.tasks_per_step": 4, "train.n_samples": 4,
         "train.seed": args.seed, "train.concurrency": 8, "train.max_sampling_rounds": 1, "train.save_every": 0,
         "train.mask_truncated": "true", "train.mask_format_errors": "true",
         "reward.prm.enabled": "true", "reward.prm.model": repr(str(judge)), "reward.prm.samples": args.samples,
-        "reward.prm.step_coef": args.step_coef, "reward.prm.max_tokens": 16})
+        "reward.prm.step_coef": args.step_coef, "reward.prm.max_tokens": 16, **extra})
     timings["grpo_prm_s"] = time.monotonic() - t0
 
-    result = {"suite": "prm", "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "judge_data": {"rows": len(rows), **labels}, "judge_weights": str(judge), "grpo_weights": str(grpo),
-              "judge": agreement(work / "grpo-prm"), "curve": prm_metrics(work / "grpo-prm"),
+              "judge": agreement(work / run_id), "curve": prm_metrics(work / run_id),
               "timings_s": {k: round(v, 1) for k, v in timings.items()}, "meta": host_meta()}
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(result, indent=1) + "\n")
+    report = json.loads(args.results.read_text()) if args.results.exists() else {}
+    report.setdefault("suite", "prm")
+    report.setdefault("runs", {})[f"{work.name}:{run_id}"] = result  # one file, one entry per run
+    report["latest"] = f"{work.name}:{run_id}"
+    args.results.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(result["judge"], indent=1))
     say(f"wrote {args.results}")
     return 0
