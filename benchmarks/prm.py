@@ -194,7 +194,7 @@ def main() -> int:
         "reward.prm.step_coef": args.step_coef, "reward.prm.max_tokens": 16, **extra})
     timings["grpo_prm_s"] = time.monotonic() - t0
 
-    result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    result = {"settings": json.loads(json.dumps(vars(args), default=str)),  # Paths as strings
               "judge_data": {"rows": len(rows), **labels}, "judge_weights": str(judge), "grpo_weights": str(grpo),
               "judge": agreement(work / run_id), "curve": prm_metrics(work / run_id),
               "timings_s": {k: round(v, 1) for k, v in timings.items()}, "meta": host_meta()}
