@@ -85,7 +85,8 @@ def up(work: Path, run_id: str, values: dict[str, object]) -> Path:
 def agreement(run_dir: Path) -> dict[str, object]:
     """The judge's verdicts in a run's episodes against the outcome rules' labels (swectl/data/judge.py)."""
     counts = {"episodes": 0, "steps": 0, "judged": 0, "scored": 0, "votes": 0, "unparseable": 0, "failures": 0,
-              "labelled": 0, "good_labels": 0, "bad_labels": 0, "good_agree": 0, "bad_agree": 0, "ties": 0}
+              "labelled": 0, "good_labels": 0, "bad_labels": 0, "good_agree": 0, "bad_agree": 0, "ties": 0,
+              "malformed_labels": 0, "malformed_agree": 0, "submission_labels": 0, "submission_agree": 0}
     score_by_outcome: dict[str, list[float]] = {"resolved": [], "unresolved": []}
     for path in sorted(run_dir.glob("episodes/*/*/traj.json")):
         traj = msgspec.json.decode(path.read_bytes(), type=_Traj)
@@ -104,13 +105,17 @@ def agreement(run_dir: Path) -> dict[str, object]:
             score_by_outcome["resolved" if resolved else "unresolved"].append(judged.score)
             if judged.step not in labels:
                 continue
-            label = labels[judged.step][0]
+            label, reason = labels[judged.step]
             counts["labelled"] += 1
             counts["good_labels" if label > 0 else "bad_labels"] += 1
+            if reason != "resolved":
+                counts[f"{reason}_labels"] += 1
             if judged.score == 0:
                 counts["ties"] += 1
             elif (judged.score > 0) == (label > 0):
                 counts["good_agree" if label > 0 else "bad_agree"] += 1
+                if reason != "resolved":
+                    counts[f"{reason}_agree"] += 1
 
     def frac(a: str, b: str) -> float | None:
         return round(counts[a] / counts[b], 4) if counts[b] else None
@@ -122,6 +127,8 @@ def agreement(run_dir: Path) -> dict[str, object]:
             "accuracy": (round((counts["good_agree"] + counts["bad_agree"]) / counts["labelled"], 4)
                          if counts["labelled"] else None),
             "accuracy_good": frac("good_agree", "good_labels"), "accuracy_bad": frac("bad_agree", "bad_labels"),
+            "accuracy_bad_malformed": frac("malformed_agree", "malformed_labels"),
+            "accuracy_bad_submission": frac("submission_agree", "submission_labels"),
             "mean_score_resolved_episodes": _mean(score_by_outcome["resolved"]),
             "mean_score_unresolved_episodes": _mean(score_by_outcome["unresolved"])}
 
