@@ -51,6 +51,8 @@ def test_step_views_rebuild_what_the_judge_saw() -> None:
     assert views[0].observation == "<output>x = 1</output>"
     assert views[1].observation == "Please give exactly one bash block."
     assert views[2].observation == f"{SUBMIT_SENTINEL}\ndiff --git a/a.py b/a.py\n"  # the submit command's output
+    # an episode that ended on its last reply without recording what came back: that step cannot be rebuilt
+    assert [v.step for v in step_views(episode(exit_status="FormatError"))] == [0, 1]
 
 
 def write_run(folder: Path, ep: Episode, resolved: bool, sample: int = 0) -> None:

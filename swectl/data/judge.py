@@ -76,12 +76,15 @@ class JudgeDataSummary(msgspec.Struct, kw_only=True):
     bad_malformed: int = 0
     bad_submission: int = 0
     unlabelled: int = 0
+    unrecorded: int = 0  # last steps whose message the episode did not record (see step_views): no example
     skipped_episodes: list[str] = []  # "<traj.json>: why" (no messages recorded, no meta.json, unknown task)
 
 
 def step_views(episode: Episode) -> list[StepView]:
     """Every step of a recorded episode as the judge saw it while the episode ran (``on_step``): the reply and the
-    message that came back (for a submission, the command's output: the sentinel line and the patch)."""
+    message that came back (for a submission, the command's output: the sentinel line and the patch). A last step
+    whose message the episode did not record (its third malformed reply in a row, or the wall clock ran out) is
+    left out: its prompt cannot be rebuilt exactly."""
     messages = episode.trajectory.messages
     views: list[StepView] = []
     for n, _ in enumerate(episode.steps):
@@ -93,7 +96,7 @@ def step_views(episode: Episode) -> list[StepView]:
         elif episode.exit_status == "Submitted":
             observation = f"{SUBMIT_SENTINEL}\n{episode.submitted}"
         else:
-            observation = ""
+            break
         views.append(StepView(step=n, reply=messages[at].content, observation=observation))
     return views
 
@@ -137,6 +140,7 @@ def judge_examples(paths: Iterable[str | Path], problems: Mapping[str, str], *, 
         summary.episodes += 1
         summary.resolved_episodes += meta.resolved
         labels = step_labels(episode, meta.resolved)
+        summary.unrecorded += len(episode.steps) - len(views)
         for view in views:
             summary.steps += 1
             if view.step not in labels:
