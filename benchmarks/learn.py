@@ -136,9 +136,13 @@ def train(args: argparse.Namespace, out_dir: Path, run_id: str, sets: dict[str, 
         argv = ["up", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}", *rollout_sets(args),
                 *overrides]
     run(argv, f"train {run_id}")
-    state = json.loads((folder / "checkpoints" / (folder / "checkpoints" / "latest").read_text().strip()
-                        / "controller.json").read_text())
-    return Path(state["weights"])
+    return final_weights(folder)
+
+
+def final_weights(run_dir: Path) -> Path:
+    """The weights folder of a `swectl up` run's latest checkpoint."""
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return Path(json.loads((run_dir / "checkpoints" / latest / "controller.json").read_text())["weights"])
 
 
 def curve(run_dir: Path, after: int = 0) -> list[dict]:

@@ -31,9 +31,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import host_meta  # noqa: E402
+from learn import final_weights, set_flags  # noqa: E402
 
 from swectl.agent.loop import Episode  # noqa: E402
 from swectl.data.judge import step_labels  # noqa: E402
+from swectl.data.trajectories import META_FILE, read_meta  # noqa: E402
 from swectl.rl.prm import StepJudgement  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "prm.json"
@@ -49,10 +51,6 @@ class _Traj(msgspec.Struct):
     step_judgements: list[StepJudgement] = []
 
 
-class _Meta(msgspec.Struct):
-    resolved: bool = False
-
-
 def say(message: str) -> None:
     print(f"prm: {message}", file=sys.stderr, flush=True)
 
@@ -63,22 +61,13 @@ def swectl(argv: list[str], what: str) -> None:
         raise SystemExit(f"prm: {what} failed")
 
 
-def sets(values: dict[str, object]) -> list[str]:
-    return [x for k, v in values.items() for x in ("--set", f"{k}={v}")]
-
-
-def final_weights(run_dir: Path) -> Path:
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return Path(json.loads((run_dir / "checkpoints" / latest / "controller.json").read_text())["weights"])
-
-
 def up(work: Path, run_id: str, values: dict[str, object]) -> Path:
     """One `swectl up` run in ``work/run_id`` (resumed, or left as it is, when it has a checkpoint)."""
     folder = work / run_id
     if (folder / "checkpoints" / "latest").exists():
         swectl(["up", "--resume", str(folder), "--steps", str(values["train.steps"])], f"train {run_id}")
     else:
-        swectl(["up", *sets({"out_dir": repr(str(work)), "run_id": repr(run_id), **values})], f"train {run_id}")
+        swectl(["up", *set_flags({"out_dir": repr(str(work)), "run_id": repr(run_id), **values})], f"train {run_id}")
     return final_weights(folder)
 
 
@@ -90,7 +79,8 @@ def agreement(run_dir: Path) -> dict[str, object]:
     score_by_outcome: dict[str, list[float]] = {"resolved": [], "unresolved": []}
     for path in sorted(run_dir.glob("episodes/*/*/traj.json")):
         traj = msgspec.json.decode(path.read_bytes(), type=_Traj)
-        resolved = msgspec.json.decode((path.parent / "meta.json").read_bytes(), type=_Meta).resolved
+        meta = read_meta(path.parent / META_FILE, required_by="the judge's agreement")
+        resolved = meta is not None and meta.resolved
         counts["episodes"] += 1
         counts["steps"] += len(traj.episode.steps)
         labels = step_labels(traj.episode, resolved)

@@ -28,25 +28,11 @@ import msgspec
 
 from swectl.agent.loop import Episode
 from swectl.agent.protocol import SUBMIT_SENTINEL
-from swectl.data.trajectories import META_FILE, trajectory_files
+from swectl.data.trajectories import META_FILE, read_episode, read_meta, trajectory_files
 from swectl.errors import TaskDataError
 from swectl.rl.prm import StepView, judge_messages
 
 GOOD, BAD = 1, -1
-
-
-class _TrajFile(msgspec.Struct):
-    """The part of a traj.json this reader needs."""
-
-    episode: Episode
-
-
-class _Meta(msgspec.Struct):
-    """The parts of a meta.json this reader needs."""
-
-    instance_id: str = ""
-    sample: int = 0
-    resolved: bool = False
 
 
 class JudgeExample(msgspec.Struct, kw_only=True):
@@ -124,11 +110,12 @@ def judge_examples(paths: Iterable[str | Path], problems: Mapping[str, str], *, 
     why = Counter[str]()
     for path in trajectory_files(paths):
         try:
-            episode = msgspec.json.decode(path.read_bytes(), type=_TrajFile).episode
-            meta = msgspec.json.decode((path.parent / META_FILE).read_bytes(), type=_Meta)
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            summary.skipped_episodes.append(f"{path}: {exc}")
+            episode = read_episode(path)
+            meta = read_meta(path.parent / META_FILE, required_by="judge data")
+        except TaskDataError as exc:
+            summary.skipped_episodes.append(str(exc))
             continue
+        assert meta is not None  # required_by: missing is an error
         problem = problems.get(episode.instance_id)
         if problem is None:
             summary.skipped_episodes.append(f"{path}: task {episode.instance_id} is not in the task set")

@@ -52,8 +52,8 @@ class _TrajFile(msgspec.Struct):
     episode: Episode
 
 
-class _Meta(msgspec.Struct):
-    """The parts of a meta.json this reader needs."""
+class EpisodeMeta(msgspec.Struct):
+    """The parts of an episode's meta.json (the Rollout actor writes it) that the readers of episodes need."""
 
     instance_id: str = ""
     sample: int = 0
@@ -91,8 +91,8 @@ def samples_from_runs(paths: Iterable[str | os.PathLike[str]], *, resolved_only:
     samples: list[TrainSample] = []
     skipped: dict[str, int] = {}
     for path in trajectory_files(paths):
-        episode = _read_episode(path)
-        meta = _read_meta(path.parent / META_FILE, required=resolved_only)
+        episode = read_episode(path)
+        meta = read_meta(path.parent / META_FILE, required_by="resolved_only" if resolved_only else "")
         if resolved_only and not (meta and meta.resolved):
             skipped["not resolved"] = skipped.get("not resolved", 0) + 1
             continue
@@ -109,7 +109,9 @@ def samples_from_runs(paths: Iterable[str | os.PathLike[str]], *, resolved_only:
     return samples
 
 
-def _read_episode(path: Path) -> Episode:
+def read_episode(path: Path) -> Episode:
+    """The Episode of a traj.json; a TaskDataError (naming the file) when it cannot be read, is not JSON, has
+    another format_version or is not a swectl trajectory."""
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -126,18 +128,20 @@ def _read_episode(path: Path) -> Episode:
         raise TaskDataError(f"{path}: not a swectl trajectory: {exc}") from exc
 
 
-def _read_meta(path: Path, *, required: bool) -> _Meta | None:
+def read_meta(path: Path, *, required_by: str = "") -> EpisodeMeta | None:
+    """An episode's meta.json; None when it is missing, unless ``required_by`` names what needs it (then a
+    TaskDataError, as for a file that is not an episode's meta.json)."""
     if not path.is_file():
-        if required:
-            raise TaskDataError(f"{path}: missing; resolved_only needs the episode's meta.json (its grade)")
+        if required_by:
+            raise TaskDataError(f"{path}: missing; {required_by} needs the episode's meta.json (its grade)")
         return None
     try:
-        return msgspec.json.decode(path.read_bytes(), type=_Meta)
+        return msgspec.json.decode(path.read_bytes(), type=EpisodeMeta)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise TaskDataError(f"{path}: not an episode's meta.json: {exc}") from exc
 
 
-def _episode_samples(path: Path, episode: Episode, meta: _Meta | None) -> list[TrainSample]:
+def _episode_samples(path: Path, episode: Episode, meta: EpisodeMeta | None) -> list[TrainSample]:
     """One sample per episode (or per step, when the episode recorded them). A reply the agent loop rejected as
     malformed (no single bash block: ``Step.format_error``) carries no loss: SFT learns what came after a slip
     (the recovery), never the slip itself."""
