@@ -65,7 +65,7 @@ class DataSource:
             instance = self.cursor.pending.pop(0)
             if instance not in by_id:
                 raise ConfigError(f"the checkpoint's pending task {instance!r} is not in the training split; was the "
-                                  "task file or train.test_fraction changed since?")
+                                  "task file, train.test_fraction or train.split_seed changed since?")
             out.append(by_id[instance])
         while len(out) < n:
             if self.cursor.index >= len(self._order):

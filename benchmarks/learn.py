@@ -1,7 +1,7 @@
 """`just learn`: does the policy learn, on this CPU machine? The whole demo through swectl's own commands.
 
 1. the tiny model (`swectl model init`), a seeded train/test split of the bundled tasks (the split `swectl up`
-   makes with train.test_fraction 0.5 and train.seed);
+   makes with train.test_fraction 0.5 and train.split_seed = --seed);
 2. gold trajectories of the train split (`swectl data gold`: each gold patch acted out as agent turns) and, with
    ``--give-up K`` (default 1), K copies of a wrong teacher's trajectory per task (`swectl data gold --script
    give-up`: the same first look at the code, then a submission with no change) and, with ``--recover K``
@@ -139,6 +139,18 @@ def train(args: argparse.Namespace, out_dir: Path, run_id: str, sets: dict[str, 
     return final_weights(folder)
 
 
+def check_trained_on(run_dir: Path, train_tasks: list) -> None:
+    """Stop unless every task the run trained on (its steps.jsonl) is one of the bench's train split: the
+    evaluations read the train split, and a run that trained on held-out tasks would make the test reading moot
+    (a ``--grpo-set train.split_seed=...`` or ``train.tasks=...`` could do that)."""
+    allowed = {t.instance_id for t in train_tasks}
+    trained = {task for line in (run_dir / "steps.jsonl").read_text().splitlines() if line.strip()
+               for task in json.loads(line).get("tasks", [])}
+    if trained - allowed:
+        raise SystemExit(f"learn: {run_dir.name} trained on {len(trained - allowed)} task(s) outside the train split "
+                         f"(e.g. {sorted(trained - allowed)[:3]}): its readings would not be a learning check")
+
+
 def final_weights(run_dir: Path) -> Path:
     """The weights folder of a `swectl up` run's latest checkpoint."""
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
@@ -263,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     continue_sft = args.grpo_start == "checkpoint"
     grpo_sets: dict[str, object] = {
         "train.algorithm": '"grpo"', "train.tasks_per_step": args.tasks_per_step, "train.n_samples": args.n_samples,
-        "train.seed": args.seed, "train.test_fraction": 0.5, "train.save_every": 5,
+        "train.seed": args.seed, "train.split_seed": args.seed, "train.test_fraction": 0.5, "train.save_every": 5,
         "train.concurrency": args.concurrency, "train.max_sampling_rounds": 2,
         "train.mask_truncated": str(args.mask_truncated).lower(),
         "train.mask_truncated_endings": json.dumps(OVERLONG_ENDINGS if args.mask_truncated_endings == "overlong"
@@ -291,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, sets in runs.items():
         t0 = time.monotonic()
         weights = train(args, work, name + suffix, sets, continue_from=work / "sft" if continue_sft else None)
+        check_trained_on(work / (name + suffix), train_tasks)
         timings[f"{name}_s"] = time.monotonic() - t0
         curves[name] = curve(work / (name + suffix), after=args.sft_steps if continue_sft else 0)
         rates[f"train_after_{name}"] = evaluate(args, weights, work / "train.jsonl", work / f"eval-{name}{suffix}",

@@ -228,6 +228,9 @@ class TrainConfig(_Section):
     model: str = ""  # Hugging Face model folder; "" = the tiny model (`swectl model init`), made if missing
     tasks: str = ""  # task file (JSONL) for grpo; "" = the bundled task set
     test_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.5  # held out for evaluation (seeded)
+    # the seed of that train/held-out split, apart from `seed`: repeats of a run with other seeds train on the same
+    # tasks and hold out the same ones (a seed that also moved the split would train on the other run's test tasks)
+    split_seed: int = 0
     sft_data: list[str] = []  # sft: traj.json run folders, traj.json files or OpenAI-messages JSONL files
     # grpo: the first sft_steps steps are SFT on sft_data (default: gold trajectories of the train split, made
     # at the start by running each task's gold patch as agent turns), then GRPO from there
@@ -296,7 +299,7 @@ class TrainConfig(_Section):
     eval_every: NonNegative = 0  # evaluate on the held-out split every N steps (0 = never)
     eval_samples: Count = 1
     keep_weights: Count = 2  # weight folders kept besides checkpointed ones
-    # the split, the task order, the SFT order and the rollouts' sampling (each request seeded from it, the step, the
+    # the task order, the SFT order and the rollouts' sampling (each request seeded from it, the step, the
     # task, the sample and the turn: a rerun samples the same episodes)
     seed: int = 0
 

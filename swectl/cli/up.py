@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import anyio
+import msgspec
 
 from swectl.cli.common import config_args, say
 from swectl.config import ClusterConfig, apply_override, decode_config, load_config
@@ -21,6 +22,7 @@ EPILOG = """\
 outputs (in <out_dir>/<run_id>/, or the --resume folder):
   metrics.jsonl, tensorboard/   per-step loss, reward, resolve rate, clip fractions, grad norm, timings
   steps.jsonl                   each step's tasks and groups (what was trained on)
+  split.json                    the train and held-out task ids (seeded by train.split_seed)
   checkpoints/                  every train.save_every steps: model, optimizer, data cursor (resume from it)
   weights/step_N/               the Hugging Face folder the engines were given after step N
   episodes/step_N/, eval/       per-episode artifacts (traj.json, patch.diff, meta.json) and evaluations
@@ -62,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     plan = build_plan(config, run_dir)
     t = config.train
     say(f"run {run_dir}: {t.algorithm}, {t.steps} steps, model {plan.model}; "
-        + (f"{len(plan.train_tasks)} train / {len(plan.test_tasks)} held-out tasks, {t.tasks_per_step} tasks x "
+        + (f"{len(plan.train_tasks)} train / {len(plan.test_tasks)} held-out tasks (split seed {t.split_seed}), "
+           f"{t.tasks_per_step} tasks x "
            f"{t.n_samples} samples per step" if t.algorithm == "grpo" else f"{len(plan.sft_samples)} SFT samples"))
     state = anyio.run(lambda: run_training(config, plan, run_dir, resume=bool(args.resume), say=say))
     print(json.dumps({"run_dir": str(run_dir), "steps": state.step, "weights": state.weights,
@@ -105,11 +108,45 @@ def build_plan(config: ClusterConfig, run_dir: Path):  # -> TrainPlan
     loaded = load_tasks(source)
     if not loaded.tasks:
         raise TaskDataError(f"train.tasks {source}: no usable task in it")
-    train, test = split_tasks(loaded.tasks, t.test_fraction, t.seed)
+    train, test = split_tasks(loaded.tasks, t.test_fraction, t.split_seed)
+    record_split(run_dir / "split.json", SplitRecord(
+        tasks=source, test_fraction=t.test_fraction, split_seed=t.split_seed,
+        train=[task.instance_id for task in train], held_out=[task.instance_id for task in test]))
     sft = []
     if t.sft_steps:
         sft = _sft_samples(config, model) if t.sft_data else _gold_samples(config, model, train, run_dir / "gold")
     return TrainPlan(model=model, train_tasks=train, test_tasks=test, sft_samples=sft)
+
+
+class SplitRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """split.json: which tasks a grpo run trains on and which it holds out, written when the run starts."""
+
+    tasks: str
+    test_fraction: float
+    split_seed: int
+    train: list[str]
+    held_out: list[str]
+
+
+def record_split(path: Path, split: SplitRecord) -> None:
+    """Write ``split`` to ``path``, or, when the run already has one (a resume), refuse a different split: the
+    run would go on training on tasks it held out before."""
+    if path.is_file():
+        try:
+            before = msgspec.json.decode(path.read_bytes(), type=SplitRecord)
+        except msgspec.DecodeError as e:
+            raise ConfigError(f"{path}: not a split record ({e}); move it away to start the split afresh") from e
+        if (sorted(before.train), sorted(before.held_out)) != (sorted(split.train), sorted(split.held_out)):
+            moved = sorted(set(split.train) - set(before.train))
+            raise ConfigError(
+                f"{path}: this run started with another train/held-out split ({len(before.train)} train / "
+                f"{len(before.held_out)} held out; now {len(split.train)} / {len(split.held_out)}, "
+                f"{len(moved)} task(s) would move into training, e.g. {moved[:3]}); train.tasks, "
+                f"train.test_fraction or train.split_seed changed since (it was {before.split_seed}, "
+                f"now {split.split_seed})")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(split), indent=1) + b"\n")
 
 
 def _gold_samples(config: ClusterConfig, model: str, tasks: list, out: Path) -> list:

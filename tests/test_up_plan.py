@@ -1,0 +1,49 @@
+"""`swectl up`'s plan: the train/held-out split is seeded by train.split_seed alone and recorded in split.json,
+and a resume that would split differently is refused before anything trains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from swectl.cli.up import build_plan
+from swectl.config import load_config
+from swectl.errors import ConfigError
+
+
+def _plan(tmp_path: Path, run_dir: Path, *sets: str):
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")  # a grpo plan without sft_steps only checks that the folder is a model
+    config = load_config(None, [f"train.model='{model}'", *sets])
+    return build_plan(config, run_dir)
+
+
+def _ids(tasks) -> list[str]:
+    return sorted(t.instance_id for t in tasks)
+
+
+def test_the_training_seed_does_not_move_the_split(tmp_path: Path) -> None:
+    a = _plan(tmp_path, tmp_path / "a", "train.seed=0")
+    b = _plan(tmp_path, tmp_path / "b", "train.seed=1")
+    assert _ids(a.train_tasks) == _ids(b.train_tasks) and _ids(a.test_tasks) == _ids(b.test_tasks)
+    assert a.test_tasks and not set(_ids(a.train_tasks)) & set(_ids(a.test_tasks))
+    c = _plan(tmp_path, tmp_path / "c", "train.split_seed=1")
+    assert _ids(c.train_tasks) != _ids(a.train_tasks)
+    record = json.loads((tmp_path / "a" / "split.json").read_text())
+    assert record["split_seed"] == 0 and sorted(record["train"]) == _ids(a.train_tasks)
+    assert sorted(record["held_out"]) == _ids(a.test_tasks)
+
+
+def test_a_resume_with_another_split_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    first = _plan(tmp_path, run)
+    again = _plan(tmp_path, run, "train.seed=5")  # the same split: accepted
+    assert _ids(again.train_tasks) == _ids(first.train_tasks)
+    with pytest.raises(ConfigError, match=r"another train/held-out split.*split_seed changed since"):
+        _plan(tmp_path, run, "train.split_seed=3")
+    (run / "split.json").write_text("not json")
+    with pytest.raises(ConfigError, match="not a split record"):
+        _plan(tmp_path, run)
