@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
     t = config.train
     say(f"run {run_dir}: {t.algorithm}, {t.steps} steps, model {plan.model}; "
         + (f"{len(plan.train_tasks)} train / {len(plan.test_tasks)} held-out tasks (split seed {t.split_seed}), "
-           f"{t.tasks_per_step} tasks x "
-           f"{t.n_samples} samples per step" if t.algorithm == "grpo" else f"{len(plan.sft_samples)} SFT samples"))
+           f"{t.tasks_per_step} tasks x {t.n_samples} samples per step" if t.algorithm == "grpo"
+           else f"{len(plan.sft_samples)} SFT samples"))
     state = anyio.run(lambda: run_training(config, plan, run_dir, resume=bool(args.resume), say=say))
     print(json.dumps({"run_dir": str(run_dir), "steps": state.step, "weights": state.weights,
                       "skipped_steps": state.skipped_steps}))
