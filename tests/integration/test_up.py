@@ -94,13 +94,13 @@ def test_sigkill_of_the_controller_then_resume_repeats_and_skips_nothing(model: 
     _check_records(run)
 
 
-def _check_async_records(run: Path) -> None:
+def _check_async_records(run: Path, n_steps: int = STEPS) -> None:
     """An async run's records: every step once, each task drawn either recorded in one step or pending (in flight
     at the end), never twice; the draws in the data source's order; no group staler than max_staleness 1."""
     steps = _lines(run / "steps.jsonl")
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1)), steps
+    assert [r["step"] for r in steps] == list(range(1, n_steps + 1)), steps
     recorded = [t for r in steps for t in r["tasks"]]
-    assert len(recorded) == STEPS * TASKS_PER_STEP and len(set(recorded)) == len(recorded), recorded
+    assert len(recorded) == n_steps * TASKS_PER_STEP and len(set(recorded)) == len(recorded), recorded
     state = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text() / "controller.json")
                        .read_text())
     consumed, pending = state["cursor"]["consumed"], state["cursor"]["pending"]
@@ -108,19 +108,23 @@ def _check_async_records(run: Path) -> None:
     assert consumed == [t.instance_id for t in DataSource(train, seed=0).next(len(consumed))]
     assert sorted(recorded + pending) == sorted(consumed)
     metrics = [r for r in _lines(run / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in metrics] == list(range(1, n_steps + 1))
     assert all(r["staleness_max"] <= 1 for r in metrics)
 
 
 def test_async_run_killed_then_resumed_trains_every_task_once(model: Path, tmp_path: Path) -> None:
     """train.max_staleness = 1: groups run while the trainer trains. SIGKILL mid-run with groups in flight and
-    buffered, then --resume: those tasks are drawn again first and each is recorded in exactly one step."""
+    buffered, then --resume: those tasks are drawn again first and each is recorded in exactly one step.
+
+    Twice the steps of the other runs: with groups sampled ahead, the steps after the second can follow it within a
+    second or two, and a run killed after its last step leaves its resume nothing to train."""
     run = tmp_path / "async"
+    n_steps = 2 * STEPS
     argv = _argv(model, tmp_path, "async", "--set", "train.max_staleness=1")
+    argv[argv.index("--steps") + 1] = str(n_steps)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_step(run, 2, proc)
-        time.sleep(2)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -131,12 +135,13 @@ def test_async_run_killed_then_resumed_trains_every_task_once(model: Path, tmp_p
         time.sleep(0.5)
     killed_at = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text() / "controller.json")
                            .read_text())
+    assert killed_at["step"] < n_steps, killed_at["step"]  # killed with steps left to train
     assert killed_at["cursor"]["pending"]  # groups run ahead of the trainer: some were in flight at the checkpoint
     done = subprocess.run([sys.executable, "-m", "swectl.cli.main", "up", "--resume", str(run)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resuming after step" in done.stderr and "async training" in done.stderr
-    _check_async_records(run)
+    assert "resuming after step" in done.stderr and "async training" in done.stderr, done.stderr[-3000:]
+    _check_async_records(run, n_steps)
 
 
 def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint(model: Path, tmp_path: Path) -> None:
