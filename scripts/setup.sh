@@ -3,7 +3,7 @@
 #   1. system packages: podman, runc, catatonit, debootstrap, uidmap, openssh-server, iproute2, git;
 #      docker.io (the docker sandbox backend and its tests; installed, never started: tests run a private dockerd)
 #   2. a virtualenv in .venv with swectl installed editable (extras from $SWECTL_EXTRAS, default "dev,cpu")
-#   3. the offline base image localhost/swectl-base:bookworm (debootstrap + podman import)
+#   3. the offline base image localhost/swectl-base:bookworm (debootstrap + podman import; en_US.UTF-8 locale)
 # Podman is configured through CONTAINERS_CONF=remote/nodes/containers.conf for swectl's own calls only;
 # the user's /etc/containers configuration is never modified.
 set -euo pipefail
@@ -63,9 +63,12 @@ fi
 bash scripts/fetch_swebench_specs.sh
 
 # --- 3. base image --------------------------------------------------------------------------------
-# Images built before python3-venv joined the base (needed by project images) are rebuilt.
-if podman image exists "$BASE_IMAGE" && ! podman run --rm --network none "$BASE_IMAGE" python3 -c "import ensurepip" 2>/dev/null; then
-    say "rebuilding $BASE_IMAGE: it lacks python3-venv"
+# Images built before python3-venv (needed by project images) or the en_US.UTF-8 locale joined the base are
+# rebuilt. The locale: the official SWE-bench images have every locale (locales-all), and specs' eval commands
+# export LANG=en_US.UTF-8 (django's): without it Python 3.6 opens text files as ASCII and gold patches fail.
+base_ok='import ensurepip, locale; locale.setlocale(locale.LC_ALL, "en_US.UTF-8")'
+if podman image exists "$BASE_IMAGE" && ! podman run --rm --network none "$BASE_IMAGE" python3 -c "$base_ok" 2>/dev/null; then
+    say "rebuilding $BASE_IMAGE: it lacks python3-venv or the en_US.UTF-8 locale"
     podman rmi -f "$BASE_IMAGE" >/dev/null
 fi
 if ! podman image exists "$BASE_IMAGE"; then
@@ -75,8 +78,12 @@ if ! podman image exists "$BASE_IMAGE"; then
     rootfs=$(mktemp -d /var/tmp/swectl-rootfs.XXXXXX)
     trap 'rm -rf "$rootfs"' EXIT
     say "building $BASE_IMAGE with debootstrap from $mirror (about a minute)"
-    debootstrap --variant=minbase --include=python3,python3-venv,git,patch,procps bookworm "$rootfs" "$mirror" >/var/tmp/swectl-debootstrap.log 2>&1 \
+    debootstrap --variant=minbase --include=python3,python3-venv,git,patch,procps,locales bookworm "$rootfs" "$mirror" >/var/tmp/swectl-debootstrap.log 2>&1 \
         || { echo "setup: debootstrap failed, see /var/tmp/swectl-debootstrap.log" >&2; exit 1; }
+    # en_US.UTF-8 generated (and left uncommented in /etc/locale.gen, so an eval script's locale-gen keeps it)
+    sed -i '/^# *en_US.UTF-8 UTF-8/s/^# *//' "$rootfs"/etc/locale.gen
+    chroot "$rootfs" locale-gen >>/var/tmp/swectl-debootstrap.log 2>&1 \
+        || { echo "setup: locale-gen in the base image failed, see /var/tmp/swectl-debootstrap.log" >&2; exit 1; }
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
     tar -C "$rootfs" -c . | podman import --quiet - "$BASE_IMAGE" >/dev/null
     rm -rf "$rootfs"; trap - EXIT

@@ -346,6 +346,43 @@ def _touch(path):
         os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
 
 
+def sandbox_hostname(box):
+    """The sandbox's hostname: the request's, else the first 12 characters of its id (as Podman names one)."""
+    return box.request.get("hostname") or box.id[:12]
+
+
+def write_name_files(root, hostname, network):
+    """What Podman writes into every container: /etc/hosts (the image's lines, with ``localhost`` and the
+    hostname added where missing), /etc/hostname and, with the node's network, the node's /etc/resolv.conf.
+    Without /etc/hosts nothing resolves ``localhost`` (tests that bind a server to it fail). An /etc that is
+    a symlink is left alone, and a file that is a symlink is replaced: nothing is written outside the root."""
+    etc = os.path.join(root, "etc")
+    if os.path.islink(etc) or not os.path.isdir(etc):
+        return
+
+    def replace(name, text):
+        path = os.path.join(etc, name)
+        if os.path.islink(path):
+            os.unlink(path)
+        _write(path, text)
+
+    hosts = os.path.join(etc, "hosts")
+    lines = []
+    if os.path.isfile(hosts) and not os.path.islink(hosts):
+        with open(hosts, errors="replace") as f:
+            lines = f.read().splitlines()
+    names = {name for line in lines for name in line.split("#")[0].split()[1:]}
+    added = [] if "localhost" in names else ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+    if hostname not in names:
+        added.append(f"127.0.0.1\t{hostname}")
+    if added or not os.path.isfile(hosts):
+        replace("hosts", "\n".join([*added, *lines, ""]))
+    replace("hostname", hostname + "\n")
+    if network and os.path.isfile("/etc/resolv.conf"):
+        with open("/etc/resolv.conf", errors="replace") as f:
+            replace("resolv.conf", f.read())
+
+
 def setup_root(box):
     """In the sandbox's new mount namespace, as its PID 1: build its root and enter it."""
     r = box.request
@@ -377,6 +414,7 @@ def setup_root(box):
             _mkdirs(os.path.join(root, d))
     if os.stat(os.path.join(root, "tmp")).st_mode & 0o7777 != 0o1777:
         os.chmod(os.path.join(root, "tmp"), 0o1777)
+    write_name_files(root, sandbox_hostname(box), r.get("network"))
     proc = os.path.join(root, "proc")
     _mount("proc", proc, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     sysfs = os.path.join(root, "sys")
@@ -446,7 +484,7 @@ def run_sandbox(box, channel_fds, status_w, agent_code, userns=None):
     r = box.request
     try:
         setup_root(box)
-        name = r.get("hostname") or box.id[:12]
+        name = sandbox_hostname(box)
         _check(_libc.sethostname(name.encode(), len(name.encode())), "sethostname")
         if not r.get("network"):
             _loopback_up()

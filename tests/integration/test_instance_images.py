@@ -201,6 +201,18 @@ def test_conda_shim_activates_the_venv_under_set_u(fake: Fake) -> None:
     assert r.stdout.split() == ["/opt/venv/bin/python", "1"]
 
 
+def test_the_en_us_utf8_locale_of_the_official_images_is_there_without_apt_steps(fake: Fake) -> None:
+    """The official images have every locale; specs' eval commands export LANG=en_US.UTF-8 (django's, with no apt
+    step of their own) and tests read UTF-8 files in text mode. The spec here has no apt step: the locale comes from
+    the base image, and an eval script's locale-gen keeps it."""
+    script = ("export LANG=en_US.UTF-8 LC_ALL=en_US.UTF-8; locale-gen >/dev/null 2>&1; "
+              "python -c 'import locale; locale.setlocale(locale.LC_ALL, \"\"); print(locale.getpreferredencoding())'")
+    r = in_image(fake.built.image, script)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["UTF-8"], r.stdout + r.stderr
+    assert "setlocale" not in r.stderr, r.stderr  # bash: "warning: setlocale: LC_ALL: cannot change locale"
+
+
 def test_unpinned_requirements_resolve_as_of_the_official_cutoff(fake: Fake) -> None:
     """The runner's unpinned pytest is the last release before 2024-08-13 (8.3.2, 2024-07-20), not today's."""
     assert image_label(fake.built.image, "swectl.uploaded_prior_to") == OFFICIAL_CUTOFF

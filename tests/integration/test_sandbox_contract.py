@@ -405,6 +405,16 @@ async def test_no_network_by_default(sandbox: Sandbox) -> None:
         assert "Network is unreachable" in result.output or "Error" in result.output
 
 
+async def test_localhost_resolves_without_network(sandbox: Sandbox) -> None:
+    """As in any container: ``localhost`` resolves (/etc/hosts), so a test server bound to ``localhost``
+    (django's live server) starts with no network. The base image has no /etc/hosts of its own."""
+    out = await ok(sandbox, "getent hosts localhost")
+    assert out.startswith(("127.0.0.1", "::1")), out
+    if sandbox.uses_agent:
+        py = "import socket; s = socket.socket(); s.bind(('localhost', 0)); s.listen(); print('bound')"
+        assert await ok(sandbox, f'python3 -c "{py}"') == "bound\n"
+
+
 BOMB = ":(){ :|:& };:"  # the classic: its shell returns at once and leaves the bomb running
 BOMB_BLOCKING = "trap '' TERM; :(){ :|:; };:"  # blocks until killed, and ignores SIGTERM
 
