@@ -42,11 +42,12 @@ from pathlib import Path
 import msgspec
 
 from swectl.actors.data_source import split_tasks
+from swectl.config import TRUNCATED_ENDINGS
 from swectl.images.project import BUNDLED_TASKS
 from swectl.tasks.sources import load_tasks
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learn.json"
-OVERLONG_ENDINGS = ["LimitsExceeded", "TimeExceeded", "ContextExceeded"]  # the TRUNCATED endings but FormatError
+OVERLONG_ENDINGS = [e for e in TRUNCATED_ENDINGS if e != "FormatError"]  # the TRUNCATED endings but FormatError
 SWECTL = [sys.executable, "-m", "swectl.cli.main"]
 
 

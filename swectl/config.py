@@ -13,7 +13,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -25,7 +25,10 @@ Positive = Annotated[float, msgspec.Meta(gt=0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 # the exit statuses of a TRUNCATED episode (swectl.agent.protocol.ExitStatus)
+# the exit statuses of a TRUNCATED episode: the step limit, the wall time, the context budget (the overlong
+# endings) and the malformed-reply limit (the agent loop's ExitStatus, less Submitted and Aborted)
 TruncatedEnding = Literal["LimitsExceeded", "TimeExceeded", "ContextExceeded", "FormatError"]
+TRUNCATED_ENDINGS: tuple[str, ...] = get_args(TruncatedEnding)
 NodeName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
 
 
@@ -265,7 +268,7 @@ class TrainConfig(_Section):
     # malformed-reply limit; ["LimitsExceeded", "TimeExceeded", "ContextExceeded"] leaves an episode that ended on
     # malformed replies its gradient (its well-formed turns carry its advantage)
     mask_truncated_endings: list[TruncatedEnding] = msgspec.field(
-        default_factory=lambda: ["LimitsExceeded", "TimeExceeded", "ContextExceeded", "FormatError"])
+        default_factory=lambda: list(TRUNCATED_ENDINGS))
     # the turns after an episode's first malformed reply carry no gradient (nor that reply, if its advantage is > 0)
     mask_after_format_error: bool = False
     # malformed replies (no single bash block) carry no gradient, whatever the advantage; the other turns train

@@ -217,3 +217,11 @@ def test_a_resolved_episode_that_never_submitted_can_count_as_unresolved() -> No
 def test_train_config_errors_name_the_knob(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_the_truncated_endings_are_the_agent_loops_truncated_exit_statuses() -> None:
+    from swectl.agent.loop import OUTCOME
+    from swectl.config import TRUNCATED_ENDINGS, TrainConfig
+
+    assert sorted(TRUNCATED_ENDINGS) == sorted(s for s, outcome in OUTCOME.items() if outcome == "TRUNCATED")
+    assert TrainConfig().mask_truncated_endings == list(TRUNCATED_ENDINGS)

@@ -15,15 +15,13 @@ from typing import Literal
 
 import msgspec
 
+from swectl.config import TRUNCATED_ENDINGS
 from swectl.rl.advantages import group_advantages, informative
 from swectl.rl.batch import TrainSample, pack_sample
 from swectl.rl.prm import process_bonus
 
 SampleMode = Literal["episode", "step"]
 StepWeight = Literal["none", "episode"]  # per-step samples: as they come, or each episode weighing one
-# the exit statuses of a TRUNCATED episode: the step limit, the wall time, the context budget (the overlong
-# endings) and the malformed-reply limit
-TRUNCATED_ENDINGS = ("LimitsExceeded", "TimeExceeded", "ContextExceeded", "FormatError")
 
 
 class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
