@@ -12,7 +12,8 @@ task gets exactly one reason (:func:`classify`, first match wins):
 - ``flaky``: gold resolved in some runs and not in others; ``tests`` are the ones that changed;
 - ``network``: gold's failing tests need the network (the log has resolver / connection errors; sandboxes
   have none);
-- ``cpu_count``: gold's failing tests depend on the number of CPUs (parallel jobs, ``cpu_count``);
+- ``cpu_count``: gold's failing tests depend on the number of CPUs (parallel jobs, ``cpu_count``, tests skipped
+  for want of cores): the official harness sets no CPU limit; ``--set sandbox.cpus=N`` gives gradings more;
 - ``env_drift``: gold fails the same tests every run: the environment differs from the one the dataset's
   test lists were recorded in (``tests`` names them);
 - ``empty_resolves``: the empty patch resolves: the tests do not see the bug.
@@ -59,7 +60,9 @@ NETWORK_MARKERS = re.compile(
 )
 # Test ids and log lines of tests whose outcome depends on how many CPUs the sandbox has.
 CPU_TESTS = re.compile(r"parallel|multiprocess|jobs|cpu_count|n_cpu|ncpu", re.IGNORECASE)
-CPU_LOG = re.compile(r"\bcpu_count\b|sched_getaffinity|PYTEST_XDIST_AUTO_NUM_WORKERS", re.IGNORECASE)
+# (pylint skips its parallel tests with "Need 2 or more cores for test to be meaningful" in a one-CPU sandbox)
+CPU_LOG = re.compile(r"\bcpu_count\b|sched_getaffinity|PYTEST_XDIST_AUTO_NUM_WORKERS|"
+                     r"\b(?:\d+|two) or more (?:cores|cpus)\b|needs?_two_cores", re.IGNORECASE)
 LOG_TAIL_BYTES = 4 << 20  # of a test log read for markers
 
 
@@ -193,6 +196,9 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
         v.detail = (f"{first.status}{f' ({first.reason})' if first.reason else ''}: {len(first.f2p_failed)} of "
                     f"{first.f2p_total} FAIL_TO_PASS and {len(first.p2p_failed)} of {first.p2p_total} PASS_TO_PASS "
                     "tests fail")
+        if v.reason == "cpu_count":
+            v.detail += ("; they need more CPUs than the sandbox has (the official harness sets no CPU limit): "
+                         "validate again with --set sandbox.cpus=N")
         return v
     if empty.resolved:
         v.reason, v.detail = "empty_resolves", "the empty patch resolves: the FAIL_TO_PASS tests pass without the fix"
