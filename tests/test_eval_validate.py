@@ -51,6 +51,11 @@ def test_same_failures_every_run_are_drift_network_or_cpu(tmp_path: Path) -> Non
     drift = [grade("unresolved", failed=("t::a",), log="AssertionError: ids differ", tmp=tmp_path) for _ in range(2)]
     v = classify(TASK, None, drift, grade("unresolved"))
     assert (v.reason, v.tests) == ("env_drift", ["t::a"])
+    assert "could not import" not in v.detail
+    conda_only = [grade("unresolved", failed=("t::cdms2",), tmp=tmp_path,
+                        log="SKIPPED [1] t.py:3783: could not import 'cdms2': No module named 'cdms2'")] * 2
+    v = classify(TASK, None, conda_only, grade("unresolved"))
+    assert v.reason == "env_drift" and v.detail.endswith("modules the tests could not import: cdms2"), v.detail
     net = [grade("unresolved", failed=("t::a",), tmp=tmp_path,
                  log="requests.exceptions.ConnectionError: Failed to establish a new connection") for _ in range(2)]
     assert classify(TASK, None, net, grade("unresolved")).reason == "network"

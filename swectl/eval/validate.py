@@ -63,6 +63,8 @@ CPU_TESTS = re.compile(r"parallel|multiprocess|jobs|cpu_count|n_cpu|ncpu", re.IG
 # (pylint skips its parallel tests with "Need 2 or more cores for test to be meaningful" in a one-CPU sandbox)
 CPU_LOG = re.compile(r"\bcpu_count\b|sched_getaffinity|PYTEST_XDIST_AUTO_NUM_WORKERS|"
                      r"\b(?:\d+|two) or more (?:cores|cpus)\b|needs?_two_cores", re.IGNORECASE)
+# A test skipped or failed on an import (pytest.importorskip, ImportError): the module is not in the environment.
+MISSING_MODULE = re.compile(r"No module named '([\w.]+)'")
 LOG_TAIL_BYTES = 4 << 20  # of a test log read for markers
 
 
@@ -196,6 +198,9 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
         v.detail = (f"{first.status}{f' ({first.reason})' if first.reason else ''}: {len(first.f2p_failed)} of "
                     f"{first.f2p_total} FAIL_TO_PASS and {len(first.p2p_failed)} of {first.p2p_total} PASS_TO_PASS "
                     "tests fail")
+        missing = sorted({m for r in failing for m in MISSING_MODULE.findall(_log_text(r))})
+        if v.reason == "env_drift" and missing:  # e.g. cdms2: a conda-only package pip cannot install
+            v.detail += f"; modules the tests could not import: {', '.join(missing[:10])}"
         if v.reason == "cpu_count":
             v.detail += ("; they need more CPUs than the sandbox has (the official harness sets no CPU limit): "
                          "validate again with --set sandbox.cpus=N")
