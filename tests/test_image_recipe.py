@@ -262,9 +262,13 @@ def test_requirements_files_are_read_at_the_environment_setup_commit(tmp_path: P
     stage = {s.name: s.requirements for s in spec_requirements(_task(environment_setup_commit=env_commit), spec,
                                                                 repo, base).stages}
     assert stage["packages"] == ["asgiref>=3.2"]
+    assert not any("environment setup commit" in n for n in spec_requirements(
+        _task(environment_setup_commit=env_commit), spec, repo, base).notes)
     missing = _task(environment_setup_commit="e" * 40)
-    stage = {s.name: s.requirements for s in spec_requirements(missing, spec, repo, base).stages}
-    assert stage["packages"] == ["asgiref>=3.2.10", "sqlparse"]
+    reqs = spec_requirements(missing, spec, repo, base)
+    assert {s.name: s.requirements for s in reqs.stages}["packages"] == ["asgiref>=3.2.10", "sqlparse"]
+    lacks = "the clone lacks the environment setup commit eeeeeeeeeeee"
+    assert any(n.startswith(lacks) for n in reqs.notes), reqs.notes
 
 
 def test_conda_era_caps_hold_back_what_conda_never_built_for_an_old_python() -> None:

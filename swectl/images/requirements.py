@@ -218,6 +218,10 @@ def _repo_file_requirements(task: Task, spec: RepoSpec, clone: Path, commit: str
     kind = spec.packages
     paths = (REQS_PATHS if kind == "requirements.txt" else ENV_YML_PATHS).get(task.repo, (kind,))
     commits = [c for c in dict.fromkeys((task.environment_setup_commit, commit)) if c and has_commit(clone, c)]
+    setup = task.environment_setup_commit
+    if setup and setup != commit and setup not in commits:
+        notes.append(f"the clone lacks the environment setup commit {setup[:12]}: {kind} read at the base commit, "
+                     f"so rows of {task.repo} {task.version} may not share one environment")
     for at in commits:
         for path in paths:
             text = read_at(clone, at, path)
