@@ -24,7 +24,6 @@ DEFAULT_IMAGE = "localhost/swectl-base:bookworm"
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-# the exit statuses of a TRUNCATED episode (swectl.agent.protocol.ExitStatus)
 # the exit statuses of a TRUNCATED episode: the step limit, the wall time, the context budget (the overlong
 # endings) and the malformed-reply limit (the agent loop's ExitStatus, less Submitted and Aborted)
 TruncatedEnding = Literal["LimitsExceeded", "TimeExceeded", "ContextExceeded", "FormatError"]

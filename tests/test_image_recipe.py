@@ -259,11 +259,9 @@ def test_requirements_files_are_read_at_the_environment_setup_commit(tmp_path: P
     _git(repo, "commit", "-q", "-am", "later")
     base = _git(repo, "rev-parse", "HEAD")
     spec = RepoSpec(repo="x/y", version="1.0", python="3.9", packages="requirements.txt")
-    stage = {s.name: s.requirements for s in spec_requirements(_task(environment_setup_commit=env_commit), spec,
-                                                                repo, base).stages}
-    assert stage["packages"] == ["asgiref>=3.2"]
-    assert not any("environment setup commit" in n for n in spec_requirements(
-        _task(environment_setup_commit=env_commit), spec, repo, base).notes)
+    at_setup = spec_requirements(_task(environment_setup_commit=env_commit), spec, repo, base)
+    assert {s.name: s.requirements for s in at_setup.stages}["packages"] == ["asgiref>=3.2"]
+    assert not any("environment setup commit" in n for n in at_setup.notes)
     missing = _task(environment_setup_commit="e" * 40)
     reqs = spec_requirements(missing, spec, repo, base)
     assert {s.name: s.requirements for s in reqs.stages}["packages"] == ["asgiref>=3.2.10", "sqlparse"]

@@ -375,7 +375,7 @@ def write_name_files(root, hostname, network):
     added = [] if "localhost" in names else ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
     if hostname not in names:
         added.append(f"127.0.0.1\t{hostname}")
-    if added or not os.path.isfile(hosts):
+    if added:  # always when the image has no /etc/hosts (nothing names localhost)
         replace("hosts", "\n".join([*added, *lines, ""]))
     replace("hostname", hostname + "\n")
     if network and os.path.isfile("/etc/resolv.conf"):

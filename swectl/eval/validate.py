@@ -144,9 +144,9 @@ def _log_text(result: GradeResult) -> str:
         return ""
 
 
-def _failure_kind(failing: list[GradeResult], tests: set[str]) -> Reason:
-    """Why gold fails the same tests in every run: the network, the CPU count, or the environment."""
-    logs = [_log_text(r) for r in failing]
+def _failure_kind(logs: list[str], tests: set[str]) -> Reason:
+    """Why gold fails the same tests in every run (``logs``: the failing runs' test logs): the network, the CPU
+    count, or the environment."""
     if any(NETWORK_MARKERS.search(log) for log in logs):
         return "network"
     if (tests and all(CPU_TESTS.search(t) for t in tests)) or any(CPU_LOG.search(log) for log in logs):
@@ -193,13 +193,14 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
             v.reason, v.tests = "flaky", sorted(changing)
             v.detail = f"gold unresolved in every run; {len(always)} tests fail every time"
             return v
-        v.reason, v.tests = _failure_kind(failing, always), sorted(always)
+        logs = [_log_text(r) for r in failing]
+        v.reason, v.tests = _failure_kind(logs, always), sorted(always)
         first = failing[0]
         v.detail = (f"{first.status}{f' ({first.reason})' if first.reason else ''}: {len(first.f2p_failed)} of "
                     f"{first.f2p_total} FAIL_TO_PASS and {len(first.p2p_failed)} of {first.p2p_total} PASS_TO_PASS "
                     "tests fail")
-        missing = sorted({m for r in failing for m in MISSING_MODULE.findall(_log_text(r))})
-        if v.reason == "env_drift" and missing:  # e.g. cdms2: a conda-only package pip cannot install
+        missing = sorted({m for log in logs for m in MISSING_MODULE.findall(log)}) if v.reason == "env_drift" else []
+        if missing:  # e.g. cdms2: a conda-only package pip cannot install
             v.detail += f"; modules the tests could not import: {', '.join(missing[:10])}"
         if v.reason == "cpu_count":
             v.detail += ("; they need more CPUs than the sandbox has (the official harness sets no CPU limit): "
