@@ -1,4 +1,4 @@
-"""nsbox.write_name_files: the /etc/hosts, /etc/hostname (and, with the network, /etc/resolv.conf) that a
+"""nsbox.write_name_files: the /etc/hosts, /etc/hostname and /etc/resolv.conf that a
 namespace sandbox's root gets, as Podman writes them into every container."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def test_a_root_without_hosts_gets_localhost_and_its_hostname(tmp_path: Path) ->
     assert names["localhost"] == "127.0.0.1" and names["box1"] == "127.0.0.1"
     assert names["ip6-localhost"] == "::1"
     assert (tmp_path / "etc" / "hostname").read_text() == "box1\n"
-    assert not (tmp_path / "etc" / "resolv.conf").exists()  # no network: nothing to resolve with
+    # no network: a nameserver where nothing answers, so a lookup fails at once
+    assert (tmp_path / "etc" / "resolv.conf").read_text().splitlines()[-1] == "nameserver 127.0.0.1"
 
 
 def test_the_images_own_lines_are_kept_and_not_repeated(tmp_path: Path) -> None:

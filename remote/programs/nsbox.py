@@ -85,6 +85,7 @@ PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 36, 24, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+SIOCADDRT, RTF_UP = 0x890B, 0x1
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine(), 155)
 SYS_CAPSET = {"x86_64": 126, "aarch64": 91}.get(platform.machine(), 126)
 
@@ -329,11 +330,41 @@ def _drop_privileges():
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
+class _RtEntry(ctypes.Structure):
+    """The kernel's ``struct rtentry`` (SIOCADDRT): sockaddrs as 16 raw bytes, padding named as there."""
+
+    _fields_ = [
+        ("rt_pad1", ctypes.c_ulong),
+        ("rt_dst", ctypes.c_ubyte * 16),
+        ("rt_gateway", ctypes.c_ubyte * 16),
+        ("rt_genmask", ctypes.c_ubyte * 16),
+        ("rt_flags", ctypes.c_ushort),
+        ("rt_pad2", ctypes.c_short),
+        ("rt_pad3", ctypes.c_ulong),
+        ("rt_pad4", ctypes.c_void_p),
+        ("rt_metric", ctypes.c_short),
+        ("rt_dev", ctypes.c_char_p),
+        ("rt_mtu", ctypes.c_ulong),
+        ("rt_window", ctypes.c_ulong),
+        ("rt_irtt", ctypes.c_ushort),
+    ]
+
+
 def _loopback_up():
+    """Bring ``lo`` up and route every other IPv4 address into it. A packet for an address off the sandbox
+    then loops back and is dropped (forwarding is off), so a connect to it times out, as it does behind a
+    firewall, instead of failing at once with "Network is unreachable": tests that expect a connect timeout
+    from an unroutable address (requests' 10.255.255.1) pass as they do in the official, networked
+    containers. Nothing leaves the sandbox either way."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         ifr = struct.pack("16sH14x", b"lo", 0)
         flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, ifr))[1]
         fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+        route = _RtEntry(rt_flags=RTF_UP, rt_dev=b"lo")
+        any_address = struct.pack("=H14x", socket.AF_INET)  # 0.0.0.0, for the destination and its mask
+        ctypes.memmove(route.rt_dst, any_address, 16)
+        ctypes.memmove(route.rt_genmask, any_address, 16)
+        _check(_libc.ioctl(s.fileno(), SIOCADDRT, ctypes.byref(route)), "routing off-sandbox addresses into lo")
 
 
 def _mkdirs(path):
@@ -354,7 +385,9 @@ def sandbox_hostname(box):
 def write_name_files(root, hostname, network):
     """What Podman writes into every container: /etc/hosts (the image's lines, with ``localhost`` and the
     hostname added where missing), /etc/hostname and, with the node's network, the node's /etc/resolv.conf.
-    Without /etc/hosts nothing resolves ``localhost`` (tests that bind a server to it fail). An /etc that is
+    Without /etc/hosts nothing resolves ``localhost`` (tests that bind a server to it fail). Without the
+    network, a resolv.conf naming 127.0.0.1, where nothing answers: a name lookup fails at once rather than
+    waiting out a nameserver that the sandbox's routes lead into ``lo``. An /etc that is
     a symlink is left alone, and a file that is a symlink is replaced: nothing is written outside the root."""
     etc = os.path.join(root, "etc")
     if os.path.islink(etc) or not os.path.isdir(etc):
@@ -378,7 +411,9 @@ def write_name_files(root, hostname, network):
     if added:  # always when the image has no /etc/hosts (nothing names localhost)
         replace("hosts", "\n".join([*added, *lines, ""]))
     replace("hostname", hostname + "\n")
-    if network and os.path.isfile("/etc/resolv.conf"):
+    if not network:
+        replace("resolv.conf", "# no network in this sandbox: lookups fail at once\nnameserver 127.0.0.1\n")
+    elif os.path.isfile("/etc/resolv.conf"):
         with open("/etc/resolv.conf", errors="replace") as f:
             replace("resolv.conf", f.read())
 
