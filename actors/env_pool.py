@@ -192,14 +192,17 @@ class EnvPool:
                     await self._shutdown()
                 tg.cancel_scope.cancel("env pool stopped")
 
-    async def acquire(self, image: str | None = None) -> Lease:
-        """A lease on a fresh sandbox. Waits for capacity; bound the wait with a cancel scope."""
+    async def acquire(self, image: str | None = None, *, grading: bool = False) -> Lease:
+        """A lease on a fresh sandbox. Waits for capacity; bound the wait with a cancel scope. ``grading``: a
+        sandbox for a grading, with ``sandbox.grading_cpus`` (where set) instead of ``sandbox.cpus``."""
         image = image or self._sandbox.image
+        cpus = self.cpus_for(grading)
         attempts = 0
         while True:
             if self._closed:
                 raise PoolClosedError("the env pool is shut down")
-            if image == self._sandbox.image and (lease := await self._take_warm()):
+            warm_fits = image == self._sandbox.image and cpus == self._sandbox.cpus
+            if warm_fits and (lease := await self._take_warm()):
                 self._counts["warm_hits"] += 1
                 return lease
             slot = self._place()
@@ -208,7 +211,7 @@ class EnvPool:
                 await changed.wait()
                 continue
             try:
-                sandbox = await self._create(slot, image)
+                sandbox = await self._create(slot, image, cpus)
             except InfraError as exc:
                 attempts += 1
                 if attempts > self._config.start_retries:
@@ -228,9 +231,16 @@ class EnvPool:
             lease.failure = SandboxError(f"lease {lease.id} was released")
         await lease.sandbox.destroy()
 
+    def cpus_for(self, grading: bool) -> float:
+        """The CPU limit of a new sandbox (0: none): ``sandbox.grading_cpus`` for a grading where it is set,
+        else ``sandbox.cpus``."""
+        if grading and self._sandbox.grading_cpus is not None:
+            return self._sandbox.grading_cpus
+        return self._sandbox.cpus
+
     @asynccontextmanager
-    async def lease(self, image: str | None = None) -> AsyncIterator[Lease]:
-        held = await self.acquire(image)
+    async def lease(self, image: str | None = None, *, grading: bool = False) -> AsyncIterator[Lease]:
+        held = await self.acquire(image, grading=grading)
         try:
             yield held
         finally:
@@ -267,21 +277,21 @@ class EnvPool:
             return None
         return min(candidates, key=lambda s: s.load / s.config.max_running)
 
-    def _spec(self, slot: _NodeSlot, image: str) -> SandboxSpec:
+    def _spec(self, slot: _NodeSlot, image: str, cpus: float) -> SandboxSpec:
         cfg = self._sandbox
         return SandboxSpec(
             image=image, workdir=cfg.workdir, network=cfg.network, memory=cfg.memory,
-            pids_limit=cfg.pids_limit, cpus=cfg.cpus,
+            pids_limit=cfg.pids_limit, cpus=cpus,
             labels={
                 LABEL_MANAGED: "1", LABEL_RUN: self.run_id, LABEL_NODE: slot.config.name,
                 LABEL_CONTROLLER: self._controller,
             },
         )
 
-    async def _create(self, slot: _NodeSlot, image: str) -> Sandbox:
+    async def _create(self, slot: _NodeSlot, image: str, cpus: float | None = None) -> Sandbox:
         slot.starting += 1
         try:
-            return await slot.backend.create(self._spec(slot, image))
+            return await slot.backend.create(self._spec(slot, image, self._sandbox.cpus if cpus is None else cpus))
         except InfraError as exc:
             slot.failures += 1
             self._counts["start_failures"] += 1

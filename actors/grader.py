@@ -199,7 +199,7 @@ class Grader(ServingActor):
             script = with_exit_code(eval_script_for(task, self._specs))
             parser = log_parser_for(task)
             image = self._resolver.resolve(task)
-            async with self._pool.lease(image) as lease:
+            async with self._pool.lease(image, grading=True) as lease:
                 result.node = lease.node
                 await self._grade_in(lease, task, patch, script, parser, result, label, timeout_s or self._timeout_s)
         return result
@@ -213,7 +213,7 @@ class Grader(ServingActor):
         Applies the patch with the same ladder; infrastructure failures are errors with ``infra=True``."""
         timeout_s = timeout_s or self._timeout_s
         result = GradeResult(instance_id=label or image, status="error")
-        async with self._grading(result), self._pool.lease(image) as lease:
+        async with self._grading(result), self._pool.lease(image, grading=True) as lease:
             result.node = lease.node
             result.apply_method = await self._apply(lease, patch, cwd)
             await lease.write_file(EVAL_FILE, script.encode("utf-8", errors="surrogateescape"))

@@ -89,6 +89,10 @@ class SandboxConfig(_Section):
     memory: str = "2g"
     pids_limit: Count = 512
     cpus: Positive = 1.0
+    # the CPU limit of a grading's sandbox (the repository's tests): unset = ``cpus``; 0 = no limit, as the official
+    # SWE-bench harness runs them (tests that need 2 or more cores skip at 1); a limit above a node's cores fails
+    # on Podman and Docker nodes
+    grading_cpus: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
     output_head_bytes: NonNegative = 10_000
     output_tail_bytes: NonNegative = 10_000
     # How long past a command's in-sandbox timeout the controller waits before declaring the sandbox

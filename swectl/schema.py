@@ -129,7 +129,7 @@ class SandboxSpec(msgspec.Struct, frozen=True):
     network: bool = False
     memory: str = "2g"
     pids_limit: int = 512
-    cpus: float = 1.0
+    cpus: float = 1.0  # 0: no CPU limit
     labels: dict[str, str] = {}
     env: dict[str, str] = {}
 

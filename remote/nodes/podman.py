@@ -124,7 +124,9 @@ class ContainerCli:
             args += ["--env", f"{key}={value}"]
         if not spec.network:
             args += ["--network", "none"]
-        args += ["--memory", spec.memory, "--pids-limit", str(spec.pids_limit), "--cpus", str(spec.cpus)]
+        args += ["--memory", spec.memory, "--pids-limit", str(spec.pids_limit)]
+        if spec.cpus > 0:  # 0: no CPU limit
+            args += ["--cpus", str(spec.cpus)]
         args += self.security_args()
         args += ["--workdir", spec.workdir, "--entrypoint", "sleep", qualify_image(spec.image), "infinity"]
         return args

@@ -121,9 +121,10 @@ def create_body(spec: SandboxSpec, name: str) -> dict[str, Any]:
         "resource_limits": {
             "memory": {"limit": ram_in_bytes(spec.memory)},
             "pids": {"limit": spec.pids_limit},
-            "cpu": {"period": CPU_PERIOD, "quota": int(spec.cpus * CPU_PERIOD)},
         },
     }
+    if spec.cpus > 0:  # 0: no CPU limit
+        body["resource_limits"]["cpu"] = {"period": CPU_PERIOD, "quota": int(spec.cpus * CPU_PERIOD)}
     if not spec.network:
         body["netns"] = {"nsmode": "none"}
     return body

@@ -168,6 +168,29 @@ async def test_warm_pool_hit_and_refill(run_id: str) -> None:
         await release(pool, lease)
 
 
+CPU_LIMIT = "cat /sys/fs/cgroup/cpu.max 2>/dev/null || cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us"
+
+
+async def test_grading_leases_take_grading_cpus_and_skip_warm_sandboxes(run_id: str) -> None:
+    """sandbox.grading_cpus = 0: a grading's sandbox has no CPU limit (as the official harness runs tests), the
+    agent's keeps sandbox.cpus; a warm sandbox (made with sandbox.cpus) is never handed to a grading."""
+    async with running_pool(config("env_pool.warm=1", "sandbox.cpus=0.5", "sandbox.grading_cpus=0"), run_id) as pool:
+        with anyio.fail_after(2 * CREATE_TIMEOUT_S):
+            await pool.wait_warm(1)
+        warm_ids = set(await containers(**run_labels(run_id)))
+        assert (pool.cpus_for(grading=True), pool.cpus_for(grading=False)) == (0, 0.5)
+        with anyio.fail_after(CREATE_TIMEOUT_S + 30):
+            async with pool.lease(grading=True) as grading:
+                assert grading.sandbox.id not in warm_ids
+                limit = (await grading.exec(CPU_LIMIT, 10)).output.split()
+                assert limit[0] in ("max", "-1"), limit  # cgroup v2 / v1: no quota
+            async with pool.lease() as agent:
+                assert agent.sandbox.id in warm_ids
+                limit = (await agent.exec(CPU_LIMIT, 10)).output.split()
+                assert limit[0] == "50000", limit  # 0.5 of a 100000 µs period
+        assert pool.statistics().warm_hits == 1
+
+
 def test_set_override_of_embedded_default_node() -> None:
     """``--set nodes.0.max_running=N`` is the CLI's own documented example; it must work on the default."""
     cfg = config("nodes.0.max_running=2", "nodes.0.max_starting=2")

@@ -478,6 +478,23 @@ async def test_background_children_do_not_outlive_the_command(sandbox: Sandbox) 
     assert "sleep 77" not in await processes(sandbox)
 
 
+async def test_zero_cpus_means_no_cpu_limit(backend: Backend) -> None:
+    """cpus = 0 (sandbox.grading_cpus = 0: gradings as the official harness runs them): no CPU quota at all."""
+    with anyio.fail_after(BOUND_S):
+        box = await backend.create(make_spec(cpus=0))
+    try:
+        cpu = await run(box, "cat /sys/fs/cgroup/cpu.max 2>/dev/null || cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+        if cpu.exit_code == 0:
+            assert cpu.output.split()[0] in ("max", "-1"), cpu.output
+        else:  # the cgroup is not visible inside this container: ask podman or docker
+            engine = engine_cli(backend)
+            assert engine is not None, cpu
+            inspect = await engine("inspect", "--format", "{{.HostConfig.NanoCpus}} {{.HostConfig.CpuQuota}}", box.id)
+            assert inspect.stdout.decode().split() in (["0", "0"], ["0", "-1"]), inspect.stdout
+    finally:
+        await box.destroy()
+
+
 async def test_memory_and_cpu_limits_from_the_spec_are_applied(backend: Backend) -> None:
     with anyio.fail_after(BOUND_S):
         box = await backend.create(make_spec(memory="300m", cpus=0.5))
