@@ -90,8 +90,8 @@ class SandboxConfig(_Section):
     pids_limit: Count = 512
     cpus: Positive = 1.0
     # the CPU limit of a grading's sandbox (the repository's tests): unset = ``cpus``; 0 = no limit, as the official
-    # SWE-bench harness runs them (tests that need 2 or more cores skip at 1); a limit above a node's cores fails
-    # on Podman and Docker nodes
+    # SWE-bench harness runs them (but on a cgroup v1 node pylint reads the default cpu.shares as one core); tests
+    # that need 2 or more cores skip at 1; a limit above a node's cores fails on Podman and Docker nodes
     grading_cpus: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
     output_head_bytes: NonNegative = 10_000
     output_tail_bytes: NonNegative = 10_000

@@ -65,7 +65,7 @@ def test_same_failures_every_run_are_drift_network_or_cpu(tmp_path: Path) -> Non
                      log="SKIPPED [1] tests/lint/unittest_lint.py:774: Need 2 or more cores for test to be meaningful",
                      tmp=tmp_path) for _ in range(2)]  # pylint 6528 in a one-CPU sandbox: skipped, so not passed
     v = classify(TASK, None, skipped, grade("unresolved"))
-    assert v.reason == "cpu_count" and "--set sandbox.grading_cpus=0" in v.detail
+    assert v.reason == "cpu_count" and "--set sandbox.grading_cpus=N" in v.detail
 
 
 def test_timeout_patch_failure_infra_and_empty_resolving() -> None:

@@ -13,8 +13,8 @@ task gets exactly one reason (:func:`classify`, first match wins):
 - ``network``: gold's failing tests need the network (the log has resolver / connection errors; sandboxes
   have none);
 - ``cpu_count``: gold's failing tests depend on the number of CPUs (parallel jobs, ``cpu_count``, tests skipped
-  for want of cores): the official harness sets no CPU limit; ``--set sandbox.grading_cpus=0`` lifts the
-  gradings' limit;
+  for want of cores): the official harness sets no CPU limit; ``--set sandbox.grading_cpus=N`` gives gradings N
+  cores (0: no limit, which tools that read cgroup v1's ``cpu.shares``, as pylint does, count as one core);
 - ``env_drift``: gold fails the same tests every run: the environment differs from the one the dataset's
   test lists were recorded in (``tests`` names them);
 - ``empty_resolves``: the empty patch resolves: the tests do not see the bug.
@@ -205,7 +205,8 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
             v.detail += f"; modules the tests could not import: {', '.join(missing[:10])}"
         if v.reason == "cpu_count":
             v.detail += ("; they need more CPUs than the sandbox has (the official harness sets no CPU limit): "
-                         "validate again with --set sandbox.grading_cpus=0 (no limit) or =N")
+                         "validate again with --set sandbox.grading_cpus=N (N cores for the gradings; 0 = no "
+                         "limit, which tools that read cgroup v1's cpu.shares, as pylint does, count as one core)")
         return v
     if empty.resolved:
         v.reason, v.detail = "empty_resolves", "the empty patch resolves: the FAIL_TO_PASS tests pass without the fix"
