@@ -418,6 +418,22 @@ def test_a_build_that_would_not_fit_on_disk_stops_before_podman(fake: Fake, monk
     assert podman("image", "exists", instance_image_name(task)).returncode != 0
 
 
+def podman_build_in_group(pgid: int) -> bool:
+    """Whether a ``podman build`` runs in process group ``pgid``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != pgid:
+                continue
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"podman") and b"build" in argv:
+            return True
+    return False
+
+
 def test_a_build_killed_midway_leaves_no_image_and_builds_next_time(fake: Fake, tmp_path: Path) -> None:
     task = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "6")
     BUILT.append(instance_image_name(task))
@@ -429,10 +445,12 @@ def test_a_build_killed_midway_leaves_no_image_and_builds_next_time(fake: Fake, 
                                  str(fake.repo_cache), "--tasks", str(rows), "--force"], stdout=out, stderr=out,
                                 start_new_session=True)
     deadline = time.monotonic() + 300
-    while b"building localhost/swectl-inst." not in log.read_bytes():
+    while b"building localhost/swectl-inst." not in log.read_bytes() or not podman_build_in_group(proc.pid):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-        time.sleep(0.2)
-    time.sleep(2)  # podman build is under way
+        time.sleep(0.05)
+    # podman build is under way (a fast machine builds the thin instance layer in about a second): freeze the
+    # whole group at once, so that it cannot finish between the look and the kill, then kill it
+    os.killpg(proc.pid, signal.SIGSTOP)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
     assert podman("image", "exists", instance_image_name(task)).returncode != 0  # nothing half-built is named
