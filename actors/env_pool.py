@@ -288,10 +288,10 @@ class EnvPool:
             },
         )
 
-    async def _create(self, slot: _NodeSlot, image: str, cpus: float | None = None) -> Sandbox:
+    async def _create(self, slot: _NodeSlot, image: str, cpus: float) -> Sandbox:
         slot.starting += 1
         try:
-            return await slot.backend.create(self._spec(slot, image, self._sandbox.cpus if cpus is None else cpus))
+            return await slot.backend.create(self._spec(slot, image, cpus))
         except InfraError as exc:
             slot.failures += 1
             self._counts["start_failures"] += 1
@@ -342,7 +342,7 @@ class EnvPool:
 
     async def _make_warm(self, slot: _NodeSlot) -> None:
         try:
-            sandbox = await self._create(slot, self._sandbox.image)
+            sandbox = await self._create(slot, self._sandbox.image, self._sandbox.cpus)
         except InfraError:
             await anyio.sleep(1)  # back off; placement avoids the node if it was marked unhealthy
             return

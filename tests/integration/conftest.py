@@ -132,6 +132,8 @@ def engine_cli(backend: Backend) -> Callable[..., Awaitable[subprocess.Completed
     return None
 
 
+# a sandbox's CPU quota, from inside: cgroup v2 "QUOTA PERIOD" ("max ..." = none), or v1's quota (-1 = none)
+CPU_QUOTA = "cat /sys/fs/cgroup/cpu.max 2>/dev/null || cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us"
 STARTED_MARK = "/tmp/swectl-test-started"  # a command under test creates it once it runs (see wait_for_file)
 
 

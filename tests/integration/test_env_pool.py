@@ -23,6 +23,7 @@ from swectl.errors import InfraError, LeaseExpiredError, PoolClosedError, Sandbo
 from swectl.remote.nodes.podman import bundled_containers_conf
 from swectl.sandbox import LABEL_CONTROLLER, LABEL_MANAGED, LABEL_NODE, LABEL_RUN
 
+from .conftest import CPU_QUOTA
 from .pools import running_pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -168,9 +169,6 @@ async def test_warm_pool_hit_and_refill(run_id: str) -> None:
         await release(pool, lease)
 
 
-CPU_LIMIT = "cat /sys/fs/cgroup/cpu.max 2>/dev/null || cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us"
-
-
 async def test_grading_leases_take_grading_cpus_and_skip_warm_sandboxes(run_id: str) -> None:
     """sandbox.grading_cpus = 0: a grading's sandbox has no CPU limit (as the official harness runs tests), the
     agent's keeps sandbox.cpus; a warm sandbox (made with sandbox.cpus) is never handed to a grading."""
@@ -182,11 +180,11 @@ async def test_grading_leases_take_grading_cpus_and_skip_warm_sandboxes(run_id: 
         with anyio.fail_after(CREATE_TIMEOUT_S + 30):
             async with pool.lease(grading=True) as grading:
                 assert grading.sandbox.id not in warm_ids
-                limit = (await grading.exec(CPU_LIMIT, 10)).output.split()
+                limit = (await grading.exec(CPU_QUOTA, 10)).output.split()
                 assert limit[0] in ("max", "-1"), limit  # cgroup v2 / v1: no quota
             async with pool.lease() as agent:
                 assert agent.sandbox.id in warm_ids
-                limit = (await agent.exec(CPU_LIMIT, 10)).output.split()
+                limit = (await agent.exec(CPU_QUOTA, 10)).output.split()
                 assert limit[0] == "50000", limit  # 0.5 of a 100000 µs period
         assert pool.statistics().warm_hits == 1
 

@@ -29,6 +29,7 @@ from swectl.sandbox import ELISION
 from swectl.schema import ExecResult
 
 from .conftest import (
+    CPU_QUOTA,
     SESSION_ID,
     SPEC_ENV,
     SPEC_WORKDIR,
@@ -483,7 +484,7 @@ async def test_zero_cpus_means_no_cpu_limit(backend: Backend) -> None:
     with anyio.fail_after(BOUND_S):
         box = await backend.create(make_spec(cpus=0))
     try:
-        cpu = await run(box, "cat /sys/fs/cgroup/cpu.max 2>/dev/null || cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+        cpu = await run(box, CPU_QUOTA)
         if cpu.exit_code == 0:
             assert cpu.output.split()[0] in ("max", "-1"), cpu.output
         else:  # the cgroup is not visible inside this container: ask podman or docker
