@@ -278,6 +278,11 @@ class TrainConfig(_Section):
     mask_format_errors: bool = False
     # an episode that never submitted (TRUNCATED) gets unresolved_reward even if the diff it left resolves the task
     reward_requires_submit: bool = False
+    # the reward of an unresolved episode that never submitted (TRUNCATED: the step limit, time, context or malformed
+    # replies ended it) instead of unresolved_reward; below it, running out of steps costs more than a wrong
+    # submission, so a policy cannot drift to never submitting. Unset = unresolved_reward. Pair it with
+    # mask_truncated off, or with LimitsExceeded left out of mask_truncated_endings: a masked episode gets no gradient
+    truncated_reward: float | None = None
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal and draw more tasks
     # asynchronous RL (DESIGN 4.9): episodes keep running while the trainer trains; a group starts only while at most
     # (max_staleness + 1) x tasks_per_step x n_samples episodes are outstanding, and no episode is trained more than
@@ -428,6 +433,14 @@ def check_config(config: ClusterConfig) -> list[str]:
     if train.resolved_reward <= train.unresolved_reward:
         problems.append(f"train.resolved_reward ({train.resolved_reward}) must exceed train.unresolved_reward "
                         f"({train.unresolved_reward})")
+    if train.truncated_reward is not None and train.truncated_reward >= train.resolved_reward:
+        problems.append(f"train.truncated_reward ({train.truncated_reward}) must be below train.resolved_reward "
+                        f"({train.resolved_reward})")
+    if (train.truncated_reward is not None and train.mask_truncated
+            and set(TRUNCATED_ENDINGS) <= set(train.mask_truncated_endings)):
+        problems.append("train.truncated_reward with train.mask_truncated masking every truncated ending: the "
+                        "episodes it is for carry no gradient; leave LimitsExceeded out of "
+                        "train.mask_truncated_endings, or set train.mask_truncated = false")
     if train.algorithm == "grpo" and train.sft_steps >= train.steps:
         problems.append(f"train.sft_steps ({train.sft_steps}) must be below train.steps ({train.steps}) for grpo: "
                         'the rest are the GRPO steps; use train.algorithm = "sft" for SFT only')

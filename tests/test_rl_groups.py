@@ -206,6 +206,32 @@ def test_a_resolved_episode_that_never_submitted_can_count_as_unresolved() -> No
     assert strict.advantages[0] < 0 < strict.advantages[1]
 
 
+def test_an_episode_that_never_submitted_can_cost_more_than_a_wrong_submission() -> None:
+    episodes = [_episode(0, False, "TRUNCATED"), _episode(1, False), _episode(2, True), _episode(3, True, "TRUNCATED")]
+    plain = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo")
+    assert plain.rewards == [0.0, 0.0, 1.0, 1.0]
+    penalised = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo", truncated_reward=-0.25)
+    assert penalised.rewards == [-0.25, 0.0, 1.0, 1.0]  # a truncated episode whose diff resolves still counts as solved
+    assert penalised.advantages[0] < penalised.advantages[1] < 0 < penalised.advantages[2]
+    strict = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo", truncated_reward=-0.25,
+                         requires_submit=True)
+    assert strict.rewards == [-0.25, 0.0, 1.0, -0.25]
+    # a group of wrong submissions and step-limit endings now carries a signal: submit
+    no_solve = score_group(Group(instance_id="t", episodes=episodes[:2]), estimator="grpo", truncated_reward=-0.25)
+    assert no_solve.informative and no_solve.advantages[0] < 0 < no_solve.advantages[1]
+
+
+def test_truncated_reward_is_checked_against_the_other_rewards_and_the_mask() -> None:
+    assert load_config(None, ["train.truncated_reward=-0.25"]).train.truncated_reward == -0.25
+    with pytest.raises(ConfigError, match=r"truncated_reward .* must be below train.resolved_reward"):
+        load_config(None, ["train.truncated_reward=1.0"])
+    with pytest.raises(ConfigError, match="carry no gradient; leave LimitsExceeded out"):
+        load_config(None, ["train.truncated_reward=-0.25", "train.mask_truncated=true"])
+    config = load_config(None, ["train.truncated_reward=-0.25", "train.mask_truncated=true",
+                                'train.mask_truncated_endings=["TimeExceeded", "ContextExceeded", "FormatError"]'])
+    assert config.train.mask_truncated and config.train.truncated_reward == -0.25
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("train.n_samples=1", "n_samples"),
     ("train.algorithm='ppo'", "algorithm"),

@@ -61,20 +61,27 @@ class Group(msgspec.Struct, kw_only=True):
 
 
 def reward(episode: GradedEpisode, *, resolved_reward: float = 1.0, unresolved_reward: float = 0.0,
-           requires_submit: bool = False, step_coef: float = 0.0) -> float:
+           requires_submit: bool = False, step_coef: float = 0.0, truncated_reward: float | None = None) -> float:
     """``resolved_reward`` for a resolved episode, else ``unresolved_reward``. With ``requires_submit`` an episode
     that never submitted (TRUNCATED: the step limit or malformed replies ended it) counts as unresolved even when
-    the diff it left behind resolves the task. ``step_coef``: process rewards, plus ``step_coef`` x the mean of
-    the judge's step scores (rl/prm.py; nothing when no step was scored)."""
+    the diff it left behind resolves the task. ``truncated_reward`` (None: off): what an unresolved episode that
+    never submitted gets instead of ``unresolved_reward``, so running out of steps can cost more than a wrong
+    submission. ``step_coef``: process rewards, plus ``step_coef`` x the mean of the judge's step scores
+    (rl/prm.py; nothing when no step was scored)."""
     solved = episode.resolved and not (requires_submit and episode.truncated)
-    outcome = resolved_reward if solved else unresolved_reward
+    if solved:
+        outcome = resolved_reward
+    elif truncated_reward is not None and episode.truncated:
+        outcome = truncated_reward
+    else:
+        outcome = unresolved_reward
     return outcome + process_bonus(episode.step_scores, step_coef) if step_coef else outcome
 
 
 def score_group(group: Group, *, estimator: str, resolved_reward: float = 1.0, unresolved_reward: float = 0.0,
                 zero_advantages: bool = False, requires_submit: bool = False,
                 positive_only: bool = False, positive_scale: float = 1.0, shuffle_seed: str | None = None,
-                step_coef: float = 0.0) -> Group:
+                step_coef: float = 0.0, truncated_reward: float | None = None) -> Group:
     """Fill in rewards and advantages. ``zero_advantages``: the control run (no learning signal);
     ``requires_submit``: see ``reward``; ``positive_only``: negative advantages become 0 (the episodes worse than
     their group's mean are not pushed down, only the better ones reinforced); ``positive_scale``: positive
@@ -82,9 +89,10 @@ def score_group(group: Group, *, estimator: str, resolved_reward: float = 1.0, u
     failures down; 0 is negative-sample reinforcement alone). ``shuffle_seed``: the shuffled-reward control run:
     the advantages come from the group's rewards in a seeded random order, so every update is as large as the
     real run's but not tied to what each episode did (``group.rewards`` keeps the true rewards, for the metrics).
-    ``step_coef``: process rewards (see ``reward``)."""
+    ``step_coef``, ``truncated_reward``: see ``reward``."""
     group.rewards = [reward(e, resolved_reward=resolved_reward, unresolved_reward=unresolved_reward,
-                            requires_submit=requires_submit, step_coef=step_coef) for e in group.episodes]
+                            requires_submit=requires_submit, step_coef=step_coef, truncated_reward=truncated_reward)
+                     for e in group.episodes]
     scored = list(group.rewards)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(scored)

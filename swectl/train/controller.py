@@ -400,7 +400,7 @@ class Controller:
         score_group(group, estimator=t.estimator, resolved_reward=t.resolved_reward,
                     unresolved_reward=t.unresolved_reward, zero_advantages=t.zero_advantages,
                     requires_submit=t.reward_requires_submit, positive_only=t.positive_advantages_only,
-                    positive_scale=t.positive_advantage_scale,
+                    positive_scale=t.positive_advantage_scale, truncated_reward=t.truncated_reward,
                     shuffle_seed=f"shuffle:{t.seed}:{key}" if t.shuffle_rewards else None,
                     step_coef=self.config.reward.prm.step_coef if self.config.reward.prm.enabled else 0.0)
 
