@@ -132,11 +132,6 @@ class Admission:
                 return [t for s, t in left[: i + 1] if t.id in self._running]
         return []
 
-    def overdue(self) -> list[Ticket]:
-        """Running groups that started at a version <= version - max_staleness: the next step trains them or
-        they are too stale, so it waits for them."""
-        return [t for t in self._running.values() if t.version <= self.version - self.max_staleness]
-
     def ready(self) -> bool:
         """May the next step be taken now: a full batch is buffered and no running group must be waited for."""
         return self._buffered_samples >= self.batch and not self.blocking()
