@@ -280,8 +280,9 @@ class TrainConfig(_Section):
     reward_requires_submit: bool = False
     # the reward of an unresolved episode that never submitted (TRUNCATED: the step limit, time, context or malformed
     # replies ended it) instead of unresolved_reward; below it, running out of steps costs more than a wrong
-    # submission, so a policy cannot drift to never submitting. Unset = unresolved_reward. Pair it with
-    # mask_truncated off, or with LimitsExceeded left out of mask_truncated_endings: a masked episode gets no gradient
+    # submission (on the demo, -0.25 did not keep weak seeds off the step limit: learn.json). Unset =
+    # unresolved_reward. Pair it with mask_truncated off, or with LimitsExceeded left out of mask_truncated_endings:
+    # a masked episode gets no gradient
     truncated_reward: float | None = None
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal and draw more tasks
     # asynchronous RL (DESIGN 4.9): episodes keep running while the trainer trains; a group starts only while at most
