@@ -66,6 +66,11 @@ def run(argv: list[str], what: str) -> float:
     return time.monotonic() - t0
 
 
+# The demo's episodes: the flag defaults below (prm.py runs its episodes the same way).
+DEMO_ROLLOUT = {"rollout.step_limit": 6, "rollout.max_tokens": 192, "rollout.max_format_errors": 3,
+                "env_pool.warm": 0}
+
+
 def set_flags(sets: dict[str, object]) -> list[str]:
     """``--set KEY=VALUE`` arguments of `swectl up`, one pair per entry."""
     return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
@@ -207,15 +212,16 @@ def main(argv: list[str] | None = None) -> int:
                              "GRPO goes on from the SFT run's last checkpoint (its optimizer state and learning rate)")
     parser.add_argument("--tasks-per-step", type=int, default=4)
     parser.add_argument("--n-samples", type=int, default=4, help="GRPO group size")
-    parser.add_argument("--step-limit", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--step-limit", type=int, default=DEMO_ROLLOUT["rollout.step_limit"])
+    parser.add_argument("--max-tokens", type=int, default=DEMO_ROLLOUT["rollout.max_tokens"])
     parser.add_argument("--context", type=int, default=8192,
                         help="context budget in tokens of every episode, training and evaluation (rollout.context)")
     parser.add_argument("--manage-context", action="store_true",
                         help="head+tail context management when an episode outgrows --context, in training and "
                              "in every evaluation (rollout.manage_context); pair with per-step samples: "
                              "--grpo-set train.sample_mode='\"step\"'")
-    parser.add_argument("--max-format-errors", type=int, default=3,
+    parser.add_argument("--max-format-errors", type=int,
+                        default=DEMO_ROLLOUT["rollout.max_format_errors"],
                         help="malformed replies in a row that end an episode (rollout.max_format_errors)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--mask-truncated", action=argparse.BooleanOptionalAction, default=True,

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import host_meta  # noqa: E402
-from learn import final_weights, set_flags  # noqa: E402
+from learn import DEMO_ROLLOUT, final_weights, set_flags  # noqa: E402
 
 from swectl.agent.loop import Episode  # noqa: E402
 from swectl.data.judge import step_labels  # noqa: E402
@@ -40,8 +40,6 @@ from swectl.rl.prm import StepJudgement  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "prm.json"
 SWECTL = [sys.executable, "-m", "swectl.cli.main"]
-DEMO_ROLLOUT = {"rollout.step_limit": 6, "rollout.max_tokens": 192, "rollout.max_format_errors": 3,
-                "env_pool.warm": 0}
 
 
 class _Traj(msgspec.Struct):
