@@ -77,9 +77,9 @@ def set_flags(sets: dict[str, object]) -> list[str]:
 
 
 def rollout_sets(args: argparse.Namespace) -> list[str]:
-    return set_flags({"rollout.step_limit": args.step_limit, "rollout.max_tokens": args.max_tokens,
-                      "rollout.max_format_errors": args.max_format_errors, "env_pool.warm": 0,
-                      "rollout.context": args.context, "rollout.manage_context": str(args.manage_context).lower()})
+    return set_flags({**DEMO_ROLLOUT, "rollout.step_limit": args.step_limit, "rollout.max_tokens": args.max_tokens,
+                      "rollout.max_format_errors": args.max_format_errors, "rollout.context": args.context,
+                      "rollout.manage_context": str(args.manage_context).lower()})
 
 
 def evaluate(args: argparse.Namespace, model: Path, tasks: Path, out: Path, samples: int | None = None,
