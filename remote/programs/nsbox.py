@@ -942,10 +942,34 @@ def socket_path(state_dir, version):
     return os.path.join(state_dir, f"nsd-{version}.sock")
 
 
+ENSURE_LOCK_TIMEOUT_S = 60.0
+
+
 def ensure(state_dir, source, agent_source):
-    """Start this version's daemon unless it already answers; returns its ping reply plus the socket."""
-    version = version_of(source, agent_source)
+    """Start this version's daemon unless it already answers; returns its ping reply plus the socket. Two
+    `ensure`s on one state directory at once (two controllers, or two nodes sharing a host) take turns on
+    ``nsd.lock``: without it both could unlink and bind the socket, and one would fail with EADDRINUSE."""
     os.makedirs(state_dir, exist_ok=True)
+    lock = os.open(os.path.join(state_dir, "nsd.lock"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + ENSURE_LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"another `nsbox ensure` held {state_dir}/nsd.lock for {ENSURE_LOCK_TIMEOUT_S:.0f}s"
+                    ) from None
+                time.sleep(0.05)
+        return _ensure_locked(state_dir, source, agent_source, lock)
+    finally:
+        os.close(lock)
+
+
+def _ensure_locked(state_dir, source, agent_source, lock):
+    version = version_of(source, agent_source)
     path = socket_path(state_dir, version)
     with contextlib.suppress(OSError, ValueError):
         reply = call(path, {"op": "ping"}, timeout=5)
@@ -959,6 +983,7 @@ def ensure(state_dir, source, agent_source):
     listener.listen(128)
     child = os.fork()
     if child == 0:
+        os.close(lock)  # the daemon must not hold the `ensure` lock for its whole life
         os.setsid()
         if os.fork() != 0:
             os._exit(0)

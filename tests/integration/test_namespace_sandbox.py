@@ -190,6 +190,35 @@ def nsbox_source() -> bytes:
     return Path(nsbox.__file__).read_bytes()
 
 
+def test_concurrent_ensures_share_one_daemon(tmp_path: Path) -> None:
+    """Two controllers (or two nodes on one host) starting the daemon at once: every `ensure` succeeds, they
+    all get the same daemon, and exactly one of them started it (unserialized, one could fail binding)."""
+    from swectl.remote.nodes.agent_client import agent_source
+
+    state_dir = tmp_path / "ns"
+    stdin = b"".join(b"%d\n" % len(blob) + blob for blob in (nsbox_source(), agent_source()))
+    argv = [sys.executable, "-S", "-I", "-c", nsbox.BOOTSTRAP, "ensure", str(state_dir)]
+    procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for _ in range(8)]  # fmt: skip
+    try:
+        for proc in procs:  # all of them get their input (and start) before any is waited on
+            proc.stdin.write(stdin)
+            proc.stdin.close()
+            proc.stdin = None  # (communicate would flush it)
+        done = [proc.communicate(timeout=60) for proc in procs]
+        assert [proc.returncode for proc in procs] == [0] * len(procs), [err.decode() for _out, err in done]
+        replies = [json.loads(out) for out, _err in done]
+        assert len({reply["socket"] for reply in replies}) == 1, replies
+        assert len({reply["pid"] for reply in replies}) == 1, replies
+        assert sum(reply["started"] for reply in replies) == 1, replies
+    finally:
+        for proc in procs:
+            proc.kill()
+        socket = daemon_socket(str(state_dir))
+        if os.path.exists(socket):
+            nsbox.call(socket, {"op": "retire"})
+
+
 async def test_env_pool_runs_on_the_namespace_backend() -> None:
     run_id = f"ns-pool-{SESSION_ID}"
     config = load_config(None, ["sandbox.backend=namespace", "env_pool.warm=2"])
