@@ -69,9 +69,11 @@ class GoldExclusion(msgspec.Struct, frozen=True):
 
 
 class TokenStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Token lengths of the kept trajectories (whole sequence, and the mask-1 part: the scripted replies)."""
+    """Token lengths of the training samples of the kept trajectories (whole sequence, and the mask-1 part: the
+    scripted replies). One sample per trajectory, or one per step where the episode recorded its prompts
+    (``rollout.manage_context``: each step's prompt is what the engine saw)."""
 
-    count: int = 0
+    count: int = 0  # samples
     mean: float = 0.0
     median: float = 0.0
     min: int = 0
@@ -161,7 +163,7 @@ async def make_gold(config: ClusterConfig, tasks: list[Task], out: Path, tokeniz
     stats = _token_stats(sorted(kept))
     order = {t.instance_id: n for n, t in enumerate(tasks)}
     summary = GoldSummary(tasks=tasks_source, tokenizer=tokenizer_path, total=len(tasks), scripted=len(scripted),
-                          resolved=stats.count if script != "give-up" else 0, script=script, kept=stats.count,
+                          resolved=len(kept) if script != "give-up" else 0, script=script, kept=len(kept),
                           excluded=sorted(excluded, key=lambda e: order.get(e.instance_id, 0)),
                           tokens=stats, elapsed_s=round(time.monotonic() - started, 2))
     (out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))

@@ -117,3 +117,31 @@ def test_recover_trajectories_slip_twice_recover_and_train_on_the_recoveries(
     tokens, mask = unpack_tokens(sample), unpack_mask(sample)
     assert tokens[mask == 1].tolist() == expected
     assert len(tokens) > len(expected) + 100
+
+
+def test_gold_under_managed_context_trains_each_step_on_the_prompt_the_engine_saw(
+        model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With rollout.manage_context the gold episode records each step's prompt (head + tail once the history
+    outgrows the context): SFT gets one sample per step, still counted as one kept trajectory, and the mask-1
+    tokens of the steps are exactly the scripted replies."""
+    out = tmp_path / "gold-ctx"
+    task_id = "inflection__inflection-0.5.1.0af49555"
+    assert main(["data", "gold", "--model", str(model), "--instances", task_id, "--out", str(out),
+                 "--set", "rollout.context=1536", "--set", "rollout.max_tokens=256",
+                 "--set", "rollout.manage_context=true"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["kept"] == summary["resolved"] == 1
+    assert "1 of 1 gold trajectories kept" in capsys.readouterr().err
+    episode = json.loads((out / f"{task_id}__0" / "traj.json").read_text())["episode"]
+    steps = episode["samples"]
+    assert len(steps) == len(episode["steps"]) == summary["tokens"]["count"] > 1
+    assert steps[0]["omitted_turns"] == 0 and steps[-1]["omitted_turns"] > 0  # the last prompt left turns out
+    assert all(len(s["prompt_ids"]) + 256 <= 1536 for s in steps)
+    samples = samples_from_runs([out], resolved_only=True)
+    assert [s.uid for s in samples] == [f"{task_id}#0.{s['step']}" for s in steps]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    eot = end_of_turn_id(tokenizer)
+    [task] = [t for t in load_tasks(BUNDLED_TASKS).tasks if t.instance_id == task_id]
+    expected = [t for r in gold_replies(task) for t in [*tokenizer.encode(r, add_special_tokens=False), eot]]
+    trained = [t for s in samples for t in unpack_tokens(s)[unpack_mask(s) == 1].tolist()]
+    assert trained == expected
