@@ -188,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="episodes per task in the evaluation of the untrained model")
     parser.add_argument("--test-samples", type=int, default=4,
                         help="episodes per task in the held-out evaluation after GRPO")
-    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--sft-steps", type=int, default=None,
+                        help="SFT steps (batch 8); default 400, and 1600 with --manage-context: its SFT data has one "
+                             "sample per agent step (about four per trajectory), so each reply is still seen as often")
     parser.add_argument("--sft-lr", type=float, default=2e-3)
     parser.add_argument("--sft-schedule", choices=("constant", "cosine"), default="constant",
                         help="SFT learning-rate schedule (cosine: down to a tenth of --sft-lr)")
@@ -224,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--manage-context", action="store_true",
                         help="head+tail context management when an episode outgrows --context, in training and "
                              "in every evaluation (rollout.manage_context); pair with per-step samples: "
-                             "--grpo-set train.sample_mode='\"step\"'")
+                             "--grpo-set train.sample_mode='\"step\"'. The SFT data is made under it too: each "
+                             "gold step records the prompt the engine would see, so SFT trains on those")
     parser.add_argument("--max-format-errors", type=int,
                         default=DEMO_ROLLOUT["rollout.max_format_errors"],
                         help="malformed replies in a row that end an episode (rollout.max_format_errors)")
@@ -248,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.eval_seed is None:
         args.eval_seed = args.seed
+    if args.sft_steps is None:
+        args.sft_steps = 1600 if args.manage_context else 400
     work = (args.work or Path("runs") / f"learn-seed{args.seed}").resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
