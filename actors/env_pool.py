@@ -115,10 +115,13 @@ class Lease:
             self.heartbeat()
 
     async def exec(
-        self, command: str, timeout: float, *, cwd: str | None = None, env: dict[str, str] | None = None
+        self, command: str, timeout: float, *, cwd: str | None = None, env: dict[str, str] | None = None,
+        output_limit: int | None = None,
     ) -> ExecResult:
         async with self.in_use():
-            return await self.sandbox.exec(command, timeout, cwd=cwd, env=env)
+            if output_limit is None:
+                return await self.sandbox.exec(command, timeout, cwd=cwd, env=env)
+            return await self.sandbox.exec(command, timeout, cwd=cwd, env=env, output_limit=output_limit)
 
     async def write_file(self, path: str, data: bytes, *, mode: int | None = None) -> None:
         async with self.in_use():

@@ -305,7 +305,42 @@ async def check_throughput(ctx: Context) -> dict[str, Any]:
                          "tokens_per_s": round(tokens / statistics.median(run.wall_s)),
                          "step_wall_s": summarize(run.wall_s), "rank0_train_s": summarize(run.train_s),
                          "micro_batches": run.micro_batches}
+        flops = train_flops(big, [s.length for s in batch.samples])
+        peak = peak_flops()
+        if peak:
+            result[label]["mfu"] = round(flops / statistics.median(run.wall_s) / peak, 4)
+            result[label]["model_tflops_per_s"] = round(flops / statistics.median(run.wall_s) / 1e12, 1)
     return result
+
+
+# Dense bf16 tensor-core peak (no sparsity), by the name CUDA reports.
+PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def peak_flops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def train_flops(model: Path, lengths: list[int]) -> float:
+    """Model FLOPs of one training step (forward + backward = 3x forward) over samples of ``lengths``: 6 x the
+    matmul parameters (tied embeddings count once, as the output head) per token, plus causal attention's
+    QK^T and AV (2 x 2 x L x heads*head_dim x s^2 / 2 forward). MFU uses these, not what recomputation adds."""
+    cfg = json.loads((model / "config.json").read_text())
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or hidden // heads
+    inter, vocab_size = cfg["intermediate_size"], cfg["vocab_size"]
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inter
+    matmul_params = layers * per_layer + vocab_size * hidden
+    total = 0.0
+    for s in lengths:
+        total += 6 * matmul_params * s + 3 * 2 * layers * heads * head_dim * s * s
+    return total
 
 
 PROFILE_LENGTHS = (4096, 8192)

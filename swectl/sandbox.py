@@ -14,9 +14,12 @@ are out of scope.
 from __future__ import annotations
 
 import shlex
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from swectl.schema import ExecResult, SandboxInfo, SandboxSpec
+
+if TYPE_CHECKING:
+    from swectl.config import SandboxConfig
 
 # Labels the env pool puts on every sandbox (SandboxSpec.labels); backends store them and filter by them.
 LABEL_MANAGED = "swectl.managed"
@@ -34,9 +37,12 @@ class Sandbox(Protocol):
     node: str
 
     async def exec(
-        self, command: str, timeout: float, *, cwd: str | None = None, env: dict[str, str] | None = None
+        self, command: str, timeout: float, *, cwd: str | None = None, env: dict[str, str] | None = None,
+        output_limit: int | None = None,
     ) -> ExecResult:
-        """Run ``command`` with bash; on timeout the whole process group is killed inside the sandbox."""
+        """Run ``command`` with bash; on timeout the whole process group is killed inside the sandbox. The
+        output keeps the config's head and tail bytes (``sandbox.output_head_bytes``/``output_tail_bytes``), or
+        ``output_limit`` bytes (half head, half tail) when given; ``elided_bytes`` says how many were cut."""
         ...
 
     async def write_file(self, path: str, data: bytes, *, mode: int | None = None) -> None: ...
@@ -94,6 +100,14 @@ class SandboxBackend(Protocol):
     async def aclose(self) -> None:
         """Close the connection to the node (sandboxes stay); idempotent."""
         ...
+
+
+def head_tail_limits(config: SandboxConfig, output_limit: int | None) -> tuple[int, int]:
+    """The bytes of a command's output kept from its start and its end: the config's, or ``output_limit``
+    split in halves."""
+    if output_limit is None:
+        return config.output_head_bytes, config.output_tail_bytes
+    return output_limit - output_limit // 2, output_limit // 2
 
 
 def format_output(head_tail: bytes, elided: int, head: int) -> str:

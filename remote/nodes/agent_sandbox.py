@@ -17,7 +17,7 @@ from swectl.config import SandboxConfig
 from swectl.errors import InfraError, NodeLostError, SandboxError, SandboxLostError
 from swectl.remote.nodes.agent_client import AgentClient
 from swectl.remote.nodes.node import Node
-from swectl.sandbox import DIFF_FILE, diff_command, format_output
+from swectl.sandbox import DIFF_FILE, diff_command, format_output, head_tail_limits
 from swectl.schema import (
     ErrorReply,
     ExecReply,
@@ -54,11 +54,12 @@ class AgentSandbox:
         return self._agent is not None
 
     async def exec(
-        self, command: str, timeout: float, *, cwd: str | None = None, env: dict[str, str] | None = None
+        self, command: str, timeout: float, *, cwd: str | None = None, env: dict[str, str] | None = None,
+        output_limit: int | None = None,
     ) -> ExecResult:
         self._check_alive()
         agent = self._require_agent()
-        head, tail = self._config.output_head_bytes, self._config.output_tail_bytes
+        head, tail = head_tail_limits(self._config, output_limit)
         with self._guard(timeout, "exec"):
             request = ExecRequest(
                 id=agent.new_id(), command=command, timeout=timeout,

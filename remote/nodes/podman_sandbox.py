@@ -28,7 +28,7 @@ from swectl.remote.nodes.node import Node
 from swectl.remote.nodes.podman import ContainerCli, PodmanCli
 from swectl.remote.nodes.podman_api import PodmanApi
 from swectl.remote.programs.exec_agent import HeadTail
-from swectl.sandbox import format_output
+from swectl.sandbox import format_output, head_tail_limits
 from swectl.schema import ExecResult, SandboxInfo, SandboxSpec
 
 PODMAN_FAILURE_CODES = PodmanCli.exec_failure_codes
@@ -153,13 +153,14 @@ class ContainerSandbox(AgentSandbox):
             await client.aclose()
 
     async def exec(
-        self, command: str, timeout: float, *, cwd: str | None = None, env: dict[str, str] | None = None
+        self, command: str, timeout: float, *, cwd: str | None = None, env: dict[str, str] | None = None,
+        output_limit: int | None = None,
     ) -> ExecResult:
         if self._agent is not None:
-            return await super().exec(command, timeout, cwd=cwd, env=env)
+            return await super().exec(command, timeout, cwd=cwd, env=env, output_limit=output_limit)
         self._check_alive()
         with self._guard(timeout, "exec"):
-            return await self._plain_exec(command, timeout, cwd, env)
+            return await self._plain_exec(command, timeout, cwd, env, output_limit)
 
     async def write_file(self, path: str, data: bytes, *, mode: int | None = None) -> None:
         if self._agent is not None:
@@ -191,13 +192,14 @@ class ContainerSandbox(AgentSandbox):
     # ------------------------------------------------------------------ the no-python path
 
     async def _plain_exec(
-        self, command: str, timeout: float, cwd: str | None, env: dict[str, str] | None
+        self, command: str, timeout: float, cwd: str | None, env: dict[str, str] | None,
+        output_limit: int | None = None,
     ) -> ExecResult:
         args = ["exec", "-w", cwd or self.spec.workdir]
         for key, value in sorted((env or {}).items()):
             args += ["-e", f"{key}={value}"]
         args += [self.id, "sh", "-c", PLAIN_EXEC_SCRIPT, "sh", f"{timeout}", command]
-        head, tail = self._config.output_head_bytes, self._config.output_tail_bytes
+        head, tail = head_tail_limits(self._config, output_limit)
         buffer = HeadTail(head, tail)
         started = anyio.current_time()
         process = await self._backend.node.spawn(self._cli.argv(*args))

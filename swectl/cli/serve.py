@@ -8,6 +8,7 @@ import ipaddress
 import os
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -31,13 +32,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "/healthz, /status. Point the rollouts' SWE_ENV_SERVER_URL at the printed URL. /evaluate grades in a "
         "fresh sandbox: by the task's tests (F2P/P2P, official parsers) when the lease's instance_id is a task "
         "of --tasks, otherwise by the eval script's exit code. A lease whose client stops calling and "
-        "heartbeating for env_pool.lease_ttl_s (--lease-ttl) is reclaimed. Stop with Ctrl-C or SIGTERM: every "
+        "heartbeating for env_pool.lease_ttl_s (--lease-ttl) is reclaimed. An instance_id '<task id>__<suffix>' "
+        "(swe-rl allocates its grading sandbox as '<id>__eval') is that task. Commands run in a login shell (bash "
+        "-lc) and their whole output comes back up to --max-output-mb. Stop with Ctrl-C or SIGTERM: every "
         "sandbox of the service is removed.",
     )
     config_args(sv)
     sv.add_argument("--host", default="127.0.0.1",
                     help="address to bind (default 127.0.0.1; any other address needs an API key in "
-                    f"${API_KEY_ENV} or --api-key-file)")
+                    f"${API_KEY_ENV} or --api-key-file, or --allow-from)")
+    sv.add_argument("--allow-from", action="append", default=[], metavar="CIDR",
+                    help="accept requests without an API key from this client network (repeatable; e.g. "
+                    "10.0.0.0/8 for the rollout nodes: OpenClaw-RL's client sends no Authorization header); "
+                    "others need the key, or get 403")
     sv.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: a free one)")
     sv.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
                     help=f"file holding the bearer key clients must send (default: ${API_KEY_ENV}); never on "
@@ -61,6 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="/evaluate gradings at once, each in its own fresh sandbox (default 8)")
     sv.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB",
                     help="largest request body accepted, in MiB (default 32)")
+    sv.add_argument("--max-output-mb", type=float, default=16.0, metavar="MB",
+                    help="a command's output is returned whole up to this many MiB (default 16; a request may "
+                    "set max_output_bytes); past it the middle is cut, and the answer says so (truncated: true)")
     sv.add_argument("--out", type=Path, default=None,
                     help="folder for the service's log and the eval logs of /evaluate (default runs/serve-<time>)")
 
@@ -71,11 +81,14 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"env_pool.lease_ttl_s={args.lease_ttl!r}")
     config = load_config(args.config, overrides)
     api_key = _api_key(args)
-    _check_exposure(args.host, api_key)
+    allow_from = _networks(args.allow_from)
+    _check_exposure(args.host, api_key, allow_from)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: expected 0..65535")
     if args.max_body_mb <= 0 or args.allocate_timeout <= 0 or args.grade_concurrency < 1 or args.warm < 0:
         raise ConfigError("--max-body-mb and --allocate-timeout must be > 0, --grade-concurrency >= 1, --warm >= 0")
+    if not 0.001 <= args.max_output_mb <= 1024:
+        raise ConfigError(f"--max-output-mb {args.max_output_mb:g}: expected 0.001..1024 (MiB)")
     tasks = load_task_set(args.tasks)
     from swectl.images.names import ImageResolver
     from swectl.serve.service import ServeOptions, run_service
@@ -83,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     resolver = ImageResolver.from_options(args.image_template, args.image_map)
     out = output_dir(args.out or Path(config.out_dir) / f"serve-{time.strftime('%Y%m%d-%H%M%S')}")
     write_run_log(out)
-    options = ServeOptions(api_key=api_key, max_body=int(args.max_body_mb * 1024 * 1024),
+    options = ServeOptions(api_key=api_key, allow_from=tuple(allow_from),
+                           max_output_bytes=int(args.max_output_mb * 1024 * 1024),
+                           max_body=int(args.max_body_mb * 1024 * 1024),
                            allocate_timeout_s=args.allocate_timeout, grade_concurrency=args.grade_concurrency,
                            log_dir=str(out / "eval-logs"))
     sock = _listen(args.host, args.port)
@@ -91,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         nodes = ", ".join(n.name for n in config.nodes)
         say(f"serving the fleet on {url} (nodes: {nodes}; {len(tasks)} tasks graded by their tests; lease "
-            f"TTL {config.env_pool.lease_ttl_s:g} s; {'API key required' if api_key else 'no API key: loopback only'})")
+            f"TTL {config.env_pool.lease_ttl_s:g} s; {_access(api_key, allow_from)})")
         say(f"point the rollouts at it: export SWE_ENV_SERVER_URL={url}; logs in {out}; Ctrl-C stops and removes "
             "every sandbox")
 
@@ -112,9 +127,26 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return os.environ.get(API_KEY_ENV, "").strip() or None
 
 
-def _check_exposure(host: str, api_key: str | None) -> None:
-    """Anything but loopback needs a key: the API runs arbitrary commands in the fleet's sandboxes."""
-    if api_key is not None:
+def _networks(cidrs: list[str]) -> list[str]:
+    out = []
+    for cidr in cidrs:
+        try:
+            out.append(str(ipaddress.ip_network(cidr.strip(), strict=False)))
+        except ValueError as exc:
+            raise ConfigError(f"--allow-from {cidr!r}: not an address or network (e.g. 10.0.0.0/8): {exc}") from None
+    return out
+
+
+def _access(api_key: str | None, allow_from: list[str]) -> str:
+    if allow_from:
+        return f"no key needed from {', '.join(allow_from)}" + ("; API key from elsewhere" if api_key else "")
+    return "API key required" if api_key else "no API key: loopback only"
+
+
+def _check_exposure(host: str, api_key: str | None, allow_from: Sequence[str] = ()) -> None:
+    """Anything but loopback needs a key or an allow-list: the API runs arbitrary commands in the fleet's
+    sandboxes."""
+    if api_key is not None or allow_from:
         return
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -122,7 +154,8 @@ def _check_exposure(host: str, api_key: str | None) -> None:
         loopback = False
     if not loopback:
         raise ConfigError(f"--host {host} is reachable from other machines and the API runs commands in sandboxes: "
-                          f"set an API key (${API_KEY_ENV} or --api-key-file FILE), or bind 127.0.0.1")
+                          f"set an API key (${API_KEY_ENV} or --api-key-file FILE), list the client networks "
+                          "(--allow-from CIDR), or bind 127.0.0.1")
 
 
 def _listen(host: str, port: int) -> socket.socket:

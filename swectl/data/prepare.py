@@ -2,8 +2,12 @@
 
 Writes, under ``--out``:
 
-- ``prompts.jsonl``: one line per task, ``{"text": problem_statement, "metadata": {"instance": <task row>,
-  "data_source": NAME}}``; the instance is ``Task.row()`` with ``image`` set to the resolved image name;
+- ``prompts.jsonl``: one line per task, what OpenClaw-RL's ``preprocess_swe_dataset.py`` writes (``{"text":
+  problem_statement, "metadata": {"instance": <task row>, "data_source": NAME}}``), the instance being
+  ``Task.row()`` with ``image`` and ``image_name`` set to the resolved image name (their rollout uses
+  ``image_name`` verbatim, so no data source needs a Docker Hub name derived), plus the keys slime's and miles'
+  SWE examples read: ``prompt`` (the problem statement), ``label`` (the instance id) and, in ``metadata``,
+  ``instance_id``, ``image`` and ``workdir``;
 - ``images.txt``: the sorted, unique image names the set needs, one per line (feed it to a pre-pull);
 - ``problems.jsonl``: one ``RowProblem`` per line, only when rows were skipped.
 
@@ -22,7 +26,7 @@ import msgspec
 
 from swectl.errors import TaskDataError
 from swectl.images.names import ImageResolver
-from swectl.tasks.record import Task
+from swectl.tasks.record import TESTBED, Task
 from swectl.tasks.sources import RowProblem
 
 PROMPTS_FILE = "prompts.jsonl"
@@ -67,8 +71,10 @@ def prepare(
     for task in tasks:
         image = resolver.resolve(task)
         images.add(image)
-        instance = {**task.row(), "image": image}
-        prompt = {"text": task.problem_statement, "metadata": {"instance": instance, "data_source": data_source}}
+        instance = {**task.row(), "image": image, "image_name": image}
+        prompt = {"text": task.problem_statement, "prompt": task.problem_statement, "label": task.instance_id,
+                  "metadata": {"instance": instance, "data_source": data_source, "instance_id": task.instance_id,
+                               "image": image, "workdir": TESTBED}}
         lines.append(encoder.encode(prompt) + b"\n")
     prompts_path, images_path, problems_path = out / PROMPTS_FILE, out / IMAGES_FILE, out / PROBLEMS_FILE
     _write_atomic(prompts_path, b"".join(lines))

@@ -33,6 +33,10 @@ DEFAULT_BASE = "localhost/swectl-base:bookworm"
 VENV = "/opt/venv"
 # In the base interpreter's site directory: makes the venv's packages importable by the base interpreter too.
 VENV_PTH = "swectl-venv.pth"
+# A login shell (`bash -lc`, as OpenClaw-RL's exec server and `swectl serve` run commands) reads /etc/profile,
+# which on Debian resets root's PATH; this profile.d script puts the venv first again, as the official SWE-bench
+# images' profile activates their conda env.
+LOGIN_PATH_STEP = (f"RUN printf '%s\\n' 'PATH=\"{VENV}/bin:$PATH\"' > /etc/profile.d/00-swectl-venv.sh")
 # Fixed identity and date for the project commit and for committing a task's setup patch.
 GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "swectl",
@@ -42,7 +46,7 @@ GIT_IDENTITY = {
     "GIT_AUTHOR_DATE": "2020-01-01T00:00:00+0000",
     "GIT_COMMITTER_DATE": "2020-01-01T00:00:00+0000",
 }
-RECIPE_VERSION = "2"
+RECIPE_VERSION = "3"  # 3: the login-shell PATH step
 
 
 class ImageBuildError(SwectlError):
@@ -237,6 +241,7 @@ def _containerfile(base: str, project: Project, content: str, wheels: list[str],
         f"RUN git config --system --add safe.directory '*' && git -C {TESTBED} status --short | head -5",
         f"WORKDIR {TESTBED}",
         f"ENV PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        LOGIN_PATH_STEP,
         f"LABEL swectl.image=project swectl.project={project.name} swectl.version={project.version} "
         f"swectl.content={content} swectl.base_commit={base_commit}",
         "",

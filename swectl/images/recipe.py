@@ -29,7 +29,7 @@ import re
 import shlex
 import subprocess
 
-from swectl.images.project import VENV, make_venv
+from swectl.images.project import LOGIN_PATH_STEP, VENV, make_venv
 from swectl.images.wheels import StageWheels
 from swectl.tasks.record import TESTBED
 from swectl.tasks.specs import RepoSpec
@@ -170,6 +170,7 @@ def env_containerfile(base: str) -> str:
         f"COPY tools/install-deps.sh tools/conda-activate {TOOLS}/",
         f"RUN bash {TOOLS}/install-deps.sh && mkdir -p {posixpath.dirname(CONDA_ACTIVATE)} "
         f"&& cp {TOOLS}/conda-activate {CONDA_ACTIVATE} && git config --system --add safe.directory '*'",
+        LOGIN_PATH_STEP,
         "",
     ])
 

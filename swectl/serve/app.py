@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterator
@@ -41,14 +42,20 @@ def json_response(status: int, body: dict[str, object]) -> Response:
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
 
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
 class Api:
-    """The routes over one Fleet. ``api_key``: required as ``Authorization: Bearer KEY`` on every route but
-    ``/healthz`` (None: no key, for loopback only; the CLI enforces that)."""
+    """The routes over one Fleet. Access, on every route but ``/healthz``: with neither an ``api_key`` nor
+    ``allow_from``, anyone who reaches the socket (loopback only; the CLI enforces that); otherwise a request
+    with ``Authorization: Bearer KEY``, or without it from an address in ``allow_from`` (OpenClaw-RL's client
+    sends no header). Others get 401 (a key was sent and is wrong, or only a key is accepted) or 403."""
 
     def __init__(self, fleet: Fleet, *, api_key: str | None, max_body: int = DEFAULT_MAX_BODY,
-                 cache: IdempotencyCache | None = None) -> None:
+                 cache: IdempotencyCache | None = None, allow_from: tuple[Network, ...] = ()) -> None:
         self._fleet = fleet
         self._api_key = api_key
+        self._allow_from = allow_from
         self._max_body = max_body
         self._cache = cache or IdempotencyCache()
 
@@ -96,13 +103,26 @@ class Api:
         return handle
 
     def _authorize(self, request: Request) -> None:
-        if self._api_key is None:
+        if self._api_key is None and not self._allow_from:
             return
         given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the key swectl serve "
-                           "was started with, $SWECTL_SERVE_API_KEY)")
+        if given and self._api_key is not None:
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+                return
+            raise ApiError(401, "wrong API key: send 'Authorization: Bearer <key>' (the key swectl serve was started "
+                           "with, $SWECTL_SERVE_API_KEY)")
+        peer = _peer_address(request)
+        if peer is not None and any(peer in network for network in self._allow_from):
+            return
+        if not self._allow_from:
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>' (the key swectl serve was "
+                           "started with, $SWECTL_SERVE_API_KEY)")
+        raise ApiError(403, f"requests from {peer or 'this client'} are not allowed without an API key: the "
+                       f"service accepts unauthenticated clients only from {', '.join(map(str, self._allow_from))} "
+                       "(swectl serve --allow-from CIDR)" + (" or with 'Authorization: Bearer <key>'"
+                                                             if self._api_key is not None else ""))
+
 
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -117,6 +137,19 @@ class Api:
                                "(swectl serve --max-body-mb)")
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def _peer_address(request: Request) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The client's address (an IPv4-mapped IPv6 address as IPv4); None when the transport gives none."""
+    if request.client is None:
+        return None
+    try:
+        address = ipaddress.ip_address(request.client.host.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 def _decode(body: bytes, request_type: type, path: str) -> Any:

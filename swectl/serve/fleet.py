@@ -6,9 +6,20 @@ leases that ended (closed, expired, lost), kept so a late call on one gets the r
 
 Leases outlive careless clients: the EnvPool expires a lease nobody used or heartbeated for
 ``env_pool.lease_ttl_s`` and destroys its sandbox; ``run`` sweeps such leases out of the table every second.
-A lease's commands run one at a time (a lock per lease), each killed inside the sandbox at its timeout. A
-sandbox that dies ends its lease with a 503 that says so (``infra: true``: the client's sample is aborted,
-never scored), as does any failure of the infrastructure while grading.
+A lease's commands run one at a time (a lock per lease), each killed inside the sandbox at its timeout, in a
+login shell (``bash -lc``, as the original exec server runs them), its whole output returned up to
+``max_output_bytes`` (cut in the middle past that, and said so in ``truncated`` and in the text).
+
+Instances: an ``instance_id`` that names a task of the served set, directly or as ``<task id>__<suffix>`` (the
+swe-rl client allocates its grading sandbox as ``<id>__eval``), gets the task's own image with its setup patch,
+and its ``/evaluate`` is graded by the task's tests whatever ``eval_script`` the client sent. Only an instance no
+task set knows is graded by its eval script's exit code (``graded_by: "exit_code"``, with a warning in the log).
+
+Ended leases (closed, expired, lost): ``/close`` and a ``/heartbeat`` after the client's own close answer 200
+with ``ok: true`` and the ``state``, so a retrying client is not punished; any other call, and a heartbeat of a
+lease that expired or whose sandbox was lost, answers 200 with ``ok: false``, ``infra: true`` and the reason
+(the swe-rl client then aborts the sample at once instead of retrying for 9 s; see ``ApiError``). A failure of
+the infrastructure while grading is a 503 (``infra: true``): the client retries it in a fresh sandbox.
 """
 
 from __future__ import annotations
@@ -38,13 +49,41 @@ from swectl.errors import (
     SwectlError,
 )
 from swectl.images.names import ImageResolver
-from swectl.serve.wire import AllocateRequest, ApiError, DiffRequest, EvaluateRequest, ExecRequest, LeaseRequest
+from swectl.serve.wire import (
+    CUT_MARK,
+    DEFAULT_MAX_OUTPUT_BYTES,
+    AllocateRequest,
+    ApiError,
+    DiffRequest,
+    EvaluateRequest,
+    ExecRequest,
+    LeaseRequest,
+)
 from swectl.tasks.record import Task
 
 _log = logging.getLogger(__name__)
 OUTPUT_TAIL = 2000  # characters of the eval log in /evaluate's output (what the swe-rl client expects)
 ENDED_KEPT = 10_000  # ended lease ids remembered for their reason
 SWEEP_INTERVAL_S = 1.0
+
+
+SUFFIX_SEPARATOR = "__"  # <task id>__<suffix>: the task's own instance (swe-rl's grading lease is <id>__eval)
+
+
+def task_of(instance_id: str, tasks: dict[str, Task]) -> tuple[Task | None, str]:
+    """The task ``instance_id`` names and the suffix it carries: the id itself, else the longest known prefix
+    before a ``__`` (task ids contain ``__`` themselves: ``django__django-11099__eval``); (None, "") if none."""
+    if not instance_id:
+        return None, ""
+    if instance_id in tasks:
+        return tasks[instance_id], ""
+    end = instance_id.rfind(SUFFIX_SEPARATOR)
+    while end > 0:
+        task = tasks.get(instance_id[:end])
+        if task is not None:
+            return task, instance_id[end + len(SUFFIX_SEPARATOR):]
+        end = instance_id.rfind(SUFFIX_SEPARATOR, 0, end)
+    return None, ""
 
 
 @dataclass(eq=False)
@@ -55,8 +94,16 @@ class ServedLease:
     image: str
     instance_id: str
     task: Task | None
+    suffix: str = ""  # what followed the task's id in instance_id ("eval" for swe-rl's grading lease)
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     evaluations: int = 0
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A lease that is gone: how (closed by its client, expired, lost with its sandbox or node) and why."""
+    state: str
+    reason: str
 
 
 class Fleet:
@@ -64,7 +111,7 @@ class Fleet:
 
     def __init__(
         self, pool: EnvPool, grader: Grader, tasks: dict[str, Task], resolver: ImageResolver, *,
-        url: str, allocate_timeout_s: float = 600.0,
+        url: str, allocate_timeout_s: float = 600.0, max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     ) -> None:
         self._pool = pool
         self._grader = grader
@@ -72,8 +119,10 @@ class Fleet:
         self._resolver = resolver
         self.url = url
         self._allocate_timeout_s = allocate_timeout_s
+        self._max_output_bytes = max_output_bytes
         self._leases: dict[str, ServedLease] = {}
-        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._ended: OrderedDict[str, Ended] = OrderedDict()
+        self._warned: set[str] = set()  # what was logged once (an image the client asked for; an unknown instance)
         self._counts: Counter[str] = Counter()
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -95,7 +144,7 @@ class Fleet:
                                      "grader": msgspec.to_builtins(self._grader.statistics()), **extra}}
 
     async def allocate(self, req: AllocateRequest) -> dict[str, object]:
-        task = self._tasks.get(req.instance_id) if req.instance_id else None
+        task, suffix = task_of(req.instance_id, self._tasks)
         image = self._image_for(req, task)
         try:
             with anyio.fail_after(self._allocate_timeout_s):
@@ -109,7 +158,7 @@ class Fleet:
         except InfraError as exc:
             raise ApiError(503, f"could not start a sandbox of {image}: {exc}", infra=True) from exc
         served = ServedLease(id=f"lease-{uuid.uuid4().hex}", lease=lease, image=image,
-                             instance_id=req.instance_id, task=task)
+                             instance_id=req.instance_id, task=task, suffix=suffix)
         try:
             if task is not None and not await prepare_task(lease, task):
                 raise ApiError(500, f"task {task.instance_id}: its setup patch does not apply to {image} (broken "
@@ -123,25 +172,45 @@ class Fleet:
         self._leases[served.id] = served
         self._counts["allocated"] += 1
         return {"ok": True, "lease_id": served.id, "container_id": lease.sandbox.id, "node_url": self.url,
-                "node": lease.node, "image": image, "task_known": task is not None}
+                "node": lease.node, "image": image, "task_known": task is not None,
+                "task": task.instance_id if task is not None else "", "suffix": suffix}
 
     async def heartbeat(self, req: LeaseRequest) -> dict[str, object]:
-        served = self._get(req.lease_id)
-        served.lease.heartbeat()
-        return {"ok": True}
+        served = self._leases.get(req.lease_id)
+        if served is not None and served.lease.failure is None:
+            served.lease.heartbeat()
+            return {"ok": True, "state": "live"}
+        ended = self._ended_of(req.lease_id)
+        if ended.state == "closed":  # the client's own close (a late or retried heartbeat): nothing is lost
+            return {"ok": True, "state": ended.state, "reason": ended.reason}
+        raise _gone(req.lease_id, ended)  # expired or lost: the client's episode cannot go on (abort, not score)
 
     async def exec(self, req: ExecRequest) -> dict[str, object]:
         served = self._get(req.lease_id)
+        limit = req.max_output_bytes or self._max_output_bytes
         async with served.lock:  # one command at a time per lease, in arrival order
             with self._failures_of(served):
-                # A cwd that does not exist fails the command (as `docker exec -w` does), not the sandbox.
-                command = f"cd -- {shlex.quote(req.cwd)} || exit 1\n{req.command}"
-                result = await served.lease.exec(command, req.timeout, cwd="/", env=req.env or None)
+                # A login shell, as the original exec server runs commands (`docker exec -w CWD ... bash -lc`): PATH
+                # and environments set up by profile scripts hold. A cwd that does not exist fails the command (as
+                # `docker exec -w` does), not the sandbox.
+                command = f"cd -- {shlex.quote(req.cwd)} || exit 1\nexec bash -lc {shlex.quote(req.command)}"
+                result = await served.lease.exec(command, req.timeout, cwd="/", env=req.env or None,
+                                                 output_limit=limit)
         self._counts["execs"] += 1
         if result.timed_out:
             self._counts["exec_timeouts"] += 1
             return {"ok": True, "returncode": -1, "output": f"Command timed out after {req.timeout:g}s"}
-        return {"ok": True, "returncode": result.exit_code, "output": result.output}
+        if not result.elided_bytes:
+            return {"ok": True, "returncode": result.exit_code, "output": result.output, "truncated": False}
+        self._counts["exec_outputs_cut"] += 1
+        total = limit + result.elided_bytes
+        _log.warning("lease %s: a command's output of %d bytes was cut to %d (max_output_bytes)", served.id, total,
+                     limit)
+        notice = (f"{CUT_MARK} {result.elided_bytes} of the {total} bytes of this output were cut from its middle "
+                  f"(limit: {limit} bytes per command; max_output_bytes in the request, or swectl serve "
+                  "--max-output-mb). A patch read from it is incomplete.\n")
+        return {"ok": True, "returncode": result.exit_code, "output": notice + result.output, "truncated": True,
+                "output_bytes": total, "elided_bytes": result.elided_bytes}
 
     async def diff(self, req: DiffRequest) -> dict[str, object]:
         served = self._get(req.lease_id)
@@ -155,6 +224,16 @@ class Fleet:
         if served.task is None and not req.eval_script.strip():
             raise ApiError(400, f"eval_script is required: the lease's instance {served.instance_id or '(none)'} "
                            "is not a task of the served set (see --tasks), so its exit code is the verdict")
+        if CUT_MARK in req.patch:
+            self._counts["evaluations_of_cut_output"] += 1
+            raise ApiError(200, "the patch was read from a command output that swectl serve cut (it holds "
+                           f"{CUT_MARK!r}): it is incomplete and is not graded; raise max_output_bytes "
+                           "(swectl serve --max-output-mb)", infra=True)
+        if served.task is not None and not req.patch.strip():
+            self._counts["evaluations"] += 1
+            return {"ok": True, "resolved": False, "returncode": -1, "status": "error",
+                    "reason": "patch_apply_failed", "output": "the patch is empty: nothing to apply",
+                    "graded_by": "none", **self._instance_fields(served)}
         served.evaluations += 1
         suffix = f"{served.id[-8:]}.{served.evaluations}"  # eval logs: <instance>.<lease>.<n>.log
         with self._failures_of(served):
@@ -162,6 +241,9 @@ class Fleet:
                 if served.task is not None:
                     result = await self._grader.grade(served.task, req.patch, timeout_s=req.timeout, label=suffix)
                 else:
+                    _log.warning("lease %s: instance %r is not a task of the served set: graded by its eval "
+                                 "script's EXIT CODE (graded_by: exit_code), not by the tests' F2P/P2P rules",
+                                 served.id, served.instance_id or served.image)
                     label = _safe_name(f"{served.instance_id or 'script'}.{suffix}")
                     result = await self._grader.grade_by_exit_code(served.image, req.patch, req.eval_script,
                                                                    cwd=req.cwd, timeout_s=req.timeout, label=label)
@@ -176,47 +258,76 @@ class Fleet:
                 "output": _output_of(result), "status": result.status, "reason": result.reason,
                 "graded_by": "tests" if served.task is not None else "exit_code",
                 "f2p_failed": result.f2p_failed, "p2p_failed": result.p2p_failed,
-                "duration_s": result.duration_s}
+                "duration_s": result.duration_s, **self._instance_fields(served)}
 
     async def close(self, req: LeaseRequest) -> dict[str, object]:
-        served = self._leases.get(req.lease_id)
+        """Idempotent, as the original server's: a lease already ended (or never known) answers ``ok: true``
+        with its ``state``, so a client that retries a close (or closes in a ``finally``) is never punished."""
+        served = self._leases.pop(req.lease_id, None)
         if served is None:
-            self._get(req.lease_id)  # unknown: 404; ended (closed, expired, lost): the reason, 410
-        assert served is not None
-        self._leases.pop(served.id, None)
-        self._remember(served.id, "it was closed")
+            ended = self._ended.get(req.lease_id)
+            if ended is None:
+                return {"ok": True, "state": "unknown", "reason": f"no lease {req.lease_id!r} is known"}
+            return {"ok": True, "state": ended.state, "reason": ended.reason}
+        self._remember(served.id, Ended("closed", "it was closed by its client"))
         self._counts["closed"] += 1
         await self._pool.release(served.lease)
-        return {"ok": True}
+        return {"ok": True, "state": "closed"}
 
     # ------------------------------------------------------------------ helpers
 
+    def _instance_fields(self, served: ServedLease) -> dict[str, object]:
+        return {"instance_id": served.instance_id, "task": served.task.instance_id if served.task else "",
+                "suffix": served.suffix}
+
     def _image_for(self, req: AllocateRequest, task: Task | None) -> str:
-        mapped = self._resolver.mapping.get(req.instance_id) if req.instance_id else None
+        key = task.instance_id if task is not None else req.instance_id
+        mapped = self._resolver.mapping.get(req.instance_id) or self._resolver.mapping.get(key) if key else None
+        if task is not None:
+            if not mapped:
+                try:
+                    mapped = self._resolver.resolve(task)
+                except SwectlError as exc:
+                    raise ApiError(400, f"instance {req.instance_id}: no image: {exc}") from exc
+            asked = req.image.strip()
+            if asked and asked != mapped and self._once(f"image:{task.instance_id}"):
+                _log.warning("task %s: the client asked for image %s; serving the task's own image %s (the task's "
+                             "image wins; said once per task)", task.instance_id, asked, mapped)
+            return mapped
         if mapped:
             return mapped
-        if task is not None:
-            try:
-                return self._resolver.resolve(task)
-            except SwectlError as exc:
-                raise ApiError(400, f"instance {req.instance_id}: no image: {exc}") from exc
         if req.image.strip():
+            if req.instance_id and self._once(f"unknown:{req.instance_id}"):
+                _log.warning("instance %r is not a task of the served set (--tasks): its /evaluate will be graded "
+                             "by the client's eval script's exit code, not by the tests", req.instance_id)
             return req.image.strip()
         if req.instance_id:
             raise ApiError(400, f"instance_id {req.instance_id!r} is not a task of the served set (see --tasks) and "
                            "no image was given: send the image to allocate")
         raise ApiError(400, "allocate needs an image, or an instance_id of the served task set")
 
+    def _once(self, what: str) -> bool:
+        if what in self._warned:
+            return False
+        self._warned.add(what)
+        return True
+
     def _get(self, lease_id: str) -> ServedLease:
+        """The live lease, else a 200 ``ok: false`` answer saying how it ended (no retry can bring it back)."""
         served = self._leases.get(lease_id)
-        if served is not None:
-            if served.lease.failure is None:
-                return served
+        if served is not None and served.lease.failure is None:
+            return served
+        raise _gone(lease_id, self._ended_of(lease_id))
+
+    def _ended_of(self, lease_id: str) -> Ended:
+        """How a lease that is not live ended; 404 for an id never handed out (or forgotten long ago)."""
+        served = self._leases.get(lease_id)
+        if served is not None and served.lease.failure is not None:
             self._end(served, served.lease.failure)
-        reason = self._ended.get(lease_id)
-        if reason is not None:
-            raise ApiError(410, f"lease {lease_id} has ended: {reason}")
-        raise ApiError(404, f"unknown lease {lease_id!r}")
+        ended = self._ended.get(lease_id)
+        if ended is None:
+            raise ApiError(404, f"unknown lease {lease_id!r}")
+        return ended
 
     @contextmanager
     def _failures_of(self, served: ServedLease) -> Iterator[None]:
@@ -224,12 +335,9 @@ class Fleet:
         that says what broke; an error the sandbox answered with is a 502 and the lease stays."""
         try:
             yield
-        except LeaseExpiredError as exc:
+        except (LeaseExpiredError, SandboxLostError, NodeError, LeaseError) as exc:
             self._end(served, exc)
-            raise ApiError(410, f"lease {served.id} has ended: {_ended_reason(exc)}") from exc
-        except (SandboxLostError, NodeError, LeaseError) as exc:
-            self._end(served, exc)
-            raise ApiError(503, f"lease {served.id} has ended: {_ended_reason(exc)}", infra=True) from exc
+            raise _gone(served.id, _ended_of(exc)) from exc
         except InfraError as exc:  # the sandbox answered with an error: the lease stays
             raise ApiError(502, f"lease {served.id}: the sandbox could not do it: {exc}", infra=True) from exc
         except PoolClosedError as exc:
@@ -239,23 +347,29 @@ class Fleet:
         """The lease failed (expired, its sandbox or node lost): out of the table, its sandbox released."""
         if self._leases.pop(served.id, None) is None:
             return
-        reason = _ended_reason(failure)
-        self._remember(served.id, reason)
-        self._counts["expired" if isinstance(failure, LeaseExpiredError) else "lost"] += 1
-        _log.info("lease %s (%s) ended: %s", served.id, served.instance_id or served.image, reason)
+        ended = _ended_of(failure)
+        self._remember(served.id, ended)
+        self._counts[ended.state] += 1
+        _log.info("lease %s (%s) ended: %s", served.id, served.instance_id or served.image, ended.reason)
         if self._tg is not None:
             self._tg.start_soon(self._pool.release, served.lease, name=f"release {served.id}")
 
-    def _remember(self, lease_id: str, reason: str) -> None:
-        self._ended[lease_id] = reason
+    def _remember(self, lease_id: str, ended: Ended) -> None:
+        self._ended[lease_id] = ended
         while len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)
 
 
-def _ended_reason(failure: BaseException) -> str:
+def _ended_of(failure: BaseException) -> Ended:
     if isinstance(failure, LeaseExpiredError):
-        return f"it expired (no call and no heartbeat within the lease TTL): {failure}"
-    return f"its sandbox failed: {failure}"
+        return Ended("expired", f"it expired (no call and no heartbeat within the lease TTL): {failure}")
+    return Ended("lost", f"its sandbox failed: {failure}")
+
+
+def _gone(lease_id: str, ended: Ended) -> ApiError:
+    """The answer to a call on a lease that has ended: 200, ``ok: false``, ``infra: true`` (the sample cannot go on
+    and must not be scored), the ``state`` and the reason."""
+    return ApiError(200, f"lease {lease_id} has ended: {ended.reason}", infra=True, state=ended.state)
 
 
 def _output_of(result: GradeResult) -> str:

@@ -3,6 +3,7 @@ and stopped in the reverse one (the server stops taking requests, then every san
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -17,13 +18,16 @@ from swectl.config import ClusterConfig
 from swectl.images.names import ImageResolver
 from swectl.serve.app import DEFAULT_MAX_BODY, Api, serve_http
 from swectl.serve.fleet import Fleet
+from swectl.serve.wire import DEFAULT_MAX_OUTPUT_BYTES
 from swectl.tasks.record import Task
 
 
 class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     """What `swectl serve` was asked for, beside the cluster config."""
     api_key: str | None = None
+    allow_from: tuple[str, ...] = ()  # CIDRs whose clients need no key
     max_body: int = DEFAULT_MAX_BODY
+    max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES  # a command's output returned whole up to this
     allocate_timeout_s: float = 600.0
     grade_concurrency: int = 8
     log_dir: str = ""  # eval logs of /evaluate ("" = not kept)
@@ -47,9 +51,10 @@ async def run_service(
                         log_dir=Path(options.log_dir) if options.log_dir else None)
         await tg.start(grader.run, name="grader")
         fleet = Fleet(pool, grader, {t.instance_id: t for t in tasks}, resolver, url=url,
-                      allocate_timeout_s=options.allocate_timeout_s)
+                      allocate_timeout_s=options.allocate_timeout_s, max_output_bytes=options.max_output_bytes)
         await tg.start(fleet.run, name="fleet")
-        api = Api(fleet, api_key=options.api_key, max_body=options.max_body)
+        api = Api(fleet, api_key=options.api_key, max_body=options.max_body,
+                  allow_from=tuple(ipaddress.ip_network(cidr, strict=False) for cidr in options.allow_from))
         await tg.start(serve_http, api.app(), sock, name="http")
         if ready is not None:
             ready(url)
