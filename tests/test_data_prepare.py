@@ -54,11 +54,14 @@ def test_prepare_writes_prompts_images_and_problems(tmp_path: Path) -> None:
     prompts = _read_jsonl(tmp_path / "out" / "prompts.jsonl")
     assert len(prompts) == summary.prompts == 4
     first = prompts[0]
-    assert set(first) == {"text", "metadata"}
-    assert first["text"] == "problem of getmoto__moto-2"
+    assert set(first) == {"text", "prompt", "label", "metadata"}
+    assert first["text"] == first["prompt"] == "problem of getmoto__moto-2"
+    assert first["label"] == first["metadata"]["instance_id"] == "getmoto__moto-2"
     assert first["metadata"]["data_source"] == "swe-gym"
-    expected_instance = {**tasks[0].row(), "image": "xingyaoww/sweb.eval.x86_64.getmoto_s_moto-2:latest"}
+    official = "xingyaoww/sweb.eval.x86_64.getmoto_s_moto-2:latest"
+    expected_instance = {**tasks[0].row(), "image": official, "image_name": official}
     assert first["metadata"]["instance"] == expected_instance
+    assert (first["metadata"]["image"], first["metadata"]["workdir"]) == (official, "/testbed")
     assert first["metadata"]["instance"]["difficulty"] == "easy"
     assert isinstance(first["metadata"]["instance"]["FAIL_TO_PASS"], list)
 
@@ -198,3 +201,16 @@ def test_cli_refuses_swe_bench_verified(
     assert _run([str(verified_path), "--out", str(out), "--allow-eval-set"]) == 0
     assert len((out / "prompts.jsonl").read_text().splitlines()) == 500
     assert len((out / "images.txt").read_text().splitlines()) == 500
+
+
+def test_rows_give_openclaw_rl_swe_rl_the_image_it_runs(tmp_path: Path) -> None:
+    """What OpenClaw-RL's swe-rl rollout reads of a row (seen running its code): ``metadata.instance`` with
+    ``instance_id``, ``problem_statement`` and ``eval_script`` (may be absent), and the image: ``image_name``
+    verbatim when the key is there, else a Docker Hub name derived only for a data_source naming swe-gym or
+    swe-bench (anything else raised NotImplementedError: our synthesised rows crashed it)."""
+    tasks = [_task("synth__x-1", image="localhost/swectl-proj.x:1", source="swectl-synth")]
+    prepare(tasks, tmp_path, data_source="swectl-synth", resolver=ImageResolver())
+    row = _read_jsonl(tmp_path / "prompts.jsonl")[0]
+    instance = row["metadata"]["instance"]
+    assert instance["image_name"] == "localhost/swectl-proj.x:1"  # no derivation from "swectl-synth" needed
+    assert instance["instance_id"] == "synth__x-1" and instance["problem_statement"] == "problem of synth__x-1"

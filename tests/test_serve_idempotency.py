@@ -7,7 +7,7 @@ import socket
 import anyio
 import pytest
 
-from swectl.cli.serve import _check_exposure, _listen
+from swectl.cli.serve import _check_exposure, _listen, _networks
 from swectl.errors import ConfigError
 from swectl.serve.idempotency import IdempotencyCache
 from swectl.serve.wire import ApiError
@@ -89,6 +89,13 @@ def test_anything_else_needs_a_key(host: str) -> None:
     with pytest.raises(ConfigError, match="set an API key"):
         _check_exposure(host, None)
     _check_exposure(host, "key")
+    _check_exposure(host, None, ["10.0.0.0/8"])  # an allow-list of client networks is enough
+
+
+def test_allow_from_takes_networks_and_refuses_garbage() -> None:
+    assert _networks(["10.1.2.3/8", "::1", "127.0.0.2"]) == ["10.0.0.0/8", "::1/128", "127.0.0.2/32"]
+    with pytest.raises(ConfigError, match="--allow-from 'nope'"):
+        _networks(["nope"])
 
 
 def test_the_listening_socket_disables_nagle_for_its_connections() -> None:

@@ -22,83 +22,11 @@ import httpx
 import pytest
 
 from swectl.config import DEFAULT_IMAGE
-from swectl.images.project import BUNDLED_TASKS
+from swectl.serve.wire import CUT_MARK
 from tests.integration.conftest import REPO_ROOT, podman
+from tests.integration.serving import STOP_TIMEOUT_S, Client, Service, bundled_tasks
 
 pytestmark = [pytest.mark.integration]
-START_TIMEOUT_S = 90
-STOP_TIMEOUT_S = 60
-
-
-class Service:
-    """One `swectl serve` process on a free port; its URL is read from its status line."""
-
-    def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        self.run_id = f"serve-test-{uuid.uuid4().hex[:8]}"
-        self.log = tmp / f"{self.run_id}.stderr"
-        argv = [sys.executable, "-m", "swectl.cli.main", "serve", "--port", "0", "--set", f"run_id='{self.run_id}'",
-                "--set", "sandbox.backend='podman'",  # the tests count and kill the service's containers
-                "--out", str(tmp / self.run_id), *args]
-        with self.log.open("wb") as err:
-            self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                                         env={**os.environ, **(env or {})})
-        self.url = self._wait_url()
-
-    def _wait_url(self) -> str:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            for line in self.log.read_text(errors="replace").splitlines():
-                if "serving the fleet on " in line:
-                    return line.split("serving the fleet on ", 1)[1].split()[0]
-            if self.proc.poll() is not None:
-                pytest.fail(f"swectl serve exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.1)
-        pytest.fail(f"swectl serve did not start within {START_TIMEOUT_S}s:\n{self.log.read_text()[-3000:]}")
-
-    def containers(self) -> list[str]:
-        out = podman("ps", "-a", "-q", "--filter", f"label=swectl.run={self.run_id}")
-        return out.stdout.decode().split()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.leftover = self.containers()  # what the service left behind (removed here, for the next tests)
-        if self.leftover:
-            podman("rm", "-f", "-t", "0", *self.leftover)
-        return self.proc.returncode
-
-
-class Client:
-    """What a swe-rl rollout sends: JSON POSTs, answers with ``ok``."""
-
-    def __init__(self, url: str, key: str | None = None) -> None:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = httpx.Client(base_url=url, timeout=120, headers=headers)
-
-    def post(self, path: str, body: object, *, headers: dict[str, str] | None = None) -> tuple[int, dict]:
-        r = self.http.post(path, content=json.dumps(body), headers=headers)
-        return r.status_code, r.json()
-
-    def ok(self, path: str, body: object, **kwargs: object) -> dict:
-        status, answer = self.post(path, body, **kwargs)  # type: ignore[arg-type]
-        assert status == 200 and answer["ok"] is True, (path, status, answer)
-        return answer
-
-    def allocate(self, **body: str) -> str:
-        return self.ok("/allocate", body)["lease_id"]
-
-    def exec(self, lease: str, command: str, **extra: object) -> dict:
-        return self.ok("/exec", {"lease_id": lease, "command": command, **extra})
-
-
-def bundled_tasks(n: int) -> list[dict]:
-    rows = [json.loads(line) for line in BUNDLED_TASKS.read_text().splitlines() if line.strip()]
-    return rows[:n]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +53,7 @@ def test_the_swe_rl_flow_grades_gold_resolved_and_empty_unresolved(client: Clien
         log = client.exec(lease, "git log --oneline | head -1")
         assert log["returncode"] == 0 and "task setup" in log["output"]  # the task's bug is committed
         assert client.exec(lease, "echo edited > NEW_FILE.txt && pwd")["output"].strip() == "/testbed"
-        assert client.ok("/heartbeat", {"lease_id": lease}) == {"ok": True}
+        assert client.ok("/heartbeat", {"lease_id": lease}) == {"ok": True, "state": "live"}
         diff = client.ok("/diff", {"lease_id": lease})
         assert diff["returncode"] == 0 and "+edited" in diff["patch"] and "NEW_FILE.txt" in diff["patch"]
         client.ok("/close", {"lease_id": lease})
@@ -135,7 +63,7 @@ def test_the_swe_rl_flow_grades_gold_resolved_and_empty_unresolved(client: Clien
         assert gold["resolved"] is True and gold["status"] == "resolved" and gold["returncode"] == 0, gold
         assert len(gold["output"]) <= 2000 and "PASSED" in gold["output"]
         empty = client.ok("/evaluate", {"lease_id": lease, "patch": "", "eval_script": "exit 0"})
-        assert empty["resolved"] is False and empty["status"] == "unresolved" and empty["f2p_failed"], empty
+        assert empty["resolved"] is False and empty["reason"] == "patch_apply_failed", empty
         client.ok("/close", {"lease_id": lease})
 
 
@@ -167,8 +95,11 @@ def test_a_timed_out_command_is_killed_inside_the_sandbox(client: Client) -> Non
 
 def test_huge_binary_and_non_utf8_output_comes_back_as_json(client: Client) -> None:
     lease = client.allocate(image=DEFAULT_IMAGE)
-    huge = client.exec(lease, "head -c 20000000 /dev/urandom; echo; echo THE-END", cwd="/")
+    huge = client.exec(lease, "head -c 20000000 /dev/urandom; echo; echo THE-END", cwd="/",
+                       max_output_bytes=100_000)
     assert huge["returncode"] == 0 and len(huge["output"]) < 200_000 and huge["output"].endswith("THE-END\n")
+    assert huge["truncated"] is True and huge["output_bytes"] == 20_000_009
+    assert huge["output"].startswith(CUT_MARK) and huge["elided_bytes"] == 20_000_009 - 100_000
     odd = client.exec(lease, r"printf 'a\xff\xfeb\x00c\n'", cwd="/")
     assert odd["output"].startswith("a") and "\ufffd" in odd["output"] and odd["output"].endswith("c\n"), odd
     big_command = client.exec(lease, "echo " + "x" * 100_000 + " | wc -c", cwd="/")  # a large body in, fine
@@ -207,7 +138,12 @@ def test_an_abandoned_lease_is_reclaimed_and_a_heartbeated_one_is_kept(service: 
         client.ok("/heartbeat", {"lease_id": kept})
         time.sleep(0.5)
     status, answer = client.post("/exec", {"lease_id": abandoned, "command": "true"})
-    assert status == 410 and answer["ok"] is False and "expired" in answer["error"], answer
+    assert status == 200 and answer["ok"] is False and answer["state"] == "expired", answer
+    assert answer["infra"] is True and "expired" in answer["error"]
+    # a heartbeat cannot revive it: the client's episode must abort (ok: false), never go on to be scored
+    status, answer = client.post("/heartbeat", {"lease_id": abandoned})
+    assert (status, answer["ok"], answer["state"], answer["infra"]) == (200, False, "expired", True), answer
+    assert client.ok("/close", {"lease_id": abandoned})["state"] == "expired"  # a close in `finally` is fine
     assert client.exec(kept, "echo still here", cwd="/")["output"] == "still here\n"
     # the default cwd, /testbed, is missing in this image: the command fails (as `docker exec -w` does), the lease stays
     missing = client.exec(kept, "echo never")
@@ -223,10 +159,10 @@ def test_a_sandbox_killed_from_outside_ends_its_lease_as_an_infra_failure(client
     lease = allocation["lease_id"]
     assert podman("kill", allocation["container_id"]).returncode == 0
     status, answer = client.post("/exec", {"lease_id": lease, "command": "true"})
-    assert status == 503 and answer["ok"] is False and answer["infra"] is True, answer
-    assert "sandbox" in answer["error"]
+    assert status == 200 and answer["ok"] is False and answer["infra"] is True, answer
+    assert answer["state"] == "lost" and "sandbox" in answer["error"]
     status, answer = client.post("/exec", {"lease_id": lease, "command": "true"})
-    assert status == 410 and "sandbox failed" in answer["error"]
+    assert status == 200 and answer["ok"] is False and "sandbox failed" in answer["error"]
 
 
 def test_idempotency_keys_give_at_most_once_execution(client: Client) -> None:
@@ -244,8 +180,8 @@ def test_idempotency_keys_give_at_most_once_execution(client: Client) -> None:
     b = client.ok("/allocate", {"image": DEFAULT_IMAGE}, headers=alloc_key)
     assert a["lease_id"] == b["lease_id"]
     close_key = {"Idempotency-Key": uuid.uuid4().hex}
-    assert client.ok("/close", {"lease_id": a["lease_id"]}, headers=close_key) == {"ok": True}
-    assert client.ok("/close", {"lease_id": a["lease_id"]}, headers=close_key) == {"ok": True}  # the replay
+    assert client.ok("/close", {"lease_id": a["lease_id"]}, headers=close_key) == {"ok": True, "state": "closed"}
+    assert client.ok("/close", {"lease_id": a["lease_id"]}, headers=close_key) == {"ok": True, "state": "closed"}
     client.ok("/close", {"lease_id": lease})
 
 
