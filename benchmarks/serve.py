@@ -7,7 +7,7 @@ Phases (one `swectl serve` process on this machine, the client here, both on the
   refilled before the next (``serve_allocate_p50_ms``);
 * unloaded exec: one lease, ``/exec`` one after another, of ``echo ok`` (the mechanism's round trip) and of an
   agent-like step (``ls | head && grep``: four processes of its own work, which both paths pay);
-* the baseline: the same commands as ``podman exec CID bash -c CMD``, one process per command (what the swe-rl
+* the baseline: the same commands as ``podman exec CID bash -lc CMD``, one process per command (what the swe-rl
   exec server does for every /exec), one after another on an idle machine: the baseline's best case;
 * concurrency: N leases (256) allocated, then three rounds over all of them at once, each lease running C commands
   (echo and the agent-like step alternating) with a think time between them (the model generating its next turn):
@@ -77,6 +77,7 @@ class Service:
         self.log = out / f"{self.run_id}.stderr"
         argv = [sys.executable, "-m", "swectl.cli.main", "serve", "--port", "0", "--warm", str(WARM),
                 "--set", f"run_id='{self.run_id}'", "--set", f"sandbox.image='{IMAGE}'",
+                "--set", "sandbox.backend='podman'",  # the baseline runs `podman exec` in the same containers
                 "--set", f"nodes.0.max_running={leases + WARM + 16}", "--lease-ttl", "600",
                 "--out", str(out / self.run_id)]
         out.mkdir(parents=True, exist_ok=True)
@@ -215,7 +216,7 @@ class ServeBench:
     async def phase_unloaded(self, http: httpx.AsyncClient) -> None:
         await self.settle("unloaded")
         n = self.samples
-        self.progress(f"unloaded: {n} x /exec on one lease, then {n} x `podman exec CID bash -c CMD` (the baseline), "
+        self.progress(f"unloaded: {n} x /exec on one lease, then {n} x `podman exec CID bash -lc CMD` (the baseline), "
                       f"for each of {', '.join(COMMANDS)}")
         allocation = await self.call(http, "/allocate", {"image": IMAGE})
         lease, container = allocation["lease_id"], allocation["container_id"]
@@ -234,7 +235,7 @@ class ServeBench:
             baseline = []
             for i in range(n + 3):
                 start = time.perf_counter_ns()
-                done = subprocess.run(["podman", "exec", "-w", "/", container, "bash", "-c", command],  # noqa: ASYNC221
+                done = subprocess.run(["podman", "exec", "-w", "/", container, "bash", "-lc", command],  # noqa: ASYNC221
                                       capture_output=True, env=env, timeout=60, check=False)
                 if i >= 3:  # warm-up
                     baseline.append(ms_since(start))
@@ -328,7 +329,7 @@ class ServeBench:
                 answer = await connection.post("/exec", {"lease_id": lease["lease_id"], "command": command, "cwd": "/"})
                 return answer["returncode"]
             async with podman_slots:
-                done = await anyio.run_process(["podman", "exec", "-w", "/", lease["container_id"], "bash", "-c",
+                done = await anyio.run_process(["podman", "exec", "-w", "/", lease["container_id"], "bash", "-lc",
                                                 command], env=env, check=False)
             return done.returncode
 

@@ -6,9 +6,9 @@ leases that ended (closed, expired, lost), kept so a late call on one gets the r
 
 Leases outlive careless clients: the EnvPool expires a lease nobody used or heartbeated for
 ``env_pool.lease_ttl_s`` and destroys its sandbox; ``run`` sweeps such leases out of the table every second.
-A lease's commands run one at a time (a lock per lease), each killed inside the sandbox at its timeout, in a
-login shell (``bash -lc``, as the original exec server runs them), its whole output returned up to
-``max_output_bytes`` (cut in the middle past that, and said so in ``truncated`` and in the text).
+A lease's commands run one at a time (a lock per lease), each killed inside the sandbox at its timeout, with a
+login shell's environment (``bash -lc``, as the original exec server runs them; ``login_shell``), its whole output
+returned up to ``max_output_bytes`` (cut in the middle past that, and said so in ``truncated`` and in the text).
 
 Instances: an ``instance_id`` that names a task of the served set, directly or as ``<task id>__<suffix>`` (the
 swe-rl client allocates its grading sandbox as ``<id>__eval``), gets the task's own image with its setup patch,
@@ -25,7 +25,6 @@ the infrastructure while grading is a 503 (``infra: true``): the client retries 
 from __future__ import annotations
 
 import logging
-import shlex
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
@@ -49,6 +48,7 @@ from swectl.errors import (
     SwectlError,
 )
 from swectl.images.names import ImageResolver
+from swectl.serve.login_shell import CAPTURE, LOGIN_ENV, CaptureError, command_script, login_script
 from swectl.serve.wire import (
     CUT_MARK,
     DEFAULT_MAX_OUTPUT_BYTES,
@@ -65,6 +65,8 @@ _log = logging.getLogger(__name__)
 OUTPUT_TAIL = 2000  # characters of the eval log in /evaluate's output (what the swe-rl client expects)
 ENDED_KEPT = 10_000  # ended lease ids remembered for their reason
 SWEEP_INTERVAL_S = 1.0
+CAPTURE_TIMEOUT_S = 60.0
+CAPTURE_OUTPUT_BYTES = 4 * 1024 * 1024
 
 
 SUFFIX_SEPARATOR = "__"  # <task id>__<suffix>: the task's own instance (swe-rl's grading lease is <id>__eval)
@@ -95,6 +97,7 @@ class ServedLease:
     instance_id: str
     task: Task | None
     suffix: str = ""  # what followed the task's id in instance_id ("eval" for swe-rl's grading lease)
+    login_captured: bool = False  # the login environment was captured into the sandbox (or that failed)
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     evaluations: int = 0
 
@@ -190,12 +193,12 @@ class Fleet:
         limit = req.max_output_bytes or self._max_output_bytes
         async with served.lock:  # one command at a time per lease, in arrival order
             with self._failures_of(served):
-                # A login shell, as the original exec server runs commands (`docker exec -w CWD ... bash -lc`): PATH
-                # and environments set up by profile scripts hold. A cwd that does not exist fails the command (as
-                # `docker exec -w` does), not the sandbox.
-                command = f"cd -- {shlex.quote(req.cwd)} || exit 1\nexec bash -lc {shlex.quote(req.command)}"
-                result = await served.lease.exec(command, req.timeout, cwd="/", env=req.env or None,
-                                                 output_limit=limit)
+                # A login shell's environment, as the original exec server runs commands (`docker exec -w CWD ...
+                # bash -lc`): PATH and environments set up by profile scripts hold (see login_shell).
+                if not served.login_captured:
+                    await self._capture_login_env(served)
+                result = await served.lease.exec(command_script(req.command, req.cwd), req.timeout, cwd="/",
+                                                 env=req.env or None, output_limit=limit)
         self._counts["execs"] += 1
         if result.timed_out:
             self._counts["exec_timeouts"] += 1
@@ -275,6 +278,20 @@ class Fleet:
         return {"ok": True, "state": "closed"}
 
     # ------------------------------------------------------------------ helpers
+
+    async def _capture_login_env(self, served: ServedLease) -> None:
+        """Once per lease: the login shell's environment into the sandbox (LOGIN_ENV). On failure the lease's
+        commands run as real login shells (slower, same answers)."""
+        served.login_captured = True
+        result = await served.lease.exec(CAPTURE, CAPTURE_TIMEOUT_S, cwd="/", output_limit=CAPTURE_OUTPUT_BYTES)
+        try:
+            if result.exit_code != 0 or result.timed_out or result.elided_bytes:
+                raise CaptureError(f"exit {result.exit_code}: {result.output[-300:]!r}")
+            await served.lease.write_file(LOGIN_ENV, login_script(result.output).encode())
+        except CaptureError as exc:
+            if self._once(f"capture:{served.image}"):
+                _log.warning("image %s: could not capture the login environment (%s); its commands run as `bash -lc` "
+                             "each", served.image, exc)
 
     def _instance_fields(self, served: ServedLease) -> dict[str, object]:
         return {"instance_id": served.instance_id, "task": served.task.instance_id if served.task else "",

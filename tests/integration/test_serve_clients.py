@@ -210,14 +210,21 @@ def test_ended_leases_do_not_punish_retrying_clients(service: Service) -> None:
     client.http.close()
 
 
-def test_commands_run_in_a_login_shell(rollout: Rollout) -> None:
+def test_commands_get_a_login_shells_environment(rollout: Rollout) -> None:
+    """What `bash -lc` gives (their exec server's way): profile scripts' variables and ~/.bashrc's functions, the
+    request's env beside them; a profile edited by the agent counts from its next command on."""
     task = bundled_tasks(1)[0]
     lease = rollout.client.post("/allocate", {"instance_id": task["instance_id"]})["lease_id"]
     try:
         assert rollout.run(lease, "command -v python")["output"].strip() == "/opt/venv/bin/python"
-        rollout.run(lease, "echo 'export FROM_PROFILE=yes' > /etc/profile.d/zz-test.sh")
-        assert rollout.run(lease, "echo $FROM_PROFILE; shopt -q login_shell && echo login")["output"].split() == [
-            "yes", "login"]
+        rollout.run(lease, "echo 'export FROM_PROFILE=yes' > /etc/profile.d/zz-test.sh; "
+                    "echo 'greet() { echo hello from bashrc; }' >> ~/.bashrc")
+        for _ in range(2):  # from now on the profile files are read: the captured environment is older
+            answer = rollout.client.post("/exec", {"lease_id": lease, "command": "echo $FROM_PROFILE $MINE; greet",
+                                                   "cwd": "/testbed", "env": {"MINE": "mine"}})
+            assert answer["output"] == "yes mine\nhello from bashrc\n", answer
+        plain = rollout.run(lease, "echo $PATH; pwd")["output"].split()
+        assert plain[0].startswith("/opt/venv/bin:") and plain[1] == "/testbed"
     finally:
         rollout.client.post("/close", {"lease_id": lease})
 
