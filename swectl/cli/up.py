@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import anyio
@@ -157,6 +158,10 @@ def _gold_samples(config: ClusterConfig, model: str, tasks: list, out: Path) -> 
     from swectl.eval.gold import make_gold
 
     if not (out / "summary.json").exists():
+        if out.exists():  # an interrupted gold run: its partial results would be refused; make them anew
+            say(f"{out} holds an unfinished gold run (no summary.json): making it again")
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
         say(f"train.sft_steps = {config.train.sft_steps} with no train.sft_data: making gold trajectories of the "
             f"{len(tasks)} train-split tasks in {out}")
         tokenizer = load_tokenizer(model, "train.model")

@@ -174,6 +174,8 @@ class Fleet:
             raise
         self._leases[served.id] = served
         self._counts["allocated"] += 1
+        if self._tg is not None:  # while the client's model thinks; its first /exec waits for it (the lease lock)
+            self._tg.start_soon(self._capture_early, served, name=f"login env {served.id}")
         return {"ok": True, "lease_id": served.id, "container_id": lease.sandbox.id, "node_url": self.url,
                 "node": lease.node, "image": image, "task_known": task is not None,
                 "task": task.instance_id if task is not None else "", "suffix": suffix}
@@ -278,6 +280,15 @@ class Fleet:
         return {"ok": True, "state": "closed"}
 
     # ------------------------------------------------------------------ helpers
+
+    async def _capture_early(self, served: ServedLease) -> None:
+        async with served.lock:
+            if served.login_captured or served.id not in self._leases:
+                return
+            try:
+                await self._capture_login_env(served)
+            except SwectlError as exc:  # the lease's sandbox failed: its next call says so
+                _log.info("lease %s: capturing the login environment failed: %s", served.id, exc)
 
     async def _capture_login_env(self, served: ServedLease) -> None:
         """Once per lease: the login shell's environment into the sandbox (LOGIN_ENV). On failure the lease's

@@ -223,3 +223,21 @@ def test_a_malformed_sft_row_is_skipped_with_its_line_or_stops_the_run_with_stri
     assert lenient.returncode == 0, lenient.stderr[-3000:]
     assert f"{data}:2" in lenient.stderr
     assert (tmp_path / "lenient" / "checkpoints" / "latest").exists()
+
+
+def test_sft_steps_without_sft_data_make_the_gold_data_first_even_after_an_interrupted_try(model: Path,
+                                                                                         tmp_path: Path) -> None:
+    """The README's hint `swectl up --set train.sft_steps=N` on a fresh machine: the run makes gold trajectories of
+    its train split in <run>/gold (that folder did not exist: FileNotFoundError), and a gold run cut short before
+    (results without a summary) is made again instead of refused."""
+    gold = tmp_path / "sftgold" / "gold"
+    gold.mkdir(parents=True)
+    (gold / "results.jsonl").write_text("{}\n")  # what an interrupted gold run leaves
+    argv = _argv(model, tmp_path, "sftgold", "--set", "train.sft_steps=1")
+    argv[argv.index("--steps") + 1] = "1"
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "holds an unfinished gold run" in done.stderr and "gold trajectories resolve and are kept" in done.stderr
+    assert json.loads((gold / "summary.json").read_text())["resolved"] > 0
+    metrics = _lines(tmp_path / "sftgold" / "metrics.jsonl")
+    assert metrics and metrics[0].get("train/algorithm", "sft") == "sft", metrics[:1]

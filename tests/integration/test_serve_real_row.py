@@ -1,0 +1,74 @@
+"""`swectl serve` on a real SWE-bench Verified row, as OpenClaw-RL's swe-rl rollout asks for it: pallets__flask-5014
+(its instance image built offline here from a git bundle of flask at the row's two commits,
+``tests/data/swebench/``), allocated under the official image name the client derives, graded through the
+``<id>__eval`` lease with the row's (empty) eval script: gold +1, no change -1, a patch that only adds a file -1.
+
+Verified is an evaluation set: it is used here to check grading, never as training data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT, shared_data
+from tests.integration.serving import Client, Service
+from tests.integration.test_serve_clients import SUBMIT, official_name
+
+pytestmark = [pytest.mark.integration]
+INSTANCE = "pallets__flask-5014"
+BUNDLE = REPO_ROOT / "tests" / "data" / "swebench" / "pallets__flask-5014.bundle"
+BUILD_TIMEOUT_S = 1200
+
+
+@pytest.fixture(scope="module")
+def real_row(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, Path, Path]]:
+    """The row, a task file holding it, and the image map of its instance image (built once, cached by podman)."""
+    work = tmp_path_factory.mktemp("real-row")
+    rows = [json.loads(line) for line in shared_data("swe_bench_verified.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if r["instance_id"] == INSTANCE)
+    tasks = work / "rows.jsonl"
+    tasks.write_text(json.dumps(row) + "\n")
+    cache = work / "repos"
+    subprocess.run(["git", "clone", "-q", "--no-checkout", str(BUNDLE), str(cache / "pallets__flask")], check=True,
+                   timeout=120)
+    image_map = work / "image-map.json"
+    built = subprocess.run([sys.executable, "-m", "swectl.cli.main", "image", "build", "--repo-cache", str(cache),
+                            "--tasks", str(tasks), "--image-map", str(image_map)], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    assert built.returncode == 0, built.stderr[-3000:]
+    yield row, tasks, image_map
+
+
+def test_a_real_row_through_the_eval_lease_gold_resolves_and_nothing_else(
+        real_row: tuple[dict, Path, Path], tmp_path: Path) -> None:
+    row, tasks, image_map = real_row
+    svc = Service(tmp_path, "--tasks", str(tasks), "--image-map", str(image_map))
+    client = Client(svc.url)
+    try:
+        def episode(edit: str) -> str:
+            lease = client.allocate(image=official_name(INSTANCE), instance_id=INSTANCE)
+            if edit:
+                assert client.exec(lease, edit)["returncode"] == 0
+            out = client.exec(lease, SUBMIT)["output"]
+            client.ok("/close", {"lease_id": lease})
+            return out.split("\n", 1)[1] if "\n" in out else ""
+
+        def grade(patch: str) -> dict:
+            lease = client.allocate(image=official_name(INSTANCE), instance_id=f"{INSTANCE}__eval")
+            verdict = client.ok("/evaluate", {"lease_id": lease, "patch": patch, "eval_script": ""})
+            client.ok("/close", {"lease_id": lease})
+            return verdict
+
+        write_gold = f"cat > /tmp/gold.diff <<'SWECTL_EOF'\n{row['patch']}SWECTL_EOF\ngit apply /tmp/gold.diff"
+        gold = grade(episode(write_gold))
+        assert gold["resolved"] is True and gold["graded_by"] == "tests" and gold["task"] == INSTANCE, gold
+        assert episode("") == ""  # no change: the client scores it -1 without grading
+        wrong = grade(episode("echo 'a note' > NOTES.md"))
+        assert wrong["resolved"] is False and wrong["f2p_failed"] == row["FAIL_TO_PASS"], wrong
+    finally:
+        assert svc.stop() == 130
