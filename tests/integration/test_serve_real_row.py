@@ -1,6 +1,6 @@
 """`swectl serve` on a real SWE-bench Verified row, as OpenClaw-RL's swe-rl rollout asks for it: pallets__flask-5014
-(its instance image built offline here from a git bundle of flask at the row's two commits,
-``tests/data/swebench/``), allocated under the official image name the client derives, graded through the
+(its instance image built offline here from a shallow git repository of flask holding the row's two
+commits, ``tests/data/swebench/``), allocated under the official image name the client derives, graded through the
 ``<id>__eval`` lease with the row's (empty) eval script: gold +1, no change -1, a patch that only adds a file -1.
 
 Verified is an evaluation set: it is used here to check grading, never as training data."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from tests.integration.test_serve_clients import SUBMIT, official_name
 
 pytestmark = [pytest.mark.integration]
 INSTANCE = "pallets__flask-5014"
-BUNDLE = REPO_ROOT / "tests" / "data" / "swebench" / "pallets__flask-5014.bundle"
+REPO_TARBALL = REPO_ROOT / "tests" / "data" / "swebench" / "pallets__flask-5014.git.tar.gz"
 BUILD_TIMEOUT_S = 1200
 
 
@@ -33,9 +34,13 @@ def real_row(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, P
     row = next(r for r in rows if r["instance_id"] == INSTANCE)
     tasks = work / "rows.jsonl"
     tasks.write_text(json.dumps(row) + "\n")
+    bare = work / "flask.git"
+    bare.mkdir()
+    with tarfile.open(REPO_TARBALL) as tar:
+        tar.extractall(bare, filter="data")
     cache = work / "repos"
-    subprocess.run(["git", "clone", "-q", "--no-checkout", str(BUNDLE), str(cache / "pallets__flask")], check=True,
-                   timeout=120)
+    subprocess.run(["git", "clone", "-q", "--no-checkout", "--no-local", str(bare), str(cache / "pallets__flask")],
+                   check=True, timeout=120)
     image_map = work / "image-map.json"
     built = subprocess.run([sys.executable, "-m", "swectl.cli.main", "image", "build", "--repo-cache", str(cache),
                             "--tasks", str(tasks), "--image-map", str(image_map)], cwd=REPO_ROOT,
