@@ -40,6 +40,8 @@ Classes defined elsewhere are marked with their module (they live next to the co
     +-- BadRequest                   the CPU engine's HTTP 400 (swectl.remote.programs.cpu_engine)
     +-- ApiError                     a `swectl serve` request that fails: HTTP status, message, infra flag
     |                                (swectl.serve.wire)
+    +-- CaptureError                 a sandbox's login environment could not be captured; its commands then read
+    |                                the profile files each time (swectl.serve.login_shell)
     +-- TransportError               a TrainBatch cannot be written to or read from shared memory; the message
                                      names the segment
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import shlex
 
+from swectl.errors import SwectlError
+
 LOGIN_ENV = "/tmp/.swectl-login-env.sh"
 # Variables that differ between any two shells and say nothing about the environment.
 VOLATILE = frozenset({"_", "SHLVL", "PWD", "OLDPWD"})
@@ -28,7 +30,7 @@ PROFILE_FILES = ('/etc/profile /etc/profile.d /etc/profile.d/*.sh /etc/bash.bash
                  '"$HOME/.bash_profile" "$HOME/.bash_login" "$HOME/.bashrc"')
 
 
-class CaptureError(ValueError):
+class CaptureError(SwectlError):
     """The capture's output is not what CAPTURE prints (a broken image: no ``env`` or no ``bash``)."""
 
 
