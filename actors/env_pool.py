@@ -119,8 +119,6 @@ class Lease:
         output_limit: int | None = None,
     ) -> ExecResult:
         async with self.in_use():
-            if output_limit is None:
-                return await self.sandbox.exec(command, timeout, cwd=cwd, env=env)
             return await self.sandbox.exec(command, timeout, cwd=cwd, env=env, output_limit=output_limit)
 
     async def write_file(self, path: str, data: bytes, *, mode: int | None = None) -> None:

@@ -301,15 +301,16 @@ async def check_throughput(ctx: Context) -> dict[str, Any]:
         host = bench_train.TrainHost()
         await bench_train.run_trainers([run], big, ctx.work / "throughput", list(batch.samples), 1, ctx.steps, host,
                                        ctx.progress)
+        wall_s = statistics.median(run.wall_s)
         result[label] = {"tokens": tokens, "loss_tokens": batch.loss_tokens, "start_s": round(run.start_s, 1),
-                         "tokens_per_s": round(tokens / statistics.median(run.wall_s)),
+                         "tokens_per_s": round(tokens / wall_s),
                          "step_wall_s": summarize(run.wall_s), "rank0_train_s": summarize(run.train_s),
                          "micro_batches": run.micro_batches}
         flops = train_flops(big, [s.length for s in batch.samples])
         peak = peak_flops()
         if peak:
-            result[label]["mfu"] = round(flops / statistics.median(run.wall_s) / peak, 4)
-            result[label]["model_tflops_per_s"] = round(flops / statistics.median(run.wall_s) / 1e12, 1)
+            result[label]["mfu"] = round(flops / wall_s / peak, 4)
+            result[label]["model_tflops_per_s"] = round(flops / wall_s / 1e12, 1)
     return result
 
 

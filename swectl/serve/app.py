@@ -123,7 +123,6 @@ class Api:
                        "(swectl serve --allow-from CIDR)" + (" or with 'Authorization: Bearer <key>'"
                                                              if self._api_key is not None else ""))
 
-
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self._max_body:

@@ -301,17 +301,18 @@ class Fleet:
             await served.lease.write_file(LOGIN_ENV, login_script(result.output).encode())
         except CaptureError as exc:
             if self._once(f"capture:{served.image}"):
-                _log.warning("image %s: could not capture the login environment (%s); its commands run as `bash -lc` "
-                             "each", served.image, exc)
+                _log.warning("image %s: could not capture the login environment (%s); its commands read the profile "
+                             "files each time", served.image, exc)
 
     def _instance_fields(self, served: ServedLease) -> dict[str, object]:
         return {"instance_id": served.instance_id, "task": served.task.instance_id if served.task else "",
                 "suffix": served.suffix}
 
     def _image_for(self, req: AllocateRequest, task: Task | None) -> str:
-        key = task.instance_id if task is not None else req.instance_id
-        mapped = self._resolver.mapping.get(req.instance_id) or self._resolver.mapping.get(key) if key else None
+        mapping = self._resolver.mapping
+        mapped = mapping.get(req.instance_id) if req.instance_id else None
         if task is not None:
+            mapped = mapped or mapping.get(task.instance_id)
             if not mapped:
                 try:
                     mapped = self._resolver.resolve(task)
