@@ -15,7 +15,7 @@ import msgspec
 
 from swectl.errors import AgentProtocolError, SandboxError, SandboxLostError
 from swectl.remote.nodes.node import NodeProcess
-from swectl.remote.programs.exec_agent import BOOTSTRAP
+from swectl.remote.programs.exec_agent import BOOTSTRAP, LISTEN_BOOTSTRAP
 from swectl.schema import AgentHello, AgentReply, AgentRequest, ErrorReply
 
 _HEADER = struct.Struct(">I")
@@ -32,8 +32,22 @@ START_SCRIPT = (
 )
 
 
+# The socket channel's start (one short `podman exec`): the agent in the background, listening on SOCKET; prints
+# LISTENING, or NOPY without python3. The agent's own output goes nowhere: its channel is the socket.
+LISTEN_SCRIPT = (
+    'command -v python3 >/dev/null 2>&1 || { printf NOPY; exit 0; }; '
+    'python3 -u -c "$0" "$1" </dev/null >/dev/null 2>&1 & printf LISTENING'
+)
+LISTENING = b"LISTENING"
+AGENT_SOCKET = "/dev/shm/.swectl-agent.sock"  # podman gives every container its own /dev/shm (a tmpfs)
+
+
 def agent_command() -> list[str]:
     return ["sh", "-c", START_SCRIPT, BOOTSTRAP]
+
+
+def listen_command(socket_path: str = AGENT_SOCKET) -> list[str]:
+    return ["sh", "-c", LISTEN_SCRIPT, LISTEN_BOOTSTRAP, socket_path]
 
 
 def agent_source() -> bytes:

@@ -1,7 +1,8 @@
 """How the controller runs programs on a node: the Node protocol and the local implementation.
 
 A node runs short commands (``run``: collect exit code, stdout, stderr) and long-lived processes
-(``spawn``: a byte pipe to stdin/stdout, used for in-sandbox exec agents). The SSH implementation lives
+(``spawn``: a byte pipe to stdin/stdout, used for in-sandbox exec agents), and connects to a unix socket of the
+node (``open_unix``: the same byte pipe, with no process in between). The SSH implementation lives
 in remote/nodes/ssh.py. Callers bound every wait with their own cancel scope; cancelling ``run`` kills
 the command.
 
@@ -43,6 +44,10 @@ class Node(Protocol):
     async def connect(self) -> None: ...
     async def run(self, argv: Sequence[str], *, input: bytes | None = None) -> CommandOutput: ...
     async def spawn(self, argv: Sequence[str]) -> NodeProcess: ...
+    async def open_unix(self, path: str) -> NodeProcess:
+        """A connection to the unix socket ``path`` of the node; ConnectionError (an OSError) when nothing
+        listens there (yet)."""
+        ...
     async def aclose(self) -> None: ...
 
 
@@ -81,6 +86,41 @@ class LocalProcess:
                 await self._process.aclose()
 
 
+class SocketChannel:
+    """A unix socket connection as a NodeProcess: what is sent reaches the listener; ``wait`` has no exit code to
+    give (0 once the peer closed)."""
+
+    def __init__(self, stream: anyio.abc.SocketStream) -> None:
+        self._stream = stream
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self._stream.send(data)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            raise BrokenPipeError("socket is closed") from exc
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        try:
+            return await self._stream.receive(max_bytes)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            return b""
+
+    async def close_input(self) -> None:
+        try:
+            await self._stream.send_eof()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+
+    async def wait(self) -> int:
+        while await self.receive():
+            pass
+        return 0
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self._stream.aclose()
+
+
 class LocalNode:
     """This machine. Commands run as child processes of the controller."""
 
@@ -106,6 +146,12 @@ class LocalNode:
             list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
         )
         return LocalProcess(process)
+
+    async def open_unix(self, path: str) -> SocketChannel:
+        try:
+            return SocketChannel(await anyio.connect_unix(path))
+        except FileNotFoundError as exc:
+            raise ConnectionRefusedError(f"no socket at {path}") from exc
 
     async def aclose(self) -> None:
         return None

@@ -20,6 +20,8 @@ import subprocess
 from importlib import resources
 from pathlib import Path
 
+import anyio
+
 from swectl.errors import CommandError
 from swectl.remote.nodes.node import Node
 from swectl.schema import CommandOutput, SandboxInfo, SandboxSpec
@@ -115,6 +117,11 @@ class ContainerCli:
         """Extra `run` flags for capabilities and the like (podman's come from containers.conf)."""
         return []
 
+    async def pidfile(self, cid: str) -> str | None:
+        """Where the node keeps the pid (as the node sees it) of the container's first process; None when this
+        engine does not say (the exec agent then speaks through a relay process)."""
+        return None
+
     def run_args(self, spec: SandboxSpec, name: str) -> list[str]:
         """The `run` command line of a container that idles until removed."""
         args = ["run", "-d", "--init", "--name", name, "--stop-timeout", "0"]
@@ -153,6 +160,21 @@ class PodmanCli(ContainerCli):
     def __init__(self, node: Node, containers_conf: str = "bundled") -> None:
         super().__init__(node)
         self._conf = containers_conf
+        self._store: tuple[str, ...] | None = None  # (run root, storage driver), () when podman does not say
+        self._store_lock = anyio.Lock()
+
+    async def pidfile(self, cid: str) -> str | None:
+        """Podman keeps every container's pid in its run root: ``<run root>/<driver>-containers/<id>/userdata/
+        pidfile`` (gone with the container)."""
+        async with self._store_lock:
+            if self._store is None:
+                out = await self.run("info", "--format", "{{.Store.RunRoot}} {{.Store.GraphDriverName}}", check=False)
+                parts = out.stdout.decode(errors="replace").split()
+                self._store = tuple(parts) if out.exit_code == 0 and len(parts) == 2 else ()
+        if not self._store:
+            return None
+        run_root, driver = self._store
+        return f"{run_root}/{driver}-containers/{cid}/userdata/pidfile"
 
     async def prepare(self) -> None:
         """Put swectl's containers.conf on the node (idempotent)."""

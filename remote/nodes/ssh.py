@@ -92,6 +92,46 @@ class SshProcess:
             self._node._release(self._slot)
 
 
+class SshStreamChannel:
+    """A connection to a unix socket of the node, forwarded over the SSH connection (a direct-streamlocal channel:
+    not a session, so outside the per-connection cap)."""
+
+    def __init__(self, node: SshNode, reader: asyncssh.SSHReader, writer: asyncssh.SSHWriter) -> None:
+        self._node = node
+        self._reader = reader
+        self._writer = writer
+
+    async def send(self, data: bytes) -> None:
+        try:
+            self._writer.write(data)
+            await self._writer.drain()
+        except (asyncssh.Error, OSError, BrokenPipeError) as exc:
+            raise BrokenPipeError(f"ssh channel to {self._node.name} closed") from exc
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        try:
+            return await self._reader.read(max_bytes)
+        except (asyncssh.Error, OSError):
+            return b""
+
+    async def close_input(self) -> None:
+        try:
+            self._writer.write_eof()
+        except (asyncssh.Error, OSError):
+            pass
+
+    async def wait(self) -> int:
+        while await self.receive():
+            pass
+        return 0
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            self._writer.close()
+            with anyio.move_on_after(2):
+                await self._writer.channel.wait_closed()
+
+
 class SshNode:
     """A Node reached over one asyncssh connection, with keepalives and reconnection."""
 
@@ -226,6 +266,19 @@ class SshNode:
             self._release(slot)
             raise
         return SshProcess(self, slot, process)
+
+    async def open_unix(self, path: str) -> SshStreamChannel:
+        await self.connect()
+        usable = [c for c in self._connections if c.usable]
+        if not usable:
+            raise NodeLostError(self.name, "no usable connection")
+        try:
+            reader, writer = await min(usable, key=lambda c: c.channels).conn.open_unix_connection(path)
+        except asyncssh.ChannelOpenError as exc:  # the node's sshd could not connect: nothing listens there (yet)
+            raise ConnectionRefusedError(f"{path} on {self.name}: {exc.reason}") from exc
+        except (asyncssh.Error, OSError) as exc:
+            raise NodeLostError(self.name, f"cannot open a channel to {path}: {exc}") from exc
+        return SshStreamChannel(self, reader, writer)
 
     async def forward_unix(self, remote_path: str) -> str:
         """A local unix socket whose connections reach ``remote_path`` on the node (asyncssh's

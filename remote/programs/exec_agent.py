@@ -1,7 +1,8 @@
 """Command agent: runs inside a sandbox container and executes shell commands for the controller.
 
 The controller runs ``python3 -u -c BOOTSTRAP`` in the container and streams this very file over stdin
-(``b"%d\\n" % len(src) + src``), so the image needs nothing but python3. Standard library only, with its
+(``b"%d\\n" % len(src) + src``), so the image needs nothing but python3 (with ``LISTEN_BOOTSTRAP``, stdin and
+stdout are one unix socket connection instead of a pipe: the Podman backend's channel). Standard library only, with its
 own minimal msgpack codec. The controller imports ``BOOTSTRAP``, ``HeadTail`` and the codec from here.
 
 Protocol 1: each frame is a 4-byte big-endian length and a msgpack map with str keys. The agent sends
@@ -44,6 +45,31 @@ BOOTSTRAP = (
     "src = sys.stdin.buffer.read(n)\n"
     "exec(compile(src, 'swectl_exec_agent.py', 'exec'), {'__name__': '__swectl_agent__'})\n"
 )
+
+# Runs as `python3 -u -c LISTEN_BOOTSTRAP SOCKET`, detached from any relay process: wait (at most ACCEPT_TIMEOUT_S)
+# for one connection on a fresh unix socket only the agent's user may use, remove the socket, make the connection
+# stdin and stdout, then go on as BOOTSTRAP. The controller reaches the socket through the container's root as the
+# node sees it (/proc/PID/root/...), so no process stands between it and the agent; nothing in the sandbox can
+# connect after it (the path is gone) or before it (no command runs before the agent answers).
+ACCEPT_TIMEOUT_S = 120
+LISTEN_BOOTSTRAP = (
+    "import os, socket, sys\n"
+    "server = socket.socket(socket.AF_UNIX)\n"
+    "umask = os.umask(0o077)\n"
+    "server.bind(sys.argv[1])\n"
+    "os.umask(umask)\n"  # the commands get the image's umask
+    "server.listen(1)\n"
+    f"server.settimeout({ACCEPT_TIMEOUT_S})\n"
+    "try:\n"
+    "    conn = server.accept()[0]\n"
+    "finally:\n"
+    "    server.close()\n"
+    "    os.unlink(sys.argv[1])\n"
+    "conn.setblocking(True)\n"
+    "os.dup2(conn.fileno(), 0)\n"
+    "os.dup2(conn.fileno(), 1)\n"
+    "conn.close()\n"
+) + BOOTSTRAP
 
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_HEAD = DEFAULT_TAIL = 32 * 1024

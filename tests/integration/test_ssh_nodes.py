@@ -27,6 +27,7 @@ from swectl.config import ClusterConfig, SshNodeConfig, decode_config
 from swectl.errors import InfraError, NodeConnectError, NodeLostError
 from swectl.remote.nodes.backends import make_backends
 from swectl.remote.nodes.podman import bundled_containers_conf
+from swectl.remote.nodes.podman_sandbox import PodmanBackend
 from swectl.remote.nodes.ssh import SshNode
 from swectl.sandbox import LABEL_NODE, LABEL_RUN
 from swectl.testing import nodes as testnodes
@@ -266,19 +267,36 @@ async def test_unknown_host_key_is_rejected(nodes: testnodes.TestNodes, run_id: 
         await good.aclose()
 
 
-async def test_channel_cap_opens_more_connections(nodes: testnodes.TestNodes, run_id: str) -> None:
+@pytest.mark.parametrize("socket_channel", [True, False], ids=["agent-socket", "agent-relay"])
+async def test_channel_cap_opens_more_connections(nodes: testnodes.TestNodes, run_id: str,
+                                                  socket_channel: bool) -> None:
     a = nodes.nodes[0]
     cfg = ssh_config(nodes, extra=FAST_NODE_FIELDS + "\nmax_channels_per_connection = 2", nodes=[a.name])
     backends = make_backends(cfg)
+    ((_, backend),) = backends
+    assert isinstance(backend, PodmanBackend) and isinstance(backend.node, SshNode)
+    backend.socket_channel = socket_channel
     async with running_pool(cfg, run_id, backends=backends) as pool:
-        ((_, backend),) = backends
-        assert isinstance(backend.node, SshNode)
         leases = await acquire_many(pool, 5)
         assert {lease.node for lease in leases} == {a.name}
+        assert backend.socket_channel is socket_channel  # the socket worked over SSH (no fallback)
         stats = backend.node.statistics()
-        # each live sandbox holds its exec agent's channel; 2 channels per connection -> at least 3
-        assert stats["connections"] >= 3, stats
-        assert stats["channels"] >= 5, stats
+        if socket_channel:
+            # the agents are reached on forwarded sockets, which are not sessions: none is held, so the
+            # session cap is shown by commands at once (5 sessions, 2 per connection -> at least 3 connections)
+            assert stats["channels"] == 0, stats
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    for _ in range(5):
+                        tg.start_soon(backend.node.run, ["sleep", "1"])
+                    await anyio.sleep(0.5)
+                    stats = backend.node.statistics()
+                    assert stats["channels"] == 5, stats
+            assert stats["connections"] >= 3, stats
+        else:
+            # each live sandbox holds its exec agent's relay session; 2 per connection -> at least 3 connections
+            assert stats["connections"] >= 3, stats
+            assert stats["channels"] >= 5, stats
 
         results: dict[int, str] = {}
 
