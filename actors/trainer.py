@@ -10,7 +10,8 @@ connects, sends the run's key (the supervisor got it over stdin, never on a comm
 
 Samples go through shared memory: the controller writes the TrainBatch with a BatchWriter and sends only the
 BatchRef. A trainer whose first node is not this machine gets the frame streamed over the control channel
-(``StepRequest.frame``) and rank 0 writes it into that node's shared memory.
+(``StepRequest.frame``) and rank 0 writes it into that node's shared memory; a trainer on several nodes gets the
+frame too, and rank 0 passes it to every rank with the request (no memory is shared between nodes).
 
 A worker that dies is noticed (the supervisor reports its exit, or the channel or connection closes):
 ``run`` raises TrainerLostError with the last lines of its log, and the controller restarts the run from
@@ -69,6 +70,39 @@ TAIL_LINES = 40
 # torchrun's ChildFailedError summary, printed after it, pushes out of the tail.
 _EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[A-Za-z_]\w*\.)*([A-Z]\w*(?:Error|Exception)): ")
 ERROR_LINES = 3
+# The rendezvous check: a listener on the first trainer node (address, port, seconds, connections) that answers each
+# connection and exits after the last, and a client on each other node (address, port, seconds) that exits 1 with
+# its error.
+RENDEZVOUS_CHECK_S = 20
+RENDEZVOUS_CONNECT_S = 5
+RENDEZVOUS_LISTEN = """
+import socket, sys
+try:
+    server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+except OSError as exc:
+    print(f"{type(exc).__name__}: {exc}", flush=True)
+    sys.exit(1)
+server.settimeout(float(sys.argv[3]))
+print("listening", flush=True)
+try:
+    for _ in range(int(sys.argv[4])):
+        conn = server.accept()[0]
+        conn.settimeout(5)
+        conn.sendall(b"swectl-rendezvous\\n")
+        conn.recv(1)  # the client closes first: no TIME_WAIT on this port for torchrun's store to meet
+        conn.close()
+except OSError:
+    pass
+"""
+RENDEZVOUS_CONNECT = """
+import socket, sys
+try:
+    conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+    assert conn.recv(64).startswith(b"swectl-rendezvous"), "something else answers on that port"
+except (OSError, AssertionError) as exc:
+    print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+    sys.exit(1)
+"""
 
 
 def exception_line(line: str) -> bool:
@@ -141,8 +175,9 @@ class Trainer:
 
     @property
     def stream_frames(self) -> bool:
-        """True when rank 0 is not on this machine: batches travel over the control channel."""
-        return self._launches[0].host.remote
+        """True when rank 0 is not on this machine, or the ranks span several nodes: batches travel over the
+        control channel (and from rank 0 to the other nodes' ranks with the request), not shared memory."""
+        return self._launches[0].host.remote or len(self._launches) > 1
 
     # ------------------------------------------------------------ life
 
@@ -152,6 +187,8 @@ class Trainer:
         try:
             async with anyio.create_task_group() as tg:
                 port = self._config.rdzv_port or await self._free_port()
+                if len(self._launches) > 1:
+                    await self._check_rendezvous(port)
                 for launch in self._launches:
                     await self._spawn(launch, port, tg)
                 ready = await self._connect()
@@ -189,6 +226,45 @@ class Trainer:
                                    "set trainer.python)")
         return int(text)
 
+    async def _check_rendezvous(self, port: int) -> None:
+        """Before any rank starts: every other trainer node opens a TCP connection to the first node's rendezvous
+        address and port, where a short listener answers. A node that cannot is named with the address and its
+        error within seconds (torchrun would retry until trainer.start_timeout_s, saying nothing)."""
+        python = self._config.python or sys.executable
+        first = self._launches[0].host
+        with anyio.fail_after(RENDEZVOUS_CHECK_S + 15):
+            others = len(self._launches) - 1
+            listener = await first.node.spawn([python, "-c", RENDEZVOUS_LISTEN, "0.0.0.0", str(port),
+                                               str(RENDEZVOUS_CHECK_S), str(others)])
+            try:
+                said = (await listener.receive()).decode(errors="replace")
+                if not said.startswith("listening"):
+                    raise TrainerLostError(f"trainer: cannot listen on the rendezvous port {port} on "
+                                           f"{first.node.name}: {said.strip()[-300:] or 'no answer'} (another "
+                                           "process holds it? trainer.rdzv_port)")
+                failures: list[str] = []
+
+                async def reach(launch: _Launch) -> None:
+                    out = await launch.host.node.run([python, "-c", RENDEZVOUS_CONNECT, first.address, str(port),
+                                                      str(RENDEZVOUS_CONNECT_S)])
+                    if out.exit_code != 0:
+                        why = (out.stderr or out.stdout).decode(errors="replace").strip().splitlines()
+                        failures.append(f"{launch.host.node.name} cannot reach {first.node.name}'s rendezvous "
+                                        f"{first.address}:{port}: {why[-1] if why else f'exit {out.exit_code}'}")
+
+                async with anyio.create_task_group() as tg:
+                    for launch in self._launches[1:]:
+                        tg.start_soon(reach, launch)
+                if not failures:
+                    await listener.wait()  # it has let go of the port
+            finally:
+                await listener.aclose()
+        if failures:
+            raise TrainerLostError("trainer nodes must reach each other (torchrun's rendezvous on the first "
+                                   "node): " + "; ".join(sorted(failures)))
+        _log.info("trainer: %d node(s) reach the rendezvous %s:%d on %s", len(self._launches) - 1, first.address,
+                  port, first.node.name)
+
     async def _spawn(self, launch: _Launch, port: int, tg: anyio.abc.TaskGroup) -> None:
         proc = await launch.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-trainer", *self._argv(launch, port)])
         launch.proc = proc
@@ -222,7 +298,8 @@ class Trainer:
                     for launch in self._launches:
                         if launch.exit_code is not None:
                             raise self._lost(launch, f"exited with {launch.exit_code} while starting")
-                    await first.changed.wait()
+                    with anyio.move_on_after(1):  # a rank on another node may exit first: look again each second
+                        await first.changed.wait()
                 host, port = first.ready
                 address = first.host.address if first.host.remote else host
                 self._stream = await anyio.connect_tcp(address, port)

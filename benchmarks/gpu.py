@@ -46,7 +46,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ class Context:
     steps: int
     progress: Progress
     throughput_model: Path | None = None
+    trainer_settings: dict[str, Any] = field(default_factory=dict)  # throughput: TrainerSettings beyond the defaults
 
 
 def settings(model: Path, out: Path, **kw: Any) -> Any:
@@ -297,7 +298,7 @@ async def check_throughput(ctx: Context) -> dict[str, Any]:
     for label, samples, lo, hi in (("16x1-2k", 16, 1000, 2000), ("64x4-8k", 64, 4096, 8192)):
         batch = bench_train.realistic_batch(samples, lo, hi, seed=1, vocab=vocab(big))
         tokens = sum(s.length for s in batch.samples)
-        run = bench_train.TrainRun(label, 1, 4)
+        run = bench_train.TrainRun(label, 1, 4, settings=ctx.trainer_settings)
         host = bench_train.TrainHost()
         await bench_train.run_trainers([run], big, ctx.work / "throughput", list(batch.samples), 1, ctx.steps, host,
                                        ctx.progress)
@@ -433,9 +434,119 @@ async def check_profile(ctx: Context) -> dict[str, Any]:
     return profile_micro_batch(ctx, throughput_model(ctx))
 
 
+VARIANT_ROWS = (1, 2, 4)  # rows of 8192 tokens in one micro-batch
+
+
+def _kernel_table(trainer: Any, mb: dict[str, Any], batch: Any) -> dict[str, Any]:
+    """torch.profiler over one micro-batch's loss + backward: wall, summed GPU kernel time, the top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        loss, _ = trainer._micro_loss(mb, batch)
+        loss.backward()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    trainer.optimizer.zero_grad(set_to_none=True)
+    kernels = sorted(((e.key, getattr(e, "self_device_time_total", 0.0)) for e in prof.key_averages()),
+                     key=lambda kv: -kv[1])
+    gpu_us = sum(t for _, t in kernels)
+    return {"wall_ms": round(wall * 1e3, 1), "gpu_kernel_ms": round(gpu_us / 1e3, 1),
+            "top": [[k[:90], round(t / 1e3, 2)] for k, t in kernels[:15]]}
+
+
+def variants_micro_batch(ctx: Context, model: Path) -> dict[str, Any]:
+    """Micro-batch tokens/s of the worker's own loss + backward on the throughput model, eager and with each
+    decoder layer compiled, at 1, 2 and 4 rows of 8192 tokens; and a kernel table of the eager 8192 case."""
+    import socket
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from swectl.remote.programs import trainer as worker
+    from swectl.rl.batch import make_batch, pack_sample
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    rng = np.random.default_rng(0)
+    length = 8192
+    samples = []
+    for _ in range(max(VARIANT_ROWS)):
+        prompt = length // 4
+        samples.append(pack_sample("p", "g", rng.integers(3, vocab(model), size=length).tolist(),
+                                   [0] * prompt + [1] * (length - prompt),
+                                   [0.0] * prompt + [-2.0] * (length - prompt), advantage=1.0, reward=1.0))
+    result: dict[str, Any] = {}
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        for compiled in (False, True):
+            name = "compiled" if compiled else "eager"
+            s = settings(model, ctx.work / f"variants-{name}", algorithm="grpo", lr=1e-6, compile=compiled)
+            device, _ = worker._device(s)
+            trainer = worker.Trainer(s)
+            result.setdefault("attn_implementation", getattr(trainer.model.config, "_attn_implementation", "?"))
+            for rows in VARIANT_ROWS:
+                chosen = samples[:rows]
+                batch = make_batch(1, "grpo", chosen)
+                mb = {k: v.to(device) for k, v in trainer._collate(chosen).items()}
+                t0 = time.perf_counter()
+                try:
+                    first = _timed_loss(trainer, mb, batch, device)
+                    times = [_timed_loss(trainer, mb, batch, device) for _ in range(3)]
+                except torch.OutOfMemoryError as exc:
+                    result[f"{name}_{rows}x{length}"] = {"error": f"out of memory: {str(exc)[:200]}"}
+                    torch.cuda.empty_cache()
+                    continue
+                tokens = rows * length
+                row = {"first_s": round(first, 3), "warmup_s": round(time.perf_counter() - t0, 1),
+                       "s": round(statistics.median(times), 4),
+                       "tokens_per_s": round(tokens / statistics.median(times))}
+                if device.type == "cuda":
+                    row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+                    torch.cuda.reset_peak_memory_stats()
+                    peak = peak_flops()
+                    if peak:
+                        flops = train_flops(model, [length] * rows)
+                        row["mfu"] = round(flops / statistics.median(times) / peak, 4)
+                result[f"{name}_{rows}x{length}"] = row
+                ctx.progress(f"variants {name} {rows}x{length}: {json.dumps(row)}")
+                if rows == 1 and device.type == "cuda":
+                    result[f"{name}_kernels_1x{length}"] = _kernel_table(trainer, mb, batch)
+            del trainer
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def _timed_loss(trainer: Any, mb: dict[str, Any], batch: Any, device: Any) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loss, _ = trainer._micro_loss(mb, batch)
+    loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+async def check_variants(ctx: Context) -> dict[str, Any]:
+    return variants_micro_batch(ctx, throughput_model(ctx))
+
+
 CHECKS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "golden": check_golden, "resume": check_resume, "engine": check_engine,
     "one_gpu_two_ranks": check_one_gpu_two_ranks, "throughput": check_throughput, "profile": check_profile,
+    "variants": check_variants,
 }
 
 
@@ -483,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--throughput-model", type=Path, default=None,
                         help="throughput: this model folder instead of a random Qwen3 of Qwen3-0.6B's shape")
     parser.add_argument("--steps", type=int, default=3, help="throughput: measured steps after one warm-up")
+    parser.add_argument("--compile", action="store_true", help="throughput: compile each decoder layer")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="throughput: the trainer's budget")
     args = parser.parse_args(argv)
     names = [c.strip() for c in args.checks.split(",") if c.strip()]
     unknown = [c for c in names if c not in CHECKS]
@@ -499,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(tmp)
         ctx = Context(tiny=tiny_model(args.tiny or work / "tiny", progress), work=work, cuda=cuda, gpus=env["gpus"],
                       tolerance=args.tolerance or (3e-2 if cuda else 1e-4), steps=args.steps, progress=progress,
-                      throughput_model=args.throughput_model)
+                      throughput_model=args.throughput_model,
+                      trainer_settings={"compile": args.compile, "micro_batch_tokens": args.micro_batch_tokens})
         for name in names:
             progress(f"check {name}")
             t0 = time.perf_counter()

@@ -524,6 +524,7 @@ class TrainRun:
     wall_s: list[float] = field(default_factory=list)  # controller: trainer.step() call to reply
     train_s: list[float] = field(default_factory=list)  # rank 0's own step time (reply.metrics["train_s"])
     micro_batches: float = 0.0
+    settings: dict[str, Any] = field(default_factory=dict)  # more TrainerSettings fields (compile, micro_batch_tokens)
 
 
 @dataclass
@@ -557,7 +558,8 @@ async def run_trainers(runs: list[TrainRun], model: Path, work: Path, samples: l
             for run in runs:
                 folder = work / run.label
                 settings = TrainerSettings(model=str(model), out_dir=str(folder), algorithm="grpo", lr=1e-5,
-                                           total_steps=warmup + steps, threads=run.threads, seed=0)
+                                           total_steps=warmup + steps, threads=run.threads, seed=0,
+                                           **run.settings)
                 config = TrainerConfig(nproc_per_node=run.ranks, threads_per_rank=run.threads, start_timeout_s=600,
                                        step_timeout_s=1200)
                 trainer = Trainer(config, settings, [EngineHost.local()], log_dir=folder / "logs")

@@ -158,6 +158,32 @@ def test_cut_network_hangs_then_recovers(nodes: tn.TestNodes) -> None:
     asyncio.run(main())
 
 
+def test_nodes_reach_each_other_as_a_fleet(nodes: tn.TestNodes) -> None:
+    """A TCP server on one node answers a client on the other (what torchrun's rendezvous needs), and a cut
+    node is unreachable from the other node as well."""
+    a, b = nodes.nodes
+    server = ("python3 -c \"import socket; s = socket.create_server(('{host}', 29411)); c = s.accept()[0]; "
+              "c.sendall(b'hello from ' + socket.gethostname().encode() + b' {host}'); c.close()\"")
+    client = ("python3 -c \"import socket; c = socket.create_connection(('{host}', 29411), timeout=3); "
+              "print(c.recv(100).decode())\"")
+
+    async def main() -> None:
+        async with await _connect(nodes, a) as on_a, await _connect(nodes, b) as on_b:
+            listening = asyncio.create_task(on_a.run(server.format(host=a.host), check=True, timeout=20))
+            await asyncio.sleep(1.0)  # python's start-up on a
+            got = await on_b.run(client.format(host=a.host), check=True, timeout=15)
+            assert got.stdout.strip().endswith(a.host)
+            await listening
+            a.cut_network()
+            try:
+                refused = await on_b.run(client.format(host=a.host), timeout=15)
+                assert refused.exit_status != 0  # a's network is cut: b cannot reach it either
+            finally:
+                a.restore_network()
+
+    asyncio.run(main())
+
+
 def test_teardown_is_complete_and_idempotent() -> None:
     prefix, base = "swtd", 244
     names = [f"{prefix}{base}", f"{prefix}{base + 1}"]

@@ -26,11 +26,13 @@ to ``.tmp`` and renamed by rank 0 after every rank finished.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
 import shutil
 import socket
+import struct
 import sys
 import time
 import traceback
@@ -57,7 +59,7 @@ from swectl.rl.losses import (
     token_logprobs,
 )
 from swectl.rl.packing import plan_micro_batches
-from swectl.rl.shm import BatchReader, BatchWriter
+from swectl.rl.shm import BatchReader, BatchWriter, decode_batch
 from swectl.rl.weight_sync import ParamSpec, engine_name, sync_dtype
 from swectl.rl.wire import (
     FRAME_HEADER,
@@ -129,6 +131,13 @@ def build_model(s: TrainerSettings, device: torch.device) -> torch.nn.Module:
     if device.type == "cuda":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     layers = getattr(getattr(model, "model", None), "layers", None)
+    if s.compile and layers is not None:
+        # Each decoder layer compiled on its own (FSDP2's hooks stay outside the compiled code): fused norms,
+        # activations and rotary embeddings instead of one kernel launch each. The layers share one code object:
+        # room in dynamo's cache for each of them and a few shapes
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(layers))
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer)
     for layer in layers or []:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
@@ -214,6 +223,11 @@ class Trainer:
             self.load_checkpoint(Path(s.resume))
 
     @property
+    def one_node(self) -> bool:
+        """Every rank runs on this node (torchrun's LOCAL_WORLD_SIZE is the world): they share its memory."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) == self.world
+
+    @property
     def parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
@@ -292,7 +306,9 @@ class Trainer:
 
     def train_step(self, req: StepRequest) -> StepReply:
         t0 = time.perf_counter()
-        batch = self.batches.read(req.ref)
+        # A batch that came with its frame (ranks on several nodes: no shared memory spans them) is decoded by
+        # each rank; otherwise every rank reads it from this node's shared memory
+        batch = decode_batch(req.frame, where="step frame") if req.frame is not None else self.batches.read(req.ref)
         t_read = time.perf_counter() - t0
         plan = plan_micro_batches([smp.length for smp in batch.samples], ranks=self.world,
                                   token_budget=self.s.micro_batch_tokens)[self.rank]
@@ -583,8 +599,8 @@ def serve(trainer: Trainer, conn: socket.socket | None, control: Any) -> None:
             except ConnectionError as exc:
                 log(f"{exc}; stopping")
                 box[0] = ShutdownRequest()
-            if isinstance(box[0], StepRequest) and box[0].frame is not None:
-                box[0] = trainer.localize(box[0])
+            if isinstance(box[0], StepRequest) and box[0].frame is not None and trainer.one_node:
+                box[0] = trainer.localize(box[0])  # else the frame goes to every rank with the request
         dist.broadcast_object_list(box, src=0, group=control)
         request = box[0]
         if isinstance(request, ShutdownRequest):
@@ -654,6 +670,33 @@ def _send(conn: socket.socket, message: msgspec.Struct) -> None:
         log(f"cannot answer the controller: {exc}")
 
 
+def _pick_gloo_interface() -> None:
+    """Gloo connects the ranks at the address their hostname resolves to; where that is a loopback address (Debian's
+    127.0.1.1, a container's localhost) ranks on other nodes cannot reach it. On several nodes, and unless the user
+    chose (GLOO_SOCKET_IFNAME), gloo uses the interface that routes to the rendezvous (MASTER_ADDR)."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    master = os.environ.get("MASTER_ADDR", "")
+    if "GLOO_SOCKET_IFNAME" in os.environ or not master or not local or local == world:
+        return
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master, 9))  # no packet is sent: the kernel picks the route and the source address
+            address = probe.getsockname()[0]
+    except OSError as exc:
+        log(f"cannot find the interface that reaches {master} ({exc}); gloo picks its own")
+        return
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == address:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            log(f"gloo on {name} ({address}), the interface that reaches the rendezvous {master}")
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="swectl's torchrun training worker (started by `swectl up`)")
     parser.add_argument("--settings", required=True, help="TrainerSettings as JSON")
@@ -662,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = msgspec.json.decode(args.settings.encode(), type=TrainerSettings)
     torch.set_num_threads(settings.threads)
     device, backend = _device(settings)
+    _pick_gloo_interface()
     dist.init_process_group(backend=backend)
     control = dist.new_group(backend="gloo") if backend != "gloo" else None
     trainer: Trainer | None = None

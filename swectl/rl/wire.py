@@ -43,6 +43,7 @@ class TrainerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     kl_coef: float = 0.0
     prob_weight: float = 0.0
     micro_batch_tokens: int = 8192
+    compile: bool = False  # torch.compile each decoder layer (`just bench gpu`: the variants check; not a default)
     threads: int = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     seed: int = 0

@@ -11,6 +11,9 @@ What it touches on the host (all of it needs root, and all of it is undone by :f
   ``10.200.K.2/24``), and a fallback ``blackhole 10.200.K.0/24`` route with a high metric: while a
   node's network is cut (host veth down) that route keeps its packets on this machine instead of
   letting them follow the default route out to the real network;
+* nodes reach each other as a fleet's do: each routes ``10.200.0.0/16`` through its host veth, and the host
+  forwards between the host-side veths (``net.ipv4.conf.<veth>.forwarding = 1`` on those interfaces only;
+  the interfaces go with the nodes). A cut node is cut from the other nodes too;
 * ``/run/sshd``, sshd's privilege-separation directory (created if missing, never removed);
 * a temp dir holding the per-node host keys, sshd configs, pid files and logs, the client key and a
   ``known_hosts`` file;
@@ -19,7 +22,7 @@ What it touches on the host (all of it needs root, and all of it is undone by :f
 sshd is started with ``nsenter --net=/run/netns/NAME`` rather than ``ip netns exec``: the latter
 remounts /sys, after which podman inside the ssh session fails with "no cgroup mount found".
 sshd daemonizes (no ``-D``), so nodes outlive the creating process (the CLI relies on it); its pid
-comes from the PidFile. Every subprocess runs with a timeout. Traffic goes only to 10.200.K.2.
+comes from the PidFile. Every subprocess runs with a timeout. Traffic stays within 10.200.0.0/16.
 
 CLI, for trying an example cluster file by hand::
 
@@ -51,6 +54,7 @@ SSH_PORT = 22
 USER = "root"
 STATE_DIR = Path("/run/swectl-testnodes")
 STATE_FILE = STATE_DIR / "state.json"
+FLEET_NET = "10.200.0.0/16"  # every test node's address; each node routes it through this host
 # Metric of the guard route: above the connected route (metric 0), so it only matters while the link is down.
 _GUARD_METRIC = "4242"
 _CMD_TIMEOUT = 15.0
@@ -331,6 +335,10 @@ def _create_node(prefix: str, index: int, workdir: Path, authorized_keys: Path) 
     _run(["ip", "-n", netns, "link", "set", "dev", ns_veth, "up"])
     _run(["ip", "-n", netns, "link", "set", "dev", "lo", "up"])
     _run(["ip", "route", "add", "blackhole", f"10.200.{index}.0/24", "metric", _GUARD_METRIC])
+    # A fleet's nodes reach each other: the other test nodes through this host, which forwards between the
+    # nodes' veths (forwarding on these interfaces only; the machine's own setting is left alone)
+    _run(["ip", "-n", netns, "route", "add", FLEET_NET, "via", host_addr])
+    Path(f"/proc/sys/net/ipv4/conf/{host_veth}/forwarding").write_text("1\n")
 
     node_dir = workdir / netns
     node_dir.mkdir()

@@ -1,0 +1,135 @@
+"""The trainer on two SSH test nodes that reach each other as a fleet's nodes do (swectl.testing.nodes): torchrun's
+rendezvous on the first node, one rank on each, the golden losses of the one-node run, a checkpoint written across
+the nodes and resumed, batches passed from rank 0 to the other node's rank with the request; and a node that cannot
+reach the rendezvous named within seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from swectl.actors.engines import engine_hosts
+from swectl.actors.trainer import Trainer, TrainerLostError
+from swectl.config import TrainerConfig, decode_config
+from swectl.rl.shm import BatchWriter
+from swectl.rl.wire import TrainerSettings
+from swectl.testing import nodes as testnodes
+from swectl.testing.batches import synthetic_batch
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+GOLDEN = Path(__file__).parent.parent / "golden" / "train_losses.json"
+TOLERANCE = 1e-4  # as the one-node golden test: the same world size gives the same sums
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[testnodes.TestNodes]:
+    reason = testnodes.can_run_test_nodes()
+    if reason is not None:
+        pytest.skip(reason)
+    with testnodes.test_nodes(2, prefix="swm", base_index=231) as nodes:
+        yield nodes
+
+
+def _settings(model: Path, out: Path, **kw: object) -> TrainerSettings:
+    return TrainerSettings(**{"model": str(model), "out_dir": str(out), "lr": 1e-3, "total_steps": 8,
+                              "micro_batch_tokens": 128, "seed": 0, **kw})  # type: ignore[arg-type]
+
+
+def _vocab(model: Path) -> int:
+    return json.loads((model / "config.json").read_text())["vocab_size"]
+
+
+def _netns_of_ranks(marker: str) -> set[str]:
+    """The network namespaces (by name) of the running trainer ranks whose command line holds ``marker``."""
+    names = {os.stat(f"/run/netns/{n}").st_ino: n for n in os.listdir("/run/netns")}
+    found = set()
+    for pid in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"swectl.remote.programs.trainer" in cmdline and marker.encode() in cmdline \
+                    and b"torch.distributed.run" not in cmdline:
+                found.add(names.get(os.stat(f"/proc/{pid}/ns/net").st_ino, "host"))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+async def _run(fleet: testnodes.TestNodes, body, settings: TrainerSettings) -> None:  # type: ignore[no-untyped-def]
+    """A trainer with one rank on each test node; ``body(trainer, ready)`` runs once it is ready."""
+    config = decode_config(tomllib.loads(fleet.cluster_toml(extra_node_fields="connect_timeout_s = 5")))
+    async with engine_hosts([config.node(n.name) for n in fleet.nodes]) as hosts:
+        trainer = Trainer(TrainerConfig(nproc_per_node=1, start_timeout_s=300, step_timeout_s=300), settings,
+                          hosts, log_dir=Path(settings.out_dir))
+        async with anyio.create_task_group() as tg:
+            ready = await tg.start(trainer.run)
+            await body(trainer, ready)
+            tg.cancel_scope.cancel()
+
+
+async def test_two_nodes_train_the_golden_steps_and_resume(model: Path, fleet: testnodes.TestNodes,
+                                                           tmp_path: Path) -> None:
+    vocab = _vocab(model)
+    golden = json.loads(GOLDEN.read_text())
+    ckpt = tmp_path / "ckpt"
+    seen: dict[str, float] = {}
+
+    async def straight(trainer: Trainer, ready) -> None:  # type: ignore[no-untyped-def]
+        assert ready.world_size == 2
+        assert trainer.stream_frames  # no shared memory spans two nodes
+        assert _netns_of_ranks(str(tmp_path / "a")) == {n.netns for n in fleet.nodes}  # one rank on each node
+        with BatchWriter() as writer:
+            for step, algorithm in ((1, "sft"), (2, "sft"), (3, "grpo"), (4, "grpo")):
+                ref = writer.write(synthetic_batch(step, algorithm, vocab, seed=step))
+                reply = await trainer.step(step, ref, frame_bytes=writer.frame_bytes(ref))
+                assert not reply.skipped, reply.reason
+                seen[f"{algorithm}_{step}"] = reply.metrics["loss"]
+                seen[f"grad_norm_{step}"] = reply.metrics["grad_norm"]
+                if step == 2:
+                    done = await trainer.checkpoint(2, ckpt)
+                    assert Path(done.path) == ckpt
+
+    async def resumed(trainer: Trainer, ready) -> None:  # type: ignore[no-untyped-def]
+        assert ready.step == 2
+        with BatchWriter() as writer:
+            ref = writer.write(synthetic_batch(3, "grpo", vocab, seed=3))
+            reply = await trainer.step(3, ref, frame_bytes=writer.frame_bytes(ref))
+        seen["resumed_grpo_3"] = reply.metrics["loss"]
+
+    with anyio.fail_after(600):
+        await _run(fleet, straight, _settings(model, tmp_path / "a"))
+        await _run(fleet, resumed, _settings(model, tmp_path / "b", resume=str(ckpt)))
+    for key, value in golden.items():
+        assert seen[key] == pytest.approx(value, rel=TOLERANCE, abs=1e-7), (key, seen[key], value)
+    assert seen["resumed_grpo_3"] == pytest.approx(seen["grpo_3"], rel=1e-5)
+    assert not _netns_of_ranks(str(tmp_path))
+
+
+async def test_a_node_that_cannot_reach_the_rendezvous_is_named_at_once(model: Path, fleet: testnodes.TestNodes,
+                                                                         tmp_path: Path) -> None:
+    first, second = fleet.nodes
+    # the second node loses its route to the others (what the test nodes lacked before they were a fleet)
+    await anyio.run_process(["ip", "-n", second.netns, "route", "del", testnodes.FLEET_NET])
+    try:
+        started = time.monotonic()
+        with pytest.raises(BaseException) as caught, anyio.fail_after(120):
+            await _run(fleet, None, _settings(model, tmp_path))
+        took = time.monotonic() - started
+    finally:
+        await anyio.run_process(["ip", "-n", second.netns, "route", "add", testnodes.FLEET_NET, "via",
+                                 f"10.200.{second.index}.1"])
+    error = caught.value
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, TrainerLostError), repr(caught.value)
+    message = str(error)
+    assert f"{second.name} cannot reach {first.name}'s rendezvous {first.host}:" in message, message
+    assert "unreachable" in message.lower(), message
+    assert took < 60, took  # not trainer.start_timeout_s
+    assert not _netns_of_ranks(str(tmp_path))  # no rank was started
