@@ -19,6 +19,9 @@
   Engines.update_weights(dir, version) with one CPU engine, for the tiny model (2 ranks) and a randomly initialised
   Qwen3 of Qwen3-0.6B's shape (2 ranks when memory allows, else 1); the split save / reload and, untimed, how long
   writing the same safetensors alone takes. The model folders are made once under benchmarks/results/.cache.
+- ``nodes``: the trainer with 2 ranks on one SSH test node against 1 rank on each of two (swectl.testing.nodes),
+  on the ``trainer`` part's batch, and the two-node trainer's weights reaching a CPU engine here
+  (``train_tokens_per_s_2nodes``, ``train_2nodes_vs_1node``, ``weight_sync_remote_s``). Needs root.
 
 Each part is a function ``(args, progress) -> PartResult`` in ``PARTS``; its metrics, goals and details are
 merged into benchmarks/results/train.json (read-modify-write under a lock), so parts can run separately and
@@ -879,12 +882,122 @@ def measure_weight_sync(args: argparse.Namespace, progress: Progress) -> PartRes
     return PartResult(metrics, [], details, notes)
 
 
+# ---------------------------------------------------------------- nodes: ranks on one node vs two
+
+
+async def run_node_trainers(fleet: Any, model: Path, work: Path, samples: list[TrainSample], warmup: int,
+                            steps: int, reps: int, progress: Progress) -> dict[str, Any]:
+    """On two SSH test nodes: a trainer of 2 ranks on the first node, then one of 1 rank on each node, each
+    training ``warmup + steps`` GRPO steps on the same samples (batches streamed over the control channel, as to
+    any remote trainer); then the two-node trainer's weights reach a CPU engine on this machine ``reps`` times
+    (save_weights into a folder + the engine's reload from it)."""
+    import tomllib
+
+    import anyio
+
+    from swectl.actors.engines import EngineHost, Engines, engine_hosts
+    from swectl.actors.trainer import Trainer
+    from swectl.config import EngineConfig, TrainerConfig, decode_config
+    from swectl.rl.wire import TrainerSettings
+
+    config = decode_config(tomllib.loads(fleet.cluster_toml(extra_node_fields="connect_timeout_s = 10")))
+    first, second = (config.node(n.name) for n in fleet.nodes)
+    expect = sum(smp.length for smp in samples)
+    out: dict[str, Any] = {}
+    for label, nodes, ranks in (("1node", [first], 2), ("2nodes", [first, second], 1)):
+        folder = work / label
+        settings = TrainerSettings(model=str(model), out_dir=str(folder), algorithm="grpo", lr=1e-5,
+                                   total_steps=warmup + steps + reps, seed=0)
+        async with engine_hosts(nodes) as hosts, anyio.create_task_group() as tg:
+            trainer = Trainer(TrainerConfig(nproc_per_node=ranks, start_timeout_s=600, step_timeout_s=1200),
+                              settings, hosts, log_dir=folder / "logs")
+            t0 = time.perf_counter()
+            await tg.start(trainer.run)
+            row: dict[str, Any] = {"ranks": ranks, "nodes": [n.name for n in nodes],
+                                   "start_s": round(time.perf_counter() - t0, 1), "wall_s": []}
+            with BatchWriter() as writer:
+                for step in range(1, warmup + steps + 1):
+                    ref = writer.write(make_batch(step, "grpo", samples))
+                    t1 = time.perf_counter()
+                    reply = await trainer.step(step, ref, frame_bytes=writer.frame_bytes(ref))
+                    wall = time.perf_counter() - t1
+                    if reply.skipped or int(reply.metrics["tokens"]) != expect:
+                        raise RuntimeError(f"trainer {label}: step {step}: {reply.reason or reply.metrics}")
+                    progress(f"nodes {label}: step {step}{' (warm-up)' if step <= warmup else ''} {wall:.2f} s, "
+                             f"{expect / wall:,.0f} tokens/s")
+                    if step > warmup:
+                        row["wall_s"].append(wall)
+            if label == "2nodes":
+                engines = Engines(EngineConfig(kind="cpu", start_timeout_s=600), model=str(model),
+                                  hosts=[EngineHost.local()], log_dir=folder / "logs")
+                await tg.start(engines.run)
+                row["sync_s"] = []
+                for rep in range(1 + reps):
+                    path = folder / "weights" / f"v{rep}"
+                    t1 = time.perf_counter()
+                    await trainer.save_weights(path)
+                    await engines.update_weights(str(path), f"nodes-{rep}")
+                    seconds = time.perf_counter() - t1
+                    progress(f"nodes {label}: {'warm-up ' if rep == 0 else ''}weights to the engine {seconds:.2f} s")
+                    if rep:
+                        row["sync_s"].append(seconds)
+            tg.cancel_scope.cancel()
+        out[label] = row
+    return out
+
+
+def measure_nodes(args: argparse.Namespace, progress: Progress) -> PartResult:
+    """Trainer ranks on one SSH test node against the same world split over two (swectl.testing.nodes: network
+    namespaces that reach each other through this machine, one filesystem), and a remote trainer's weights to an
+    engine here. Both trainers stream their batches over the control channel, so the split is the only
+    difference; on this one machine the nodes share the CPUs, so the ratio shows the cost of the network path
+    (gloo over the veths, the rendezvous), not more compute."""
+    import anyio
+
+    from swectl.testing import nodes as testnodes
+
+    reason = testnodes.can_run_test_nodes()
+    if reason is not None:
+        raise RuntimeError(f"nodes: {reason}")
+    steps = args.train_steps or (2 if args.quick else 4)
+    model = tiny_model(progress)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    batch = realistic_batch(TRAIN_SAMPLES, TRAIN_MIN_TOKENS, TRAIN_MAX_TOKENS, seed=1, vocab=vocab)
+    tokens = sum(smp.length for smp in batch.samples)
+    load_before = loadavg()
+    with testnodes.test_nodes(2, prefix="swb", base_index=221) as fleet, \
+            tempfile.TemporaryDirectory(prefix="nodes-", dir=cache_dir()) as tmp:
+        try:
+            rows = anyio.run(run_node_trainers, fleet, model, Path(tmp), list(batch.samples), 1, steps, 3, progress)
+        except BaseExceptionGroup as group:
+            raise leaf_error(group) from group
+
+    def rate(label: str) -> float:
+        return round(tokens / statistics.median(rows[label]["wall_s"]), 1)
+
+    metrics = {
+        "train_tokens_per_s_1node_2ranks": rate("1node"),
+        "train_tokens_per_s_2nodes": rate("2nodes"),
+        "train_2nodes_vs_1node": round(rate("2nodes") / rate("1node"), 3),
+        "weight_sync_remote_s": round(statistics.median(rows["2nodes"]["sync_s"]), 3),
+    }
+    details = {"batch": {"samples": len(batch.samples), "tokens": tokens}, "runs": rows,
+               "loadavg_before": load_before, "loadavg_after": loadavg()}
+    notes = ["the two test nodes are network namespaces of this 2-core machine: they share its CPUs and "
+             "filesystem, so 2 nodes x 1 rank does the same compute as 1 node x 2 ranks; the ratio is the cost of "
+             "the nodes' network path (gloo over veths through this host), not a speed-up",
+             "weight_sync_remote_s: the two-node trainer's save_weights (rank 0 on the first node writes the "
+             "folder) + a CPU engine here reloading it, tiny model"]
+    return PartResult(metrics, [], details, notes)
+
+
 # ---------------------------------------------------------------- the suite
 
 PARTS: dict[str, Callable[[argparse.Namespace, Progress], PartResult]] = {
     "transport": measure_transport,
     "trainer": measure_trainer,
     "weight_sync": measure_weight_sync,
+    "nodes": measure_nodes,
 }
 
 
