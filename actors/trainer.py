@@ -111,6 +111,39 @@ def exception_line(line: str) -> bool:
     return found is not None and found.group(1) != "ChildFailedError"
 
 
+async def check_rendezvous(hosts: list[EngineHost], port: int, python: str) -> list[str]:
+    """Whether every other host opens a TCP connection to the first one's address and ``port``, where a short
+    listener answers (within about RENDEZVOUS_CHECK_S): one line per host that cannot (naming both nodes, the
+    address and the error), or for a port the first cannot listen on; empty when all can."""
+    first = hosts[0]
+    failures: list[str] = []
+    with anyio.fail_after(RENDEZVOUS_CHECK_S + 15):
+        listener = await first.node.spawn([python, "-c", RENDEZVOUS_LISTEN, "0.0.0.0", str(port),
+                                           str(RENDEZVOUS_CHECK_S), str(len(hosts) - 1)])
+        try:
+            said = (await listener.receive()).decode(errors="replace")
+            if not said.startswith("listening"):
+                return [f"{first.node.name} cannot listen on the rendezvous port {port}: "
+                        f"{said.strip()[-300:] or 'no answer (is python there? trainer.python)'}"]
+
+            async def reach(host: EngineHost) -> None:
+                out = await host.node.run([python, "-c", RENDEZVOUS_CONNECT, first.address, str(port),
+                                           str(RENDEZVOUS_CONNECT_S)])
+                if out.exit_code != 0:
+                    why = (out.stderr or out.stdout).decode(errors="replace").strip().splitlines()
+                    failures.append(f"{host.node.name} cannot reach {first.node.name}'s rendezvous "
+                                    f"{first.address}:{port}: {why[-1] if why else f'exit {out.exit_code}'}")
+
+            async with anyio.create_task_group() as tg:
+                for host in hosts[1:]:
+                    tg.start_soon(reach, host)
+            if not failures:
+                await listener.wait()  # it has let go of the port
+        finally:
+            await listener.aclose()
+    return sorted(failures)
+
+
 class TrainerLostError(InfraError):
     """The trainer workers died or stopped answering; the message holds the last lines of their log."""
 
@@ -227,43 +260,16 @@ class Trainer:
         return int(text)
 
     async def _check_rendezvous(self, port: int) -> None:
-        """Before any rank starts: every other trainer node opens a TCP connection to the first node's rendezvous
-        address and port, where a short listener answers. A node that cannot is named with the address and its
-        error within seconds (torchrun would retry until trainer.start_timeout_s, saying nothing)."""
-        python = self._config.python or sys.executable
-        first = self._launches[0].host
-        with anyio.fail_after(RENDEZVOUS_CHECK_S + 15):
-            others = len(self._launches) - 1
-            listener = await first.node.spawn([python, "-c", RENDEZVOUS_LISTEN, "0.0.0.0", str(port),
-                                               str(RENDEZVOUS_CHECK_S), str(others)])
-            try:
-                said = (await listener.receive()).decode(errors="replace")
-                if not said.startswith("listening"):
-                    raise TrainerLostError(f"trainer: cannot listen on the rendezvous port {port} on "
-                                           f"{first.node.name}: {said.strip()[-300:] or 'no answer'} (another "
-                                           "process holds it? trainer.rdzv_port)")
-                failures: list[str] = []
-
-                async def reach(launch: _Launch) -> None:
-                    out = await launch.host.node.run([python, "-c", RENDEZVOUS_CONNECT, first.address, str(port),
-                                                      str(RENDEZVOUS_CONNECT_S)])
-                    if out.exit_code != 0:
-                        why = (out.stderr or out.stdout).decode(errors="replace").strip().splitlines()
-                        failures.append(f"{launch.host.node.name} cannot reach {first.node.name}'s rendezvous "
-                                        f"{first.address}:{port}: {why[-1] if why else f'exit {out.exit_code}'}")
-
-                async with anyio.create_task_group() as tg:
-                    for launch in self._launches[1:]:
-                        tg.start_soon(reach, launch)
-                if not failures:
-                    await listener.wait()  # it has let go of the port
-            finally:
-                await listener.aclose()
+        """Before any rank starts: every other trainer node must reach the first one's rendezvous address and port
+        (``check_rendezvous``), or the run stops here naming them (torchrun would retry until
+        trainer.start_timeout_s, saying nothing)."""
+        hosts = [launch.host for launch in self._launches]
+        failures = await check_rendezvous(hosts, port, self._config.python or sys.executable)
         if failures:
             raise TrainerLostError("trainer nodes must reach each other (torchrun's rendezvous on the first "
-                                   "node): " + "; ".join(sorted(failures)))
-        _log.info("trainer: %d node(s) reach the rendezvous %s:%d on %s", len(self._launches) - 1, first.address,
-                  port, first.node.name)
+                                   "node): " + "; ".join(failures))
+        _log.info("trainer: %d node(s) reach the rendezvous %s:%d on %s", len(hosts) - 1, hosts[0].address, port,
+                  hosts[0].node.name)
 
     async def _spawn(self, launch: _Launch, port: int, tg: anyio.abc.TaskGroup) -> None:
         proc = await launch.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-trainer", *self._argv(launch, port)])

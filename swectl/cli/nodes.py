@@ -8,6 +8,8 @@ import sys
 import anyio
 import msgspec
 
+from swectl.actors.engines import FREE_PORT, engine_hosts
+from swectl.actors.trainer import check_rendezvous
 from swectl.cli.common import config_args
 from swectl.config import ClusterConfig, SshNodeConfig, load_config
 from swectl.errors import InfraError
@@ -29,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     nodes_sub = nodes.add_subparsers(dest="nodes_command", required=True, metavar="ACTION")
     check = nodes_sub.add_parser(
         "check", help="connect to every node; report podman version, images, disk, swectl sandboxes, whether it "
-        "can run namespace sandboxes, problems"
+        "can run namespace sandboxes, whether the trainer's nodes reach each other, problems"
     )
     config_args(check)
     check.add_argument("--json", action="store_true", help="print the reports as JSON")
@@ -54,7 +56,38 @@ async def check_nodes(config: ClusterConfig, *, timeout_s: float = 60.0) -> list
                 tg.start_soon(_check_one, config, node_config, backend, reports, timeout_s)
     finally:
         await close_backends(backends)
-    return [reports[node.name] for node, _ in backends]
+    ordered = [reports[node.name] for node, _ in backends]
+    if len(config.trainer_nodes()) > 1:
+        ordered = await _check_trainer_reach(config, ordered, timeout_s)
+    return ordered
+
+
+async def _check_trainer_reach(config: ClusterConfig, reports: list[NodeReport], timeout_s: float
+                               ) -> list[NodeReport]:
+    """The trainer's nodes must reach the first one's rendezvous (torchrun's store): each that cannot gets a
+    problem naming the address and the error (the check the trainer runs before it starts ranks)."""
+    python = config.trainer.python or sys.executable
+    problems: dict[str, list[str]] = {}
+    try:
+        with anyio.fail_after(timeout_s):
+            async with engine_hosts(config.trainer_nodes()) as hosts:
+                out = await hosts[0].node.run([python, "-c", FREE_PORT, "0.0.0.0"])
+                port = out.stdout.decode(errors="replace").strip()
+                if out.exit_code != 0 or not port.isdigit():
+                    failures = [f"{hosts[0].node.name} cannot pick a port for the trainer's rendezvous with "
+                                f"{python}: {out.stderr.decode(errors='replace').strip()[-300:]}"]
+                else:
+                    failures = await check_rendezvous(hosts, config.trainer.rdzv_port or int(port), python)
+    except (InfraError, TimeoutError) as exc:
+        failures = [f"{config.trainer_nodes()[0].name} the trainer's reachability check failed: {exc or 'timed out'}"]
+    for line in failures:
+        problems.setdefault(line.split(" ", 1)[0], []).append(
+            f"{line} -- hint: trainer nodes must reach each other (routes, firewalls; trainer.rdzv_port)")
+    by_name = {r.node: r for r in reports}
+    for name, lines in problems.items():
+        report = by_name.get(name) or NodeReport(node=name, ok=False)
+        by_name[name] = msgspec.structs.replace(report, ok=False, problems=[*report.problems, *lines])
+    return list(by_name.values())
 
 
 async def _check_one(

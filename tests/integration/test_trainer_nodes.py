@@ -1,7 +1,7 @@
 """The trainer on two SSH test nodes that reach each other as a fleet's nodes do (swectl.testing.nodes): torchrun's
 rendezvous on the first node, one rank on each, the golden losses of the one-node run, a checkpoint written across
 the nodes and resumed, batches passed from rank 0 to the other node's rank with the request; and a node that cannot
-reach the rendezvous named within seconds."""
+reach the rendezvous named within seconds, by the trainer and by `swectl nodes check`."""
 
 from __future__ import annotations
 
@@ -133,3 +133,26 @@ async def test_a_node_that_cannot_reach_the_rendezvous_is_named_at_once(model: P
     assert "unreachable" in message.lower(), message
     assert took < 60, took  # not trainer.start_timeout_s
     assert not _netns_of_ranks(str(tmp_path))  # no rank was started
+
+
+async def test_nodes_check_reports_trainer_nodes_that_cannot_reach_each_other(fleet: testnodes.TestNodes) -> None:
+    from swectl.cli.nodes import check_nodes
+
+    first, second = fleet.nodes
+    names = ", ".join(f'"{n.name}"' for n in fleet.nodes)
+    toml = fleet.cluster_toml(extra_node_fields="connect_timeout_s = 5") + f"\n[trainer]\nnodes = [{names}]\n"
+    config = decode_config(tomllib.loads(toml))
+    with anyio.fail_after(300):
+        reports = {r.node: r for r in await check_nodes(config)}
+    assert not any("rendezvous" in p for r in reports.values() for p in r.problems), reports
+    await anyio.run_process(["ip", "-n", second.netns, "route", "del", testnodes.FLEET_NET])
+    try:
+        with anyio.fail_after(300):
+            reports = {r.node: r for r in await check_nodes(config)}
+    finally:
+        await anyio.run_process(["ip", "-n", second.netns, "route", "add", testnodes.FLEET_NET, "via",
+                                 f"10.200.{second.index}.1"])
+    assert not reports[second.name].ok
+    problem = next(p for p in reports[second.name].problems if "rendezvous" in p)
+    assert f"{second.name} cannot reach {first.name}'s rendezvous {first.host}:" in problem, problem
+    assert not any("rendezvous" in p for p in reports[first.name].problems)
