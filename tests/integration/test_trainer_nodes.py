@@ -46,19 +46,23 @@ def _vocab(model: Path) -> int:
     return json.loads((model / "config.json").read_text())["vocab_size"]
 
 
-def _netns_of_ranks(marker: str) -> set[str]:
-    """The network namespaces (by name) of the running trainer ranks whose command line holds ``marker``."""
+def _ranks(marker: str) -> dict[int, str]:
+    """The running trainer ranks whose command line holds ``marker``: pid -> network namespace (by name)."""
     names = {os.stat(f"/run/netns/{n}").st_ino: n for n in os.listdir("/run/netns")}
-    found = set()
+    found = {}
     for pid in os.listdir("/proc"):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"swectl.remote.programs.trainer" in cmdline and marker.encode() in cmdline \
-                    and b"torch.distributed.run" not in cmdline:
-                found.add(names.get(os.stat(f"/proc/{pid}/ns/net").st_ino, "host"))
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"swectl.remote.programs.trainer" in argv and b"torch.distributed.run" not in argv \
+                    and not argv[0].endswith(b"sh") and marker.encode() in b" ".join(argv):
+                found[int(pid)] = names.get(os.stat(f"/proc/{pid}/ns/net").st_ino, "host")
         except (OSError, ValueError):
             continue
     return found
+
+
+def _netns_of_ranks(marker: str) -> set[str]:
+    return set(_ranks(marker).values())
 
 
 async def _run(fleet: testnodes.TestNodes, body, settings: TrainerSettings) -> None:  # type: ignore[no-untyped-def]
@@ -156,3 +160,28 @@ async def test_nodes_check_reports_trainer_nodes_that_cannot_reach_each_other(fl
     problem = next(p for p in reports[second.name].problems if "rendezvous" in p)
     assert f"{second.name} cannot reach {first.name}'s rendezvous {first.host}:" in problem, problem
     assert not any("rendezvous" in p for p in reports[first.name].problems)
+
+
+async def test_a_rank_killed_on_the_second_node_is_noticed_at_once(model: Path, fleet: testnodes.TestNodes,
+                                                                    tmp_path: Path) -> None:
+    second = fleet.nodes[1]
+    killed_at = 0.0
+
+    async def body(trainer: Trainer, ready) -> None:  # type: ignore[no-untyped-def]
+        nonlocal killed_at
+        on_second = [pid for pid, netns in _ranks(str(tmp_path)).items() if netns == second.netns]
+        assert len(on_second) == 1, _ranks(str(tmp_path))
+        os.kill(on_second[0], 9)
+        killed_at = time.monotonic()
+        await anyio.sleep_forever()
+
+    with pytest.raises(BaseException) as caught, anyio.fail_after(240):
+        await _run(fleet, body, _settings(model, tmp_path))
+    noticed = time.monotonic() - killed_at
+    error = caught.value
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, TrainerLostError), repr(caught.value)
+    assert "exited with" in str(error), str(error)
+    assert noticed < 60, noticed  # torchrun's agent on the first node may see it first: either node is named
+    assert not _ranks(str(tmp_path))  # both nodes' ranks are gone
