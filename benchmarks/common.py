@@ -153,9 +153,10 @@ def write_results(suite: str, metrics: dict[str, Any], meta: dict[str, Any], pat
 
 
 def report(suite: str, metrics: dict[str, Any], meta: dict[str, Any], goals: Sequence[Goal]) -> Path:
-    """Record the goals in ``meta``, write the suite's JSON, print the result table and where it went."""
+    """Record the goals in ``meta``, write the suite's JSON, print the result table and where it went. A ``--quick``
+    run (``meta["quick"]``) goes to results/<suite>.quick.json: it never replaces the recorded full run."""
     meta["goals"] = [g.record(metrics) for g in goals]
-    path = write_results(suite, metrics, meta)
+    path = write_results(suite, metrics, meta, RESULTS_DIR / f"{suite}.quick.json" if meta.get("quick") else None)
     print(result_table(metrics, goals))
     print(f"\nwrote {path}")
     return path
