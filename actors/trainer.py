@@ -29,6 +29,7 @@ import re
 import secrets
 import sys
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -65,6 +66,7 @@ from swectl.schema import TrainerStatistics
 
 _log = logging.getLogger(__name__)
 _READY = re.compile(r"swectl-trainer ready on (\S+):(\d+)\s*$")
+_RANK_UP = re.compile(r"swectl-trainer rank (\d+): up on ")
 TAIL_LINES = 40
 # A Python exception's last line in a rank's output ("RuntimeError: ...", "[rank1]: ValueError: ..."): the cause that
 # torchrun's ChildFailedError summary, printed after it, pushes out of the tail.
@@ -155,8 +157,10 @@ class TrainerFailedError(SwectlError):
 class _Launch:
     """One node's torchrun: its channel, output tail and exit code."""
 
-    def __init__(self, host: EngineHost, index: int, exited: anyio.Event) -> None:
+    def __init__(self, host: EngineHost, index: int, exited: anyio.Event,
+                 rank_up: Callable[[int, str], None] | None = None) -> None:
         self.host = host
+        self.rank_up = rank_up  # called with (rank, node name) when a rank of this node has loaded its model
         self.exited = exited  # shared by every node's launch: set when any of them exits
         self.index = index
         self.proc: NodeProcess | None = None
@@ -176,6 +180,9 @@ class _Launch:
             self.tail.append(line)
             if len(self.errors) < ERROR_LINES and exception_line(line):
                 self.errors.append(line.strip())
+            up = _RANK_UP.match(line)
+            if up and self.rank_up is not None:
+                self.rank_up(int(up.group(1)), self.host.node.name)
             found = _READY.search(line)
             if not found:
                 return
@@ -188,13 +195,15 @@ class Trainer:
     """Start with ``ready = await tg.start(trainer.run)``; then ``step``, ``checkpoint``, ``save_weights``."""
 
     def __init__(self, config: TrainerConfig, settings: TrainerSettings, hosts: list[EngineHost], *,
-                 log_dir: Path, run_id: str = "swectl") -> None:
+                 log_dir: Path, run_id: str = "swectl", progress: Callable[[str], None] | None = None) -> None:
         if not hosts:
             raise ValueError("the trainer needs at least one node")
         self._config = config
         self._settings = settings
         self._exited = anyio.Event()
-        self._launches = [_Launch(h, i, self._exited) for i, h in enumerate(hosts)]
+        self._progress = progress  # one line per rank that is up while the trainer starts (``swectl up`` says them)
+        self._ranks_up: set[int] = set()
+        self._launches = [_Launch(h, i, self._exited, self._rank_up) for i, h in enumerate(hosts)]
         self._log_dir = log_dir
         self._run_id = run_id
         self._key = secrets.token_urlsafe(24)
@@ -205,6 +214,14 @@ class Trainer:
         self._skipped = 0
         self._restarts = 0
         self._last_step_s = 0.0
+
+    def _rank_up(self, rank: int, node: str) -> None:
+        self._ranks_up.add(rank)
+        world = self._config.nproc_per_node * len(self._launches)
+        line = f"trainer: rank {rank} is up on {node} ({len(self._ranks_up)} of {world} ranks)"
+        _log.info(line)
+        if self._progress is not None:
+            self._progress(line)
 
     @property
     def stream_frames(self) -> bool:

@@ -711,6 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer: Trainer | None = None
     try:
         trainer = Trainer(settings)
+        log(f"up on {socket.gethostname()} ({device}): model loaded")  # the controller's progress line
         conn = accept_controller(args.listen) if trainer.rank == 0 else None
         if conn is not None:
             _send(conn, Ready(world_size=trainer.world, parameters=trainer.parameters, step=trainer.step,

@@ -187,7 +187,7 @@ class Controller:
         async with (_closing(metrics), pool_cm as pool, engine_cm as ehosts,
                     engine_hosts(cfg.trainer_nodes()) as thosts, anyio.create_task_group() as tg):
             trainer = Trainer(cfg.trainer, trainer_settings(cfg, self.plan, self.run_dir, resume_from), thosts,
-                              log_dir=self.run_dir, run_id=run_id)
+                              log_dir=self.run_dir, run_id=run_id, progress=self.say)
             engines: Engines | None = None
             if rl:
                 engines = Engines(cfg.engine, model=self.state.weights, hosts=ehosts,

@@ -65,12 +65,14 @@ def _netns_of_ranks(marker: str) -> set[str]:
     return set(_ranks(marker).values())
 
 
-async def _run(fleet: testnodes.TestNodes, body, settings: TrainerSettings) -> None:  # type: ignore[no-untyped-def]
-    """A trainer with one rank on each test node; ``body(trainer, ready)`` runs once it is ready."""
+async def _run(fleet: testnodes.TestNodes, body, settings: TrainerSettings,  # type: ignore[no-untyped-def]
+               said: list[str] | None = None) -> None:
+    """A trainer with one rank on each test node; ``body(trainer, ready)`` runs once it is ready; its progress
+    lines go to ``said``."""
     config = decode_config(tomllib.loads(fleet.cluster_toml(extra_node_fields="connect_timeout_s = 5")))
     async with engine_hosts([config.node(n.name) for n in fleet.nodes]) as hosts:
         trainer = Trainer(TrainerConfig(nproc_per_node=1, start_timeout_s=300, step_timeout_s=300), settings,
-                          hosts, log_dir=Path(settings.out_dir))
+                          hosts, log_dir=Path(settings.out_dir), progress=None if said is None else said.append)
         async with anyio.create_task_group() as tg:
             ready = await tg.start(trainer.run)
             await body(trainer, ready)
@@ -106,8 +108,15 @@ async def test_two_nodes_train_the_golden_steps_and_resume(model: Path, fleet: t
             reply = await trainer.step(3, ref, frame_bytes=writer.frame_bytes(ref))
         seen["resumed_grpo_3"] = reply.metrics["loss"]
 
+    said: list[str] = []
     with anyio.fail_after(600):
-        await _run(fleet, straight, _settings(model, tmp_path / "a"))
+        await _run(fleet, straight, _settings(model, tmp_path / "a"), said)
+    first, second = fleet.nodes
+    assert sorted(said) == [f"trainer: rank 0 is up on {first.name} (1 of 2 ranks)",
+                            f"trainer: rank 1 is up on {second.name} (2 of 2 ranks)"] or sorted(said) == [
+        f"trainer: rank 0 is up on {first.name} (2 of 2 ranks)",
+        f"trainer: rank 1 is up on {second.name} (1 of 2 ranks)"], said
+    with anyio.fail_after(600):
         await _run(fleet, resumed, _settings(model, tmp_path / "b", resume=str(ckpt)))
     for key, value in golden.items():
         assert seen[key] == pytest.approx(value, rel=TOLERANCE, abs=1e-7), (key, seen[key], value)
