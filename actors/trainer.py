@@ -113,6 +113,18 @@ def exception_line(line: str) -> bool:
     return found is not None and found.group(1) != "ChildFailedError"
 
 
+async def pick_port(host: EngineHost, python: str) -> int:
+    """A free port on ``host`` for a rendezvous (bound where the trainer's ranks would listen)."""
+    with anyio.fail_after(60):
+        out = await host.node.run([python, "-c", FREE_PORT, "0.0.0.0" if host.remote else "127.0.0.1"])
+    text = out.stdout.decode(errors="replace").strip()
+    if out.exit_code != 0 or not text.isdigit():
+        raise TrainerLostError(f"cannot pick a rendezvous port on {host.node.name}: "
+                               f"{out.stderr.decode(errors='replace').strip()[:300]} (is python/torch there? "
+                               "set trainer.python)")
+    return int(text)
+
+
 async def check_rendezvous(hosts: list[EngineHost], port: int, python: str) -> list[str]:
     """Whether every other host opens a TCP connection to the first one's address and ``port``, where a short
     listener answers (within about RENDEZVOUS_CHECK_S): one line per host that cannot (naming both nodes, the
@@ -265,16 +277,7 @@ class Trainer:
         return [*argv, "-m", "swectl.remote.programs.trainer", "--settings", settings, "--listen", listen]
 
     async def _free_port(self) -> int:
-        host = self._launches[0].host
-        with anyio.fail_after(60):
-            out = await host.node.run([self._config.python or sys.executable, "-c", FREE_PORT,
-                                       "0.0.0.0" if host.remote else "127.0.0.1"])
-        text = out.stdout.decode(errors="replace").strip()
-        if out.exit_code != 0 or not text.isdigit():
-            raise TrainerLostError(f"cannot pick a rendezvous port on {host.node.name}: "
-                                   f"{out.stderr.decode(errors='replace').strip()[:300]} (is python/torch there? "
-                                   "set trainer.python)")
-        return int(text)
+        return await pick_port(self._launches[0].host, self._config.python or sys.executable)
 
     async def _check_rendezvous(self, port: int) -> None:
         """Before any rank starts: every other trainer node must reach the first one's rendezvous address and port

@@ -392,35 +392,49 @@ def profile_one(trainer: Any, device: Any, sample: Any, batch: Any, reps: int = 
     return row
 
 
-def profile_micro_batch(ctx: Context, model: Path) -> dict[str, Any]:
-    """Where one micro-batch's time goes, in this process: the worker's own Trainer (one rank, world of one) on the
-    throughput model; per length, median seconds of the real ``_micro_loss`` + backward, and of the bare model
-    (forward + backward of a trivial loss) with and without the all-ones attention mask, and a forward alone."""
+def _join_world_of_one(backend: str) -> None:
+    """This process as the only rank of a process group (a free port on loopback)."""
     import socket
 
-    import numpy as np
     import torch.distributed as dist
-
-    from swectl.remote.programs import trainer as worker
-    from swectl.rl.batch import make_batch, pack_sample
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group(backend=backend)
+
+
+def _random_sample(model: Path, rng: Any, length: int) -> Any:
+    """A GRPO sample of ``length`` random tokens: a quarter prompt (mask 0), the rest trained (mask 1)."""
+    from swectl.rl.batch import pack_sample
+
+    prompt = length // 4
+    return pack_sample("p", "g", rng.integers(3, vocab(model), size=length).tolist(),
+                       [0] * prompt + [1] * (length - prompt),
+                       [0.0] * prompt + [-2.0] * (length - prompt), advantage=1.0, reward=1.0)
+
+
+def profile_micro_batch(ctx: Context, model: Path) -> dict[str, Any]:
+    """Where one micro-batch's time goes, in this process: the worker's own Trainer (one rank, world of one) on the
+    throughput model; per length, median seconds of the real ``_micro_loss`` + backward, and of the bare model
+    (forward + backward of a trivial loss) with and without the all-ones attention mask, and a forward alone."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from swectl.remote.programs import trainer as worker
+    from swectl.rl.batch import make_batch
+
     s = settings(model, ctx.work / "profile", algorithm="grpo", lr=1e-6)
     device, backend = worker._device(s)
-    dist.init_process_group(backend=backend)
+    _join_world_of_one(backend)
     try:
         trainer = worker.Trainer(s)
 
         result: dict[str, Any] = {"device": str(device)}
         rng = np.random.default_rng(0)
         for length in PROFILE_LENGTHS:
-            prompt = length // 4
-            sample = pack_sample("p", "g", rng.integers(3, vocab(model), size=length).tolist(),
-                                 [0] * prompt + [1] * (length - prompt),
-                                 [0.0] * prompt + [-2.0] * (length - prompt), advantage=1.0, reward=1.0)
+            sample = _random_sample(model, rng, length)
             row = profile_one(trainer, device, sample, make_batch(1, "grpo", [sample]))
             row["tokens_per_s_micro_loss"] = round(length / row["micro_loss_and_backward_s"])
             result[str(length)] = row
@@ -460,29 +474,18 @@ def _kernel_table(trainer: Any, mb: dict[str, Any], batch: Any) -> dict[str, Any
 def variants_micro_batch(ctx: Context, model: Path) -> dict[str, Any]:
     """Micro-batch tokens/s of the worker's own loss + backward on the throughput model, eager and with each
     decoder layer compiled, at 1, 2 and 4 rows of 8192 tokens; and a kernel table of the eager 8192 case."""
-    import socket
-
     import numpy as np
     import torch
     import torch.distributed as dist
 
     from swectl.remote.programs import trainer as worker
-    from swectl.rl.batch import make_batch, pack_sample
+    from swectl.rl.batch import make_batch
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rng = np.random.default_rng(0)
     length = 8192
-    samples = []
-    for _ in range(max(VARIANT_ROWS)):
-        prompt = length // 4
-        samples.append(pack_sample("p", "g", rng.integers(3, vocab(model), size=length).tolist(),
-                                   [0] * prompt + [1] * (length - prompt),
-                                   [0.0] * prompt + [-2.0] * (length - prompt), advantage=1.0, reward=1.0))
+    samples = [_random_sample(model, rng, length) for _ in range(max(VARIANT_ROWS))]
     result: dict[str, Any] = {}
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    _join_world_of_one(worker._device(settings(model, ctx.work / "variants"))[1])
     try:
         for compiled in (False, True):
             name = "compiled" if compiled else "eager"

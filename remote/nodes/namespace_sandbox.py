@@ -41,7 +41,7 @@ from swectl.config import SandboxConfig
 from swectl.errors import CommandError, SandboxError
 from swectl.remote.nodes.agent_client import AgentClient, agent_source
 from swectl.remote.nodes.agent_sandbox import AgentSandbox, RemovalBatcher, translate_lost
-from swectl.remote.nodes.node import LocalNode, Node, NodeProcess
+from swectl.remote.nodes.node import LocalNode, Node, NodeProcess, SocketChannel
 from swectl.remote.nodes.podman import PodmanCli, qualify_image
 from swectl.remote.programs import nsbox
 from swectl.remote.programs.nsbox import BOOTSTRAP
@@ -86,38 +86,6 @@ class ImageRoot(msgspec.Struct, frozen=True):
     image_id: str
     layers: list[str]
     env: dict[str, str]
-
-
-class SocketChannel:
-    """The controller's end of a sandbox's socket pair, as a NodeProcess."""
-
-    def __init__(self, stream: anyio.abc.SocketStream) -> None:
-        self._stream = stream
-
-    async def send(self, data: bytes) -> None:
-        try:
-            await self._stream.send(data)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            raise BrokenPipeError("sandbox channel is closed") from exc
-
-    async def receive(self, max_bytes: int = 65536) -> bytes:
-        try:
-            return await self._stream.receive(max_bytes)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            return b""
-
-    async def close_input(self) -> None:
-        try:
-            await self._stream.send_eof()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            pass
-
-    async def wait(self) -> int:
-        return 0
-
-    async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True):
-            await self._stream.aclose()
 
 
 class NamespaceBackend:

@@ -87,8 +87,8 @@ class LocalProcess:
 
 
 class SocketChannel:
-    """A unix socket connection as a NodeProcess: what is sent reaches the listener; ``wait`` has no exit code to
-    give (0 once the peer closed)."""
+    """A socket connection as a NodeProcess (a sandbox's socket pair, a unix socket of the node); ``wait`` has no
+    exit code to give: 0."""
 
     def __init__(self, stream: anyio.abc.SocketStream) -> None:
         self._stream = stream
@@ -97,7 +97,7 @@ class SocketChannel:
         try:
             await self._stream.send(data)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            raise BrokenPipeError("socket is closed") from exc
+            raise BrokenPipeError("sandbox channel is closed") from exc
 
     async def receive(self, max_bytes: int = 65536) -> bytes:
         try:
@@ -112,8 +112,6 @@ class SocketChannel:
             pass
 
     async def wait(self) -> int:
-        while await self.receive():
-            pass
         return 0
 
     async def aclose(self) -> None:

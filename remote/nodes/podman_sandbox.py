@@ -37,7 +37,7 @@ from swectl.remote.nodes.agent_client import (
     listen_command,
 )
 from swectl.remote.nodes.agent_sandbox import AgentSandbox, RemovalBatcher, translate_lost
-from swectl.remote.nodes.node import Node
+from swectl.remote.nodes.node import Node, NodeProcess
 from swectl.remote.nodes.podman import ContainerCli, PodmanCli
 from swectl.remote.nodes.podman_api import PodmanApi
 from swectl.remote.programs.exec_agent import HeadTail
@@ -167,8 +167,13 @@ class ContainerSandbox(AgentSandbox):
     async def start(self) -> None:
         if self._backend.socket_channel and await self._start_on_socket():
             return
-        process = await self._backend.node.spawn(self._cli.argv("exec", "-i", self.id, *agent_command()))
-        client = AgentClient(process, f"sandbox {self.name} on {self.node}")
+        await self._start_agent(await self._backend.node.spawn(self._cli.argv("exec", "-i", self.id,
+                                                                               *agent_command())))
+
+    async def _start_agent(self, channel: NodeProcess) -> None:
+        """Send the agent its source over ``channel`` and wait for its hello; without python3 there the sandbox
+        keeps the plain path."""
+        client = AgentClient(channel, f"sandbox {self.name} on {self.node}")
         try:
             with anyio.fail_after(self._config.start_timeout_s):
                 has_python = await client.start()
@@ -210,14 +215,7 @@ class ContainerSandbox(AgentSandbox):
                     await anyio.sleep(0.005)  # the agent's python is starting
         if channel is None:
             return self._backend.no_socket_channel(f"nothing answered at {path} within {SOCKET_CONNECT_S:g}s")
-        client = AgentClient(channel, f"sandbox {self.name} on {self.node}")
-        try:
-            with anyio.fail_after(self._config.start_timeout_s):
-                await client.start()
-        except BaseException:
-            await client.aclose()
-            raise
-        self._agent = client
+        await self._start_agent(channel)
         return True
 
     async def exec(

@@ -49,52 +49,8 @@ class _Connection:
         return not self.client.lost and not self.conn.is_closed()
 
 
-class SshProcess:
-    """A remote process on one channel; holds its channel slot until closed."""
-
-    def __init__(self, node: SshNode, slot: _Connection, process: asyncssh.SSHClientProcess) -> None:
-        self._node = node
-        self._slot = slot
-        self._process = process
-        self._closed = False
-
-    async def send(self, data: bytes) -> None:
-        try:
-            self._process.stdin.write(data)
-            await self._process.stdin.drain()
-        except (asyncssh.Error, OSError, BrokenPipeError) as exc:
-            raise BrokenPipeError(f"ssh channel to {self._node.name} closed") from exc
-
-    async def receive(self, max_bytes: int = 65536) -> bytes:
-        try:
-            return await self._process.stdout.read(max_bytes)
-        except (asyncssh.Error, OSError):
-            return b""
-
-    async def close_input(self) -> None:
-        try:
-            self._process.stdin.write_eof()
-        except (asyncssh.Error, OSError):
-            pass
-
-    async def wait(self) -> int:
-        completed = await self._process.wait(check=False)
-        return completed.exit_status if completed.exit_status is not None else -1
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with anyio.CancelScope(shield=True):
-            self._process.close()
-            with anyio.move_on_after(2):
-                await self._process.wait_closed()
-            self._node._release(self._slot)
-
-
-class SshStreamChannel:
-    """A connection to a unix socket of the node, forwarded over the SSH connection (a direct-streamlocal channel:
-    not a session, so outside the per-connection cap)."""
+class _SshStreams:
+    """Bytes both ways over one SSH channel's streams, as a NodeProcess sends and receives them."""
 
     def __init__(self, node: SshNode, reader: asyncssh.SSHReader, writer: asyncssh.SSHWriter) -> None:
         self._node = node
@@ -120,9 +76,36 @@ class SshStreamChannel:
         except (asyncssh.Error, OSError):
             pass
 
+
+class SshProcess(_SshStreams):
+    """A remote process on one channel; holds its channel slot until closed."""
+
+    def __init__(self, node: SshNode, slot: _Connection, process: asyncssh.SSHClientProcess) -> None:
+        super().__init__(node, process.stdout, process.stdin)
+        self._slot = slot
+        self._process = process
+        self._closed = False
+
     async def wait(self) -> int:
-        while await self.receive():
-            pass
+        completed = await self._process.wait(check=False)
+        return completed.exit_status if completed.exit_status is not None else -1
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            self._process.close()
+            with anyio.move_on_after(2):
+                await self._process.wait_closed()
+            self._node._release(self._slot)
+
+
+class SshStreamChannel(_SshStreams):
+    """A connection to a unix socket of the node, forwarded over the SSH connection (a direct-streamlocal channel:
+    not a session, so outside the per-connection cap); ``wait`` has no exit code to give: 0."""
+
+    async def wait(self) -> int:
         return 0
 
     async def aclose(self) -> None:

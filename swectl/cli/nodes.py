@@ -8,8 +8,8 @@ import sys
 import anyio
 import msgspec
 
-from swectl.actors.engines import FREE_PORT, engine_hosts
-from swectl.actors.trainer import check_rendezvous
+from swectl.actors.engines import engine_hosts
+from swectl.actors.trainer import check_rendezvous, pick_port
 from swectl.cli.common import config_args
 from swectl.config import ClusterConfig, SshNodeConfig, load_config
 from swectl.errors import InfraError
@@ -71,13 +71,8 @@ async def _check_trainer_reach(config: ClusterConfig, reports: list[NodeReport],
     try:
         with anyio.fail_after(timeout_s):
             async with engine_hosts(config.trainer_nodes()) as hosts:
-                out = await hosts[0].node.run([python, "-c", FREE_PORT, "0.0.0.0"])
-                port = out.stdout.decode(errors="replace").strip()
-                if out.exit_code != 0 or not port.isdigit():
-                    failures = [f"{hosts[0].node.name} cannot pick a port for the trainer's rendezvous with "
-                                f"{python}: {out.stderr.decode(errors='replace').strip()[-300:]}"]
-                else:
-                    failures = await check_rendezvous(hosts, config.trainer.rdzv_port or int(port), python)
+                port = config.trainer.rdzv_port or await pick_port(hosts[0], python)
+                failures = await check_rendezvous(hosts, port, python)
     except (InfraError, TimeoutError) as exc:
         failures = [f"{config.trainer_nodes()[0].name} the trainer's reachability check failed: {exc or 'timed out'}"]
     for line in failures:
