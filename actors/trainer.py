@@ -65,7 +65,8 @@ from swectl.rl.wire import (
 from swectl.schema import TrainerStatistics
 
 _log = logging.getLogger(__name__)
-_READY = re.compile(r"swectl-trainer ready on (\S+):(\d+)\s*$")
+# Searched, not matched: another rank's output can share the line (seen in CI: "... ready on 0.0.0.0:41493swectl-...").
+_READY = re.compile(r"swectl-trainer ready on (\S+?):(\d+)")
 _RANK_UP = re.compile(r"swectl-trainer rank (\d+): up on ")
 TAIL_LINES = 40
 # A Python exception's last line in a rank's output ("RuntimeError: ...", "[rank1]: ValueError: ..."): the cause that
@@ -192,7 +193,7 @@ class _Launch:
             self.tail.append(line)
             if len(self.errors) < ERROR_LINES and exception_line(line):
                 self.errors.append(line.strip())
-            up = _RANK_UP.match(line)
+            up = _RANK_UP.search(line)
             if up and self.rank_up is not None:
                 self.rank_up(int(up.group(1)), self.host.node.name)
             found = _READY.search(line)

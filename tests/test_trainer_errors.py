@@ -69,3 +69,18 @@ def test_a_lost_trainer_quotes_the_ranks_exception_that_torchruns_summary_pushed
     message = str(trainer._lost(launch, "exited with 1 while starting"))
     assert "error: RuntimeError: local rank 1 has no GPU of its own" in message
     assert "ChildFailedError" not in message.split("last output:")[0]
+
+
+def test_the_ready_line_is_found_when_another_ranks_line_shares_it() -> None:
+    """Seen in CI: rank 1's progress line landed right after rank 0's ready line, before its newline."""
+    import anyio
+
+    from swectl.actors.engines import EngineHost
+    from swectl.actors.trainer import _Launch
+
+    ups: list[tuple[int, str]] = []
+    launch = _Launch(EngineHost.local(), 0, anyio.Event(), rank_up=lambda rank, node: ups.append((rank, node)))
+    launch.on_line("swectl-trainer ready on 0.0.0.0:41493swectl-trainer rank 1: up on vm (cpu): model loaded")
+    assert launch.ready == ("0.0.0.0", 41493) and [rank for rank, _ in ups] == [1]
+    launch.on_line("swectl-trainer ready on :::5071")
+    assert launch.ready == ("::", 5071)

@@ -38,7 +38,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import msgspec
 import numpy as np
@@ -86,8 +86,15 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 MAX_KEYS = ("ratio_max", "tis_max")  # statistics reduced with MAX over micro-batches and ranks
 
 
+def say_line(text: str, stream: TextIO) -> None:
+    """One line in one write: the ranks share the output pipe, and print's separate write of the newline (unbuffered
+    streams) let another rank's line land in between ('... ready on 0.0.0.0:41493swectl-trainer rank 1: ...')."""
+    stream.write(text + "\n")
+    stream.flush()
+
+
 def log(message: str) -> None:
-    print(f"swectl-trainer rank {os.environ.get('RANK', '?')}: {message}", file=sys.stderr, flush=True)
+    say_line(f"swectl-trainer rank {os.environ.get('RANK', '?')}: {message}", sys.stderr)
 
 
 # ---------------------------------------------------------------- model, optimizer, schedule
@@ -489,8 +496,8 @@ class Trainer:
                                                           ("betas", list(self.s.betas)))
                    if key in saved and saved[key] != now}
         if changed and self.rank == 0:
-            print("resumed with new optimizer settings: " + ", ".join(f"{k} {old} -> {new}" for k, (old, new)
-                                                                     in changed.items()), file=sys.stderr, flush=True)
+            say_line("resumed with new optimizer settings: " + ", ".join(f"{k} {old} -> {new}" for k, (old, new)
+                                                                        in changed.items()), sys.stderr)
 
 
 def write_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path, path: Path) -> None:
@@ -565,7 +572,7 @@ def receive(conn: socket.socket) -> TrainerRequest:
 def accept_controller(listen: str) -> socket.socket:
     server = socket.create_server((listen, 0))
     host, port = server.getsockname()[:2]
-    print(f"swectl-trainer ready on {host}:{port}", flush=True)
+    say_line(f"swectl-trainer ready on {host}:{port}", sys.stdout)
     key = os.environ.get(KEY_ENV, "")
     while True:
         conn, _ = server.accept()
