@@ -49,14 +49,13 @@ import anyio.abc
 
 from swectl.config import EngineConfig, LocalNodeConfig, NodeConfig
 from swectl.engine.client import SglangClient
-from swectl.engine.errors import EngineError, EngineUnavailableError
 from swectl.engine.wire import (
     GenerateRequest,
     GenerateResult,
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,
 )
-from swectl.errors import ConfigError, NodeError
+from swectl.errors import ConfigError, EngineError, EngineUnavailableError, NodeError
 from swectl.remote.nodes.backends import make_node
 from swectl.remote.nodes.node import LocalNode, Node, NodeProcess
 from swectl.remote.nodes.supervisor import API_KEY_PLACEHOLDER, SUPERVISOR, copy_output, stop_supervised

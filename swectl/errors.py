@@ -26,9 +26,14 @@ Classes defined elsewhere are marked with their module (they live next to the co
     |   |   +-- LeaseExpiredError    the holder stopped heartbeating for longer than the TTL
     |   +-- TrainerLostError         the torchrun trainer workers died or stopped answering; quotes their log
     |   |                            (swectl.actors.trainer); the run restarts them from the last checkpoint
-    |   +-- EngineError              an inference engine failed (swectl.engine.errors, which documents its subtree:
-    |       ...                      EngineUnavailableError, EngineConnectError, EngineTimeoutError,
-    |                                EngineResponseError, EngineRejectedError)
+    |   +-- EngineError              an inference engine (SGLang, the CPU engine, an OpenAI endpoint) failed;
+    |       |                        the message names the engine's URL and the endpoint
+    |       +-- EngineUnavailableError   unreachable, refused, reset mid-request, 5xx, 429: it may come back
+    |       |   +-- EngineConnectError   nothing accepted the connection (refused, unknown host, unreachable)
+    |       |   +-- EngineTimeoutError   no complete answer within the call's time bound
+    |       +-- EngineResponseError  an answer that is not the protocol (bad JSON, missing or mistyped fields);
+    |       |                        quotes the first 300 characters of the body
+    |       +-- EngineRejectedError  the engine refused the request (4xx, or ``success: false``)
     +-- FormatError                  a model reply without exactly one bash block (swectl.agent.protocol); the agent
     |                                sees it as an observation
     +-- GoldScriptError              a task's gold patch cannot be written as agent commands (swectl.agent.gold)
@@ -37,7 +42,7 @@ Classes defined elsewhere are marked with their module (they live next to the co
     |   +-- Submitted, LimitsExceeded, TimeExceeded, ContextExceeded, FormatErrorsExceeded, Aborted
     +-- TrainerFailedError       the trainer ranks refused a request (bad batch, disk full); they stay up
     |                                (swectl.actors.trainer)
-    +-- BadRequest                   the CPU engine's HTTP 400 (swectl.remote.programs.cpu_engine)
+    +-- BadRequest                   the CPU engine's HTTP 400 (swectl.remote.programs.engine_api)
     +-- ApiError                     a `swectl serve` request that fails: HTTP status, message, infra flag
     |                                (swectl.serve.wire)
     +-- CaptureError                 a sandbox's login environment could not be captured; its commands then read
@@ -137,3 +142,58 @@ class SpecError(SwectlError):
 class TransportError(SwectlError):
     """A TrainBatch cannot be written to or read from shared memory (missing segment, bytes out of range, a
     frame replaced before it was read, not a batch); the message names the segment."""
+
+
+# ------------------------------------------------------------ engines (raised by swectl.engine.client)
+
+BODY_QUOTE_CHARS = 300
+
+
+def quote_body(body: bytes | str) -> str:
+    """The first BODY_QUOTE_CHARS characters of a response body, for error messages."""
+    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    shown = text[:BODY_QUOTE_CHARS]
+    return repr(shown) + (f" (+{len(text) - BODY_QUOTE_CHARS} chars)" if len(text) > BODY_QUOTE_CHARS else "")
+
+
+class EngineError(InfraError):
+    """An inference engine failed; ``url`` is the engine's."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(f"engine {url}: {message}")
+        self.url = url
+
+
+class EngineUnavailableError(EngineError):
+    """The engine could not be reached or failed on its side; trying again later may work."""
+
+
+class EngineConnectError(EngineUnavailableError):
+    """Nothing accepted the connection: refused (no server on that port), unknown host, network unreachable."""
+
+
+class EngineTimeoutError(EngineUnavailableError):
+    """No complete answer within the call's time bound (``timeout_s``)."""
+
+    def __init__(self, url: str, message: str, timeout_s: float) -> None:
+        super().__init__(url, message)
+        self.timeout_s = timeout_s
+
+
+class EngineResponseError(EngineError):
+    """The engine answered, but not in the protocol; carries the start of the body."""
+
+    def __init__(self, url: str, message: str, body: bytes | str) -> None:
+        super().__init__(url, f"{message}; body: {quote_body(body)}")
+        self.body_head = (body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body)[
+            :BODY_QUOTE_CHARS
+        ]
+
+
+class EngineRejectedError(EngineError):
+    """The engine refused the request (bad input, auth, a weight update that failed on its side)."""
+
+    def __init__(self, url: str, message: str, status: int, detail: str) -> None:
+        super().__init__(url, f"{message} (HTTP {status}): {detail}")
+        self.status = status
+        self.detail = detail

@@ -246,7 +246,7 @@ def test_gzipped_jsonl_and_uids_without_an_instance_id(tiny_tokenizer, tmp_path:
 
 
 BAD_ROWS: list[tuple[object | bytes, str]] = [
-    (b"{not json", "row: not valid JSON"),
+    (b"{not json", "(row): not valid JSON"),
     ({"conversation": []}, "messages: missing"),
     ({"messages": []}, "messages: expected a non-empty list"),
     ({"messages": [{"role": "narrator", "content": "x"}, CONVERSATION[2]]}, "messages[0].role: 'narrator'"),
@@ -257,7 +257,7 @@ BAD_ROWS: list[tuple[object | bytes, str]] = [
     ({"messages": [CONVERSATION[1], {"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
      "messages[1].tool_calls: tool calls are not supported"),
     ({"messages": CONVERSATION[:2]}, "messages: no assistant message"),
-    (b'{"messages": [{"role": "assistant", "content": "caf\xe9"}]}', "row: not UTF-8 (byte 51: b'\\xe9')"),
+    (b'{"messages": [{"role": "assistant", "content": "caf\xe9"}]}', "(row): not UTF-8 (byte 51: b'\\xe9')"),
     (b'{"messages": [{"role": "assistant", "content": "\\ud800"}]}', "messages[0].content: not valid Unicode"),
     ([1, 2], "row: expected a JSON object"),
 ]

@@ -26,15 +26,15 @@ import pytest
 from anyio.abc import SocketAttribute, SocketStream
 
 from swectl.engine.client import OpenAIChatClient, SglangClient, chat_path
-from swectl.engine.errors import (
+from swectl.engine.wire import ChatMessage, GenerateRequest, GenerateResult, SamplingParams, decode_generate_response
+from swectl.errors import (
     EngineError,
     EngineRejectedError,
     EngineResponseError,
     EngineTimeoutError,
     EngineUnavailableError,
+    InfraError,
 )
-from swectl.engine.wire import ChatMessage, GenerateRequest, GenerateResult, SamplingParams, decode_generate_response
-from swectl.errors import InfraError
 from swectl.testing.cpu_engines import CpuEngineProcess, start_cpu_engine
 
 torch = pytest.importorskip("torch", reason="the engine tests need torch (pip install torch==2.13.0)")

@@ -21,8 +21,7 @@ from swectl.cli.eval import parse_slice, rollout_overrides, select_tasks
 from swectl.cli.main import build_parser, main
 from swectl.config import RolloutOptions, load_config
 from swectl.engine.client import OpenAIChatClient, SglangClient
-from swectl.engine.errors import EngineConnectError, EngineUnavailableError
-from swectl.errors import ConfigError, TaskDataError
+from swectl.errors import ConfigError, EngineConnectError, EngineUnavailableError, TaskDataError
 from swectl.eval.agents import AgentSummary, RunSettings, prepare_run_dir, wait_endpoint
 from swectl.eval.patches import PatchReport, load_predictions
 from swectl.eval.report import RunReport

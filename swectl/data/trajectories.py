@@ -20,11 +20,9 @@ for a swectl episode whose meta.json says it did not resolve (0.0).
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +33,7 @@ from swectl.agent.scripted import end_of_turn_id
 from swectl.errors import TaskDataError
 from swectl.rl.batch import TrainSample, pack_sample
 from swectl.rl.groups import mask_turns
-from swectl.tasks.sources import RowProblem, RowProblemError
+from swectl.tasks.sources import RowProblem, RowProblemError, jsonl_lines
 
 _log = logging.getLogger(__name__)
 
@@ -190,7 +188,7 @@ def samples_from_messages_jsonl(path: str | os.PathLike[str], tokenizer: Any, *,
     eot = end_of_turn_id(tokenizer)
     samples: list[TrainSample] = []
     problems: list[RowProblem] = []
-    for location, number, row in _jsonl_lines(source):
+    for location, number, row in jsonl_lines(source):
         try:
             if isinstance(row, RowProblem):
                 raise RowProblemError(row)
@@ -207,36 +205,6 @@ def samples_from_messages_jsonl(path: str | os.PathLike[str], tokenizer: Any, *,
         _log.warning("%s: skipped %d bad rows of %d:\n  %s%s", source, len(problems),
                      len(problems) + len(samples), shown, more)
     return samples
-
-
-def _jsonl_lines(path: Path) -> Iterator[tuple[str, int, Any]]:
-    """(location, line number, decoded row or a RowProblem) for every non-blank line."""
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    try:
-        with opener(path, "rb") as stream:
-            for number, raw in enumerate(stream, start=1):
-                if number == 1:
-                    raw = raw.removeprefix(b"\xef\xbb\xbf")
-                if not raw.strip():
-                    continue
-                location = f"{path}:{number}"
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    yield location, number, RowProblem(location, "row", f"not UTF-8 (byte {exc.start}: "
-                                                       f"{raw[exc.start:exc.start + 1]!r})")
-                    continue
-                try:
-                    yield location, number, msgspec.json.decode(text)
-                except msgspec.DecodeError:
-                    # msgspec refuses lone surrogate escapes ("\\ud800") as "truncated": the standard library
-                    # decodes them (the content check then names the field) and says where real errors are
-                    try:
-                        yield location, number, json.loads(text)
-                    except ValueError as exc:
-                        yield location, number, RowProblem(location, "row", f"not valid JSON ({exc})")
-    except (OSError, EOFError) as exc:
-        raise TaskDataError(f"{path}: cannot read: {exc}") from exc
 
 
 def _conversation(row: Any, location: str) -> list[dict[str, str]]:

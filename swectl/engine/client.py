@@ -8,7 +8,7 @@ OpenAI-compatible ``/v1/chat/completions`` (eval against external endpoints).
 
 Both run on httpx.AsyncClient under anyio (asyncio or trio). Every call has one total time bound (the
 client's ``timeout_s`` unless the call passes its own), enforced with ``anyio.fail_after`` around the whole
-exchange, plus a short connect bound. Failures are translated (swectl.engine.errors):
+exchange, plus a short connect bound. Failures are translated (swectl.errors):
 
 - refused / reset / closed mid-request, 5xx, 429          -> EngineUnavailableError
   (nothing accepted the connection at all                   -> EngineConnectError, an EngineUnavailableError)
@@ -32,14 +32,6 @@ import anyio
 import httpx
 import msgspec
 
-from swectl.engine.errors import (
-    EngineConnectError,
-    EngineRejectedError,
-    EngineResponseError,
-    EngineTimeoutError,
-    EngineUnavailableError,
-    quote_body,
-)
 from swectl.engine.wire import (
     ChatMessage,
     ChatRequest,
@@ -58,6 +50,14 @@ from swectl.engine.wire import (
     decode_body,
     decode_chat_response,
     decode_generate_response,
+)
+from swectl.errors import (
+    EngineConnectError,
+    EngineRejectedError,
+    EngineResponseError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    quote_body,
 )
 
 T = TypeVar("T")

@@ -31,7 +31,7 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-from swectl.engine.errors import EngineResponseError
+from swectl.errors import EngineResponseError
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]

@@ -37,9 +37,8 @@ from swectl.agent.metrics import agent_metrics
 from swectl.agent.protocol import AgentLimits
 from swectl.config import ClusterConfig, RolloutOptions
 from swectl.engine.client import OpenAIChatClient, SglangClient, models_path
-from swectl.engine.errors import EngineConnectError, EngineRejectedError, EngineUnavailableError
 from swectl.engine.wire import SamplingParams
-from swectl.errors import ConfigError, TaskDataError
+from swectl.errors import ConfigError, EngineConnectError, EngineRejectedError, EngineUnavailableError, TaskDataError
 from swectl.eval.progress import Progress
 from swectl.eval.report import RunReport, resolve_rate
 from swectl.images.names import ImageResolver

@@ -23,6 +23,7 @@ from swectl.eval.progress import Progress
 from swectl.eval.report import RunReport, resolve_rate
 from swectl.images.names import ImageResolver
 from swectl.tasks.record import Task
+from swectl.tasks.sources import RowProblem, jsonl_lines
 
 PatchMode = Literal["gold", "empty", "predictions"]
 
@@ -46,22 +47,19 @@ class Prediction(msgspec.Struct, frozen=True):
 
 def load_predictions(path: Path) -> dict[str, Prediction]:
     """SWE-bench predictions: a JSON list, a JSON object keyed by instance id, or JSONL (errors name the line)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TaskDataError(f"{path}: cannot read predictions: {exc.strerror}") from exc
-    except UnicodeDecodeError as exc:
-        raise TaskDataError(f"{path}: predictions are not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     rows: list[tuple[str, object]] = []
     if path.suffix == ".jsonl":
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((f"{path}:{number}", json.loads(line)))
-            except json.JSONDecodeError as exc:
-                raise TaskDataError(f"{path}:{number}: not valid JSON: {exc.msg} (column {exc.colno})") from exc
+        for location, _, row in jsonl_lines(path):
+            if isinstance(row, RowProblem):
+                raise TaskDataError(f"{location}: {row.message}")
+            rows.append((location, row))
     else:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise TaskDataError(f"{path}: cannot read predictions: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise TaskDataError(f"{path}: predictions are not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -19,6 +19,7 @@ import datetime as dt
 import difflib
 import functools
 import gzip
+import json
 import logging
 import os
 import re
@@ -186,7 +187,14 @@ def _open(path: Path) -> IO[bytes]:
 
 
 def _jsonl_rows(path: Path, shown: str) -> Iterator[RawRow]:
-    decoder = msgspec.json.Decoder()
+    return ((location, row) for location, _, row in jsonl_lines(path, shown))
+
+
+def jsonl_lines(path: Path, shown: str = "") -> Iterator[tuple[str, int, Any]]:
+    """``(location, line number, decoded row or a RowProblem)`` for every non-blank line of a JSONL file (``.gz``
+    read through gzip, a UTF-8 byte-order mark ignored); the one JSONL reader of task files and SFT data. A file
+    that cannot be read raises TaskDataError; ``shown`` names it in locations (default: its path)."""
+    shown = shown or str(path)
     try:
         with _open(path) as stream:
             for number, raw in enumerate(stream, start=1):
@@ -196,9 +204,20 @@ def _jsonl_rows(path: Path, shown: str) -> Iterator[RawRow]:
                     continue
                 location = f"{shown}:{number}"
                 try:
-                    yield location, decoder.decode(raw)
-                except msgspec.DecodeError as exc:
-                    yield location, RowProblem(location, ROW, f"not valid JSON ({exc})")
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    yield location, number, RowProblem(location, ROW, f"not UTF-8 (byte {exc.start}: "
+                                                       f"{raw[exc.start:exc.start + 1]!r})")
+                    continue
+                try:
+                    yield location, number, msgspec.json.decode(text)
+                except msgspec.DecodeError:
+                    # msgspec refuses lone surrogate escapes ("\\ud800") as "truncated": the standard library
+                    # decodes them (the content checks then name the field) and says where real errors are
+                    try:
+                        yield location, number, json.loads(text)
+                    except ValueError as exc:
+                        yield location, number, RowProblem(location, ROW, f"not valid JSON ({exc})")
     except (OSError, EOFError) as exc:
         raise TaskDataError(f"{shown}: cannot read: {exc}") from exc
 

@@ -22,9 +22,8 @@ pytest.importorskip("uvicorn", reason="needs the cpu extra (pip install 'swectl[
 from swectl.actors.engines import EngineHost, Engines, engine_hosts
 from swectl.config import EngineConfig, decode_config
 from swectl.engine.client import SglangClient
-from swectl.engine.errors import EngineRejectedError, EngineUnavailableError
 from swectl.engine.wire import GenerateRequest, SamplingParams
-from swectl.errors import ConfigError
+from swectl.errors import ConfigError, EngineRejectedError, EngineUnavailableError
 from swectl.schema import ServerState
 from swectl.testing import nodes as testnodes
 

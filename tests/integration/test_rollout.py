@@ -105,7 +105,7 @@ class DyingEngine(ReplayEngine):
 
     async def generate(self, request):
         if self.calls >= 1:
-            from swectl.engine.errors import EngineUnavailableError
+            from swectl.errors import EngineUnavailableError
 
             raise EngineUnavailableError("http://127.0.0.1:1", "connection refused (engine died)")
         return await super().generate(request)
