@@ -1,28 +1,28 @@
 """`just bench env`: the sandbox layer against mini-swe-agent's way, side by side in one run.
 
-Measures on this machine (and, with ``--ssh``, on a throwaway sshd node in a network namespace):
+Measures on this machine (and, with ``--ssh``, on a throwaway sshd node in a network namespace) one set of
+phases, run on each sandbox backend in turn (Podman, namespace, docker on a private dockerd; Podman over SSH):
 
-* exec of ``true`` through swectl's exec agent vs one ``podman exec CID true`` process per command
-  (subprocess.run of the CLI, as mini-swe-agent does it), against the same container;
-* the agent's ping round trip, and what spawning bash costs inside the sandbox (for context);
-* a lease served from the EnvPool's warm pool vs a cold start (``podman run`` + agent + first exec)
-  and the plain ``podman run --rm IMAGE true``;
-* how many sandboxes one node holds at once with every exec succeeding, and the host memory they take;
-* the namespace backend (cold start, exec, memory and processes per sandbox, disk, 512 at once) and the
-  docker backend (a private dockerd: cold start, exec through the agent and `docker exec`) beside Podman;
+* exec of ``true`` through swectl's exec agent vs one CLI process per command against the same sandbox
+  (``podman exec CID true``, ``docker exec``, ``ssh ... podman exec``: subprocess.run of the CLI, as
+  mini-swe-agent does it); the agent's ping round trip and what spawning bash costs inside (for context);
+* a cold start (create + agent + first exec), next to the plain ``podman run --rm IMAGE true``;
+* how many sandboxes one node holds at once with every exec succeeding, the host memory they take, and host
+  memory (PSS) and host processes per sandbox, counted the same way on Podman and namespace sandboxes (512
+  namespace sandboxes at once);
+* the disk an episode leaves in a namespace sandbox's writable layer;
+* a lease served from the EnvPool's warm pool (the namespace backend, the default);
 * Podman's lifecycle through the API service (``sandbox.podman_api``: ``podman system service`` over podman-py)
   beside the CLI (one ``podman`` process per create/list/remove), interleaved in one phase: cold start to first
   exec, and warm-lease latency (p99) from an EnvPool of Podman sandboxes on each path;
-* the namespace backend (``sandbox.backend = "namespace"``) beside Podman: exec, cold start to first exec,
-  the disk an episode leaves in a sandbox's writable layer, host memory (PSS) and host processes per sandbox
-  next to Podman's counted the same way, and how many namespace sandboxes one node holds at once;
-* over SSH: exec through the agent vs ``ssh ... podman exec`` per command, next to the ssh round trip.
+* over SSH: the above exec next to the ssh round trip.
 
-Goals come from DESIGN.md section 6. Results: a table on stdout and ``benchmarks/results/env.json``.
-Every container and namespace sandbox it creates carries ``swectl.bench=<id>``, except the EnvPool's, which
-the pool labels itself (``swectl.run=<bench run id>``); all of them are removed at the end, also on error or
-Ctrl-C (the nsbox daemon, shared by every namespace sandbox on the node, stays, and so does the node's Podman
-API service: started by the podman_api phase if none ran, it is the one the backend manages).
+Goals come from docs/architecture.md 13.2. Results: a table on stdout and ``benchmarks/results/env.json``
+(``--quick``: ``env.quick.json``). Every container and namespace sandbox it creates carries
+``swectl.bench=<id>``, except the EnvPools', which the pool labels itself (``swectl.run=<bench run id>``); all of
+them are removed at the end, also on error or Ctrl-C (the nsbox daemon, shared by every namespace sandbox on the
+node, stays, and so does the node's Podman API service: started by the podman_api phase if none ran, it is the
+one the backend manages; the private dockerd goes, with its containers).
 
 Run: ``.venv/bin/python benchmarks/env.py [--quick] [--ssh]`` (``--quick``: under a minute).
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import re
 import shlex
@@ -41,7 +42,8 @@ import time
 import tomllib
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ import anyio
 import asyncssh
 import msgspec
 from common import (
+    RESULTS_DIR,
     Goal,
     Progress,
     host_meta,
@@ -65,13 +68,13 @@ from common import (
 from swectl.actors.env_pool import running_pool
 from swectl.config import DEFAULT_IMAGE, SandboxConfig, decode_config, load_config
 from swectl.errors import InfraError
-from swectl.remote.nodes.agent_sandbox import AgentSandbox
 from swectl.remote.nodes.backends import close_backends, make_backends
+from swectl.remote.nodes.docker_sandbox import DockerBackend
 from swectl.remote.nodes.namespace_sandbox import NamespaceBackend
 from swectl.remote.nodes.node import LocalNode
 from swectl.remote.nodes.podman import bundled_containers_conf, local_podman_env, run_local_podman
-from swectl.remote.nodes.podman_sandbox import PodmanBackend, PodmanSandbox
-from swectl.sandbox import LABEL_RUN
+from swectl.remote.nodes.podman_sandbox import PodmanBackend
+from swectl.sandbox import LABEL_RUN, Sandbox, SandboxBackend
 from swectl.schema import ExecResult, SandboxSpec
 from swectl.testing.nodes import TestNodes, start_test_nodes, stop_test_nodes
 
@@ -81,7 +84,7 @@ CONTAINERS_CONF = bundled_containers_conf()
 IMAGE = DEFAULT_IMAGE
 BENCH_LABEL = "swectl.bench"
 WARMUP = 20  # calls before any timed exec / ping / rtt loop
-WARM_K = 4  # env_pool.warm for the warm-lease phase (the config default)
+WARM_K = 4  # env_pool.warm for the warm-lease phases (the config default)
 CREATE_CONCURRENCY = 8  # sandboxes started at once in the concurrency phase (a node's max_starting)
 SSH_PREFIX, SSH_INDEX = "swb", 220  # test node swb220 at 10.200.220.2
 CLEANUP_TIMEOUT_S = 120.0
@@ -105,13 +108,13 @@ class Sizes:
 
     exec: int
     ping: int
-    podman_exec: int
+    podman_exec: int  # also `docker exec`
     bash_spawn: int
     warm_lease: int
-    cold_run: int
+    cold_run: int  # Podman and docker: create + first exec
     podman_run: int
     concurrent: int
-    ssh_exec: int
+    ssh_exec: int  # also the ssh pings
     ssh_rtt: int
     ssh_podman_exec: int
     ns_cold_run: int  # namespace sandboxes: create + first exec (exec and ping counts are exec's and ping's)
@@ -149,6 +152,45 @@ METRICS = (
 SSH_METRICS = ("ssh_exec_p50_ms", "ssh_podman_exec_p50_ms", "ssh_exec_speedup", "ssh_rtt_ms")
 
 
+class Skipped(Exception):
+    """A backend this machine cannot run: its phases are skipped, not failed."""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One CLI process per operation (subprocess.run, as mini-swe-agent does it), timed as often as the Sizes field
+    ``n`` says; its distribution goes under ``key`` (``<name>_ms``), its p50 under ``<name>_p50_ms``."""
+
+    key: str
+    text: str  # for the progress line
+    argv: Callable[..., list[str]]  # of the sandbox, for an exec
+    n: str
+    env: Callable[[], dict[str, str] | None] = local_podman_env
+
+
+@dataclass(frozen=True)
+class Side:
+    """One backend under test: the shared phases (``EnvBench.phase_<name>``) reach it through ``open`` and its
+    small pieces. Its phases are named, and its metric, summary and detail keys start with, ``prefix``; its
+    footprint keys with ``label``. The ``*_n`` fields name the Sizes fields of its sample counts."""
+
+    name: str  # the backend, as sandbox.backend spells it
+    label: str
+    prefix: str
+    open: Callable[[], AbstractAsyncContextManager[SandboxBackend]]  # raises Skipped where it cannot run
+    phases: tuple[str, ...] = ("exec", "cold_run")
+    exec_n: tuple[str, str] = ("exec", "ping")  # exec('true') and ping samples
+    cold_n: str = "cold_run"
+    concurrent_n: tuple[str, ...] = ("concurrent",)  # sandboxes held at once, in steps
+    exec_cli: Baseline | None = None  # vs exec through the agent
+    run_cli: Baseline | None = None  # vs a cold start
+    # Host processes and memory of these sandboxes, given this process's descendants from before them.
+    footprint: Callable[[list[Sandbox], set[tuple[int, int]]], Awaitable[Footprint]] | None = None
+
+
+# ---------------------------------------------------------------------- the suite
+
+
 class EnvBench:
     """One run of the suite: phases fill ``metrics`` (the table), ``summaries`` and ``details`` (meta)."""
 
@@ -157,18 +199,153 @@ class EnvBench:
         self.ssh = ssh
         self.sizes = QUICK if quick else FULL
         self.bench_id = uuid.uuid4().hex[:12]
-        self.run_id = f"bench-{self.bench_id}"  # the EnvPool labels its containers swectl.run=<this>
+        self.run_id = f"bench-{self.bench_id}"  # the EnvPools label their sandboxes swectl.run=<this>
         self.labels = {BENCH_LABEL: self.bench_id}
         self.progress = Progress(SUITE)
         self.metrics: dict[str, Any] = dict.fromkeys(METRICS + (SSH_METRICS if ssh else ()))
         self.summaries: dict[str, dict[str, float]] = {}
         self.details: dict[str, Any] = {}
         self.errors: dict[str, str] = {}
-        self.test_nodes: TestNodes | None = None
         self.interrupted = ""  # the signal's name once Ctrl-C / SIGTERM arrived
         self._gc_runs = 0
-        self._ns_backend: NamespaceBackend | None = None  # shared by the ns_* phases, made by the first
+        self.ns_backend: NamespaceBackend | None = None  # while the namespace phases run
         self.ns_leftovers = 0  # namespace sandboxes of this run still there at cleanup (then removed)
+        self.docker: Any = None  # the private dockerd, while the docker phases run
+        self.test_nodes: TestNodes | None = None  # while the ssh phases run
+        label = f"{BENCH_LABEL}={self.bench_id}"
+        podman_exec = Baseline("podman_exec_ms", "podman exec CID true", lambda sb: ["podman", "exec", sb.id, "true"],
+                               "podman_exec")
+        podman_run = Baseline("podman_run_ms", "podman run --rm IMAGE true", lambda: [
+            "podman", "run", "--rm", "--network", "none", "--label", label, IMAGE, "true"], "podman_run")
+        docker_exec = Baseline("docker_cli_exec_ms", "docker exec CID true",
+                               lambda sb: ["docker", "exec", sb.id, "true"], "podman_exec", lambda: self.docker.env())
+        ssh_exec = Baseline("ssh_podman_exec_ms", "ssh ... podman exec CID true", self.ssh_argv, "ssh_podman_exec",
+                            lambda: None)
+        self.sides = [
+            Side("podman", "podman", "", self.open_podman, ("exec", "cold_run", "podman_api", "concurrent"),
+                 exec_cli=podman_exec, run_cli=podman_run, footprint=_podman_footprint),
+            Side("namespace", "ns", "ns_", self.open_namespace,
+                 ("exec", "warm_lease", "cold_run", "disk", "concurrent"), cold_n="ns_cold_run",
+                 concurrent_n=("concurrent", "ns_concurrent"), footprint=self.ns_footprint),
+            Side("docker", "docker", "docker_", self.open_docker, exec_cli=docker_exec),
+        ]  # fmt: skip
+        if ssh:  # Podman on a test node over SSH (as many pings as execs)
+            ssh_n = ("ssh_exec", "ssh_exec")
+            self.sides.append(Side("podman", "ssh", "ssh_", self.open_ssh, ("exec", "rtt"), ssh_n, exec_cli=ssh_exec))
+
+    # ------------------------------------------------------------------ the backends
+
+    @asynccontextmanager
+    async def open_podman(self) -> AsyncIterator[PodmanBackend]:
+        yield await _podman_backend()
+
+    @asynccontextmanager
+    async def open_namespace(self) -> AsyncIterator[NamespaceBackend]:
+        """Preparing the backend starts the node's nsbox daemon (shared by every namespace sandbox on the node,
+        ours or not, and left running) or finds it running."""
+        backend = self.ns_backend = NamespaceBackend(LocalNode(), SandboxConfig())
+        try:
+            await backend.prepare()
+            self.details["ns_daemon_version"] = backend.daemon_version
+            yield backend
+        finally:
+            await self.remove_ns_sandboxes()
+
+    async def remove_ns_sandboxes(self) -> None:
+        """Remove every namespace sandbox labelled with this run's bench id or run id (the EnvPool's), shielded and
+        bounded: the phases destroy their own, this catches what a failure or Ctrl-C left. Safe to call twice."""
+        backend = self.ns_backend
+        if backend is None:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_S):
+            try:
+                if not backend.prepared:
+                    await backend.prepare()
+                for labels in (self.labels, {LABEL_RUN: self.run_id}):
+                    leftovers = [info.id for info in await backend.list(labels)]
+                    await backend.remove(leftovers)
+                    self.ns_leftovers += len(leftovers)
+                await backend.aclose()
+                self.ns_backend = None
+            except (InfraError, OSError, ValueError) as exc:
+                self.progress(f"cleanup: could not list or remove this run's namespace sandboxes: {exc}")
+
+    async def ns_footprint(self, sandboxes: list[Sandbox], before: set[tuple[int, int]]) -> Footprint:
+        """Each namespace sandbox's PID 1 (its exec agent) and everything in its PID namespace, plus any process
+        outside them made for them: one naming a sandbox id (the SSH path's `attach`, for instance), a child of the
+        nsbox daemon that is no sandbox (a launch helper, a scratch cleaner), or a new child of this process (a
+        local controller hands the daemon a socket; it spawns nothing per sandbox). The daemon itself is shared by
+        every sandbox on the node: not counted, its PSS is recorded apart."""
+        assert self.ns_backend is not None
+        ids = {s.id for s in sandboxes}
+        pids = [pid for sandbox_id, pid in (await self.ns_backend.host_pids()).items() if sandbox_id in ids]
+
+        def count() -> Footprint:
+            procs, me = _processes(), os.getpid()
+            daemons = {procs[pid].ppid for pid in pids if pid in procs}
+            helpers = [pid for pid, proc in procs.items() if proc.ppid in daemons and proc.pidns == procs[me].pidns]
+            new_children = [pid for pid in _descendants(procs, [me]) - {me} if (pid, procs[pid].start) not in before]
+            return _footprint(
+                ids, [*pids, *helpers, *new_children], procs,
+                daemon_pids=sorted(daemons), daemon_pss_mib=round(sum(_pss_kib(pid) for pid in daemons) / 1024, 2),
+            )  # fmt: skip
+
+        return await anyio.to_thread.run_sync(count)
+
+    @asynccontextmanager
+    async def open_docker(self) -> AsyncIterator[DockerBackend]:
+        """A private dockerd (no bridge, no iptables) loaded with the image from Podman."""
+        from swectl.testing.docker import docker_unavailable, start_private_docker
+
+        reason = docker_unavailable()
+        if reason is not None:
+            raise Skipped(reason)
+        self.progress("docker: starting a private dockerd")
+        self.docker = await anyio.to_thread.run_sync(start_private_docker)
+        try:
+            await anyio.to_thread.run_sync(self.docker.load_from_podman, [IMAGE])
+            backend = DockerBackend(LocalNode(), msgspec.structs.replace(SandboxConfig(), docker_host=self.docker.host))
+            await backend.prepare()
+            yield backend
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.docker.stop)  # removes every container it holds
+
+    @asynccontextmanager
+    async def open_ssh(self) -> AsyncIterator[SandboxBackend]:
+        """Podman on a test node (sshd in a network namespace) reached over SSH."""
+        self.progress(f"ssh: starting test node {SSH_PREFIX}{SSH_INDEX} (sshd in a network namespace)")
+
+        def start_nodes() -> TestNodes:
+            # Stored from the thread: if we are cancelled meanwhile, the caller still finds and stops them.
+            self.test_nodes = start_test_nodes(1, prefix=SSH_PREFIX, base_index=SSH_INDEX)
+            return self.test_nodes
+
+        try:
+            cluster = (await anyio.to_thread.run_sync(start_nodes)).cluster_toml() + '[sandbox]\nbackend = "podman"\n'
+            backends = make_backends(decode_config(tomllib.loads(cluster), "<test node>"))
+            try:
+                await backends[0][1].prepare()
+                yield backends[0][1]
+            finally:
+                await close_backends(backends)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.stop_test_nodes)
+
+    def stop_test_nodes(self) -> None:
+        if self.test_nodes is not None:
+            nodes, self.test_nodes = self.test_nodes, None
+            stop_test_nodes(nodes)
+
+    def ssh_argv(self, sandbox: Sandbox) -> list[str]:
+        assert self.test_nodes is not None
+        nodes, node = self.test_nodes, self.test_nodes.nodes[0]
+        return [
+            "ssh", "-i", nodes.key_path, "-o", f"UserKnownHostsFile={nodes.known_hosts_path}",
+            "-o", "BatchMode=yes", "-p", str(node.port), f"root@{node.host}",
+            "env", f"CONTAINERS_CONF={CONTAINERS_CONF}", "podman", "exec", sandbox.id, "true",
+        ]  # fmt: skip
 
     # ------------------------------------------------------------------ driver
 
@@ -189,33 +366,29 @@ class EnvBench:
         # Leaving the receiver restores Python's handler: a second Ctrl-C raises KeyboardInterrupt.
 
     async def _phases(self) -> None:
-        phases: list[tuple[str, Callable[[], Any]]] = [
-            ("exec", self.phase_exec),
-            ("warm_lease", self.phase_warm_lease),
-            ("cold_run", self.phase_cold_run),
-            ("podman_api", self.phase_podman_api),
-            ("concurrent", self.phase_concurrent),
-            ("ns_exec", self.phase_ns_exec),
-            ("ns_cold_run", self.phase_ns_cold_run),
-            ("ns_disk", self.phase_ns_disk),
-            ("ns_concurrent", self.phase_ns_concurrent),
-            ("docker", self.phase_docker),
-        ]
-        if self.ssh:
-            phases.append(("ssh", self.phase_ssh))
+        """Each backend's phases, named ``<prefix><phase>``; a broken phase or backend is reported, the others run."""
         gc.callbacks.append(self._on_gc)
         try:
-            for name, phase in phases:
-                load = loadavg()
+            for side in self.sides:
                 try:
-                    await phase()
-                except Exception as exc:  # a broken phase is reported; the others still run
-                    self.errors[name] = f"{type(exc).__name__}: {exc}"
-                    self.progress(f"{name}: FAILED: {self.errors[name]}")
-                self.details.setdefault("loadavg_at_phase_start", {})[name] = load
+                    async with side.open() as backend:
+                        for phase in side.phases:
+                            name, load = f"{side.prefix}{phase}", loadavg()
+                            try:
+                                await getattr(self, f"phase_{phase}")(side, backend)
+                            except Exception as exc:
+                                self._failed(name, exc)
+                            self.details.setdefault("loadavg_at_phase_start", {})[name] = load
+                except Skipped as why:
+                    self.details[f"{side.label}_skipped"] = str(why)
+                except Exception as exc:  # starting or closing the backend
+                    self._failed(side.label, exc)
         finally:
             gc.callbacks.remove(self._on_gc)
-            await self.remove_ns_sandboxes()
+
+    def _failed(self, name: str, exc: Exception) -> None:
+        self.errors[name] = f"{type(exc).__name__}: {exc}"
+        self.progress(f"{name}: FAILED: {self.errors[name]}")
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -224,85 +397,57 @@ class EnvBench:
     def spec(self) -> SandboxSpec:
         return SandboxSpec(image=IMAGE, labels=self.labels)
 
-    async def local_backend(self, *, podman_api: bool = False) -> PodmanBackend:
-        backend = PodmanBackend(LocalNode(), SandboxConfig(podman_api=podman_api))
-        await backend.prepare()
-        return backend
-
-    async def ns_backend(self) -> NamespaceBackend:
-        """The namespace backend of the ns_* phases; preparing it starts the node's nsbox daemon (shared by every
-        namespace sandbox on the node, ours or not, and left running) or finds it running."""
-        if self._ns_backend is None:
-            self._ns_backend = NamespaceBackend(LocalNode(), SandboxConfig())
-        if not self._ns_backend.prepared:
-            await self._ns_backend.prepare()
-            self.details["ns_daemon_version"] = self._ns_backend.daemon_version
-        return self._ns_backend
-
-    @property
-    def ns_backend_open(self) -> bool:
-        return self._ns_backend is not None
-
-    async def remove_ns_sandboxes(self) -> None:
-        """Remove every namespace sandbox labelled with this run's bench id (shielded, bounded): the phases
-        destroy their own, this catches what a failure or Ctrl-C left. Safe to call twice."""
-        backend = self._ns_backend
-        if backend is None:
-            return
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_S):
-            try:
-                await self.ns_backend()
-                leftovers = [info.id for info in await backend.list(self.labels)]
-                await backend.remove(leftovers)
-                self.ns_leftovers += len(leftovers)
-                await backend.aclose()
-                self._ns_backend = None
-            except (InfraError, OSError, ValueError) as exc:
-                self.progress(f"cleanup: could not list or remove this run's namespace sandboxes: {exc}")
-
     def summary(self, name: str, samples: list[float]) -> dict[str, float]:
         self.summaries[name] = summarize(samples)
         return self.summaries[name]
 
-    # ------------------------------------------------------------------ phases
+    def record(self, **values: Any) -> None:
+        """Table metrics into ``metrics``; the rest (what another backend has in the table) into ``details``."""
+        for key, value in values.items():
+            (self.metrics if key in self.metrics else self.details)[key] = value
 
-    async def phase_exec(self) -> None:
-        n = self.sizes
+    async def baseline(self, cli: Baseline, *args: Any) -> float:
+        """Time a CLI baseline (``args``: for its argv); records its distribution and p50; returns the p50."""
+        samples = await _time_cli(cli.argv(*args), getattr(self.sizes, cli.n), cli.env())
+        p50 = self.summary(cli.key, samples)["p50"]
+        self.record(**{f"{cli.key.removesuffix('_ms')}_p50_ms": p50})
+        return p50
+
+    # ------------------------------------------------------------------ phases, every backend
+
+    async def phase_exec(self, side: Side, backend: SandboxBackend) -> None:
+        p, n, baseline = side.prefix, self.sizes, side.exec_cli
+        n_exec, n_ping = (getattr(n, field) for field in side.exec_n)
         self.progress(
-            f"exec: {n.exec} x exec('true') through the agent, {n.ping} pings, {n.podman_exec} x "
-            f"`podman exec CID true`, {n.bash_spawn} bash spawns inside (after {WARMUP} warm-up calls)"
+            f"{p}exec: {n_exec} x exec('true') through the agent of a {side.name} sandbox, {n_ping} pings, "
+            + (f"{getattr(n, baseline.n)} x `{baseline.text}`, " if baseline else "")
+            + f"{n.bash_spawn} bash spawns inside (after {WARMUP} warm-up calls)"
         )
-        backend = await self.local_backend()
         sandbox = await backend.create(self.spec())
         try:
-            exec_stats, ping_stats = await self._time_agent(sandbox, "")
-
-            argv = ["podman", "exec", sandbox.id, "true"]
-            podman_stats = self.summary("podman_exec_ms", await _time_cli(argv, n.podman_exec, local_podman_env()))
-
+            exec_stats, ping_stats = await self._time_agent(sandbox, p, n_exec, n_ping)
+            cli = await self.baseline(baseline, sandbox) if baseline else None
             result = await sandbox.exec(f"python3 -c {shlex.quote(BASH_SPAWN_SCRIPT)} {n.bash_spawn}", 300)
             if result.exit_code != 0:
                 raise RuntimeError(f"bash spawn probe failed ({result.exit_code}): {result.output[-500:]}")
-            spawn_stats = self.summary("bash_spawn_ms", [int(x) / 1000 for x in result.output.split()])
+            spawn_stats = self.summary(f"{p}bash_spawn_ms", [int(x) / 1000 for x in result.output.split()])
         finally:
             await sandbox.destroy()
-        self.metrics.update(
-            exec_p50_ms=exec_stats["p50"],
-            exec_p99_ms=exec_stats["p99"],
-            podman_exec_p50_ms=podman_stats["p50"],
-            exec_speedup=round(podman_stats["p50"] / exec_stats["p50"], 1),
-            ping_p50_ms=ping_stats["p50"],
-            bash_spawn_p50_ms=spawn_stats["p50"],
-        )
+        self.record(**{
+            f"{p}exec_p50_ms": exec_stats["p50"], f"{p}exec_p99_ms": exec_stats["p99"],
+            f"{p}ping_p50_ms": ping_stats["p50"], f"{p}bash_spawn_p50_ms": spawn_stats["p50"],
+            **({f"{p}exec_speedup": round(cli / exec_stats["p50"], 1)} if cli else {}),
+        })  # fmt: skip
 
-    async def _time_agent(self, sandbox: AgentSandbox, prefix: str) -> tuple[dict[str, float], dict[str, float]]:
+    async def _time_agent(
+        self, sandbox: Sandbox, prefix: str, n_exec: int, n_ping: int
+    ) -> tuple[dict[str, float], dict[str, float]]:
         """exec('true') and ping round trips through a sandbox's agent, each after WARMUP untimed calls; the
         summaries go under ``<prefix>exec_ms`` etc.; returns (exec, ping) summaries."""
-        n = self.sizes
         for _ in range(WARMUP):
             await _exec_true(sandbox)
         totals, inside, gc_hit = [], [], []
-        for _ in range(n.exec):
+        for _ in range(n_exec):
             gc_before = self._gc_runs
             start = time.perf_counter_ns()
             result = await _exec_true(sandbox)
@@ -317,16 +462,96 @@ class EnvBench:
         for _ in range(WARMUP):
             await sandbox.ping()
         pings = []
-        for _ in range(n.ping):
+        for _ in range(n_ping):
             start = time.perf_counter_ns()
             await sandbox.ping()
             pings.append(ms_since(start))
         return exec_stats, self.summary(f"{prefix}ping_ms", pings)
 
-    async def phase_warm_lease(self) -> None:
+    async def phase_cold_run(self, side: Side, backend: SandboxBackend) -> None:
+        p, n, baseline = side.prefix, getattr(self.sizes, side.cold_n), side.run_cli
+        self.progress(
+            f"{p}cold_run: {n} x create + first exec on the {side.name} backend"
+            + (f"; {getattr(self.sizes, baseline.n)} x `{baseline.text}`" if baseline else "")
+        )
+        # One untimed start first: a backend looks an image up once (the namespace backend resolves its layers
+        # with `podman image inspect`), as a pool's first start would.
+        start = time.perf_counter_ns()
+        await self._cold_start(backend)
+        self.details[f"{p}first_start_and_destroy_ms"] = round(ms_since(start), 3)
+        pairs = [await self._cold_start(backend) for _ in range(n)]
+        cold = self.summary(f"{p}cold_run_ms", [total for total, _ in pairs])["p50"]
+        self.summary(f"{p}cold_create_ms", [create for _, create in pairs])
+        self.record(**{f"{p}cold_run_p50_ms": cold})
+        if p:  # beside Podman's, this run
+            podman_cold = self.metrics.get("cold_run_p50_ms")
+            speedup = round(podman_cold / cold, 1) if podman_cold else None
+            self.record(**{f"{p}cold_start_ms": cold, f"{p}cold_start_speedup": speedup})
+        if baseline:
+            await self.baseline(baseline)
+
+    async def _cold_start(self, backend: SandboxBackend) -> tuple[float, float]:
+        """One create + first exec('true'), the sandbox destroyed after; returns (total, create) in ms."""
+        sandbox = None
+        try:
+            start = time.perf_counter_ns()
+            sandbox = await backend.create(self.spec())
+            create = ms_since(start)
+            await _exec_true(sandbox)
+            return ms_since(start), create
+        finally:
+            if sandbox is not None:
+                await sandbox.destroy()
+
+    async def phase_concurrent(self, side: Side, backend: SandboxBackend) -> None:
+        p, label = side.prefix, side.label
+        counts = sorted({getattr(self.sizes, field) for field in side.concurrent_n})
+        self.progress(
+            f"{p}concurrent: {' then '.join(map(str, counts))} {side.name} sandboxes ({CREATE_CONCURRENCY} started at "
+            "once), one exec in each, their host memory and processes"
+        )
+        batch = _Batch(backend, self.spec())
+        before = await anyio.to_thread.run_sync(_own_descendants)
+        mem_before, create_s, exec_s = mem_used_mib(), 0.0, 0.0
+        steps: list[tuple[Footprint, float]] = []  # at each count: the footprint, host memory used since before
+        try:
+            for done, count in zip([0, *counts], counts, strict=False):
+                create_s += await batch.create(count - done)
+                self.progress(f"{p}concurrent: {len(batch.sandboxes)} created in {create_s:.1f}s; exec in all at once")
+                exec_s = await batch.exec_all()
+                mem = mem_used_mib() - mem_before
+                assert side.footprint is not None
+                steps.append((await side.footprint(batch.sandboxes, before), mem))
+        finally:
+            self.progress(f"{p}concurrent: destroying {len(batch.sandboxes)} sandboxes")
+            self.details[f"{p}concurrent_destroy_s"] = await batch.destroy_all()
+        created, tried = len(batch.sandboxes), counts[-1]
+        footprints = [{**f.record(), "mem_used_per_sandbox_mib": round(m / max(f.sandboxes, 1), 2)} for f, m in steps]
+        outside = [f.outside_per_sandbox for f, _ in steps if f.sandboxes]
+        self.record(**{
+            f"{p}concurrent_ok": batch.exec_ok if batch.exec_ok == tried else 0,
+            f"{p}concurrent_tried": tried,
+            f"{p}concurrent_created": created,
+            f"{p}concurrent_exec_ok": batch.exec_ok,
+            f"{p}concurrent_create_s": round(create_s, 2),
+            f"{p}concurrent_exec_s": round(exec_s, 3),
+            f"{p}concurrent_mem_before_mib": round(mem_before, 1),
+            f"{p}concurrent_mem_mib": round(mem, 1),
+            f"{p}concurrent_mem_per_sandbox_mib": round(mem / max(created, 1), 2),
+            f"{p}concurrent_problems": batch.problems[:10],
+            # Per sandbox at the first count (the same on every backend).
+            f"{label}_mem_per_sandbox_mib": steps[0][0].pss_per_sandbox_mib,
+            f"{label}_host_procs_per_sandbox": max(outside) if outside else None,  # at any count
+            f"{label}_footprint": footprints[0],
+            **({f"{label}_footprint_at_full_count": footprints[-1]} if len(steps) > 1 else {}),
+        })  # fmt: skip
+
+    # ------------------------------------------------------------------ phases of one backend
+
+    async def phase_warm_lease(self, side: Side, backend: SandboxBackend) -> None:
         n = self.sizes.warm_lease
-        self.progress(f"warm_lease: EnvPool with env_pool.warm={WARM_K}; {n} x acquire from the warm pool")
-        lease_stats, stats = await self._warm_leases([], "")
+        self.progress(f"warm_lease: EnvPool of {side.name} sandboxes, env_pool.warm={WARM_K}; {n} x acquire")
+        lease_stats, stats = await self._warm_leases([f"sandbox.backend={side.name}"], "")
         self.metrics.update(warm_lease_p50_ms=lease_stats["p50"], warm_hits=stats.warm_hits)
         _check_warm_hits(stats, n)
 
@@ -361,49 +586,13 @@ class EnvBench:
         self.summary(f"{prefix}warm_lease_ping_after_acquire_ms", pings)
         return self.summary(f"{prefix}warm_lease_ms", leases), stats
 
-    async def phase_cold_run(self) -> None:
-        n = self.sizes
-        self.progress(f"cold_run: {n.cold_run} x create + first exec; {n.podman_run} x `podman run --rm IMAGE true`")
-        backend = await self.local_backend()
-        totals = await self._cold_starts(backend, n.cold_run, "")
-        label = f"{BENCH_LABEL}={self.bench_id}"
-        argv = ["podman", "run", "--rm", "--network", "none", "--label", label, IMAGE, "true"]
-        podman_run = self.summary("podman_run_ms", await _time_cli(argv, n.podman_run, local_podman_env()))
-        self.metrics.update(
-            cold_run_p50_ms=self.summary("cold_run_ms", totals)["p50"], podman_run_p50_ms=podman_run["p50"]
-        )
-
-    async def _cold_starts(self, backend: PodmanBackend | NamespaceBackend, n: int, prefix: str) -> list[float]:
-        """n x (create + first exec('true')), each sandbox destroyed after its timing; returns the totals (ms),
-        and records the create part as ``<prefix>cold_create_ms``."""
-        totals, creates = [], []
-        for _ in range(n):
-            total, create = await self._cold_start(backend)
-            totals.append(total)
-            creates.append(create)
-        self.summary(f"{prefix}cold_create_ms", creates)
-        return totals
-
-    async def _cold_start(self, backend: PodmanBackend | NamespaceBackend) -> tuple[float, float]:
-        """One create + first exec('true'), the sandbox destroyed after; returns (total, create) in ms."""
-        sandbox = None
-        try:
-            start = time.perf_counter_ns()
-            sandbox = await backend.create(self.spec())
-            create = ms_since(start)
-            await _exec_true(sandbox)
-            return ms_since(start), create
-        finally:
-            if sandbox is not None:
-                await sandbox.destroy()
-
-    async def phase_podman_api(self) -> None:
+    async def phase_podman_api(self, side: Side, cli: SandboxBackend) -> None:
         n = self.sizes
         self.progress(
             f"podman_api: {n.cold_run} x create + first exec through the Podman API service and as many through the "
             f"CLI, interleaved; then {n.warm_lease} x acquire from a warm EnvPool of Podman sandboxes on each path"
         )
-        cli, api = await self.local_backend(), await self.local_backend(podman_api=True)
+        api = await _podman_backend(podman_api=True)
         self.details["podman_api_socket"] = api.podman.socket
         samples: dict[str, list[tuple[float, float]]] = {"podman_cli_": [], "podman_api_": []}
         try:
@@ -429,118 +618,9 @@ class EnvBench:
         _check_warm_hits(cli_stats, n.warm_lease)
         _check_warm_hits(api_stats, n.warm_lease)
 
-    async def phase_concurrent(self) -> None:
-        tried = self.sizes.concurrent
-        self.progress(f"concurrent: {tried} sandboxes ({CREATE_CONCURRENCY} started at once), then one exec in each")
-        batch = _Batch(await self.local_backend(), self.spec())
-        mem_before = mem_used_mib()
-        try:
-            create_s = await batch.create(tried)
-            created = len(batch.sandboxes)
-            self.progress(f"concurrent: {created} created in {create_s:.1f}s; exec('echo ok') in all at once")
-            exec_s = await batch.exec_all()
-            mem_after = mem_used_mib()
-            attach_pss = _children_pss_mib()
-            # What each container costs on the host, in PSS: its conmon, catatonit (podman-init) and everything
-            # in its PID namespace (the idle `sleep`, the exec agent), the exec session's own conmon, and the
-            # `podman exec -i` process holding the agent's stdio here (a child of this process).
-            footprint = await anyio.to_thread.run_sync(_podman_footprint, [s.id for s in batch.sandboxes])
-        finally:
-            self.progress(f"concurrent: destroying {len(batch.sandboxes)} sandboxes")
-            self.details["concurrent_destroy_s"] = await batch.destroy_all()
-        mem = mem_after - mem_before
-        created = len(batch.sandboxes)
-        self.details.update(
-            concurrent_created=created,
-            concurrent_exec_ok=batch.exec_ok,
-            concurrent_exec_s=round(exec_s, 3),
-            concurrent_mem_before_mib=round(mem_before, 1),
-            concurrent_mem_after_mib=round(mem_after, 1),
-            concurrent_mem_per_sandbox_mib=round(mem / max(created, 1), 2),
-            concurrent_host_attach_pss_mib=round(attach_pss, 1),
-            concurrent_problems=batch.problems[:10],
-            podman_footprint=footprint.record(),
-        )
-        self.metrics.update(
-            concurrent_ok=batch.exec_ok if batch.exec_ok == tried else 0,
-            concurrent_tried=tried,
-            concurrent_create_s=round(create_s, 2),
-            concurrent_mem_mib=round(mem, 1),
-            podman_mem_per_sandbox_mib=footprint.pss_per_sandbox_mib,
-            podman_host_procs_per_sandbox=footprint.outside_per_sandbox,
-        )
-
-    # ------------------------------------------------------------------ the namespace backend
-
-    async def phase_docker(self) -> None:
-        """The docker backend beside the others: a private dockerd (no bridge, no iptables) loaded with the
-        image from Podman; cold start to first exec, exec through the agent, and `docker exec CID true`."""
-        from swectl.remote.nodes.docker_sandbox import DockerBackend
-        from swectl.testing.docker import docker_unavailable, start_private_docker
-
-        reason = docker_unavailable()
-        if reason is not None:
-            self.details["docker_skipped"] = reason
-            return
-        n = self.sizes
-        self.progress(f"docker: a private dockerd; {n.cold_run} x create + first exec, {n.exec} x exec('true'), "
-                      f"{n.podman_exec} x `docker exec CID true`")  # fmt: skip
-        daemon = await anyio.to_thread.run_sync(start_private_docker)
-        try:
-            await anyio.to_thread.run_sync(daemon.load_from_podman, [IMAGE])
-            config = msgspec.structs.replace(SandboxConfig(), docker_host=daemon.host)
-            backend = DockerBackend(LocalNode(), config)
-            await backend.prepare()
-            cold = self.summary("docker_cold_run_ms", await self._cold_starts(backend, n.cold_run, "docker_"))
-            sandbox = await backend.create(self.spec())
-            try:
-                exec_stats, _ = await self._time_agent(sandbox, "docker_")
-                cli = self.summary(
-                    "docker_cli_exec_ms",
-                    await _time_cli(["docker", "exec", sandbox.id, "true"], n.podman_exec, daemon.env()),
-                )
-            finally:
-                await sandbox.destroy()
-            self.metrics.update(
-                docker_cold_run_p50_ms=cold["p50"], docker_exec_p50_ms=exec_stats["p50"],
-                docker_cli_exec_p50_ms=cli["p50"],
-            )  # fmt: skip
-        finally:
-            await anyio.to_thread.run_sync(daemon.stop)
-
-    async def phase_ns_exec(self) -> None:
-        n = self.sizes
-        self.progress(
-            f"ns_exec: {n.exec} x exec('true') through a namespace sandbox's agent, {n.ping} pings "
-            f"(after {WARMUP} warm-up calls)"
-        )
-        backend = await self.ns_backend()
-        sandbox = await backend.create(self.spec())
-        try:
-            exec_stats, _ = await self._time_agent(sandbox, "ns_")
-        finally:
-            await sandbox.destroy()
-        self.metrics.update(ns_exec_p50_ms=exec_stats["p50"])
-
-    async def phase_ns_cold_run(self) -> None:
-        n = self.sizes.ns_cold_run
-        self.progress(f"ns_cold_run: {n} x create + first exec on the namespace backend")
-        backend = await self.ns_backend()
-        # One untimed start first: it resolves the image's layers (`podman image inspect`), which a backend
-        # does once per image, as a pool's first start would.
-        start = time.perf_counter_ns()
-        await (await backend.create(self.spec())).destroy()
-        self.details["ns_first_start_and_destroy_ms"] = round(ms_since(start), 3)
-        ns_cold = self.summary("ns_cold_run_ms", await self._cold_starts(backend, n, "ns_"))["p50"]
-        podman_cold = self.metrics.get("cold_run_p50_ms")  # the cold_run phase's, this run
-        self.metrics.update(
-            ns_cold_start_ms=ns_cold,
-            ns_cold_start_speedup=round(podman_cold / ns_cold, 1) if podman_cold else None,
-        )
-
-    async def phase_ns_disk(self) -> None:
-        self.progress("ns_disk: a short episode in a namespace sandbox, then `du -sb` of its writable layer")
-        backend = await self.ns_backend()
+    async def phase_disk(self, side: Side, backend: SandboxBackend) -> None:
+        p = side.prefix
+        self.progress(f"{p}disk: a short episode in a {side.name} sandbox, then `du -sb` of its writable layer")
         inspect = await anyio.to_thread.run_sync(
             lambda: run_local_podman("image", "inspect", "--format", "{{.Size}}", IMAGE, timeout=60)
         )
@@ -548,7 +628,8 @@ class EnvBench:
         sandbox = await backend.create(self.spec())
         try:
             # The writable layer (overlay upper) of a disk-scratch sandbox, on the node while the sandbox lives.
-            upper = Path(backend.config.ns_state_dir) / "boxes" / sandbox.id / "upper"
+            assert self.ns_backend is not None
+            upper = Path(self.ns_backend.config.ns_state_dir) / "boxes" / sandbox.id / "upper"
             fresh = await anyio.to_thread.run_sync(_du_bytes, upper)
             result = await sandbox.exec(NS_EPISODE, 120)
             if result.exit_code != 0 or result.timed_out:
@@ -556,144 +637,17 @@ class EnvBench:
             after = await anyio.to_thread.run_sync(_du_bytes, upper)
         finally:
             await sandbox.destroy()
-        self.details.update(
-            ns_disk_image_bytes=image_bytes,
-            ns_disk_upper_fresh_bytes=fresh,
-            ns_disk_upper_after_episode_bytes=after,
-            ns_disk_episode=NS_EPISODE,
-        )
-        self.metrics.update(ns_disk_frac=round(after / image_bytes, 5))
+        self.record(**{
+            f"{p}disk_image_bytes": image_bytes, f"{p}disk_upper_fresh_bytes": fresh,
+            f"{p}disk_upper_after_episode_bytes": after, f"{p}disk_episode": NS_EPISODE,
+            f"{p}disk_frac": round(after / image_bytes, 5),
+        })  # fmt: skip
 
-    async def phase_ns_concurrent(self) -> None:
-        first, tried = self.sizes.concurrent, max(self.sizes.ns_concurrent, self.sizes.concurrent)
-        self.progress(
-            f"ns_concurrent: {first} namespace sandboxes (podman's count), exec in each, host memory and processes; "
-            f"then up to {tried} ({CREATE_CONCURRENCY} started at once) and one exec in each"
-        )
-        backend = await self.ns_backend()
-        batch = _Batch(backend, self.spec())
-        # Children of this process that exist before: not the namespace sandboxes' (a local controller hands the
-        # daemon a socket; it spawns nothing per sandbox).
-        before = await anyio.to_thread.run_sync(_own_descendants)
-        mem_before = mem_used_mib()
-        try:
-            create_s = await batch.create(first)
-            exec_s = await batch.exec_all()
-            self.progress(f"ns_concurrent: {len(batch.sandboxes)} created in {create_s:.1f}s, {batch.exec_ok} execs ok")
-            step = await self._ns_footprint(backend, batch, before)
-            mem_step = mem_used_mib()
-            full = step
-            if tried > first:
-                create_s += await batch.create(tried - first)
-                self.progress(f"ns_concurrent: {len(batch.sandboxes)} created; exec('echo ok') in all at once")
-                batch.exec_ok = 0
-                exec_s = await batch.exec_all()
-                full = await self._ns_footprint(backend, batch, before)
-            mem_after = mem_used_mib()
-        finally:
-            self.progress(f"ns_concurrent: destroying {len(batch.sandboxes)} sandboxes")
-            self.details["ns_concurrent_destroy_s"] = await batch.destroy_all()
-        created = len(batch.sandboxes)
-        mem = mem_after - mem_before
-        self.details.update(
-            ns_concurrent_created=created,
-            ns_concurrent_exec_ok=batch.exec_ok,
-            ns_concurrent_create_s=round(create_s, 2),
-            ns_concurrent_exec_s=round(exec_s, 3),
-            ns_concurrent_mem_per_sandbox_mib=round(mem / max(created, 1), 2),
-            ns_mem_used_per_sandbox_mib_at_podman_count=round((mem_step - mem_before) / max(step.sandboxes, 1), 2),
-            ns_concurrent_problems=batch.problems[:10],
-            ns_footprint_at_podman_count=step.record(),
-            ns_footprint_at_full_count=full.record(),
-        )
-        self.metrics.update(
-            # Per sandbox at podman's count (the same number of sandboxes as the concurrent phase's).
-            ns_mem_per_sandbox_mib=step.pss_per_sandbox_mib,
-            ns_host_procs_per_sandbox=max(step.outside_per_sandbox, full.outside_per_sandbox),
-            ns_concurrent_ok=batch.exec_ok if batch.exec_ok == tried else 0,
-            ns_concurrent_tried=tried,
-            ns_concurrent_mem_mib=round(mem, 1),
-        )
-
-    async def _ns_footprint(
-        self, backend: NamespaceBackend, batch: _Batch, before: set[tuple[int, int]]
-    ) -> Footprint:
-        """Host processes and PSS of the batch's namespace sandboxes: each one's PID 1 (its exec agent) and
-        everything in its PID namespace, plus any process outside them made for them: one naming a sandbox id
-        (the SSH path's `attach`, for instance), a child of the nsbox daemon that is no sandbox (a launch
-        helper, a scratch cleaner), or a new child of this process. The daemon itself is shared by every
-        sandbox on the node: not counted, its PSS is recorded apart."""
-        ids = {s.id for s in batch.sandboxes}
-        pids = [pid for sandbox_id, pid in (await backend.host_pids()).items() if sandbox_id in ids]
-        return await anyio.to_thread.run_sync(_ns_footprint, sorted(ids), pids, before)
-
-    async def phase_ssh(self) -> None:
-        self.progress(f"ssh: starting test node {SSH_PREFIX}{SSH_INDEX} (sshd in a network namespace)")
-
-        def start_nodes() -> TestNodes:
-            # Stored from the thread: if we are cancelled meanwhile, the caller still finds and stops them.
-            self.test_nodes = start_test_nodes(1, prefix=SSH_PREFIX, base_index=SSH_INDEX)
-            return self.test_nodes
-
-        try:
-            nodes = await anyio.to_thread.run_sync(start_nodes)
-            await self._ssh_measure(nodes)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.stop_test_nodes)
-
-    def stop_test_nodes(self) -> None:
-        if self.test_nodes is not None:
-            nodes, self.test_nodes = self.test_nodes, None
-            stop_test_nodes(nodes)
-
-    async def _ssh_measure(self, nodes: TestNodes) -> None:
-        n = self.sizes
-        node = nodes.nodes[0]
-        cfg = decode_config(tomllib.loads(nodes.cluster_toml()), "<test node>")
-        backends = make_backends(cfg)
-        backend = backends[0][1]
-        try:
-            await backend.prepare()
-            sandbox = await backend.create(self.spec())
-            try:
-                self.progress(
-                    f"ssh: {n.ssh_exec} x exec('true') over ssh, {n.ssh_rtt} ssh echo round trips, "
-                    f"{n.ssh_podman_exec} x `ssh ... podman exec CID true`"
-                )
-                for _ in range(WARMUP):
-                    await _exec_true(sandbox)
-                totals, inside = [], []
-                for _ in range(n.ssh_exec):
-                    start = time.perf_counter_ns()
-                    result = await _exec_true(sandbox)
-                    totals.append(ms_since(start))
-                    inside.append(result.duration_s * 1000)
-                ssh_exec = self.summary("ssh_exec_ms", totals)
-                self.summary("ssh_exec_inside_agent_ms", inside)
-                pings = []
-                for _ in range(n.ssh_exec):
-                    start = time.perf_counter_ns()
-                    await sandbox.ping()
-                    pings.append(ms_since(start))
-                self.summary("ssh_ping_ms", pings)
-                rtt = self.summary("ssh_rtt_ms", await _ssh_echo_rtt(nodes, n.ssh_rtt))
-                argv = [
-                    "ssh", "-i", nodes.key_path, "-o", f"UserKnownHostsFile={nodes.known_hosts_path}",
-                    "-o", "BatchMode=yes", "-p", str(node.port), f"root@{node.host}",
-                    "env", f"CONTAINERS_CONF={CONTAINERS_CONF}", "podman", "exec", sandbox.id, "true",
-                ]  # fmt: skip
-                baseline = self.summary("ssh_podman_exec_ms", await _time_cli(argv, n.ssh_podman_exec, None))
-            finally:
-                await sandbox.destroy()
-        finally:
-            await close_backends(backends)
-        self.metrics.update(
-            ssh_exec_p50_ms=ssh_exec["p50"],
-            ssh_podman_exec_p50_ms=baseline["p50"],
-            ssh_rtt_ms=rtt["p50"],
-            ssh_exec_speedup=round(baseline["p50"] / ssh_exec["p50"], 1),
-        )
+    async def phase_rtt(self, side: Side, backend: SandboxBackend) -> None:
+        assert self.test_nodes is not None
+        self.progress(f"{side.prefix}rtt: {self.sizes.ssh_rtt} ssh echo round trips")
+        rtt = self.summary("ssh_rtt_ms", await _ssh_echo_rtt(self.test_nodes, self.sizes.ssh_rtt))
+        self.metrics.update(ssh_rtt_ms=rtt["p50"])
 
     # ------------------------------------------------------------------ report
 
@@ -768,8 +722,8 @@ class EnvBench:
             return (
                 f"concurrent: {created} created, {d['concurrent_exec_ok']} execs ok in {d['concurrent_exec_s']} s, "
                 f"{d['concurrent_mem_per_sandbox_mib']} MiB host memory per sandbox (host-side `podman exec -i` "
-                f"attach processes: {d['concurrent_host_attach_pss_mib'] / max(created, 1):.1f} MiB PSS each), "
-                f"destroyed in {d['concurrent_destroy_s']} s"
+                f"attach processes: {d['podman_footprint']['host_attach_pss_mib'] / max(created, 1):.1f} MiB PSS "
+                f"each), destroyed in {d['concurrent_destroy_s']} s"
             )
 
         def podman_footprint_note() -> str:
@@ -803,14 +757,14 @@ class EnvBench:
             )
 
         def ns_concurrent_note() -> str:
-            step, full = d["ns_footprint_at_podman_count"], d["ns_footprint_at_full_count"]
+            step, full = d["ns_footprint"], d.get("ns_footprint_at_full_count", d["ns_footprint"])
             return (
                 f"namespace concurrent: {d['ns_concurrent_created']} created in {d['ns_concurrent_create_s']} s, "
                 f"{d['ns_concurrent_exec_ok']} execs ok in {d['ns_concurrent_exec_s']} s, destroyed in "
                 f"{d['ns_concurrent_destroy_s']} s; PSS per sandbox {step['pss_per_sandbox_mib']} MiB at "
                 f"{step['sandboxes']}, {full['pss_per_sandbox_mib']} MiB at {full['sandboxes']} (the shared nsbox "
                 f"daemon: {full['daemon_pss_mib']} MiB, not counted); host memory in use per sandbox "
-                f"{d['ns_mem_used_per_sandbox_mib_at_podman_count']} MiB at {step['sandboxes']} (podman: "
+                f"{step['mem_used_per_sandbox_mib']} MiB at {step['sandboxes']} (podman: "
                 f"{d.get('concurrent_mem_per_sandbox_mib', '-')} MiB, kernel memory included)"
             )
 
@@ -867,6 +821,12 @@ class EnvBench:
 # ---------------------------------------------------------------- measurement helpers
 
 
+async def _podman_backend(*, podman_api: bool = False) -> PodmanBackend:
+    backend = PodmanBackend(LocalNode(), SandboxConfig(podman_api=podman_api))
+    await backend.prepare()
+    return backend
+
+
 def _check_warm_hits(stats: Any, n: int) -> None:
     if stats.warm_hits != n:
         raise RuntimeError(
@@ -874,7 +834,7 @@ def _check_warm_hits(stats: Any, n: int) -> None:
         )
 
 
-async def _exec_true(sandbox: PodmanSandbox) -> ExecResult:
+async def _exec_true(sandbox: Sandbox) -> ExecResult:
     result = await sandbox.exec("true", 10)
     if result.exit_code != 0 or result.timed_out:
         raise RuntimeError(f"exec('true') in {sandbox.name} gave {result.exit_code}: {result.output[:200]}")
@@ -947,57 +907,46 @@ def _outliers(totals: list[float], inside: list[float], gc_hit: list[bool]) -> d
     }
 
 
+async def _podman_footprint(sandboxes: list[Sandbox], before: set[tuple[int, int]]) -> Footprint:
+    """Each container's conmon, catatonit (podman-init) and everything in its PID namespace (the idle `sleep`, the
+    exec agent), the exec session's own conmon, and the `podman exec -i` holding the agent's stdio here (a child of
+    this process): all found through the processes naming the container."""
+    ids = [s.id for s in sandboxes]
+    return await anyio.to_thread.run_sync(lambda: _footprint(ids, [], host_attach_pss_mib=_children_pss_mib()))
+
+
 def _children_pss_mib() -> float:
     """Proportional memory of this process's children: the host-side `podman exec -i` attach processes."""
-    me, total_kib = str(os.getpid()), 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            if stat.rsplit(")", 1)[1].split()[1] != me:
-                continue
-            for row in (entry / "smaps_rollup").read_text().splitlines():
-                if row.startswith("Pss:"):
-                    total_kib += int(row.split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # exited meanwhile
-    return total_kib / 1024
+    return round(sum(_pss_kib(pid) for pid, proc in _processes().items() if proc.ppid == os.getpid()) / 1024, 1)
 
 
 class _Batch:
-    """Sandboxes of one backend held at once (the concurrency phases): started CREATE_CONCURRENCY at a time,
+    """Sandboxes of one backend held at once (the concurrency phase): started CREATE_CONCURRENCY at a time,
     then one exec('echo ok') in each, all at once; destroyed CREATE_CONCURRENCY at a time."""
 
-    def __init__(self, backend: PodmanBackend | NamespaceBackend, spec: SandboxSpec) -> None:
+    def __init__(self, backend: SandboxBackend, spec: SandboxSpec) -> None:
         self.backend = backend
         self.spec = spec
-        self.sandboxes: list[AgentSandbox] = []
+        self.sandboxes: list[Sandbox] = []
         self.problems: list[str] = []
         self.exec_ok = 0
-        self._limiter = anyio.CapacityLimiter(CREATE_CONCURRENCY)
 
     async def create(self, count: int) -> float:
         """Start ``count`` more sandboxes (failures go to ``problems``); returns the seconds it took."""
 
-        async def create_one() -> None:
-            async with self._limiter:
-                try:
-                    with anyio.fail_after(300):
-                        self.sandboxes.append(await self.backend.create(self.spec))
-                except (InfraError, TimeoutError) as exc:
-                    self.problems.append(f"create: {type(exc).__name__}: {exc}")
+        async def create_one(_: int) -> None:
+            try:
+                with anyio.fail_after(300):
+                    self.sandboxes.append(await self.backend.create(self.spec))
+            except (InfraError, TimeoutError) as exc:
+                self.problems.append(f"create: {type(exc).__name__}: {exc}")
 
-        start = time.perf_counter_ns()
-        async with anyio.create_task_group() as tg:
-            for i in range(count):
-                tg.start_soon(create_one, name=f"create sandbox {len(self.sandboxes) + i}")
-        return ms_since(start) / 1000
+        return await _each(create_one, range(count), CREATE_CONCURRENCY)
 
     async def exec_all(self) -> float:
         """exec('echo ok') in every sandbox at once, counting successes in ``exec_ok``; returns seconds."""
 
-        async def exec_echo(sandbox: AgentSandbox) -> None:
+        async def exec_echo(sandbox: Sandbox) -> None:
             try:
                 result = await sandbox.exec("echo ok", 60)
             except InfraError as exc:
@@ -1008,26 +957,29 @@ class _Batch:
             else:
                 self.problems.append(f"exec in {sandbox.name}: exit {result.exit_code}, output {result.output[:200]!r}")
 
-        start = time.perf_counter_ns()
-        async with anyio.create_task_group() as tg:
-            for sandbox in self.sandboxes:
-                tg.start_soon(exec_echo, sandbox, name=f"exec in {sandbox.name}")
-        return ms_since(start) / 1000
+        self.exec_ok = 0
+        return await _each(exec_echo, list(self.sandboxes))
 
     async def destroy_all(self) -> float | None:
         """Destroy them all (shielded, at most CLEANUP_TIMEOUT_S); the seconds it took, None when cut off."""
-
-        async def destroy(sandbox: AgentSandbox) -> None:
-            async with self._limiter:
-                await sandbox.destroy()
-
         with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_S):
-            start = time.perf_counter_ns()
-            async with anyio.create_task_group() as tg:
-                for sandbox in self.sandboxes:
-                    tg.start_soon(destroy, sandbox, name=f"destroy {sandbox.name}")
-            return round(ms_since(start) / 1000, 2)
+            return round(await _each(lambda sandbox: sandbox.destroy(), self.sandboxes, CREATE_CONCURRENCY), 2)
         return None
+
+
+async def _each(fn: Callable[[Any], Awaitable[None]], items: Iterable[Any], at_once: float = math.inf) -> float:
+    """fn(item) for all items at once, at most ``at_once`` at a time; returns the seconds it took."""
+    limiter = anyio.CapacityLimiter(at_once)
+
+    async def one(item: Any) -> None:
+        async with limiter:
+            await fn(item)
+
+    start = time.perf_counter_ns()
+    async with anyio.create_task_group() as tg:
+        for item in items:
+            tg.start_soon(one, item)
+    return ms_since(start) / 1000
 
 
 @dataclass(frozen=True)
@@ -1125,26 +1077,6 @@ def _footprint(
     return Footprint(len(wanted), len(members), pss_mib, outside, extra)
 
 
-def _podman_footprint(cids: list[str]) -> Footprint:
-    """Podman containers: found through the processes naming them (the container's conmon, each exec session's
-    conmon, the `podman exec -i` attach process); catatonit and the agent are their descendants."""
-    return _footprint(cids, [])
-
-
-def _ns_footprint(ids: list[str], pids: list[int], before: set[tuple[int, int]]) -> Footprint:
-    """Namespace sandboxes (their PID 1s' host pids given), see EnvBench._ns_footprint."""
-    procs = _processes()
-    host_ns = os.readlink("/proc/self/ns/pid")
-    daemons = {procs[pid].ppid for pid in pids if pid in procs}
-    helpers = [pid for pid, proc in procs.items() if proc.ppid in daemons and proc.pidns == host_ns]
-    me = os.getpid()
-    new_children = [pid for pid in _descendants(procs, [me]) - {me} if (pid, procs[pid].start) not in before]
-    return _footprint(
-        ids, [*pids, *helpers, *new_children], procs,
-        daemon_pids=sorted(daemons), daemon_pss_mib=round(sum(_pss_kib(pid) for pid in daemons) / 1024, 2),
-    )  # fmt: skip
-
-
 def _own_descendants() -> set[tuple[int, int]]:
     """(pid, start time) of this process's descendants now."""
     procs = _processes()
@@ -1194,11 +1126,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the watcher started, or a second Ctrl-C during cleanup
         bench.interrupted = "SIGINT"
     finally:
-        bench.stop_test_nodes()  # only does something if the ssh phase was cut short
+        bench.stop_test_nodes()  # only does something if the ssh phases were cut short
         leftovers = remove_leftovers(bench)
         if leftovers:
             bench.progress(f"removed {leftovers} leftover containers of this run")
-        if bench.ns_backend_open:  # the in-loop cleanup was cut short (a second Ctrl-C)
+        if bench.ns_backend is not None:  # the in-loop cleanup was cut short (a second Ctrl-C)
             anyio.run(bench.remove_ns_sandboxes, backend="asyncio")
         if bench.ns_leftovers:
             bench.progress(f"removed {bench.ns_leftovers} leftover namespace sandboxes of this run")
@@ -1207,7 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
     meta = bench.meta(host, version, leftovers)
-    path = write_results(SUITE, bench.metrics, meta)
+    path = write_results(SUITE, bench.metrics, meta, RESULTS_DIR / f"{SUITE}.quick.json" if args.quick else None)
     print(result_table(bench.metrics, bench.goals()))
     print("\n".join(["", *meta["notes"]]))
     for name, error in bench.errors.items():
