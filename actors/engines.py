@@ -424,8 +424,8 @@ class Engines:
     # ------------------------------------------------------------------ weights
 
     async def update_weights(self, path: str, version: str, *, timeout_s: float | None = None) -> float:
-        """Weight sync from disk (DESIGN 4.10): pause generation on every routable server (in place: requests
-        in flight keep their KV cache), load ``path`` (a Hugging Face folder on the engine nodes) with
+        """Weight sync from disk (docs/architecture.md 5.3): pause generation on every routable server (in place:
+        requests in flight keep their KV cache), load ``path`` (a Hugging Face folder on the engine nodes) with
         ``update_weights_from_disk`` tagged ``version``, and resume. A server that rejects the update raises
         EngineRejectedError with its message; servers restarted later load ``path``. Returns the seconds."""
         t0 = anyio.current_time()
@@ -459,8 +459,8 @@ class Engines:
 
     async def join_weight_group(self, address: str, port: int, group_name: str, backend: str, *,
                                 timeout_s: float | None = None) -> None:
-        """Every routable server joins the trainer's weight group (the distributed sync, DESIGN 4.10) as ranks
-        1..n, while the trainer joins as rank 0 (``weight_group_size`` tells it the size first)."""
+        """Every routable server joins the trainer's weight group (the distributed sync, docs/architecture.md 5.3)
+        as ranks 1..n, while the trainer joins as rank 0 (``weight_group_size`` tells it the size first)."""
         servers = self._routable()
         bound = timeout_s or self._config.request_timeout_s
         world = 1 + len(servers)

@@ -1,4 +1,4 @@
-"""The Grader actor (DESIGN 4.4 and 4.5): grade one patch for one task in a fresh sandbox.
+"""The Grader actor (docs/architecture.md 7.2 and 12.1): grade one patch for one task in a fresh sandbox.
 
 Steps: lease a fresh sandbox from the task image; apply and commit the task's setup patch (factory tasks
 carry their bug there); drop the patch's edits to test files; apply the patch from a file with the ladder

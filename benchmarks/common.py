@@ -63,7 +63,7 @@ def ms_since(start_ns: int) -> float:
 
 @dataclass(frozen=True)
 class Goal:
-    """A number to reach (DESIGN.md section 6): ``metric op target``, e.g. exec_p50_ms <= 2."""
+    """A number to reach (docs/architecture.md 13.2): ``metric op target``, e.g. exec_p50_ms <= 2."""
 
     metric: str
     op: str  # "<=" or ">="

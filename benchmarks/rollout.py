@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics[f"controller_step_overhead_p99_ms_{n_sim}"] = round(percentile(over, 99), 3)
     meta[f"sim{n_sim}"] = {"elapsed_s": round(elapsed, 2), "steps": len(over), "overhead_ms": summarize(over),
                            "submitted": sum(e.exit_status == "Submitted" for e in eps)}
-    goals = [Goal(f"controller_step_overhead_p99_ms_{n_sim}", "<=", 5.0, text="< 5 ms (DESIGN section 6)")]
+    goals = [Goal(f"controller_step_overhead_p99_ms_{n_sim}", "<=", 5.0, text="< 5 ms (docs/architecture.md 13.2)")]
     report(SUITE, metrics, meta, goals)
     return 0
 

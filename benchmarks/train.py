@@ -5,8 +5,8 @@
   holding the batch until the reader holds it decoded. swectl's way (``BatchWriter`` + a ``BatchReader`` that
   stays attached between steps, as the trainer ranks read; the BatchRef goes over a multiprocessing.Queue like a
   control message) against pickle over a
-  multiprocessing.Queue, twice: the samples as lists of Python ints (what a naive system sends; the DESIGN
-  baseline) and the same TrainBatch with its raw-bytes arrays pickled (the honest comparison). Also:
+  multiprocessing.Queue, twice: the samples as lists of Python ints (what a naive system sends; the baseline
+  of docs/architecture.md 13.2) and the same TrainBatch with its raw-bytes arrays pickled (the honest comparison). Also:
   ``read_batch``, attaching and detaching per step (``transport_attach_gbps``); two readers (the embedded
   default's 2-rank trainer; shm writes once, a Queue carries one pickle per rank); bare readers that do nothing
   with a batch (readers otherwise collate it like a trainer rank, untimed, which keeps glibc's heap warm).

@@ -1,4 +1,4 @@
-"""The house rules of the source tree (DESIGN section 2): every folder's README names each of its files, and
+"""The house rules of the source tree (docs/architecture.md 2.2): every folder's README names each of its files, and
 imports run one way, commands -> actors -> logic -> base, with no cycles between packages of one layer."""
 
 from __future__ import annotations

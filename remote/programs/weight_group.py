@@ -1,5 +1,5 @@
 """The weight group: a torch.distributed process group of trainer rank 0 (rank 0) and the engines (ranks 1..),
-apart from the trainer's own world, over which new weights are broadcast (DESIGN 4.10).
+apart from the trainer's own world, over which new weights are broadcast (docs/architecture.md 5.3).
 
 Formed the way SGLang's ``/init_weights_update_group`` forms its side: a TCPStore at
 ``master_address:master_port`` hosted by rank 0 (what ``rendezvous("tcp://...")`` makes), prefixed with the group's

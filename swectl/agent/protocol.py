@@ -1,4 +1,4 @@
-"""The agent protocol (DESIGN 4.2), mini-swe-agent's: each model turn holds a THOUGHT and exactly one bash
+"""The agent protocol (docs/architecture.md 6.1), mini-swe-agent's: each model turn holds a THOUGHT and exactly one bash
 code block; each command runs statelessly in the sandbox; the observation goes back through a template;
 the episode ends when a command's output starts with the submission sentinel, or a limit is hit.
 

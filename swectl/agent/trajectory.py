@@ -1,4 +1,4 @@
-"""Token-in, token-out trajectories (DESIGN 4.1).
+"""Token-in, token-out trajectories (docs/architecture.md 6.2).
 
 The chat template renders the prompt once; afterwards the engine's output tokens are appended as they
 came (loss mask 1, with their logprobs and the weight version that produced them) and every observation is

@@ -1,4 +1,4 @@
-"""Clients of the inference engines (DESIGN 4.12): SGLang's native HTTP API and OpenAI-compatible chat.
+"""Clients of the inference engines (docs/architecture.md 5.2): SGLang's native HTTP API and OpenAI-compatible chat.
 
 ``SglangClient`` speaks the subset of SGLang's HTTP API that swectl needs: ``/generate`` with token ids and
 logprobs, ``/health``, ``/health_generate``, ``/flush_cache``, ``/update_weights_from_disk``,
@@ -16,7 +16,7 @@ exchange, plus a short connect bound. Failures are translated (swectl.errors):
 - other 4xx, or a weight update answering ``success: false`` -> EngineRejectedError
 - an answer that is not JSON or lacks fields we need        -> EngineResponseError (quotes 300 chars of body)
 
-Only idempotent calls are retried (DESIGN 4.6): the GETs and ``/flush_cache``, on connection failures and
+Only idempotent calls are retried (docs/architecture.md 12.2): the GETs and ``/flush_cache``, on connection failures and
 5xx, within the same total bound. ``generate``, weight updates, pause/continue and chat are never retried.
 """
 

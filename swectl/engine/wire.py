@@ -1,4 +1,5 @@
-"""Wire types of the inference engines: SGLang's native HTTP API and OpenAI-compatible chat (DESIGN 4.1, 4.12).
+"""Wire types of the inference engines: SGLang's native HTTP API and OpenAI-compatible chat
+(docs/architecture.md 6.2, 5.2).
 
 Written from SGLang's documentation (docs.sglang.io: basic_usage/native_api, basic_usage/sampling_params) and
 source (python/sglang/srt/entrypoints/http_server.py for the routes and response bodies,
@@ -56,11 +57,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):
-    """Body of ``POST /generate``: token ids in (DESIGN 4.1), always a single request."""
+    """Body of ``POST /generate``: token ids in (docs/architecture.md 6.2), always a single request."""
 
     input_ids: list[int]
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    return_logprob: bool = True  # SGLang's default is false; swectl keeps rollout logprobs (DESIGN 4.1)
+    return_logprob: bool = True  # SGLang's default is false; swectl keeps rollout logprobs (docs/architecture.md 6.2)
     rid: str | None = None
 
 
@@ -140,7 +141,7 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class GenerateResult(msgspec.Struct, frozen=True):
-    """One finished generation: the exact output ids with one logprob each (DESIGN 4.1)."""
+    """One finished generation: the exact output ids with one logprob each (docs/architecture.md 6.2)."""
 
     output_ids: list[int]
     output_logprobs: list[float]  # one per output id; empty when logprobs were not requested

@@ -1,5 +1,5 @@
-"""Pure grading logic (DESIGN 4.4): which edits of a patch touch tests, how a test log becomes a status map
-(swebench's own log parsers), and the F2P/P2P verdict. The Grader actor (swectl.actors.grader) runs the
+"""Pure grading logic (docs/architecture.md 7.3): which edits of a patch touch tests, how a test log becomes a
+status map (swebench's own log parsers), and the F2P/P2P verdict. The Grader actor (swectl.actors.grader) runs the
 sandbox side and calls these.
 
 Verdict rules, matching the official SWE-bench harness (swebench 5.x ``get_logs_eval`` and

@@ -1,7 +1,7 @@
 """``swectl model init``: a tiny Qwen3-architecture model made locally, with no hub.
 
-The embedded default (DESIGN 5) needs a policy that exists on a machine with no network: this module trains a
-byte-level BPE tokenizer on local source code (by default the running interpreter's standard library), builds a
+The embedded default (docs/architecture.md 11.2) needs a policy that exists on a machine with no network: this module
+trains a byte-level BPE tokenizer on local source code (by default the running interpreter's standard library), builds a
 randomly initialised ``Qwen3ForCausalLM`` from a small config, and saves both, with a ChatML chat template and a
 generation config, as an ordinary Hugging Face model folder. Any other local HF model folder works in its place.
 

@@ -1,4 +1,5 @@
-"""Bounded staleness by admission control (DESIGN 4.9): the two rules of the asynchronous RL loop, as pure state.
+"""Bounded staleness by admission control (docs/architecture.md 8.5): the two rules of the asynchronous RL loop,
+as pure state.
 
 A *group* is the unit the loop starts and trains: ``n`` samples of one task (GRPO needs them together). The
 trainer's *version* counts its steps from 0; a sample's *staleness* is the version it is trained at minus the
@@ -6,8 +7,9 @@ version its group started at.
 
 - **Start.** A new group of ``n`` samples starts only while ``outstanding + n <= (max_staleness + 1) * batch``,
   where ``outstanding`` counts the samples accepted into the buffer and not yet trained plus those still being
-  sampled, and ``batch`` is the samples of one step. With every step training ``batch`` samples this is DESIGN's
-  ``accepted + running <= (max_staleness + version + 1) * batch`` (accepted counted since the run began);
+  sampled, and ``batch`` is the samples of one step. With every step training ``batch`` samples this is the rule
+  of docs/architecture.md 8.5, ``accepted + running <= (max_staleness + version + 1) * batch`` (accepted counted
+  since the run began);
   counted as outstanding it also holds when a step trains fewer (the sampling-round cap). ``max_staleness = 0``
   is synchronous on-policy RL: the next step's groups start once this step's are trained.
 - **Train.** Every group has a deadline: the step at version ``start + max_staleness``. The step at version ``v``

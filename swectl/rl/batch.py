@@ -1,4 +1,4 @@
-"""What crosses from the controller to the trainer ranks (DESIGN 4.8): ``TrainSample`` and ``TrainBatch``.
+"""What crosses from the controller to the trainer ranks (docs/architecture.md 8.3): ``TrainSample`` and ``TrainBatch``.
 
 Token arrays travel as raw little-endian bytes (``tokens`` int32, ``loss_mask`` uint8, ``logprobs`` float32),
 never as lists of Python ints: msgspec copies bytes at memory speed and the ranks view them with

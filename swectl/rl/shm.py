@@ -1,4 +1,5 @@
-"""The sample transport from the controller to the trainer ranks (DESIGN 4.8): TrainBatch frames in shared memory.
+"""The sample transport from the controller to the trainer ranks (docs/architecture.md 8.3): TrainBatch frames in
+shared memory.
 
 The controller owns one ``BatchWriter``: a POSIX shared-memory segment reused across steps. ``write`` encodes a
 ``TrainBatch`` as msgpack (a reused encoder and scratch buffer, then one copy into the segment) and returns a

@@ -1,5 +1,5 @@
-"""The pure half of the distributed weight sync (DESIGN 4.10, the GPU fast path): what the trainer broadcasts to
-the engines' ``update_weights_from_distributed``, in which order and in which buckets.
+"""The pure half of the distributed weight sync (docs/architecture.md 5.3, the GPU fast path): what the trainer
+broadcasts to the engines' ``update_weights_from_distributed``, in which order and in which buckets.
 
 The trainer announces its parameters once (``ParamSpec``: the engine-side name, the dtype sent and the global
 shape); the controller plans buckets of at most ``bucket_bytes`` (``plan_buckets``), and for each bucket, in

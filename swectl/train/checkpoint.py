@@ -1,4 +1,4 @@
-"""The run's checkpoints and records on disk (DESIGN 4.11).
+"""The run's checkpoints and records on disk (docs/architecture.md 8.7).
 
     <run>/checkpoints/step_000010/trainer/         model, optimizer, scheduler, RNG (written by the ranks)
     <run>/checkpoints/step_000010/controller.json  step, weight version, data cursor, weights folder

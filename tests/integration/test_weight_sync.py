@@ -1,8 +1,8 @@
-"""The distributed weight sync (DESIGN 4.10's fast path) for real, on CPU: trainer rank 0 of 2 torchrun gloo
-ranks and two CPU engine servers form a weight group over gloo through SGLang's ``/init_weights_update_group``; a
-trained step's weights are broadcast bucket by bucket through ``/update_weights_from_distributed``; the engines
-then hold exactly the weights the trainer writes to disk, and serve the new version. On a GPU the same code runs
-with NCCL (not exercised here: no GPU on this machine).
+"""The distributed weight sync (the fast path of docs/architecture.md 5.3) for real, on CPU: trainer rank 0 of 2
+torchrun gloo ranks and two CPU engine servers form a weight group over gloo through SGLang's
+``/init_weights_update_group``; a trained step's weights are broadcast bucket by bucket through
+``/update_weights_from_distributed``; the engines then hold exactly the weights the trainer writes to disk, and serve
+the new version. On a GPU the same code runs with NCCL (not exercised here: no GPU on this machine).
 """
 
 from __future__ import annotations
