@@ -1,5 +1,5 @@
 """The DataSource actor: hands out training tasks in epochs, each epoch a seeded shuffle, and keeps a cursor so
-that a resumed run neither repeats nor skips a task (DESIGN 4.11).
+that a resumed run neither repeats nor skips a task (docs/architecture.md 8.7).
 
 The order depends only on (seed, epoch) and the task ids, so the cursor (epoch, index) is all a checkpoint
 needs; the ids handed out are also kept (``consumed``) so a run's records can be checked against it.
@@ -45,7 +45,7 @@ class DataSource:
 
     def __init__(self, tasks: Sequence[Task], *, seed: int, cursor: DataCursor | None = None) -> None:
         if not tasks:
-            raise ConfigError("the training split has no tasks; lower train.test_fraction or give more tasks")
+            raise ConfigError("the training split has no tasks; lower train.data.test_fraction or give more tasks")
         self._tasks = sorted(tasks, key=lambda t: t.instance_id)
         self._seed = seed
         self.cursor = cursor or DataCursor()
@@ -65,7 +65,7 @@ class DataSource:
             instance = self.cursor.pending.pop(0)
             if instance not in by_id:
                 raise ConfigError(f"the checkpoint's pending task {instance!r} is not in the training split; was the "
-                                  "task file, train.test_fraction or train.split_seed changed since?")
+                                  "task file, train.data.test_fraction or train.data.split_seed changed since?")
             out.append(by_id[instance])
         while len(out) < n:
             if self.cursor.index >= len(self._order):

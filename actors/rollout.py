@@ -110,6 +110,12 @@ class Rollout(ServingActor):
         )
 
     async def episode(self, task: Task, sample: int) -> EpisodeResult:
+        """Run, grade and record one episode of ``task``."""
+        result, _ = await self.episode_with_trajectory(task, sample)
+        return result
+
+    async def episode_with_trajectory(self, task: Task, sample: int) -> tuple[EpisodeResult, Episode]:
+        """``episode``, with the finished Episode itself (its token stream, in memory, for training)."""
         await self._check_running()
         judged: list[StepJudgement] = []
         async with anyio.create_task_group() as judges:  # the step judgements finish while the episode is graded
@@ -133,7 +139,7 @@ class Rollout(ServingActor):
         self._counts["finished"] += 1
         self._counts[result.outcome] += 1
         self._counts["resolved"] += result.resolved
-        return result
+        return result, ep
 
     def _judging(self, tg: anyio.abc.TaskGroup, task: Task, sample: int, judged: list[StepJudgement]) -> OnStep:
         """The episode's on_step hook: each finished step goes to the judge at once, with the steps before it."""

@@ -1,20 +1,20 @@
 """`just learn`: does the policy learn, on this CPU machine? The whole demo through swectl's own commands.
 
 1. the tiny model (`swectl model init`), a seeded train/test split of the bundled tasks (the split `swectl up`
-   makes with train.test_fraction 0.5 and train.split_seed = --seed);
+   makes with train.data.test_fraction 0.5 and train.data.split_seed = --seed);
 2. gold trajectories of the train split (`swectl data gold`: each gold patch acted out as agent turns) and, with
    ``--give-up K`` (default 1), K copies of a wrong teacher's trajectory per task (`swectl data gold --script
    give-up`: the same first look at the code, then a submission with no change) and, with ``--recover K``
    (default 1), K copies of a teacher that slips and recovers (`swectl data gold --script recover`: a cut-off,
    malformed copy of the first look and of the edit before each; SFT masks the malformed replies);
-3. SFT on them all (`swectl up` with train.algorithm = "sft", train.sft_resolved_only = false) to a checkpoint
+3. SFT on them all (`swectl up` with train.algorithm = "sft", experiment.sft_resolved_only = false) to a checkpoint
    that edits on some tries and gives up on others: it imitates a teacher that is right 1 time in K+1, and only
    the reward says which attempts are right;
 4. GRPO from that checkpoint (`swectl up`; 30 steps with a KL anchor to the SFT weights, ``--kl-coef`` 0.5), and
    control runs, so any gain of the real run is shown to come from
-   the reward: the same with every advantage zeroed (train.zero_advantages: no update at all; the default
+   the reward: the same with every advantage zeroed (experiment.zero_advantages: no update at all; the default
    control) and, with ``--controls zero,shuffle``, the same with each group's rewards shuffled
-   (train.shuffle_rewards: updates as large as the real run's, blind to which episode resolved its task);
+   (experiment.shuffle_rewards: updates as large as the real run's, blind to which episode resolved its task);
 5. sampled resolve rates (temperature 1, ``--samples`` episodes per task, `swectl eval --seed`) on the train split
    before training, after SFT, after GRPO and after each control run, and on the held-out split after GRPO.
 
@@ -149,7 +149,7 @@ def train(args: argparse.Namespace, out_dir: Path, run_id: str, sets: dict[str, 
 def check_trained_on(run_dir: Path, train_tasks: list) -> None:
     """Stop unless every task the run trained on (its steps.jsonl) is one of the bench's train split: the
     evaluations read the train split, and a run that trained on held-out tasks would make the test reading moot
-    (a ``--grpo-set train.split_seed=...`` or ``train.tasks=...`` could do that)."""
+    (a ``--grpo-set train.data.split_seed=...`` or ``train.data.tasks=...`` could do that)."""
     allowed = {t.instance_id for t in train_tasks}
     trained = {task for line in (run_dir / "steps.jsonl").read_text().splitlines() if line.strip()
                for task in json.loads(line).get("tasks", [])}
@@ -205,13 +205,15 @@ def main(argv: list[str] | None = None) -> int:
                              "format error with the right reply instead of more malformed ones")
     parser.add_argument("--grpo-steps", type=int, default=30)
     parser.add_argument("--kl-coef", type=float, default=0.5,
-                        help="GRPO: weight of the KL penalty to the SFT weights (train.kl_coef, low_var_kl); 0 = none. "
+                        help="GRPO: weight of the KL penalty to the SFT weights (train.loss.kl_coef, low_var_kl); 0 = "
+                             "none. "
                              "The anchor keeps a seed near the SFT policy's format while the reward moves it; with "
                              "the cosine schedule five seeds at 30 steps read +12.2 to +26.0 points over SFT "
                              "(benchmarks/results/learn.json)")
     parser.add_argument("--grpo-lr", type=float, default=2e-4, help="GRPO learning rate (--grpo-start weights)")
     parser.add_argument("--grpo-schedule", choices=("constant", "cosine"), default="cosine",
-                        help="GRPO learning-rate schedule (--grpo-start weights; train.schedule): cosine (default) "
+                        help="GRPO learning-rate schedule (--grpo-start weights; train.optim.schedule): cosine "
+                             "(default) "
                              "decays --grpo-lr to a tenth by the last step; with a constant rate, weak seeds lost by "
                              "step 30 what they had at step 10 (benchmarks/results/learn.json)")
     parser.add_argument("--grpo-start", choices=("checkpoint", "weights"), default="weights",
@@ -226,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--manage-context", action="store_true",
                         help="head+tail context management when an episode outgrows --context, in training and "
                              "in every evaluation (rollout.manage_context); pair with per-step samples: "
-                             "--grpo-set train.sample_mode='\"step\"'. The SFT data is made under it too: each "
+                             "--grpo-set train.sampling.sample_mode='\"step\"'. The SFT data is made under it too: "
+                             "each "
                              "gold step records the prompt the engine would see, so SFT trains on those")
     parser.add_argument("--max-format-errors", type=int,
                         default=DEMO_ROLLOUT["rollout.max_format_errors"],
@@ -239,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                              "the malformed-reply limit) or overlong (not the malformed-reply limit: those episodes "
                              "train their well-formed turns with their advantage)")
     parser.add_argument("--mask-format-errors", action=argparse.BooleanOptionalAction, default=True,
-                        help="GRPO: malformed replies carry no gradient (train.mask_format_errors); the turns around "
+                        help="GRPO: malformed replies carry no gradient (experiment.mask_format_errors); the turns "
+                             "around "
                              "them train as usual")
     parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
                         help="more `--set` overrides for the GRPO and control runs (repeatable)")
@@ -285,36 +289,38 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     sft_weights = train(args, work, "sft", {
-        "train.model": repr(str(model)), "train.algorithm": '"sft"', "train.sft_data": json.dumps(sft_data),
-        "train.sft_resolved_only": str(not args.give_up).lower(),
+        "train.model": repr(str(model)), "train.algorithm": '"sft"', "train.data.sft_data": json.dumps(sft_data),
+        "experiment.sft_resolved_only": str(not args.give_up).lower(),
         "train.steps": args.sft_steps,
-        "train.sft_batch_size": 8, "train.lr": args.sft_lr, "train.warmup_steps": 3,
-        "train.schedule": f'"{args.sft_schedule}"', "train.seed": args.seed,
+        "train.data.sft_batch_size": 8, "train.optim.lr": args.sft_lr, "train.optim.warmup_steps": 3,
+        "train.optim.schedule": f'"{args.sft_schedule}"', "train.seed": args.seed,
         "train.save_every": args.sft_steps})
     timings["sft_s"] = time.monotonic() - t0
     rates["train_after_sft"] = evaluate(args, sft_weights, work / "train.jsonl", work / "eval-sft")
 
     continue_sft = args.grpo_start == "checkpoint"
     grpo_sets: dict[str, object] = {
-        "train.algorithm": '"grpo"', "train.tasks_per_step": args.tasks_per_step, "train.n_samples": args.n_samples,
-        "train.seed": args.seed, "train.split_seed": args.seed, "train.test_fraction": 0.5, "train.save_every": 5,
-        "train.concurrency": args.concurrency, "train.max_sampling_rounds": 2,
-        "train.mask_truncated": str(args.mask_truncated).lower(),
-        "train.mask_truncated_endings": json.dumps(OVERLONG_ENDINGS if args.mask_truncated_endings == "overlong"
+        "train.algorithm": '"grpo"', "train.sampling.tasks_per_step": args.tasks_per_step,
+        "train.sampling.n_samples": args.n_samples, "train.seed": args.seed, "train.data.split_seed": args.seed,
+        "train.data.test_fraction": 0.5, "train.save_every": 5,
+        "train.concurrency": args.concurrency, "train.sampling.max_sampling_rounds": 2,
+        "experiment.mask_truncated": str(args.mask_truncated).lower(),
+        "experiment.mask_truncated_endings": json.dumps(OVERLONG_ENDINGS if args.mask_truncated_endings == "overlong"
                                                    else [*OVERLONG_ENDINGS, "FormatError"]),
-        "train.mask_format_errors": str(args.mask_format_errors).lower(), "train.kl_coef": args.kl_coef}
+        "experiment.mask_format_errors": str(args.mask_format_errors).lower(), "train.loss.kl_coef": args.kl_coef}
     if continue_sft:  # steps 1..sft_steps were the SFT run's; the optimizer's learning rate is the SFT's
-        grpo_sets.update({"train.sft_steps": args.sft_steps, "train.steps": args.sft_steps + args.grpo_steps})
+        grpo_sets.update({"train.data.sft_steps": args.sft_steps, "train.steps": args.sft_steps + args.grpo_steps})
     else:
         grpo_sets.update({"train.model": repr(str(sft_weights)), "train.steps": args.grpo_steps,
-                          "train.lr": args.grpo_lr, "train.schedule": f'"{args.grpo_schedule}"'})
+                          "train.optim.lr": args.grpo_lr, "train.optim.schedule": f'"{args.grpo_schedule}"'})
     for item in args.grpo_set:
         key, sep, value = item.partition("=")
         if not sep:
             parser.error(f"--grpo-set wants KEY=VALUE, got {item!r}")
         grpo_sets[key] = value
     runs = {"grpo": grpo_sets}
-    controls = {"zero": ("control", "train.zero_advantages"), "shuffle": ("control_shuffle", "train.shuffle_rewards")}
+    controls = {"zero": ("control", "experiment.zero_advantages"),
+                "shuffle": ("control_shuffle", "experiment.shuffle_rewards")}
     for control in filter(None, ([] if args.no_control else args.controls.split(","))):
         if control not in controls:
             parser.error(f"--controls: unknown control {control!r} (choose from {', '.join(controls)})")

@@ -148,8 +148,8 @@ def main() -> int:
     parser.add_argument("--step-coef", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="more `swectl up --set` overrides of the GRPO run (e.g. train.max_staleness=1, "
-                        "train.sample_mode='\"step\"', train.step_score_advantage=0.5)")
+                        help="more `swectl up --set` overrides of the GRPO run (e.g. train.sampling.max_staleness=1, "
+                        "train.sampling.sample_mode='\"step\"', experiment.step_score_advantage=0.5)")
     parser.add_argument("--tag", default="", help="suffix of the GRPO run folder and of the results key")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -166,8 +166,9 @@ def main() -> int:
     labels = {"good": sum(r["label"] > 0 for r in rows), "bad": sum(r["label"] < 0 for r in rows)}
     judge = up(work, "judge", {
         "train.algorithm": '"sft"', "train.model": repr(str(args.judge_base or args.policy)),
-        "train.sft_data": json.dumps([str(data)]), "train.steps": args.judge_steps, "train.sft_batch_size": 8,
-        "train.lr": args.judge_lr, "train.warmup_steps": 3, "train.schedule": '"constant"', "train.seed": args.seed,
+        "train.data.sft_data": json.dumps([str(data)]), "train.steps": args.judge_steps, "train.data.sft_batch_size": 8,
+        "train.optim.lr": args.judge_lr, "train.optim.warmup_steps": 3, "train.optim.schedule": '"constant"',
+        "train.seed": args.seed,
         "train.save_every": args.judge_steps})
     timings["judge_sft_s"] = time.monotonic() - t0
 
@@ -181,10 +182,11 @@ def main() -> int:
     t0 = time.monotonic()
     grpo = up(work, run_id, {
         **DEMO_ROLLOUT, "train.algorithm": '"grpo"', "train.model": repr(str(args.policy)),
-        "train.tasks": repr(str(args.tasks)), "train.test_fraction": 0.0,
-        "train.steps": args.grpo_steps, "train.lr": 2e-4, "train.tasks_per_step": 4, "train.n_samples": 4,
-        "train.seed": args.seed, "train.concurrency": 8, "train.max_sampling_rounds": 1, "train.save_every": 0,
-        "train.mask_truncated": "true", "train.mask_format_errors": "true",
+        "train.data.tasks": repr(str(args.tasks)), "train.data.test_fraction": 0.0,
+        "train.steps": args.grpo_steps, "train.optim.lr": 2e-4, "train.sampling.tasks_per_step": 4,
+        "train.sampling.n_samples": 4,
+        "train.seed": args.seed, "train.concurrency": 8, "train.sampling.max_sampling_rounds": 1, "train.save_every": 0,
+        "experiment.mask_truncated": "true", "experiment.mask_format_errors": "true",
         "reward.prm.enabled": "true", "reward.prm.model": repr(str(judge)), "reward.prm.samples": args.samples,
         "reward.prm.step_coef": args.step_coef, "reward.prm.max_tokens": 16, **extra})
     timings["grpo_prm_s"] = time.monotonic() - t0

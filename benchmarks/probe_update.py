@@ -18,8 +18,8 @@ batch as masked and with each failed episode also masked after its first slip (t
 engine sampled with probability below ``--slip-p``), and the share of the batch's gradient norm that comes from
 those post-slip tokens.
 
-Masks: ``none`` (every reply trained), ``truncated`` (truncated episodes carry no loss, as train.mask_truncated),
-``first`` (nothing after an episode's first malformed reply, as train.mask_after_format_error); ``--positive-only``
+Masks: ``none`` (every reply trained), ``truncated`` (truncated episodes carry no loss, as experiment.mask_truncated),
+``first`` (nothing after an episode's first malformed reply, as experiment.mask_after_format_error); ``--positive-only``
 drops every sample whose advantage is not positive. It runs in one process on the CPU, without the trainer's
 FSDP workers: the loss, advantages and masks are the trainer's, the optimizer is a plain AdamW (or SGD), and every
 sample is treated as on-policy (the old log-probabilities are the current ones).
@@ -40,11 +40,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from swectl.actors.rollout import EpisodeResult
+from swectl.config import ExperimentConfig
 from swectl.rl.advantages import group_advantages
 from swectl.rl.batch import unpack_mask
 from swectl.rl.groups import GradedEpisode, episode_samples
 from swectl.rl.losses import policy_loss, sft_loss, token_logprobs
-from swectl.train.controller import graded_episode
+from swectl.train.rollouts import read_graded_episode
 
 
 class Probed(msgspec.Struct):
@@ -59,7 +60,7 @@ def load_episodes(patterns: list[str]) -> list[Probed]:
         for meta_path in sorted(glob.glob(str(Path(pattern) / "*" / "meta.json"))):
             result = msgspec.json.decode(Path(meta_path).read_bytes(), type=EpisodeResult)
             result = msgspec.structs.replace(result, artifacts=str(Path(meta_path).parent))
-            out.append(Probed(graded_episode(result), submitted=result.exit_status == "Submitted"))
+            out.append(Probed(read_graded_episode(result), submitted=result.exit_status == "Submitted"))
     return out
 
 
@@ -161,12 +162,12 @@ def accumulate_policy_gradient(model, batch: list[GradedEpisode], masks: list[li
 
 
 def train_mask(e: GradedEpisode, advantage: float, args: argparse.Namespace) -> list[int]:
-    """The loss mask the trainer would use (train.mask_truncated / train.mask_after_format_error), or all 0 for a
-    sample ``--positive-only`` drops."""
+    """The loss mask the trainer would use (experiment.mask_truncated / experiment.mask_after_format_error), or all
+    0 for a sample ``--positive-only`` drops."""
     if args.positive_only and advantage <= 0:
         return [0] * len(e.loss_mask)
-    sample, = episode_samples(e, advantage, 0.0, mask_truncated=args.mask == "truncated",
-                              mask_after_format_error=args.mask == "first")
+    masks = ExperimentConfig(mask_truncated=args.mask == "truncated", mask_after_format_error=args.mask == "first")
+    sample, = episode_samples(e, advantage, 0.0, experiment=masks)
     return unpack_mask(sample).tolist()
 
 
@@ -185,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mask", choices=("none", "truncated", "first"), default="none")
     parser.add_argument("--positive-only", action="store_true")
     parser.add_argument("--prob-weight", type=float, default=0.0,
-                        help="advantage reweighting alpha (train.prob_weight): advantages times alpha * p + 1 - alpha")
-    parser.add_argument("--requires-submit", action="store_true", help="as train.reward_requires_submit")
+                        help="advantage reweighting alpha (experiment.prob_weight): advantages times "
+                             "alpha * p + 1 - alpha")
+    parser.add_argument("--requires-submit", action="store_true", help="as experiment.reward_requires_submit")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compare-gold", action="store_true",

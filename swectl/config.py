@@ -96,7 +96,7 @@ class SandboxConfig(_Section):
     output_head_bytes: NonNegative = 10_000
     output_tail_bytes: NonNegative = 10_000
     # How long past a command's in-sandbox timeout the controller waits before declaring the sandbox
-    # broken. Ordering (DESIGN 4.3): command timeout < episode < grading < this guard.
+    # broken. Ordering (docs/architecture.md 4.5): command timeout < episode < grading < this guard.
     exec_grace_s: Positive = 10.0
     start_timeout_s: Positive = 120.0
     destroy_timeout_s: Positive = 30.0
@@ -192,13 +192,6 @@ class PrmConfig(_Section):
     timeout_s: Positive = 120.0  # per request
 
 
-class RewardConfig(_Section):
-    """The [reward] section: how episodes become rewards beyond the outcome ([train] resolved_reward and
-    unresolved_reward): process rewards in [reward.prm]."""
-
-    prm: PrmConfig = PrmConfig()
-
-
 class TrainerConfig(_Section):
     """The [trainer] section: where and how the torchrun FSDP2 workers run (remote/programs/trainer.py).
 
@@ -227,93 +220,154 @@ class TrainerConfig(_Section):
     weight_sync_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # "auto": as the trainer holds them
 
 
-class TrainConfig(_Section):
-    """The [train] section: what ``swectl up`` trains, how, and for how long."""
+class RewardConfig(_Section):
+    """The [reward] section: how a graded episode becomes a number (swectl/rl/groups.py ``reward``): the outcome's
+    reward, and process rewards in [reward.prm]."""
 
-    algorithm: Literal["grpo", "sft"] = "grpo"
-    model: str = ""  # Hugging Face model folder; "" = the tiny model (`swectl model init`), made if missing
+    resolved: float = 1.0  # the reward of an episode whose patch resolves its task
+    unresolved: float = 0.0  # every other graded episode (an infrastructure failure is never rewarded)
+    prm: PrmConfig = PrmConfig()
+
+
+class DataConfig(_Section):
+    """The [train.data] section: what a run trains and evaluates on (swectl/train/plan.py)."""
+
     tasks: str = ""  # task file (JSONL) for grpo; "" = the bundled task set
     test_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.5  # held out for evaluation (seeded)
-    # the seed of that train/held-out split, apart from `seed`: repeats of a run with other seeds train on the same
-    # tasks and hold out the same ones (a seed that also moved the split would train on the other run's test tasks)
+    # the seed of that train/held-out split, apart from train.seed: repeats of a run with other seeds train on the
+    # same tasks and hold out the same ones (a seed that also moved the split would train on the other run's tasks)
     split_seed: int = 0
     sft_data: list[str] = []  # sft: traj.json run folders, traj.json files or OpenAI-messages JSONL files
     # grpo: the first sft_steps steps are SFT on sft_data (default: gold trajectories of the train split, made
     # at the start by running each task's gold patch as agent turns), then GRPO from there
     sft_steps: NonNegative = 0
     sft_strict: bool = False  # a malformed sft_data row stops the run (else it is skipped with file:line and field)
-    # traj.json runs in sft_data: only the resolved episodes (rejection-sampling fine-tuning); false trains on every
-    # episode, e.g. a teacher's right and wrong attempts (`swectl data gold --script give-up`)
-    sft_resolved_only: bool = True
-    steps: Count = 20
+    sft_batch_size: Count = 8  # samples per sft step
+
+
+class SamplingConfig(_Section):
+    """The [train.sampling] section: the rollouts of training (the [rollout] section gives each episode's step
+    limit, max tokens and context; train.concurrency the episodes at once)."""
+
     tasks_per_step: Count = 4  # groups per grpo step
     n_samples: Count = 4  # episodes per task (the group)
-    sft_batch_size: Count = 8  # samples per sft step
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # sampling temperature of training episodes
+    dynamic_sampling: bool = True  # drop groups whose rewards are all equal and draw more tasks
+    max_sampling_rounds: Count = 3  # rounds of drawing more tasks per step before training on what there is
+    # asynchronous RL (docs/architecture.md 8.5): episodes keep running while the trainer trains; a group starts only
+    # while at most (max_staleness + 1) x tasks_per_step x n_samples episodes are outstanding, and no episode is
+    # trained more than max_staleness weight versions after it started (a step waits for it instead). 0 = synchronous,
+    # on-policy.
+    max_staleness: NonNegative = 0
+    sample_mode: Literal["episode", "step"] = "episode"  # step: one sample per agent turn (context management)
+
+
+class AdvantageConfig(_Section):
+    """The [train.advantage] section: how a group's rewards become advantages (swectl/rl/advantages.py)."""
+
+    estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+
+
+class OptimConfig(_Section):
+    """The [train.optim] section: the trainer's optimizer (AdamW) and learning-rate schedule."""
+
     lr: Positive = 1e-4
     warmup_steps: NonNegative = 0
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1  # cosine floor, as a fraction of lr
     weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     grad_clip: Positive = 1.0
-    estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+
+
+class LossConfig(_Section):
+    """The [train.loss] section: the trainer's policy loss (swectl/rl/losses.py)."""
+
     aggregation: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
     eps_low: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.2
     eps_high: Annotated[float, msgspec.Meta(ge=0.0)] = 0.28
     tis_cap: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0  # truncated importance sampling ratio cap C
     kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # KL to the initial policy; 0 = off (no reference)
-    # alpha of advantage reweighting: each token's advantage times alpha * p(token) + 1 - alpha, so unlikely
-    # sampled tokens do not dominate the update (Yang et al. 2025); 0 = off
+
+
+class ExperimentConfig(_Section):
+    """The [experiment] section: control runs and research knobs, set by `just learn` and the benchmarks' recipes
+    (benchmarks/learn.py, prm.py, probe_update.py), their results in benchmarks/results/. Not the product's tuning
+    surface: each default here is what the product does, and the one line above it says why."""
+
+    zero_advantages: bool = False  # the control run: every advantage 0 (the curve must stay flat)
+    # the other control run: each group's rewards shuffled (seeded) before its advantages, so the updates are as
+    # large as the real run's but blind to which episode resolved the task
+    shuffle_rewards: bool = False
+    # traj.json runs in train.data.sft_data: only the resolved episodes (rejection-sampling fine-tuning: training on
+    # failures teaches them); false trains on every episode, e.g. a teacher's right and wrong attempts
+    sft_resolved_only: bool = True
+    # alpha of advantage reweighting: each token's advantage times alpha * p(token) + 1 - alpha (Yang et al. 2025)
     prob_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
-    resolved_reward: float = 1.0
-    unresolved_reward: float = 0.0
     mask_truncated: bool = False  # truncated episodes carry no gradient (those ending in mask_truncated_endings)
-    # which TRUNCATED endings mask_truncated masks: the step limit, wall time and context budget (overlong) and the
-    # malformed-reply limit; ["LimitsExceeded", "TimeExceeded", "ContextExceeded"] leaves an episode that ended on
-    # malformed replies its gradient (its well-formed turns carry its advantage)
+    # which TRUNCATED endings mask_truncated masks: the step limit, wall time, context budget and malformed replies
     mask_truncated_endings: list[TruncatedEnding] = msgspec.field(
         default_factory=lambda: list(TRUNCATED_ENDINGS))
     # the turns after an episode's first malformed reply carry no gradient (nor that reply, if its advantage is > 0)
     mask_after_format_error: bool = False
     # malformed replies (no single bash block) carry no gradient, whatever the advantage; the other turns train
     mask_format_errors: bool = False
-    # an episode that never submitted (TRUNCATED) gets unresolved_reward even if the diff it left resolves the task
+    # an episode that never submitted (TRUNCATED) gets reward.unresolved even if the diff it left resolves the task
     reward_requires_submit: bool = False
-    # the reward of an unresolved episode that never submitted (TRUNCATED: the step limit, time, context or malformed
-    # replies ended it) instead of unresolved_reward; below it, running out of steps costs more than a wrong
-    # submission (on the demo, -0.25 did not keep weak seeds off the step limit: learn.json). Unset =
-    # unresolved_reward. Pair it with mask_truncated off, or with LimitsExceeded left out of mask_truncated_endings:
-    # a masked episode gets no gradient
+    # the reward of an unresolved episode that never submitted (TRUNCATED) instead of reward.unresolved (on the
+    # demo, -0.25 did not keep weak seeds off the step limit: learn.json). Unset = reward.unresolved. A masked
+    # episode (mask_truncated) gets no gradient: leave LimitsExceeded out of mask_truncated_endings with it
     truncated_reward: float | None = None
-    dynamic_sampling: bool = True  # drop groups whose rewards are all equal and draw more tasks
-    # asynchronous RL (DESIGN 4.9): episodes keep running while the trainer trains; a group starts only while at most
-    # (max_staleness + 1) x tasks_per_step x n_samples episodes are outstanding, and no episode is trained more than
-    # max_staleness weight versions after it started (a step waits for it instead). 0 = synchronous, on-policy.
-    max_staleness: NonNegative = 0
-    max_sampling_rounds: Count = 3  # rounds of drawing more tasks per step before training on what there is
-    sample_mode: Literal["episode", "step"] = "episode"  # step: one sample per agent turn (context management)
-    # per-step samples: "episode" divides an episode's k step samples' advantages by k, so a long episode does not
-    # outweigh a short one; "none" trains each step at the episode's full advantage
+    # negative advantages become 0: only episodes better than their group's mean are reinforced, none pushed down
+    positive_advantages_only: bool = False
+    # positive advantages times this (W-REINFORCE's lambda): below 1 the update leans on pushing failures down
+    positive_advantage_scale: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    # per-step samples: "episode" (the default: a long episode must not outweigh a short one) divides an episode's
+    # k step samples' advantages by k; "none" trains each step at the episode's full advantage
     step_sample_weight: Literal["none", "episode"] = "episode"
     # per-step samples with [reward.prm]: a step's advantage also gets this x its own judge score (-1..1)
     step_score_advantage: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
-    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # sampling temperature of training episodes
-    concurrency: Count = 8  # episodes at once (the [rollout] section gives step limit, max tokens, context)
-    zero_advantages: bool = False  # the control run: every advantage 0 (the curve must stay flat)
-    # the other control run: each group's rewards shuffled (seeded) before its advantages, so the updates are as
-    # large as the real run's but blind to which episode resolved the task
-    shuffle_rewards: bool = False
-    # negative advantages become 0: only episodes better than their group's mean are reinforced, none pushed down
-    positive_advantages_only: bool = False
-    # positive advantages times this (W-REINFORCE's lambda): below 1 the update leans on pushing failures down,
-    # which sharpens a policy whose failures are sampling slips; 0 = negative-sample reinforcement alone
-    positive_advantage_scale: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
-    save_every: NonNegative = 5  # checkpoint every N steps (0 = only at the end)
-    eval_every: NonNegative = 0  # evaluate on the held-out split every N steps (0 = never)
-    eval_samples: Count = 1
-    keep_weights: Count = 2  # weight folders kept besides checkpointed ones
+
+
+class TrainConfig(_Section):
+    """The [train] section: what ``swectl up`` trains and for how long, and its subsections, each read whole by
+    the one component it configures: data (the plan), sampling (the rollouts), advantage (group scoring), optim
+    and loss (the trainer)."""
+
+    algorithm: Literal["grpo", "sft"] = "grpo"
+    model: str = ""  # Hugging Face model folder; "" = the tiny model (`swectl model init`), made if missing
+    steps: Count = 20
     # the task order, the SFT order and the rollouts' sampling (each request seeded from it, the step, the
     # task, the sample and the turn: a rerun samples the same episodes)
     seed: int = 0
+    concurrency: Count = 8  # episodes at once (training and evaluation)
+    save_every: NonNegative = 5  # checkpoint every N steps (0 = only at the end)
+    keep_weights: Count = 2  # weight folders kept besides checkpointed ones
+    eval_every: NonNegative = 0  # evaluate on the held-out split every N steps (0 = never)
+    eval_samples: Count = 1
+    data: DataConfig = DataConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    optim: OptimConfig = OptimConfig()
+    loss: LossConfig = LossConfig()
+
+
+def _moved(section: str, keys: tuple[str, ...] | list[str]) -> dict[str, str]:
+    return {f"train.{key}": f"{section}.{key}" for key in keys}
+
+
+# The keys of the flat [train] section before it was split by consumer (issue 38), and where each went.
+MOVED_KEYS: dict[str, str] = {
+    **_moved("train.data", ("tasks", "test_fraction", "split_seed", "sft_data", "sft_steps", "sft_strict",
+                            "sft_batch_size")),
+    **_moved("train.sampling", ("tasks_per_step", "n_samples", "temperature", "dynamic_sampling",
+                                "max_sampling_rounds", "max_staleness", "sample_mode")),
+    **_moved("train.advantage", ("estimator",)),
+    **_moved("train.optim", ("lr", "warmup_steps", "schedule", "min_lr_ratio", "weight_decay", "grad_clip")),
+    **_moved("train.loss", ("aggregation", "eps_low", "eps_high", "tis_cap", "kl_coef")),
+    **_moved("experiment", list(ExperimentConfig.__struct_fields__)),
+    "train.resolved_reward": "reward.resolved",
+    "train.unresolved_reward": "reward.unresolved",
+}
 
 
 class ClusterConfig(_Section):
@@ -328,6 +382,7 @@ class ClusterConfig(_Section):
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    experiment: ExperimentConfig = msgspec.field(default_factory=ExperimentConfig)
 
     def node(self, name: str) -> NodeConfig:
         for node in self.nodes:
@@ -360,6 +415,14 @@ _SECTIONS: tuple[type[msgspec.Struct], ...] = (
     RolloutOptions,
     TrainerConfig,
     TrainConfig,
+    DataConfig,
+    SamplingConfig,
+    AdvantageConfig,
+    OptimConfig,
+    LossConfig,
+    RewardConfig,
+    PrmConfig,
+    ExperimentConfig,
     ClusterConfig,
 )
 
@@ -390,6 +453,12 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] = ()) 
 
 
 def decode_config(document: dict[str, Any], source: str = "<config>") -> ClusterConfig:
+    moved = moved_keys(document)
+    if moved:
+        raise ConfigError(f"{source}: " + "\n  ".join(f"{old} is now {new}" for old, new in moved)
+                          + "\n  hint: [train] was split by consumer (train.data, train.sampling, train.advantage, "
+                          "train.optim, train.loss; reward.resolved/unresolved; controls and research knobs in "
+                          "[experiment]); see examples/local.toml")
     try:
         config = msgspec.convert(document, ClusterConfig, strict=True)
     except msgspec.ValidationError as exc:
@@ -398,6 +467,15 @@ def decode_config(document: dict[str, Any], source: str = "<config>") -> Cluster
     if problems:
         raise ConfigError(f"{source}: " + "\n  ".join(problems))
     return config
+
+
+def moved_keys(document: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(old key, new key)`` for each key of the document (or its ``--set`` overrides) that names a place that
+    moved (MOVED_KEYS)."""
+    train = document.get("train")
+    if not isinstance(train, dict):
+        return []
+    return [(f"train.{key}", MOVED_KEYS[f"train.{key}"]) for key in train if f"train.{key}" in MOVED_KEYS]
 
 
 def check_config(config: ClusterConfig) -> list[str]:
@@ -427,24 +505,24 @@ def check_config(config: ClusterConfig) -> list[str]:
                 f"trainer.nodes[{i}]: unknown node {name!r}; defined nodes: {', '.join(names) or 'none'}"
                 + _suggest(name, names)
             )
-    train = config.train
-    if train.algorithm == "grpo" and train.n_samples < 2 and not train.zero_advantages:
-        problems.append(f"train.n_samples = {train.n_samples}: grpo compares episodes within a group; "
+    train, data, sampling, reward, exp = config.train, config.train.data, config.train.sampling, config.reward, \
+        config.experiment
+    if train.algorithm == "grpo" and sampling.n_samples < 2 and not exp.zero_advantages:
+        problems.append(f"train.sampling.n_samples = {sampling.n_samples}: grpo compares episodes within a group; "
                         "use n_samples >= 2")
-    if train.resolved_reward <= train.unresolved_reward:
-        problems.append(f"train.resolved_reward ({train.resolved_reward}) must exceed train.unresolved_reward "
-                        f"({train.unresolved_reward})")
-    if train.truncated_reward is not None and train.truncated_reward >= train.resolved_reward:
-        problems.append(f"train.truncated_reward ({train.truncated_reward}) must be below train.resolved_reward "
-                        f"({train.resolved_reward})")
-    if (train.truncated_reward is not None and train.mask_truncated
-            and set(TRUNCATED_ENDINGS) <= set(train.mask_truncated_endings)):
-        problems.append("train.truncated_reward with train.mask_truncated masking every truncated ending: the "
-                        "episodes it is for carry no gradient; leave LimitsExceeded out of "
-                        "train.mask_truncated_endings, or set train.mask_truncated = false")
-    if train.algorithm == "grpo" and train.sft_steps >= train.steps:
-        problems.append(f"train.sft_steps ({train.sft_steps}) must be below train.steps ({train.steps}) for grpo: "
-                        'the rest are the GRPO steps; use train.algorithm = "sft" for SFT only')
+    if reward.resolved <= reward.unresolved:
+        problems.append(f"reward.resolved ({reward.resolved}) must exceed reward.unresolved ({reward.unresolved})")
+    if exp.truncated_reward is not None and exp.truncated_reward >= reward.resolved:
+        problems.append(f"experiment.truncated_reward ({exp.truncated_reward}) must be below reward.resolved "
+                        f"({reward.resolved})")
+    if (exp.truncated_reward is not None and exp.mask_truncated
+            and set(TRUNCATED_ENDINGS) <= set(exp.mask_truncated_endings)):
+        problems.append("experiment.truncated_reward with experiment.mask_truncated masking every truncated ending: "
+                        "the episodes it is for carry no gradient; leave LimitsExceeded out of "
+                        "experiment.mask_truncated_endings, or set experiment.mask_truncated = false")
+    if train.algorithm == "grpo" and data.sft_steps >= train.steps:
+        problems.append(f"train.data.sft_steps ({data.sft_steps}) must be below train.steps ({train.steps}) for "
+                        'grpo: the rest are the GRPO steps; use train.algorithm = "sft" for SFT only')
     prm = config.reward.prm
     if prm.enabled and bool(prm.model) == bool(prm.endpoint):
         problems.append("reward.prm: give the judge as a model folder (reward.prm.model) or a running server "
@@ -452,14 +530,15 @@ def check_config(config: ClusterConfig) -> list[str]:
     if prm.enabled and prm.endpoint and not prm.tokenizer:
         problems.append("reward.prm.endpoint: also give reward.prm.tokenizer (the judge's tokenizer folder, for its "
                         "chat template)")
-    if train.step_score_advantage and (train.sample_mode != "step" or not prm.enabled):
-        problems.append("train.step_score_advantage shapes per-step samples with the judge's step scores: it needs "
-                        'train.sample_mode = "step" and reward.prm.enabled = true')
-    if train.max_staleness and train.algorithm != "grpo":
-        problems.append(f"train.max_staleness = {train.max_staleness}: asynchronous training is for grpo (sft has no "
-                        "rollouts to overlap); set it to 0")
-    if train.warmup_steps >= train.steps and train.warmup_steps:
-        problems.append(f"train.warmup_steps ({train.warmup_steps}) must be below train.steps ({train.steps})")
+    if exp.step_score_advantage and (sampling.sample_mode != "step" or not prm.enabled):
+        problems.append("experiment.step_score_advantage shapes per-step samples with the judge's step scores: it "
+                        'needs train.sampling.sample_mode = "step" and reward.prm.enabled = true')
+    if sampling.max_staleness and train.algorithm != "grpo":
+        problems.append(f"train.sampling.max_staleness = {sampling.max_staleness}: asynchronous training is for grpo "
+                        "(sft has no rollouts to overlap); set it to 0")
+    if config.train.optim.warmup_steps >= train.steps and config.train.optim.warmup_steps:
+        problems.append(f"train.optim.warmup_steps ({config.train.optim.warmup_steps}) must be below train.steps "
+                        f"({train.steps})")
     if config.engine.port and config.engine.replicas > 1:
         problems.append(f"engine.port = {config.engine.port} with engine.replicas = {config.engine.replicas}: "
                         "servers on one node need different ports; set engine.port = 0 (free ports)")

@@ -84,7 +84,7 @@ def test_examples_rows_and_summary(tmp_path: Path) -> None:
 
 
 def test_rows_train_as_sft_data(tmp_path: Path, tiny_tokenizer) -> None:
-    """The rows are OpenAI-messages JSONL that train.sft_data reads: only the verdict is trained."""
+    """The rows are OpenAI-messages JSONL that train.data.sft_data reads: only the verdict is trained."""
     from swectl.data.trajectories import samples_from_messages_jsonl
     from swectl.rl.batch import unpack_mask, unpack_tokens
 

@@ -252,7 +252,7 @@ def test_llama3_split_regex(training_texts: list[str]) -> None:
 
 
 def test_a_saved_tokenizer_folder_loads_wrapped(tiny_tokenizer: Any, tmp_path: Path) -> None:
-    from swectl.eval.agents import load_tokenizer
+    from swectl.model.tokenizer import load_tokenizer
 
     tiny_tokenizer.save_pretrained(tmp_path)
     tok = load_tokenizer(str(tmp_path), "--tokenizer")

@@ -1,5 +1,5 @@
 """From graded episodes to samples: rewards, advantages copied to every trained token, per-step samples,
-truncated episodes masked, pass@k, and the [train] section's cross-field checks."""
+truncated episodes masked, pass@k, and the training config's cross-field checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from swectl.config import load_config
+from swectl.config import AdvantageConfig, ExperimentConfig, RewardConfig, load_config
 from swectl.errors import ConfigError
 from swectl.rl.batch import make_batch, unpack_logprobs, unpack_mask, unpack_tokens
 from swectl.rl.groups import (
@@ -23,6 +23,25 @@ from swectl.rl.groups import (
 )
 
 
+def _score(group: Group, estimator: str = "grpo", *, reward: RewardConfig | None = None, shuffle_key: str = "",
+           **experiment: object) -> Group:
+    """score_group with the [train.advantage] estimator and [experiment] knobs given by name."""
+    return score_group(group, AdvantageConfig(estimator=estimator), reward or RewardConfig(),
+                       ExperimentConfig(**experiment),
+                       shuffle_key=shuffle_key)
+
+
+def _samples(groups: list[Group], mode: str = "episode", **experiment: object) -> list:
+    """group_samples with [experiment] knobs by name; per-step samples at the episode's full advantage unless the
+    test weighs them (step_sample_weight)."""
+    return group_samples(groups, mode=mode, experiment=ExperimentConfig(**{"step_sample_weight": "none", **experiment}))
+
+
+def _one(episode: GradedEpisode, advantage: float, reward: float, mode: str = "episode", **experiment: object) -> list:
+    return episode_samples(episode, advantage, reward, mode=mode,
+                           experiment=ExperimentConfig(**{"step_sample_weight": "none", **experiment}))
+
+
 def _episode(sample: int, resolved: bool, outcome: str = "COMPLETED") -> GradedEpisode:
     return GradedEpisode(instance_id="t", sample=sample, outcome=outcome, resolved=resolved,
                          token_ids=[1, 2, 3, 4, 5], loss_mask=[0, 0, 1, 1, 0], logprobs=[0, 0, -0.5, -0.25, 0],
@@ -31,10 +50,10 @@ def _episode(sample: int, resolved: bool, outcome: str = "COMPLETED") -> GradedE
 
 
 def test_grpo_group_scores_and_samples() -> None:
-    group = score_group(Group(instance_id="t", episodes=[_episode(0, True), _episode(1, False)]), estimator="grpo")
+    group = _score(Group(instance_id="t", episodes=[_episode(0, True), _episode(1, False)]), "grpo")
     assert group.rewards == [1.0, 0.0] and group.informative
     assert group.advantages[0] == pytest.approx(1.0, abs=1e-5) and group.advantages[1] == pytest.approx(-1.0, abs=1e-5)
-    samples = group_samples([group])
+    samples = _samples([group])
     assert [s.uid for s in samples] == ["t#0", "t#1"]
     assert unpack_tokens(samples[0]).tolist() == [1, 2, 3, 4, 5]
     assert unpack_mask(samples[0]).tolist() == [0, 0, 1, 1, 0]
@@ -45,59 +64,59 @@ def test_grpo_group_scores_and_samples() -> None:
 
 
 def test_custom_rewards_and_the_control_run() -> None:
-    group = score_group(Group(instance_id="t", episodes=[_episode(0, True), _episode(1, False)]), estimator="drgrpo",
-                        resolved_reward=2.0, unresolved_reward=-1.0)
+    group = _score(Group(instance_id="t", episodes=[_episode(0, True), _episode(1, False)]), "drgrpo",
+                        reward=RewardConfig(resolved=2.0, unresolved=-1.0))
     assert group.rewards == [2.0, -1.0] and group.advantages == [1.5, -1.5]
-    control = score_group(Group(instance_id="t", episodes=[_episode(0, True), _episode(1, False)]), estimator="rloo",
+    control = _score(Group(instance_id="t", episodes=[_episode(0, True), _episode(1, False)]), "rloo",
                           zero_advantages=True)
     assert control.rewards == [1.0, 0.0] and control.advantages == [0.0, 0.0]
 
 
 def test_positive_advantages_only() -> None:
     episodes = [_episode(0, True), _episode(1, False), _episode(2, False), _episode(3, False)]
-    full = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo")
+    full = _score(Group(instance_id="t", episodes=list(episodes)), "drgrpo")
     assert full.advantages == [0.75, -0.25, -0.25, -0.25]
-    positive = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo", positive_only=True)
+    positive = _score(Group(instance_id="t", episodes=list(episodes)), "drgrpo", positive_advantages_only=True)
     assert positive.rewards == full.rewards and positive.advantages == [0.75, 0.0, 0.0, 0.0]
-    control = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo", positive_only=True,
+    control = _score(Group(instance_id="t", episodes=list(episodes)), "drgrpo", positive_advantages_only=True,
                           zero_advantages=True)
     assert control.advantages == [0.0] * 4
 
 
 def test_positive_advantage_scale() -> None:
     episodes = [_episode(0, True), _episode(1, False), _episode(2, False), _episode(3, False)]
-    scaled = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo", positive_scale=0.1)
+    scaled = _score(Group(instance_id="t", episodes=list(episodes)), "drgrpo", positive_advantage_scale=0.1)
     assert scaled.advantages == pytest.approx([0.075, -0.25, -0.25, -0.25])
-    negative_only = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo",
-                                positive_scale=0.0)
+    negative_only = _score(Group(instance_id="t", episodes=list(episodes)), "drgrpo",
+                                positive_advantage_scale=0.0)
     assert negative_only.advantages == [0.0, -0.25, -0.25, -0.25]
 
 
 def test_shuffled_rewards_control() -> None:
     episodes = [_episode(i, i < 2) for i in range(8)]
-    real = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="grpo")
+    real = _score(Group(instance_id="t", episodes=list(episodes)), "grpo")
     orders = set()
     for seed in range(20):
-        control = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="grpo",
-                              shuffle_seed=f"s{seed}")
+        control = _score(Group(instance_id="t", episodes=list(episodes)), "grpo",
+                              shuffle_rewards=True, shuffle_key=f"s{seed}")
         assert control.rewards == real.rewards  # the metrics see the true rewards
         assert sorted(control.advantages) == pytest.approx(sorted(real.advantages))
         orders.add(tuple(a > 0 for a in control.advantages))
-        again = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="grpo",
-                            shuffle_seed=f"s{seed}")
+        again = _score(Group(instance_id="t", episodes=list(episodes)), "grpo",
+                            shuffle_rewards=True, shuffle_key=f"s{seed}")
         assert again.advantages == control.advantages  # seeded: a resumed run draws the same
     assert len(orders) > 5  # the positive advantages land on other episodes than the resolved ones
 
 
 def test_equal_rewards_carry_no_signal() -> None:
-    group = score_group(Group(instance_id="t", episodes=[_episode(0, False), _episode(1, False)]), estimator="grpo")
+    group = _score(Group(instance_id="t", episodes=[_episode(0, False), _episode(1, False)]), "grpo")
     assert not group.informative and group.advantages == [0.0, 0.0]
     assert pass_at_k([group]) == 0.0
 
 
 def test_step_mode_gives_one_sample_per_turn_sharing_the_advantage() -> None:
-    group = score_group(Group(instance_id="t", episodes=[_episode(0, True), _episode(1, False)]), estimator="rloo")
-    samples = group_samples([group], mode="step")
+    group = _score(Group(instance_id="t", episodes=[_episode(0, True), _episode(1, False)]), "rloo")
+    samples = _samples([group], "step")
     assert [s.uid for s in samples] == ["t#0.0", "t#0.1", "t#1.0", "t#1.1"]
     assert unpack_tokens(samples[1]).tolist() == [1, 2, 3, 9, 4]
     assert unpack_mask(samples[1]).tolist() == [0, 0, 0, 0, 1]
@@ -106,23 +125,23 @@ def test_step_mode_gives_one_sample_per_turn_sharing_the_advantage() -> None:
 
 def test_step_samples_can_weigh_each_episode_once_and_carry_their_judge_score() -> None:
     episodes = [msgspec.structs.replace(_episode(0, True), step_scores=[1.0, None]), _episode(1, False)]
-    group = score_group(Group(instance_id="t", episodes=episodes), estimator="rloo")
-    weighted = group_samples([group], mode="step", step_weight="episode")
+    group = _score(Group(instance_id="t", episodes=episodes), "rloo")
+    weighted = _samples([group], "step", step_sample_weight="episode")
     assert [s.advantage for s in weighted] == [0.5, 0.5, -0.5, -0.5]  # each of 2 steps: half the advantage
-    shaped = group_samples([group], mode="step", step_score_coef=0.25)
+    shaped = _samples([group], "step", step_score_advantage=0.25)
     assert [s.advantage for s in shaped] == [1.25, 1.0, -1.0, -1.0]  # a step without a score keeps the episode's
-    both = group_samples([group], mode="step", step_weight="episode", step_score_coef=0.25)
+    both = _samples([group], "step", step_sample_weight="episode", step_score_advantage=0.25)
     assert [s.advantage for s in both] == [0.625, 0.5, -0.5, -0.5]
-    assert group_samples([group], step_weight="episode")[0].advantage == 1.0  # episode mode: one sample, as is
+    assert _samples([group], step_sample_weight="episode")[0].advantage == 1.0  # episode mode: one sample, as is
 
 
 def test_truncated_episodes_can_be_masked() -> None:
     episodes = [_episode(0, False, "TRUNCATED"), _episode(1, True)]
-    group = score_group(Group(instance_id="t", episodes=episodes), estimator="grpo")
-    masked = group_samples([group], mask_truncated=True)
+    group = _score(Group(instance_id="t", episodes=episodes), "grpo")
+    masked = _samples([group], mask_truncated=True)
     assert unpack_mask(masked[0]).sum() == 0 and masked[0].truncated
     assert unpack_mask(masked[1]).sum() == 2
-    assert unpack_mask(group_samples([group])[0]).sum() == 2
+    assert unpack_mask(_samples([group])[0]).sum() == 2
 
 
 def test_mask_truncated_masks_only_the_endings_it_is_given() -> None:
@@ -134,11 +153,11 @@ def test_mask_truncated_masks_only_the_endings_it_is_given() -> None:
                                         sample=1, exit_status="FormatError")
     resolved = msgspec.structs.replace(_three_turns([False, False, False], outcome="COMPLETED", resolved=True),
                                        sample=2, exit_status="Submitted")
-    group = score_group(Group(instance_id="t", episodes=[step_limit, malformed, resolved]), estimator="grpo")
-    everything = group_samples([group], mask_truncated=True, mask_format_errors=True)
+    group = _score(Group(instance_id="t", episodes=[step_limit, malformed, resolved]), "grpo")
+    everything = _samples([group], mask_truncated=True, mask_format_errors=True)
     assert [int(unpack_mask(s).sum()) for s in everything] == [0, 0, 5]
-    overlong = group_samples([group], mask_truncated=True, mask_format_errors=True,
-                             truncated_endings=["LimitsExceeded", "TimeExceeded", "ContextExceeded"])
+    overlong = _samples([group], mask_truncated=True, mask_format_errors=True,
+                             mask_truncated_endings=["LimitsExceeded", "TimeExceeded", "ContextExceeded"])
     assert [int(unpack_mask(s).sum()) for s in overlong] == [0, 2, 5]
     assert unpack_mask(overlong[1]).tolist() == [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
     assert overlong[1].advantage < 0
@@ -159,33 +178,33 @@ def test_turns_after_the_first_malformed_reply_can_be_masked() -> None:
     """Three turns (spans of the loss mask); the second was malformed: it keeps its loss, the third does not."""
     episode = _three_turns([False, True, True], outcome="TRUNCATED", resolved=False)
     clean = msgspec.structs.replace(episode, format_errors=[False, False, False])
-    group = score_group(Group(instance_id="t", episodes=[episode, clean]), estimator="drgrpo")
-    cut, untouched = group_samples([group], mask_after_format_error=True)
+    group = _score(Group(instance_id="t", episodes=[episode, clean]), "drgrpo")
+    cut, untouched = _samples([group], mask_after_format_error=True)
     assert unpack_mask(cut).tolist() == [0, 1, 1, 0, 1, 0, 0, 0, 0, 0]
     assert unpack_mask(untouched).tolist() == clean.loss_mask
-    assert unpack_mask(group_samples([group])[0]).tolist() == episode.loss_mask  # off by default
-    steps = group_samples([group], mode="step", mask_after_format_error=True)[:3]
+    assert unpack_mask(_samples([group])[0]).tolist() == episode.loss_mask  # off by default
+    steps = _samples([group], "step", mask_after_format_error=True)[:3]
     assert [int(unpack_mask(s).sum()) for s in steps] == [2, 1, 0]
     # the same episode with a positive advantage: the malformed reply is not reinforced either
-    good = episode_samples(episode, 1.0, 1.0, mask_after_format_error=True)[0]
+    good = _one(episode, 1.0, 1.0, mask_after_format_error=True)[0]
     assert unpack_mask(good).tolist() == [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
     first = msgspec.structs.replace(episode, format_errors=[True, True, True])
-    assert unpack_mask(episode_samples(first, 1.0, 1.0, mask_after_format_error=True)[0]).sum() == 0
-    assert unpack_mask(episode_samples(first, -1.0, 0.0, mask_after_format_error=True)[0]).sum() == 2
+    assert unpack_mask(_one(first, 1.0, 1.0, mask_after_format_error=True)[0]).sum() == 0
+    assert unpack_mask(_one(first, -1.0, 0.0, mask_after_format_error=True)[0]).sum() == 2
 
 
 def test_malformed_replies_themselves_can_be_masked() -> None:
     """mask_format_errors: the malformed turns carry no loss whatever the advantage; the turns around them train."""
     episode = _three_turns([False, True, False], outcome="COMPLETED", resolved=True)
     for advantage in (1.0, -1.0):
-        [sample] = episode_samples(episode, advantage, 1.0, mask_format_errors=True)
+        [sample] = _one(episode, advantage, 1.0, mask_format_errors=True)
         assert unpack_mask(sample).tolist() == [0, 1, 1, 0, 0, 0, 0, 1, 1, 0]
-    steps = episode_samples(episode, 1.0, 1.0, mode="step", mask_format_errors=True)
+    steps = _one(episode, 1.0, 1.0, "step", mask_format_errors=True)
     assert [int(unpack_mask(s).sum()) for s in steps] == [2, 0, 2]
     # with mask_after_format_error too, a failed episode keeps only the turns before its first slip
-    [both] = episode_samples(episode, -1.0, 0.0, mask_format_errors=True, mask_after_format_error=True)
+    [both] = _one(episode, -1.0, 0.0, mask_format_errors=True, mask_after_format_error=True)
     assert unpack_mask(both).tolist() == [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
-    assert unpack_mask(episode_samples(episode, 1.0, 1.0)[0]).tolist() == episode.loss_mask  # off by default
+    assert unpack_mask(_one(episode, 1.0, 1.0)[0]).tolist() == episode.loss_mask  # off by default
 
 
 def test_turn_spans_and_masking_turns_by_number() -> None:
@@ -199,46 +218,46 @@ def test_turn_spans_and_masking_turns_by_number() -> None:
 
 def test_a_resolved_episode_that_never_submitted_can_count_as_unresolved() -> None:
     episodes = [_episode(0, True, "TRUNCATED"), _episode(1, True), _episode(2, False)]
-    graded = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo")
+    graded = _score(Group(instance_id="t", episodes=list(episodes)), "drgrpo")
     assert graded.rewards == [1.0, 1.0, 0.0]
-    strict = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo", requires_submit=True)
+    strict = _score(Group(instance_id="t", episodes=list(episodes)), "drgrpo", reward_requires_submit=True)
     assert strict.rewards == [0.0, 1.0, 0.0]
     assert strict.advantages[0] < 0 < strict.advantages[1]
 
 
 def test_an_episode_that_never_submitted_can_cost_more_than_a_wrong_submission() -> None:
     episodes = [_episode(0, False, "TRUNCATED"), _episode(1, False), _episode(2, True), _episode(3, True, "TRUNCATED")]
-    plain = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo")
+    plain = _score(Group(instance_id="t", episodes=list(episodes)), "drgrpo")
     assert plain.rewards == [0.0, 0.0, 1.0, 1.0]
-    penalised = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo", truncated_reward=-0.25)
+    penalised = _score(Group(instance_id="t", episodes=list(episodes)), "drgrpo", truncated_reward=-0.25)
     assert penalised.rewards == [-0.25, 0.0, 1.0, 1.0]  # a truncated episode whose diff resolves still counts as solved
     assert penalised.advantages[0] < penalised.advantages[1] < 0 < penalised.advantages[2]
-    strict = score_group(Group(instance_id="t", episodes=list(episodes)), estimator="drgrpo", truncated_reward=-0.25,
-                         requires_submit=True)
+    strict = _score(Group(instance_id="t", episodes=list(episodes)), "drgrpo", truncated_reward=-0.25,
+                         reward_requires_submit=True)
     assert strict.rewards == [-0.25, 0.0, 1.0, -0.25]
     # a group of wrong submissions and step-limit endings now carries a signal: submit
-    no_solve = score_group(Group(instance_id="t", episodes=episodes[:2]), estimator="grpo", truncated_reward=-0.25)
+    no_solve = _score(Group(instance_id="t", episodes=episodes[:2]), "grpo", truncated_reward=-0.25)
     assert no_solve.informative and no_solve.advantages[0] < 0 < no_solve.advantages[1]
 
 
 def test_truncated_reward_is_checked_against_the_other_rewards_and_the_mask() -> None:
-    assert load_config(None, ["train.truncated_reward=-0.25"]).train.truncated_reward == -0.25
-    with pytest.raises(ConfigError, match=r"truncated_reward .* must be below train.resolved_reward"):
-        load_config(None, ["train.truncated_reward=1.0"])
+    assert load_config(None, ["experiment.truncated_reward=-0.25"]).experiment.truncated_reward == -0.25
+    with pytest.raises(ConfigError, match=r"truncated_reward .* must be below reward.resolved"):
+        load_config(None, ["experiment.truncated_reward=1.0"])
     with pytest.raises(ConfigError, match="carry no gradient; leave LimitsExceeded out"):
-        load_config(None, ["train.truncated_reward=-0.25", "train.mask_truncated=true"])
-    config = load_config(None, ["train.truncated_reward=-0.25", "train.mask_truncated=true",
-                                'train.mask_truncated_endings=["TimeExceeded", "ContextExceeded", "FormatError"]'])
-    assert config.train.mask_truncated and config.train.truncated_reward == -0.25
+        load_config(None, ["experiment.truncated_reward=-0.25", "experiment.mask_truncated=true"])
+    config = load_config(None, ["experiment.truncated_reward=-0.25", "experiment.mask_truncated=true",
+                                'experiment.mask_truncated_endings=["TimeExceeded", "ContextExceeded", "FormatError"]'])
+    assert config.experiment.mask_truncated and config.experiment.truncated_reward == -0.25
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("train.n_samples=1", "n_samples"),
+    ("train.sampling.n_samples=1", "n_samples"),
     ("train.algorithm='ppo'", "algorithm"),
-    ("train.sft_steps=30", "sft_steps"),
-    ("train.resolved_reward=0.0", "resolved_reward"),
+    ("train.data.sft_steps=30", "sft_steps"),
+    ("reward.resolved=0.0", "reward.resolved"),
     ("trainer.nodes=['gpu9']", "trainer.nodes"),
-    ("train.lr=0", "lr"),
+    ("train.optim.lr=0", "lr"),
 ])
 def test_train_config_errors_name_the_knob(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -247,7 +266,7 @@ def test_train_config_errors_name_the_knob(override: str, message: str) -> None:
 
 def test_the_truncated_endings_are_the_agent_loops_truncated_exit_statuses() -> None:
     from swectl.agent.loop import OUTCOME
-    from swectl.config import TRUNCATED_ENDINGS, TrainConfig
+    from swectl.config import TRUNCATED_ENDINGS
 
     assert sorted(TRUNCATED_ENDINGS) == sorted(s for s, outcome in OUTCOME.items() if outcome == "TRUNCATED")
-    assert TrainConfig().mask_truncated_endings == list(TRUNCATED_ENDINGS)
+    assert ExperimentConfig().mask_truncated_endings == list(TRUNCATED_ENDINGS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from swectl.config import load_config
+from swectl.config import PrmConfig, RewardConfig, load_config
 from swectl.errors import ConfigError
 from swectl.rl.groups import GradedEpisode, Group, score_group
 from swectl.rl.prm import JUDGE_SYSTEM, StepView, judge_messages, judgement, parse_vote, process_bonus
@@ -46,9 +46,10 @@ def _episode(resolved: bool) -> GradedEpisode:
 def test_the_reward_is_the_outcome_plus_step_coef_times_the_mean_step_score() -> None:
     episodes = [msgspec_replace(_episode(True), [1.0, None, 0.0]), msgspec_replace(_episode(False), [-1.0]),
                 msgspec_replace(_episode(False), [None])]
-    group = score_group(Group(instance_id="t", episodes=episodes), estimator="grpo", step_coef=0.2)
+    judged = RewardConfig(prm=PrmConfig(enabled=True, model="judge", step_coef=0.2))
+    group = score_group(Group(instance_id="t", episodes=episodes), shaping=judged)
     assert group.rewards == pytest.approx([1.0 + 0.2 * 0.5, -0.2, 0.0])
-    assert score_group(Group(instance_id="t", episodes=episodes), estimator="grpo").rewards == [1.0, 0.0, 0.0]
+    assert score_group(Group(instance_id="t", episodes=episodes)).rewards == [1.0, 0.0, 0.0]  # the judge off
     assert process_bonus([None, None], 0.5) == 0.0
 
 
@@ -66,7 +67,7 @@ def test_the_prm_section_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"reward\.prm\.samples"):
         load_config(None, ["reward.prm.samples=0"])
     assert load_config(None, ["reward.prm.enabled=true", "reward.prm.model='m'"]).reward.prm.samples == 3
-    with pytest.raises(ConfigError, match=r"train\.step_score_advantage .* needs"):
-        load_config(None, ["train.step_score_advantage=0.5", "reward.prm.enabled=true", "reward.prm.model='m'"])
-    load_config(None, ["train.step_score_advantage=0.5", "train.sample_mode='step'", "reward.prm.enabled=true",
-                       "reward.prm.model='m'"])
+    with pytest.raises(ConfigError, match=r"experiment\.step_score_advantage .* needs"):
+        load_config(None, ["experiment.step_score_advantage=0.5", "reward.prm.enabled=true", "reward.prm.model='m'"])
+    load_config(None, ["experiment.step_score_advantage=0.5", "train.sampling.sample_mode='step'",
+                       "reward.prm.enabled=true", "reward.prm.model='m'"])

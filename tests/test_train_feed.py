@@ -29,7 +29,7 @@ def scripted(seed: int, *, solve: float = 0.5, scale: float = 0.004):  # type: i
                                   resolved=rng.random() < solve, token_ids=[1], loss_mask=[1], logprobs=[0.0])
                     for k in range(2)]
         group = Group(instance_id=task.instance_id, episodes=episodes)
-        score_group(group, estimator="grpo")
+        score_group(group)
         return group, []
     return run_group
 

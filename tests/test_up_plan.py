@@ -1,4 +1,4 @@
-"""`swectl up`'s plan: the train/held-out split is seeded by train.split_seed alone and recorded in split.json,
+"""`swectl up`'s plan: the train/held-out split is seeded by train.data.split_seed alone and recorded in split.json,
 and a resume that would split differently is refused before anything trains."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from swectl.cli.up import build_plan
 from swectl.config import load_config
 from swectl.errors import ConfigError
+from swectl.train.plan import build_plan
 
 
 def _plan(tmp_path: Path, run_dir: Path, *sets: str):
@@ -18,7 +18,7 @@ def _plan(tmp_path: Path, run_dir: Path, *sets: str):
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")  # a grpo plan without sft_steps only checks that the folder is a model
     config = load_config(None, [f"train.model='{model}'", *sets])
-    return build_plan(config, run_dir)
+    return build_plan(config, run_dir, say=print)
 
 
 def _ids(tasks) -> list[str]:
@@ -30,7 +30,7 @@ def test_the_training_seed_does_not_move_the_split(tmp_path: Path) -> None:
     b = _plan(tmp_path, tmp_path / "b", "train.seed=1")
     assert _ids(a.train_tasks) == _ids(b.train_tasks) and _ids(a.test_tasks) == _ids(b.test_tasks)
     assert a.test_tasks and not set(_ids(a.train_tasks)) & set(_ids(a.test_tasks))
-    c = _plan(tmp_path, tmp_path / "c", "train.split_seed=1")
+    c = _plan(tmp_path, tmp_path / "c", "train.data.split_seed=1")
     assert _ids(c.train_tasks) != _ids(a.train_tasks)
     record = json.loads((tmp_path / "a" / "split.json").read_text())
     assert record["split_seed"] == 0 and sorted(record["train"]) == _ids(a.train_tasks)
@@ -43,7 +43,7 @@ def test_a_resume_with_another_split_is_refused(tmp_path: Path) -> None:
     again = _plan(tmp_path, run, "train.seed=5")  # the same split: accepted
     assert _ids(again.train_tasks) == _ids(first.train_tasks)
     with pytest.raises(ConfigError, match=r"another train/held-out split.*split_seed changed since"):
-        _plan(tmp_path, run, "train.split_seed=3")
+        _plan(tmp_path, run, "train.data.split_seed=3")
     (run / "split.json").write_text("not json")
     with pytest.raises(ConfigError, match="not a split record"):
         _plan(tmp_path, run)

@@ -485,7 +485,7 @@ class Trainer:
 
     def _apply_settings_after_resume(self, saved: dict) -> None:
         """The run's optimizer settings win over the checkpoint's: loading the optimizer and scheduler state brings
-        back the lr, weight decay and betas they were saved with, so a resumed run's ``--set train.lr=...`` would
+        back the lr, weight decay and betas they were saved with, so a resumed run's ``--set train.optim.lr=...`` would
         be ignored. The moments, the step count and the schedule's position stay the checkpoint's."""
         lr = self.s.lr * lr_factor(self.scheduler.last_epoch, self.s)
         self.scheduler.base_lrs = [self.s.lr for _ in self.optimizer.param_groups]

@@ -1,4 +1,4 @@
-"""One agent episode (DESIGN 4, points 1 to 3): render the prompt once, then turn by turn send input_ids to
+"""One agent episode (docs/architecture.md 6): render the prompt once, then turn by turn send input_ids to
 the engine, keep its tokens exactly, run the one bash command of each reply in the sandbox, append the
 observation as template tokens, until the agent submits or a limit ends the episode.
 
@@ -32,6 +32,7 @@ from swectl.agent.protocol import (
     submission,
 )
 from swectl.agent.trajectory import ChatTokenizer, Message, Trajectory, TrajectoryBuilder
+from swectl.config import RolloutOptions
 from swectl.engine.wire import ChatMessage, ChatResult, GenerateRequest, GenerateResult, SamplingParams
 from swectl.errors import InfraError, SwectlError
 from swectl.rl.prm import StepView
@@ -83,6 +84,18 @@ class EpisodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # same weights and the same sandbox outputs give the same episode (the CPU engine honours it; SGLang with
     # --enable-deterministic-inference). None: the engine draws fresh randomness. Token engines only.
     seed: str | None = None
+
+
+def episode_config(options: RolloutOptions, *, temperature: float, seed: str | None = None,
+                   per_step_samples: bool = False) -> EpisodeConfig:
+    """The one builder of an EpisodeConfig from the ``[rollout]`` section, for training and evaluation alike:
+    ``temperature`` (training's is train.sampling.temperature), ``seed`` (a namespace that seeds every request's
+    sampling), ``per_step_samples`` (training with train.sampling.sample_mode = "step")."""
+    return EpisodeConfig(
+        seed=seed, manage_context=options.manage_context, per_step_samples=per_step_samples,
+        limits=AgentLimits(step_limit=options.step_limit, max_context_tokens=options.context,
+                           max_format_errors=options.max_format_errors),
+        sampling=SamplingParams(max_new_tokens=options.max_tokens, temperature=temperature))
 
 
 class Step(msgspec.Struct, kw_only=True):

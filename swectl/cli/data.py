@@ -37,7 +37,7 @@ examples:
 JUDGE_EPILOG = """\
 examples:
   swectl data judge runs/learn/eval-sft --tasks runs/learn/train.jsonl --out data/judge.jsonl
-  swectl up --set train.algorithm='"sft"' --set train.sft_data='["data/judge.jsonl"]' --set train.model=...
+  swectl up --set train.algorithm='"sft"' --set train.data.sft_data='["data/judge.jsonl"]' --set train.model=...
 
 labels: a malformed reply is bad; every well-formed step of a resolved episode is good; the last step of
 an episode that submitted without resolving is bad; the other steps of unresolved episodes are left out.
@@ -80,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Read the episodes of swectl runs (traj.json + meta.json: `swectl eval --model`, `swectl data\n"
         "gold`, a training run's episodes/), rebuild each step's judge prompt exactly as [reward.prm] asks it\n"
         "(the issue, the last steps, the step and its output), label the steps the outcome settles, and write\n"
-        "OpenAI-messages JSONL whose answer is \\boxed{1} or \\boxed{-1} (train.sft_data reads it).",
+        "OpenAI-messages JSONL whose answer is \\boxed{1} or \\boxed{-1} (train.data.sft_data reads it).",
         epilog=JUDGE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -120,7 +120,8 @@ def _gold_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--script", choices=("gold", "give-up", "recover"), default="gold",
                         help="gold (default): act out the gold patch, keep what resolves; give-up: a wrong teacher "
                         "that looks at the same code and submits no change, keep what does not resolve (SFT data "
-                        "mixing right and wrong attempts, for train.sft_resolved_only = false; the learning demo); "
+                        "mixing right and wrong attempts, for experiment.sft_resolved_only = false; the learning "
+                        "demo); "
                         "recover: the gold patch with a cut-off (malformed) copy of the first look and of the edit "
                         "before each, keep what resolves (SFT masks the malformed replies: the model learns to "
                         "recover from a slip)")
@@ -219,9 +220,9 @@ def _run_gold(args: argparse.Namespace) -> int:
 
     from swectl.cli.eval import select_tasks
     from swectl.config import load_config
-    from swectl.eval.agents import load_tokenizer
     from swectl.eval.gold import check_out_dir, make_gold
     from swectl.logs import write_run_log
+    from swectl.model.tokenizer import load_tokenizer
 
     config = load_config(args.config, args.overrides)
     tokenizer = load_tokenizer(args.model, "--model")

@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     agent = bool(args.model or args.endpoint or args.openai_url)
     settings = _agent_settings(args, config) if agent else None
     if settings is not None and settings.mode != "openai":
-        from swectl.eval.agents import check_tokenizer_folder, tokenizer_knob
+        from swectl.eval.agents import tokenizer_knob
+        from swectl.model.tokenizer import check_tokenizer_folder
 
         check_tokenizer_folder(settings.tokenizer, tokenizer_knob(settings))
     every = load_task_set(args.tasks)

@@ -13,7 +13,7 @@ module rebuilds exactly that prompt for every step of recorded episodes (``traj.
   alike, and the outcome alone cannot say which of them went wrong.
 
 The rows are OpenAI-messages JSONL (``{"messages": [system, user, assistant]}`` plus ``label``, ``instance_id``,
-``sample``, ``step``), which ``train.sft_data`` reads, so ``swectl up`` with ``train.algorithm = "sft"`` trains a
+``sample``, ``step``), which ``train.data.sft_data`` reads, so ``swectl up`` with ``train.algorithm = "sft"`` trains a
 judge on them. The answer is the bare ``\\boxed{...}``.
 """
 

@@ -32,16 +32,15 @@ from swectl.actors.engines import Engines, engine_hosts
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GraderConfig
 from swectl.actors.rollout import EpisodeResult, Rollout, RolloutConfig
-from swectl.agent.loop import EpisodeConfig
+from swectl.agent.loop import episode_config
 from swectl.agent.metrics import agent_metrics
-from swectl.agent.protocol import AgentLimits
 from swectl.config import ClusterConfig, RolloutOptions
 from swectl.engine.client import OpenAIChatClient, SglangClient, models_path
-from swectl.engine.wire import SamplingParams
 from swectl.errors import ConfigError, EngineConnectError, EngineRejectedError, EngineUnavailableError, TaskDataError
 from swectl.eval.progress import Progress
 from swectl.eval.report import RunReport, resolve_rate
 from swectl.images.names import ImageResolver
+from swectl.model.tokenizer import load_tokenizer
 from swectl.tasks.record import Task
 
 SETTINGS_FILE = "run.json"
@@ -172,36 +171,9 @@ def summarize(settings: RunSettings, tasks_source: str, total: int, results: lis
     )
 
 
-def check_tokenizer_folder(path: str, knob: str) -> None:
-    """``path`` (given by ``knob``) must be a folder with a tokenizer; a ``--model`` folder also a config.json."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ConfigError(f"{knob} {path}: no such folder")
-    if knob == "--model" and not (folder / "config.json").is_file():
-        raise ConfigError(f"--model {path}: not a model folder (no config.json); give a Hugging Face model folder, "
-                          "e.g. one made by `swectl model init`")
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ConfigError(f"{knob} {path}: no tokenizer there (no tokenizer.json or tokenizer_config.json)")
-
-
 def tokenizer_knob(settings: RunSettings) -> str:
     """The flag that named the tokenizer folder."""
     return "--model" if settings.mode == "model" and settings.tokenizer == settings.model else "--tokenizer"
-
-
-def load_tokenizer(path: str, knob: str):  # -> a transformers tokenizer
-    """The tokenizer in folder ``path`` (given by ``knob``), or a ConfigError naming the knob. A byte-level BPE
-    comes wrapped in swectl.model.fast_tokens.FastTokenizer (tiktoken encodes, same ids)."""
-    check_tokenizer_folder(path, knob)
-    from transformers import AutoTokenizer
-
-    from swectl.model.fast_tokens import fast_tokenizer
-
-    try:
-        return fast_tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
-    except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{knob} {path}: cannot load its tokenizer: {first}") from exc
 
 
 async def wait_endpoint(client: SglangClient | OpenAIChatClient, path: str, *, timeout_s: float,
@@ -250,11 +222,9 @@ def _os_reason(exc: BaseException) -> str:
 
 def rollout_config(options: RolloutOptions, concurrency: int) -> RolloutConfig:
     """The Rollout actor's config from the ``[rollout]`` section."""
-    return RolloutConfig(concurrency=concurrency, samples_per_task=options.samples, episode=EpisodeConfig(
-        manage_context=options.manage_context, seed=None if options.seed is None else f"eval:{options.seed}",
-        limits=AgentLimits(step_limit=options.step_limit, max_context_tokens=options.context,
-                           max_format_errors=options.max_format_errors),
-        sampling=SamplingParams(max_new_tokens=options.max_tokens, temperature=options.temperature)))
+    seed = None if options.seed is None else f"eval:{options.seed}"
+    return RolloutConfig(concurrency=concurrency, samples_per_task=options.samples,
+                         episode=episode_config(options, temperature=options.temperature, seed=seed))
 
 
 async def eval_model(

@@ -1,7 +1,7 @@
 """From graded episodes to training samples: rewards, groups, advantages (pure; no I/O).
 
-A group is the ``n`` episodes of one task. ABORTED episodes are never rewards (DESIGN 4.5): the controller
-drops them and refills the group before it gets here. A group whose rewards are all equal carries no signal
+A group is the ``n`` episodes of one task. ABORTED episodes are never rewards (docs/architecture.md 12.1): the
+controller drops them and refills the group before it gets here. A group whose rewards are all equal carries no signal
 (dynamic sampling drops it). Each episode's advantage is copied to its samples: one sample per episode (its
 whole token stream), or in ``step`` mode one sample per agent step (the exact prompt the engine saw, mask 0,
 and what it emitted, mask 1), all sharing the episode's advantage.
@@ -15,13 +15,15 @@ from typing import Literal
 
 import msgspec
 
-from swectl.config import TRUNCATED_ENDINGS
+from swectl.config import TRUNCATED_ENDINGS, AdvantageConfig, ExperimentConfig, RewardConfig
 from swectl.rl.advantages import group_advantages, informative
 from swectl.rl.batch import TrainSample, pack_sample
 from swectl.rl.prm import process_bonus
 
 SampleMode = Literal["episode", "step"]
-StepWeight = Literal["none", "episode"]  # per-step samples: as they come, or each episode weighing one
+DEFAULT_ADVANTAGE = AdvantageConfig()
+DEFAULT_REWARD = RewardConfig()
+DEFAULT_EXPERIMENT = ExperimentConfig()
 
 
 class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,48 +62,45 @@ class Group(msgspec.Struct, kw_only=True):
         return informative(self.rewards)
 
 
-def reward(episode: GradedEpisode, *, resolved_reward: float = 1.0, unresolved_reward: float = 0.0,
-           requires_submit: bool = False, step_coef: float = 0.0, truncated_reward: float | None = None) -> float:
-    """``resolved_reward`` for a resolved episode, else ``unresolved_reward``. With ``requires_submit`` an episode
-    that never submitted (TRUNCATED: the step limit or malformed replies ended it) counts as unresolved even when
-    the diff it left behind resolves the task. ``truncated_reward`` (None: off): what an unresolved episode that
-    never submitted gets instead of ``unresolved_reward``, so running out of steps can cost more than a wrong
-    submission. ``step_coef``: process rewards, plus ``step_coef`` x the mean of the judge's step scores
-    (rl/prm.py; nothing when no step was scored)."""
-    solved = episode.resolved and not (requires_submit and episode.truncated)
+def reward(episode: GradedEpisode, shaping: RewardConfig = DEFAULT_REWARD,
+           experiment: ExperimentConfig = DEFAULT_EXPERIMENT) -> float:
+    """``shaping.resolved`` for a resolved episode, else ``shaping.unresolved``; with [reward.prm] enabled, plus
+    ``prm.step_coef`` x the mean of the judge's step scores (rl/prm.py; nothing when no step was scored).
+    Experiments: ``reward_requires_submit`` counts an episode that never submitted (TRUNCATED: the step limit or
+    malformed replies ended it) as unresolved even when the diff it left behind resolves the task;
+    ``truncated_reward`` (None: off) is what an unresolved episode that never submitted gets instead, so running out
+    of steps can cost more than a wrong submission."""
+    solved = episode.resolved and not (experiment.reward_requires_submit and episode.truncated)
     if solved:
-        outcome = resolved_reward
-    elif truncated_reward is not None and episode.truncated:
-        outcome = truncated_reward
+        outcome = shaping.resolved
+    elif experiment.truncated_reward is not None and episode.truncated:
+        outcome = experiment.truncated_reward
     else:
-        outcome = unresolved_reward
+        outcome = shaping.unresolved
+    step_coef = shaping.prm.step_coef if shaping.prm.enabled else 0.0
     return outcome + process_bonus(episode.step_scores, step_coef) if step_coef else outcome
 
 
-def score_group(group: Group, *, estimator: str, resolved_reward: float = 1.0, unresolved_reward: float = 0.0,
-                zero_advantages: bool = False, requires_submit: bool = False,
-                positive_only: bool = False, positive_scale: float = 1.0, shuffle_seed: str | None = None,
-                step_coef: float = 0.0, truncated_reward: float | None = None) -> Group:
-    """Fill in rewards and advantages. ``zero_advantages``: the control run (no learning signal);
-    ``requires_submit``: see ``reward``; ``positive_only``: negative advantages become 0 (the episodes worse than
-    their group's mean are not pushed down, only the better ones reinforced); ``positive_scale``: positive
-    advantages are multiplied by it (W-REINFORCE's lambda, Zhu et al. 2025: below 1 the update leans on pushing the
-    failures down; 0 is negative-sample reinforcement alone). ``shuffle_seed``: the shuffled-reward control run:
-    the advantages come from the group's rewards in a seeded random order, so every update is as large as the
-    real run's but not tied to what each episode did (``group.rewards`` keeps the true rewards, for the metrics).
-    ``step_coef``, ``truncated_reward``: see ``reward``."""
-    group.rewards = [reward(e, resolved_reward=resolved_reward, unresolved_reward=unresolved_reward,
-                            requires_submit=requires_submit, step_coef=step_coef, truncated_reward=truncated_reward)
-                     for e in group.episodes]
+def score_group(group: Group, advantage: AdvantageConfig = DEFAULT_ADVANTAGE, shaping: RewardConfig = DEFAULT_REWARD,
+                experiment: ExperimentConfig = DEFAULT_EXPERIMENT, *, shuffle_key: str = "") -> Group:
+    """Fill in rewards (``reward``) and advantages (``advantage.estimator``). Experiments: ``zero_advantages`` is the
+    control run (no learning signal); ``shuffle_rewards`` the shuffled-reward control run: the advantages come from
+    the group's rewards in a random order seeded by ``shuffle_key``, so every update is as large as the real run's
+    but not tied to what each episode did (``group.rewards`` keeps the true rewards, for the metrics);
+    ``positive_advantages_only``: negative advantages become 0 (only the episodes better than their group's mean
+    are reinforced); ``positive_advantage_scale``: positive advantages are multiplied by it (W-REINFORCE's lambda,
+    Zhu et al. 2025: below 1 the update leans on pushing the failures down; 0 is negative-sample reinforcement
+    alone)."""
+    group.rewards = [reward(e, shaping, experiment) for e in group.episodes]
     scored = list(group.rewards)
-    if shuffle_seed is not None:
-        random.Random(shuffle_seed).shuffle(scored)
-    advs = group_advantages(scored, estimator)  # type: ignore[arg-type]
-    if positive_only:
+    if experiment.shuffle_rewards:
+        random.Random(f"shuffle:{shuffle_key}").shuffle(scored)
+    advs = group_advantages(scored, advantage.estimator)
+    if experiment.positive_advantages_only:
         advs = [max(a, 0.0) for a in advs]
-    if positive_scale != 1.0:
-        advs = [a * positive_scale if a > 0 else a for a in advs]
-    group.advantages = [0.0] * len(advs) if zero_advantages else list(advs)
+    if experiment.positive_advantage_scale != 1.0:
+        advs = [a * experiment.positive_advantage_scale if a > 0 else a for a in advs]
+    group.advantages = [0.0] * len(advs) if experiment.zero_advantages else list(advs)
     return group
 
 
@@ -149,11 +148,10 @@ def masked_as_truncated(episode: GradedEpisode, endings: Iterable[str] = TRUNCAT
 
 
 def episode_samples(episode: GradedEpisode, advantage: float, reward_value: float, *, mode: SampleMode = "episode",
-                    mask_truncated: bool = False, mask_after_format_error: bool = False,
-                    mask_format_errors: bool = False,
-                    truncated_endings: Iterable[str] = TRUNCATED_ENDINGS, step_weight: StepWeight = "none",
-                    step_score_coef: float = 0.0) -> list[TrainSample]:
-    """The training samples of one episode. A truncated episode with ``mask_truncated`` keeps its tokens but no
+                    experiment: ExperimentConfig = DEFAULT_EXPERIMENT) -> list[TrainSample]:
+    """The training samples of one episode; the masks and weights below are ``experiment``'s knobs of those names
+    (``truncated_endings``: its ``mask_truncated_endings``; ``step_weight``: ``step_sample_weight``;
+    ``step_score_coef``: ``step_score_advantage``). A truncated episode with ``mask_truncated`` keeps its tokens but no
     loss (mask all 0), so it still counts in nothing but the logs; ``truncated_endings`` says which exit statuses
     it masks (e.g. only the overlong ones, so an episode the malformed-reply limit ended still trains its
     well-formed turns with its advantage: with ``mask_format_errors`` too, masking that ending whole leaves it the
@@ -176,25 +174,26 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
     times; with token-mean a long episode's tokens count 1/k each."""
     uid = f"{episode.instance_id}#{episode.sample}"
     truncated = episode.truncated
-    keep = not (mask_truncated and masked_as_truncated(episode, truncated_endings))
-    cut = first_format_error(episode) if mask_after_format_error else None
+    x = experiment
+    keep = not (x.mask_truncated and masked_as_truncated(episode, x.mask_truncated_endings))
+    cut = first_format_error(episode) if x.mask_after_format_error else None
     if cut is not None and advantage > 0:
         cut -= 1  # a malformed reply is never reinforced: with a positive advantage it is masked too
     common = {"advantage": advantage, "reward": reward_value, "weight_version": episode.weight_version,
               "truncated": truncated}
-    malformed = set(malformed_turns(episode)) if mask_format_errors else set()
+    malformed = set(malformed_turns(episode)) if x.mask_format_errors else set()
 
     def trained(turn: int) -> bool:
         return keep and (cut is None or turn <= cut) and turn not in malformed
 
     if mode == "step" and episode.steps:
         out = []
-        scale = 1.0 / len(episode.steps) if step_weight == "episode" else 1.0
+        scale = 1.0 / len(episode.steps) if x.step_sample_weight == "episode" else 1.0
         scores = episode.step_scores
         for i, (prompt, output, logprobs) in enumerate(episode.steps):
             mask = [0] * len(prompt) + [1 if trained(i) else 0] * len(output)
             own = scores[i] if i < len(scores) and scores[i] is not None else 0.0
-            fields = {**common, "advantage": (advantage + step_score_coef * own) * scale}
+            fields = {**common, "advantage": (advantage + x.step_score_advantage * own) * scale}
             out.append(pack_sample(f"{uid}.{i}", episode.instance_id, [*prompt, *output], mask,
                                    [0.0] * len(prompt) + list(logprobs), **fields))
         return out
@@ -203,19 +202,13 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
     return [pack_sample(uid, episode.instance_id, episode.token_ids, mask, episode.logprobs, **common)]
 
 
-def group_samples(groups: Sequence[Group], *, mode: SampleMode = "episode", mask_truncated: bool = False,
-                  mask_after_format_error: bool = False, mask_format_errors: bool = False,
-                  truncated_endings: Iterable[str] = TRUNCATED_ENDINGS, step_weight: StepWeight = "none",
-                  step_score_coef: float = 0.0) -> list[TrainSample]:
+def group_samples(groups: Sequence[Group], *, mode: SampleMode = "episode",
+                  experiment: ExperimentConfig = DEFAULT_EXPERIMENT) -> list[TrainSample]:
     """Every group's training samples (``episode_samples`` per episode, with its advantage and reward)."""
     samples: list[TrainSample] = []
     for g in groups:
         for episode, adv, rew in zip(g.episodes, g.advantages, g.rewards, strict=True):
-            samples += episode_samples(episode, adv, rew, mode=mode, mask_truncated=mask_truncated,
-                                       mask_after_format_error=mask_after_format_error,
-                                       mask_format_errors=mask_format_errors,
-                                       truncated_endings=truncated_endings, step_weight=step_weight,
-                                       step_score_coef=step_score_coef)
+            samples += episode_samples(episode, adv, rew, mode=mode, experiment=experiment)
     return samples
 
 

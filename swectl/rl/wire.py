@@ -3,17 +3,18 @@
 
 Frames are a 4-byte big-endian length followed by a msgpack-encoded message. Requests carry ``op``, replies
 ``kind`` (tagged unions). Samples never travel here: a ``StepRequest`` carries a ``BatchRef`` into shared
-memory (DESIGN 4.8). The first request is a ``Hello`` with the run's key; rank 0 closes the connection on a
-wrong key.
+memory (docs/architecture.md 8.3). The first request is a ``Hello`` with the run's key; rank 0 closes the
+connection on a wrong key.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
+from swectl.config import LossConfig, OptimConfig, TrainerConfig
 from swectl.rl.shm import BatchRef
 from swectl.rl.weight_sync import ParamSpec
 
@@ -49,6 +50,14 @@ class TrainerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     seed: int = 0
     resume: str = ""  # a checkpoint folder to load model, optimizer, scheduler and RNG from
     sync_dtype: str = "auto"  # dtype of floating weights sent to engines by the distributed sync ("auto": as held)
+
+    @classmethod
+    def of(cls, trainer: TrainerConfig, optim: OptimConfig, loss: LossConfig, **run: Any) -> TrainerSettings:
+        """The settings of a run's ranks: the [trainer], [train.optim] and [train.loss] sections whole, and the
+        run's own fields (model, out_dir, algorithm, total_steps, seed, resume, ...) as keywords."""
+        return cls(**msgspec.structs.asdict(optim), **msgspec.structs.asdict(loss),
+                   micro_batch_tokens=trainer.micro_batch_tokens, threads=trainer.threads_per_rank,
+                   backend=trainer.backend, sync_dtype=trainer.weight_sync_dtype, **run)
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="op"):

@@ -1,4 +1,4 @@
-"""The asynchronous loop's supply of groups (``train.max_staleness > 0``, DESIGN 4.9).
+"""The asynchronous loop's supply of groups (``train.sampling.max_staleness > 0``, docs/architecture.md 8.5).
 
 Groups start whenever the admission rule (swectl/rl/admission.py) has room, are sampled and graded while the
 trainer trains, and wait scored in a buffer; each step takes the ones the rule picks (oldest first, waiting for a

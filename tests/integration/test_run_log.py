@@ -33,8 +33,9 @@ def test_reaped_orphans_are_in_the_run_log(tmp_path: Path, model: Path, capsys: 
     assert orphan
     code = main(["up", "--steps", "1", "--set", f"out_dir={str(tmp_path)!r}", "--set", "run_id='logged'",
                  "--set", "sandbox.backend='podman'",  # the orphan is a podman container
-                 "--set", "env_pool.warm=0", "--set", f"train.model={str(model)!r}", "--set", "train.n_samples=2",
-                 "--set", "train.tasks_per_step=1", "--set", "train.dynamic_sampling=false",
+                 "--set", "env_pool.warm=0", "--set", f"train.model={str(model)!r}",
+                 "--set", "train.sampling.n_samples=2",
+                 "--set", "train.sampling.tasks_per_step=1", "--set", "train.sampling.dynamic_sampling=false",
                  "--set", "rollout.step_limit=1", "--set", "rollout.max_tokens=16"])
     assert code == 0
     log = (tmp_path / "logged" / "swectl.log").read_text()

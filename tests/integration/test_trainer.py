@@ -128,7 +128,7 @@ async def test_a_checkpoint_resumes_to_the_same_next_step(model: Path, tmp_path:
     await _with_trainer(model, tmp_path / "b", resumed, resume=str(ckpt))
     assert seen["resumed"] == pytest.approx(seen["straight"], rel=1e-5)
     assert seen["resumed_norm"] == pytest.approx(seen["straight_norm"], rel=1e-4)
-    # `--set train.lr=...` on a resumed run: the checkpoint's optimizer state must not bring its old lr back
+    # `--set train.optim.lr=...` on a resumed run: the checkpoint's optimizer state must not bring its old lr back
     await _with_trainer(model, tmp_path / "c", resumed_with_a_new_lr, resume=str(ckpt), lr=5e-3)
     assert seen["new_lr"] == pytest.approx(5e-3)
     assert seen["new_lr_loss"] == pytest.approx(seen["straight"], rel=1e-5)  # same weights, same batch

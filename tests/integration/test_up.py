@@ -31,7 +31,8 @@ TASKS_PER_STEP = 2
 
 def _argv(model: Path, out: Path, run_id: str, *extra: str) -> list[str]:
     sets = {"out_dir": repr(str(out)), "run_id": repr(run_id), "train.model": repr(str(model)),
-            "train.tasks_per_step": TASKS_PER_STEP, "train.n_samples": 2, "train.dynamic_sampling": "false",
+            "train.sampling.tasks_per_step": TASKS_PER_STEP, "train.sampling.n_samples": 2,
+            "train.sampling.dynamic_sampling": "false",
             "train.save_every": 1, "rollout.step_limit": 1, "rollout.max_tokens": 16, "env_pool.warm": 0,
             "train.concurrency": 4}
     argv = [sys.executable, "-m", "swectl.cli.main", "up", "--steps", str(STEPS)]
@@ -113,14 +114,14 @@ def _check_async_records(run: Path, n_steps: int = STEPS) -> None:
 
 
 def test_async_run_killed_then_resumed_trains_every_task_once(model: Path, tmp_path: Path) -> None:
-    """train.max_staleness = 1: groups run while the trainer trains. SIGKILL mid-run with groups in flight and
+    """train.sampling.max_staleness = 1: groups run while the trainer trains. SIGKILL mid-run with groups in flight and
     buffered, then --resume: those tasks are drawn again first and each is recorded in exactly one step.
 
     Twice the steps of the other runs: with groups sampled ahead, the steps after the second can follow it within a
     second or two, and a run killed after its last step leaves its resume nothing to train."""
     run = tmp_path / "async"
     n_steps = 2 * STEPS
-    argv = _argv(model, tmp_path, "async", "--set", "train.max_staleness=1")
+    argv = _argv(model, tmp_path, "async", "--set", "train.sampling.max_staleness=1")
     argv[argv.index("--steps") + 1] = str(n_steps)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -175,7 +176,7 @@ def test_a_model_the_trainer_cannot_load_stops_the_run_at_once(model: Path, tmp_
     done = subprocess.run(
         [sys.executable, "-m", "swectl.cli.main", "up", "--steps", "2", "--set", f"out_dir={str(tmp_path)!r}",
          "--set", "run_id='broken'", "--set", "train.algorithm='sft'", "--set", f"train.model={str(broken)!r}",
-         "--set", f"train.sft_data=[{str(data)!r}]"], capture_output=True, text=True, timeout=300)
+         "--set", f"train.data.sft_data=[{str(data)!r}]"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 3, done.stderr[-3000:]
     assert "exited with" in done.stderr and "while starting" in done.stderr and "trainer0.log" in done.stderr
     assert "restart" not in done.stderr  # a trainer that never came up is not retried
@@ -213,7 +214,7 @@ def test_a_malformed_sft_row_is_skipped_with_its_line_or_stops_the_run_with_stri
     data.write_text(json.dumps(good) + "\n" + json.dumps({"messages": "not a list"}) + "\n")
     argv = [sys.executable, "-m", "swectl.cli.main", "up", "--steps", "1", "--set", f"out_dir={str(tmp_path)!r}",
             "--set", "train.algorithm='sft'", "--set", f"train.model={str(model)!r}",
-            "--set", f"train.sft_data=[{str(data)!r}]"]
+            "--set", f"train.data.sft_data=[{str(data)!r}]"]
     strict = subprocess.run([*argv, "--set", "run_id='strict'", "--strict"], capture_output=True, text=True,
                             timeout=300)
     assert strict.returncode == 2, strict.stderr[-3000:]
@@ -227,13 +228,13 @@ def test_a_malformed_sft_row_is_skipped_with_its_line_or_stops_the_run_with_stri
 
 def test_sft_steps_without_sft_data_make_the_gold_data_first_even_after_an_interrupted_try(model: Path,
                                                                                          tmp_path: Path) -> None:
-    """The README's hint `swectl up --set train.sft_steps=N` on a fresh machine: the run makes gold trajectories of
+    """The README's hint `swectl up --set train.data.sft_steps=N` on a fresh machine: the run makes gold trajectories of
     its train split in <run>/gold (that folder did not exist: FileNotFoundError), and a gold run cut short before
     (results without a summary) is made again instead of refused."""
     gold = tmp_path / "sftgold" / "gold"
     gold.mkdir(parents=True)
     (gold / "results.jsonl").write_text("{}\n")  # what an interrupted gold run leaves
-    argv = _argv(model, tmp_path, "sftgold", "--set", "train.sft_steps=1", "--set", "rollout.max_tokens=512",
+    argv = _argv(model, tmp_path, "sftgold", "--set", "train.data.sft_steps=1", "--set", "rollout.max_tokens=512",
                  "--set", "rollout.step_limit=6")  # room for the gold scripts' turns
     argv[argv.index("--steps") + 1] = "2"  # one SFT step, then one GRPO step
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900)

@@ -1,0 +1,137 @@
+"""The training plan of a run, resolved once before the loop starts: the model folder (the tiny default made on
+first use), the seeded train/held-out split of the tasks (recorded in split.json, and held to on resume), and the
+SFT samples (train.data.sft_data, or gold trajectories of the train split made at the start)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from swectl.actors.data_source import split_tasks
+from swectl.config import ClusterConfig
+from swectl.data.trajectories import samples_from_messages_jsonl, samples_from_runs
+from swectl.errors import ConfigError, TaskDataError
+from swectl.images.project import BUNDLED_TASKS
+from swectl.model.tokenizer import load_tokenizer
+from swectl.rl.batch import TrainSample
+from swectl.tasks.record import Task
+from swectl.tasks.sources import load_tasks
+
+Say = Callable[[str], None]
+
+
+class TrainPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """What a run trains on, resolved once: the model folder, the task splits or the SFT samples."""
+
+    model: str
+    train_tasks: list[Task] = []
+    test_tasks: list[Task] = []
+    sft_samples: list[TrainSample] = []
+
+
+def build_plan(config: ClusterConfig, run_dir: Path, *, say: Say) -> TrainPlan:
+    """Resolve the model folder (making the tiny default on first use) and the task splits or SFT samples."""
+    t, data = config.train, config.train.data
+    model = t.model or str(Path(config.out_dir) / "models" / "tiny-qwen3")
+    if not t.model and not (Path(model) / "config.json").is_file():
+        from swectl.model.tiny import init_model
+
+        say(f"no model given (train.model): making the tiny default at {model} (`swectl model init`)")
+        init_model(Path(model), progress=say)
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError(f"train.model {model}: not a Hugging Face model folder (no config.json)")
+    if t.algorithm == "sft":
+        return TrainPlan(model=model, sft_samples=_sft_samples(config, model))
+    source = data.tasks or str(BUNDLED_TASKS)
+    loaded = load_tasks(source)
+    if not loaded.tasks:
+        raise TaskDataError(f"train.data.tasks {source}: no usable task in it")
+    train, test = split_tasks(loaded.tasks, data.test_fraction, data.split_seed)
+    record_split(run_dir / "split.json", SplitRecord(
+        tasks=source, test_fraction=data.test_fraction, split_seed=data.split_seed,
+        train=[task.instance_id for task in train], held_out=[task.instance_id for task in test]))
+    sft: list[TrainSample] = []
+    if data.sft_steps:
+        sft = (_sft_samples(config, model) if data.sft_data
+               else _gold_samples(config, model, train, run_dir / "gold", say))
+    return TrainPlan(model=model, train_tasks=train, test_tasks=test, sft_samples=sft)
+
+
+class SplitRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """split.json: which tasks a grpo run trains on and which it holds out, written when the run starts."""
+
+    tasks: str
+    test_fraction: float
+    split_seed: int
+    train: list[str]
+    held_out: list[str]
+
+
+def record_split(path: Path, split: SplitRecord) -> None:
+    """Write ``split`` to ``path``, or, when the run already has one (a resume), refuse a different split: the
+    run would go on training on tasks it held out before."""
+    if path.is_file():
+        try:
+            before = msgspec.json.decode(path.read_bytes(), type=SplitRecord)
+        except msgspec.DecodeError as e:
+            raise ConfigError(f"{path}: not a split record ({e}); move it away to start the split afresh") from e
+        if (sorted(before.train), sorted(before.held_out)) != (sorted(split.train), sorted(split.held_out)):
+            moved = sorted(set(split.train) - set(before.train))
+            raise ConfigError(
+                f"{path}: this run started with another train/held-out split ({len(before.train)} train / "
+                f"{len(before.held_out)} held out; now {len(split.train)} / {len(split.held_out)}, "
+                f"{len(moved)} task(s) would move into training, e.g. {moved[:3]}); train.data.tasks, "
+                f"train.data.test_fraction or train.data.split_seed changed since (it was {before.split_seed}, "
+                f"now {split.split_seed})")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(split), indent=1) + b"\n")
+
+
+def _gold_samples(config: ClusterConfig, model: str, tasks: list[Task], out: Path, say: Say) -> list[TrainSample]:
+    """SFT data for the first train.data.sft_steps of a grpo run when train.data.sft_data is empty: each train-split
+    task's gold patch acted out as agent turns in a real sandbox and graded (`swectl data gold`), made once per run."""
+    from swectl.eval.gold import make_gold
+
+    if not (out / "summary.json").exists():
+        if out.exists():  # an interrupted gold run: its partial results would be refused; make them anew
+            say(f"{out} holds an unfinished gold run (no summary.json): making it again")
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        say(f"train.data.sft_steps = {config.train.data.sft_steps} with no train.data.sft_data: making gold "
+            "trajectories of the "
+            f"{len(tasks)} train-split tasks in {out}")
+        tokenizer = load_tokenizer(model, "train.model")
+        summary = anyio.run(lambda: make_gold(config, tasks, out, tokenizer, tokenizer_path=model,
+                                              concurrency=config.train.concurrency, status=say))
+        say(f"{summary.resolved} of {summary.total} gold trajectories resolve and are kept")
+    samples = samples_from_runs([out])
+    if not samples:
+        raise TaskDataError(f"{out}: no gold trajectory resolved; see its summary.json")
+    return samples
+
+
+def _sft_samples(config: ClusterConfig, model: str) -> list[TrainSample]:
+    data = config.train.data
+    if not data.sft_data:
+        raise ConfigError('train.algorithm = "sft" needs train.data.sft_data: traj.json run folders (a `swectl eval` '
+                          "or `swectl data gold` output) or OpenAI-messages JSONL files")
+    samples: list[TrainSample] = []
+    tokenizer = None
+    for item in data.sft_data:
+        path = Path(item)
+        if not path.exists():
+            raise ConfigError(f"train.data.sft_data: {path} does not exist")
+        if path.is_file() and path.suffix in (".jsonl", ".json") and path.name != "traj.json":
+            tokenizer = tokenizer or load_tokenizer(model, "train.model")
+            samples += samples_from_messages_jsonl(path, tokenizer, strict=data.sft_strict)
+        else:
+            # rejection-sampling fine-tuning, unless experiment.sft_resolved_only = false (a teacher's every attempt)
+            samples += samples_from_runs([path], resolved_only=config.experiment.sft_resolved_only)
+    if not samples:
+        raise TaskDataError(f"train.data.sft_data: no trajectories found in {', '.join(data.sft_data)}")
+    return samples

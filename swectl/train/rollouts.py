@@ -1,0 +1,166 @@
+"""The rollouts of a training run: groups of graded episodes for GRPO, and the held-out evaluations.
+
+A group is ``train.sampling.n_samples`` finished episodes of one task; ABORTED ones (and those whose grading met
+an infrastructure failure) are replaced, never scored (docs/architecture.md 12.1). Each episode reaches the
+batcher in memory (its tokens, loss mask and logprobs as the agent loop recorded them); its traj.json is written
+for people and tools, and is not read back here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+
+from swectl.actors.engines import Engines
+from swectl.actors.env_pool import EnvPool
+from swectl.actors.grader import Grader, GraderConfig
+from swectl.actors.judge import Judge
+from swectl.actors.metrics import Metrics
+from swectl.actors.rollout import EpisodeResult, Rollout, RolloutConfig
+from swectl.agent.loop import Episode, EpisodeConfig, episode_config
+from swectl.config import ClusterConfig
+from swectl.errors import TaskDataError
+from swectl.rl.groups import GradedEpisode, Group, score_group
+from swectl.tasks.record import Task
+from swectl.train.checkpoint import step_name
+
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
+REFILL_TRIES = 2  # extra rounds to replace ABORTED episodes of a group before the group is dropped
+
+
+def graded_episode(result: EpisodeResult, episode: Episode) -> GradedEpisode:
+    """What the batcher needs of a finished, graded episode: its grade and its trajectory's tokens."""
+    t = episode.trajectory
+    steps = [(s.prompt_ids, s.output_ids, s.output_logprobs) for s in episode.samples]
+    return GradedEpisode(instance_id=result.instance_id, sample=result.sample, outcome=result.outcome,
+                         resolved=result.resolved, token_ids=t.token_ids, loss_mask=t.loss_mask, logprobs=t.logprobs,
+                         weight_version=_weight_version(t.weight_versions),
+                         mixed_versions=len(set(t.weight_versions)) > 1, steps=steps,
+                         step_scores=[j.score for j in result.step_judgements],
+                         format_errors=[s.format_error for s in episode.steps], exit_status=result.exit_status)
+
+
+def read_graded_episode(result: EpisodeResult) -> GradedEpisode:
+    """``graded_episode`` of an episode read back from its traj.json (for tools that look at a finished run)."""
+    path = Path(result.artifacts) / "traj.json"
+    try:
+        episode = msgspec.json.decode(path.read_bytes(), type=_TrajFile).episode
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise TaskDataError(f"{path}: cannot read the episode back: {exc}") from exc
+    return graded_episode(result, episode)
+
+
+class _TrajFile(msgspec.Struct):
+    episode: Episode
+
+
+def _weight_version(versions: list[str]) -> int:
+    numbers = [int(v) for v in versions if v.isdigit()]
+    return min(numbers) if numbers else 0
+
+
+class TrainRollouts:
+    """The run's rollouts on its env pool and engines: training groups (``group``), their scores (``score``) and
+    the held-out evaluations (``evaluate``). ``tokenizer`` is the policy's; ``judge`` the process-reward judge."""
+
+    def __init__(self, config: ClusterConfig, run_dir: Path, pool: EnvPool, engines: Engines, tokenizer: Any,
+                 judge: Judge | None) -> None:
+        self._config = config
+        self._run_dir = run_dir
+        self._pool = pool
+        self._engines = engines
+        self._tokenizer = tokenizer
+        self._judge = judge
+
+    def grader(self, out: Path) -> Grader:
+        """The Grader of one step's rollouts or an evaluation (its own verdicts to reuse, its logs under ``out``)."""
+        return Grader(GraderConfig(concurrency=self._config.train.concurrency,
+                                   reuse=self._config.rollout.reuse_grades), self._pool, log_dir=out / "grade-logs")
+
+    def rollout(self, grader: Grader, tag: str, out: Path, limiter: anyio.CapacityLimiter | None = None) -> Rollout:
+        """A Rollout of training episodes: ``n_samples`` per task, sampling seeded and engine sessions keyed by
+        ``tag`` (the step, or the async group's draw), artifacts under ``out``, the process-reward judge if any."""
+        t = self._config.train
+        config = RolloutConfig(concurrency=t.concurrency, samples_per_task=t.sampling.n_samples,
+                               episode=self._episode_config(f"train:{t.seed}:{tag}"))
+        engines = self._engines
+        return Rollout(config, self._pool, grader, lambda task, n: engines.route(f"{task.instance_id}#{tag}#{n}"),
+                       self._tokenizer, out, limiter=limiter, judge=self._judge)
+
+    def _episode_config(self, seed: str) -> EpisodeConfig:
+        sampling = self._config.train.sampling
+        return episode_config(self._config.rollout, temperature=sampling.temperature, seed=seed,
+                              per_step_samples=sampling.sample_mode == "step")
+
+    async def group(self, rollout: Rollout, task: Task, results: list[EpisodeResult]) -> Group | None:
+        """``n_samples`` finished episodes of ``task`` (every result is appended to ``results``); ABORTED ones are
+        replaced; None when the group cannot be completed in 1 + REFILL_TRIES rounds."""
+        n = self._config.train.sampling.n_samples
+        good: list[GradedEpisode] = []
+        index = 0
+        for _ in range(1 + REFILL_TRIES):
+            want = n - len(good)
+            batch = await gather([lambda k=k: rollout.episode_with_trajectory(task, k)
+                                  for k in range(index, index + want)])
+            index += want
+            for result, episode in batch:
+                results.append(result)
+                if result.outcome == "ABORTED" or (result.grade is not None and result.grade.infra):
+                    _log.warning("episode %s#%d aborted: %s", result.instance_id, result.sample, result.reason)
+                    continue
+                good.append(graded_episode(result, episode))
+            if len(good) >= n:
+                good.sort(key=lambda e: e.sample)
+                return Group(instance_id=task.instance_id, episodes=good[:n])
+        return None
+
+    def score(self, group: Group, key: str) -> None:
+        """Rewards and advantages of a finished group (``key`` seeds the shuffled-reward control)."""
+        c = self._config
+        score_group(group, c.train.advantage, c.reward, c.experiment, shuffle_key=f"{c.train.seed}:{key}")
+
+    async def evaluate(self, tasks: list[Task], metrics: Metrics, step: int) -> float:
+        """The held-out evaluation after ``step``: ``eval_samples`` episodes per task, logged and summarised in
+        eval/step_N/summary.json; returns the resolve rate."""
+        out = self._run_dir / "eval" / step_name(step)
+        t = self._config.train
+        grader = self.grader(out)
+        engines = self._engines
+        rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.eval_samples,
+                                        episode=self._episode_config(f"eval:{t.seed}")),
+                          self._pool, grader, lambda task, n: engines.route(f"eval#{task.instance_id}#{step}#{n}"),
+                          self._tokenizer, out)
+        t0 = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            await tg.start(grader.run, name="eval grader")
+            await tg.start(rollout.run, name="eval rollout")
+            results = await rollout.collect(tasks)
+            tg.cancel_scope.cancel("evaluated")
+        scored = [r for r in results if r.outcome != "ABORTED"]
+        rate = sum(r.resolved for r in scored) / max(len(scored), 1)
+        values = {"eval/resolve_rate": rate, "eval/episodes": float(len(scored)),
+                  "eval/aborted": float(len(results) - len(scored)), "eval/time_s": time.monotonic() - t0}
+        metrics.log(step, values)
+        (out / "summary.json").write_text(json.dumps({"step": step, **values}, indent=1))
+        return rate
+
+
+async def gather(calls: list[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run the calls concurrently in one task group; results in call order."""
+    out: list[T | None] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        out[i] = await calls[i]()
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+    return out  # type: ignore[return-value]

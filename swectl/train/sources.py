@@ -1,0 +1,187 @@
+"""Where a step's training samples come from: one small interface, one implementation per algorithm.
+
+    SampleSource.next(step) -> StepSamples     the samples, the step's metrics and its steps.jsonl record
+    SampleSource.save(state)                   its position into the run state (checkpointed, resumed)
+
+- ``SftSource``: the SFT samples in seeded-shuffled epochs (``train.algorithm = "sft"``, and the first
+  ``train.data.sft_steps`` steps of a grpo run).
+- ``GroupSource``: synchronous GRPO: each step samples ``tasks_per_step`` groups with a learning signal
+  (dynamic sampling: up to ``max_sampling_rounds`` rounds of drawing more tasks) on the current weights.
+- ``FeedSource``: asynchronous GRPO (``train.sampling.max_staleness > 0``): groups keep running while the trainer
+  trains (feed.py); each step takes the finished groups the admission rule picks.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Protocol
+
+import anyio
+import msgspec
+
+from swectl.actors.data_source import DataCursor, DataSource
+from swectl.actors.rollout import EpisodeResult
+from swectl.agent.metrics import agent_metrics
+from swectl.config import ExperimentConfig, SamplingConfig
+from swectl.errors import ConfigError
+from swectl.rl.advantages import advantage_stats
+from swectl.rl.batch import TrainSample
+from swectl.rl.groups import Group, group_outcomes, group_samples
+from swectl.train.checkpoint import RunState, step_name
+from swectl.train.feed import GroupFeed
+from swectl.train.rollouts import TrainRollouts, gather
+
+
+class StepSamples(msgspec.Struct, kw_only=True):
+    """One step's training samples, its metrics and what steps.jsonl records of it."""
+
+    algorithm: str  # the loss they train with: "sft" or "grpo"
+    samples: list[TrainSample]
+    values: dict[str, float] = {}
+    record: dict[str, Any] = {}
+
+
+class SampleSource(Protocol):
+    async def next(self, step: int) -> StepSamples: ...
+
+    def save(self, state: RunState) -> None: ...
+
+
+class SftSource:
+    """``batch_size`` samples per step in seeded-shuffled epochs, from the run state's SFT cursor."""
+
+    def __init__(self, samples: list[TrainSample], *, batch_size: int, seed: int, cursor: DataCursor) -> None:
+        if not samples:
+            raise ConfigError('train.algorithm = "sft" needs train.data.sft_data (traj.json runs or messages JSONL)')
+        self._samples = samples
+        self._batch_size = batch_size
+        self._seed = seed
+        self._cursor = DataCursor(epoch=cursor.epoch, index=cursor.index)
+
+    async def next(self, step: int) -> StepSamples:
+        cur, samples = self._cursor, self._samples
+        out: list[TrainSample] = []
+        while len(out) < min(self._batch_size, len(samples)):
+            order = list(range(len(samples)))
+            random.Random(f"sft:{self._seed}:{cur.epoch}").shuffle(order)
+            if cur.index >= len(order):
+                cur.epoch, cur.index = cur.epoch + 1, 0
+                continue
+            out.append(samples[order[cur.index]])
+            cur.index += 1
+        return StepSamples(algorithm="sft", samples=out, record={"samples": [s.uid for s in out]})
+
+    def save(self, state: RunState) -> None:
+        state.sft_cursor = DataCursor(epoch=self._cursor.epoch, index=self._cursor.index)
+
+
+class GroupSource:
+    """Synchronous GRPO: each step's groups are sampled on the weights of the step before."""
+
+    def __init__(self, rollouts: TrainRollouts, tasks: DataSource, sampling: SamplingConfig,
+                 experiment: ExperimentConfig, run_dir: Any) -> None:
+        self._rollouts = rollouts
+        self._tasks = tasks
+        self._sampling = sampling
+        self._experiment = experiment
+        self._run_dir = run_dir
+
+    async def next(self, step: int) -> StepSamples:
+        groups, results, info, tasks_seen = await self._collect(step)
+        return _grpo_samples(groups, results, info, tasks_seen, self._sampling, self._experiment)
+
+    async def _collect(self, step: int) -> tuple[list[Group], list[EpisodeResult], dict[str, float], list[str]]:
+        """``tasks_per_step`` groups with a signal; a group that cannot be completed is dropped."""
+        s = self._sampling
+        kept: list[Group] = []
+        every: list[Group] = []
+        results: list[EpisodeResult] = []
+        tasks_seen: list[str] = []
+        dropped = {"uninformative": 0, "aborted": 0}
+        rounds = 0
+        out = self._run_dir / "episodes" / step_name(step)
+        grader = self._rollouts.grader(out)
+        rollout = self._rollouts.rollout(grader, str(step), out)
+        async with anyio.create_task_group() as tg:
+            await tg.start(grader.run, name="grader")
+            await tg.start(rollout.run, name="rollout")
+            while len(kept) < s.tasks_per_step and rounds < s.max_sampling_rounds:
+                rounds += 1
+                tasks = self._tasks.next(s.tasks_per_step - len(kept))
+                tasks_seen += [task.instance_id for task in tasks]
+                for g in await gather([lambda task=task: self._rollouts.group(rollout, task, results)
+                                       for task in tasks]):
+                    if g is None:
+                        dropped["aborted"] += 1
+                        continue
+                    self._rollouts.score(g, f"{step}:{g.instance_id}:{len(every)}")
+                    every.append(g)
+                    if s.dynamic_sampling and not g.informative:
+                        dropped["uninformative"] += 1
+                    else:
+                        kept.append(g)
+                if not s.dynamic_sampling:
+                    break
+            tg.cancel_scope.cancel("step collected")
+        info = {"groups": float(len(kept)), "sampling_rounds": float(rounds),
+                "groups_dropped_uninformative": float(dropped["uninformative"]),
+                "groups_dropped_aborted": float(dropped["aborted"])}
+        info.update(group_outcomes(every))  # over every scored group (what the policy does), not only the kept ones
+        return kept, results, info, tasks_seen
+
+    def save(self, state: RunState) -> None:
+        state.cursor = _cursor(self._tasks, [])
+
+
+class FeedSource:
+    """Asynchronous GRPO: the group feed runs beside the trainer; each step takes what the admission rule picks."""
+
+    def __init__(self, feed: GroupFeed, tasks: DataSource, sampling: SamplingConfig,
+                 experiment: ExperimentConfig) -> None:
+        self._feed = feed
+        self._tasks = tasks
+        self._sampling = sampling
+        self._experiment = experiment
+
+    async def next(self, step: int) -> StepSamples:
+        fed = await self._feed.next()
+        return _grpo_samples(fed.groups, fed.results, fed.info, fed.tasks, self._sampling, self._experiment)
+
+    def save(self, state: RunState) -> None:
+        # the tasks drawn and not trained yet are redone after a resume
+        state.cursor = _cursor(self._tasks, self._feed.pending_ids())
+
+
+def _cursor(tasks: DataSource, pending: list[str]) -> DataCursor:
+    return msgspec.structs.replace(tasks.cursor, consumed=list(tasks.cursor.consumed),
+                                   pending=[*pending, *tasks.cursor.pending])
+
+
+def _grpo_samples(groups: list[Group], results: list[EpisodeResult], info: dict[str, float], tasks_seen: list[str],
+                  sampling: SamplingConfig, experiment: ExperimentConfig) -> StepSamples:
+    samples = group_samples(groups, mode=sampling.sample_mode, experiment=experiment)
+    values = {**info, **rollout_values(groups, results)}
+    record = {"tasks": tasks_seen, "groups": [g.instance_id for g in groups],
+              "rewards": {g.instance_id: g.rewards for g in groups}}
+    return StepSamples(algorithm="grpo", samples=samples, values=values, record=record)
+
+
+def rollout_values(groups: list[Group], results: list[EpisodeResult]) -> dict[str, float]:
+    """A GRPO step's rollout metrics: advantages, episode outcomes, agent behaviour, the judge's scores."""
+    values: dict[str, float] = {}
+    advs = [a for g in groups for a in g.advantages]
+    values.update({f"adv/{k}": v for k, v in advantage_stats(advs).items()})
+    values["episodes"] = float(len(results))
+    values["aborted"] = float(sum(r.outcome == "ABORTED" for r in results))
+    values["truncated"] = float(sum(r.outcome == "TRUNCATED" for r in results))
+    values.update(agent_metrics(results))
+    judged = [j for r in results for j in r.step_judgements]
+    if judged:  # [reward.prm]
+        scores = [j.score for j in judged if j.score is not None]
+        answers = sum(len(j.votes) + j.unparseable + j.failures for j in judged)
+        values["prm/steps"] = float(len(judged))
+        values["prm/scored_frac"] = len(scores) / len(judged)
+        values["prm/score_mean"] = sum(scores) / len(scores) if scores else 0.0
+        values["prm/unparseable_frac"] = sum(j.unparseable for j in judged) / max(answers, 1)
+        values["prm/failures"] = float(sum(j.failures for j in judged))
+    return values
