@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     host = host_meta()
     print(f"grading {len(tasks)} gold patches; load {host['loadavg_start']}", file=sys.stderr)
     metrics: dict[str, float] = {}
-    meta: dict = {"tasks": [t.instance_id for t in tasks], "host": host, "backends": backends}
+    meta: dict = {"tasks": [t.instance_id for t in tasks], "host": host, "backends": backends, "quick": args.quick}
     for backend in backends:
         p = BACKENDS[backend]
         for c in (1, 4, 8):

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     host = host_meta()
     all_tasks = sorted(load_tasks(BUNDLED_TASKS).tasks, key=lambda t: t.instance_id)
     metrics: dict[str, float] = {}
-    meta: dict = {"host": host}
+    meta: dict = {"host": host, "quick": args.quick}
     for c in (1, 8) if args.quick else (1, 8, 32):
         n = max(args.episodes, c) if c > 1 else min(8, args.episodes)
         tasks = [all_tasks[i % len(all_tasks)] for i in range(n)]

@@ -38,9 +38,9 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 class LocalNodeConfig(_Section, tag="local", tag_field="kind"):
     """This machine, driven through the local podman CLI."""
 
-    name: NodeName = "local"
-    max_running: Count = 128
-    max_starting: Count = 8
+    name: NodeName = "local"  # the node's name in env_pool.nodes, engine.nodes, trainer.nodes
+    max_running: Count = 128  # sandboxes alive on this node at once
+    max_starting: Count = 8  # sandboxes starting at once (container starts are the expensive part)
     # "bundled": swectl's containers.conf (remote/nodes/containers.conf); "system": the node's own config;
     # anything else: a path on the node.
     containers_conf: str = "bundled"
@@ -49,22 +49,22 @@ class LocalNodeConfig(_Section, tag="local", tag_field="kind"):
 class SshNodeConfig(_Section, tag="ssh", tag_field="kind"):
     """A container node reached over SSH (key auth; host keys verified against known_hosts)."""
 
-    name: NodeName
-    host: str
-    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 22
-    user: str = "root"
-    identity_file: str = "~/.ssh/id_ed25519"
+    name: NodeName  # the node's name in env_pool.nodes, engine.nodes, trainer.nodes
+    host: str  # host name or address the controller connects to
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 22  # sshd's port
+    user: str = "root"  # the login (root: sandboxes need it)
+    identity_file: str = "~/.ssh/id_ed25519"  # the private key (key authentication only)
     # Host keys are verified by default. "insecure-accept-any" turns verification off, loudly.
     known_hosts: str = "~/.ssh/known_hosts"
-    max_running: Count = 128
-    max_starting: Count = 8
+    max_running: Count = 128  # sandboxes alive on this node at once
+    max_starting: Count = 8  # sandboxes starting at once
     # sshd's MaxSessions (default 10) caps channels per connection; each live sandbox holds one.
     max_channels_per_connection: Count = 10
-    max_connections: Count = 32
-    connect_timeout_s: Positive = 10.0
-    keepalive_interval_s: Positive = 5.0
-    keepalive_count_max: Count = 3
-    containers_conf: str = "bundled"
+    max_connections: Count = 32  # SSH connections to this node at most (channels spread over them)
+    connect_timeout_s: Positive = 10.0  # one connection attempt; a node that does not answer is a NodeConnectError
+    keepalive_interval_s: Positive = 5.0  # SSH keepalive probes on idle connections
+    keepalive_count_max: Count = 3  # unanswered keepalives before the connection (and the node) counts as lost
+    containers_conf: str = "bundled"  # as for a local node: "bundled", "system" or a path on the node
 
 
 NodeConfig = LocalNodeConfig | SshNodeConfig
@@ -82,24 +82,25 @@ class SandboxConfig(_Section):
     the node when none answers, and left running there) instead of one ``podman`` process per call; commands still
     go through the exec agent.
     """
+    # how sandboxes are made (see above); namespace needs no container engine per sandbox
     backend: Literal["podman", "namespace", "docker"] = "namespace"
-    image: str = DEFAULT_IMAGE
-    workdir: str = "/"
-    network: bool = False
-    memory: str = "2g"
-    pids_limit: Count = 512
-    cpus: Positive = 1.0
+    image: str = DEFAULT_IMAGE  # the image of sandboxes that are not a task's (a task brings its own)
+    workdir: str = "/"  # the working directory of commands in a sandbox without a task
+    network: bool = False  # false: sandboxes have no network (loopback only)
+    memory: str = "2g"  # memory limit per sandbox, like "512m" or "2g"
+    pids_limit: Count = 512  # processes per sandbox at most (a fork bomb stays inside)
+    cpus: Positive = 1.0  # CPU limit per sandbox, in cores
     # the CPU limit of a grading's sandbox (the repository's tests): unset = ``cpus``; 0 = no limit, as the official
     # SWE-bench harness runs them (but on a cgroup v1 node pylint reads the default cpu.shares as one core); tests
     # that need 2 or more cores skip at 1; a limit above a node's cores fails on Podman and Docker nodes
     grading_cpus: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
-    output_head_bytes: NonNegative = 10_000
-    output_tail_bytes: NonNegative = 10_000
+    output_head_bytes: NonNegative = 10_000  # a command's output kept from its start (the rest cut, with a marker)
+    output_tail_bytes: NonNegative = 10_000  # a command's output kept from its end
     # How long past a command's in-sandbox timeout the controller waits before declaring the sandbox
     # broken. Ordering (docs/architecture.md 4.5): command timeout < episode < grading < this guard.
     exec_grace_s: Positive = 10.0
-    start_timeout_s: Positive = 120.0
-    destroy_timeout_s: Positive = 30.0
+    start_timeout_s: Positive = 120.0  # one sandbox start (container and exec agent) before it counts as failed
+    destroy_timeout_s: Positive = 30.0  # one sandbox removal before it is left to the cleanup
     podman_api: bool = False  # podman only: lifecycle through the Podman API service instead of the CLI
     docker_host: str = ""  # docker only: the node's DOCKER_HOST (e.g. unix:///run/docker.sock); "" = its default
     ns_state_dir: str = "/var/lib/swectl/ns"  # on the node: the daemon's socket, records, disk scratch
@@ -116,10 +117,10 @@ class EnvPoolConfig(_Section):
     """The [env_pool] section: which nodes host sandboxes, warm sandboxes, lease TTL and health checks."""
     nodes: list[NodeName] = []  # node names that host sandboxes; empty = all nodes
     warm: NonNegative = 4  # sandboxes kept started ahead of demand (for sandbox.image)
-    lease_ttl_s: Positive = 300.0
-    health_interval_s: Positive = 5.0
-    health_timeout_s: Positive = 15.0
-    start_retries: NonNegative = 2
+    lease_ttl_s: Positive = 300.0  # a lease whose holder stops heartbeating this long expires (its sandbox goes)
+    health_interval_s: Positive = 5.0  # how often idle and leased sandboxes are pinged
+    health_timeout_s: Positive = 15.0  # a ping unanswered this long marks the sandbox lost
+    start_retries: NonNegative = 2  # failed sandbox starts retried (on another node where there is one)
 
 
 class EngineConfig(_Section):
@@ -130,7 +131,7 @@ class EngineConfig(_Section):
     fresh API key per run; the model folder and ``python`` must exist on that node.
     """
 
-    kind: Literal["cpu", "sglang"] = "cpu"
+    kind: Literal["cpu", "sglang"] = "cpu"  # cpu: swectl's CPU engine; sglang: SGLang's server (GPU nodes)
     nodes: list[NodeName] = []  # nodes that run servers; empty = the first node
     replicas: Count = 1  # servers per node
     python: str = ""  # the node's interpreter with swectl[cpu] or sglang; "" = this controller's
@@ -139,10 +140,10 @@ class EngineConfig(_Section):
     threads: Count = 1  # cpu: torch threads per server
     max_batch: Count = 8  # cpu: sequences decoded together
     extra_args: list[str] = []  # appended to the server's command line (e.g. ["--tp", "2"] for sglang)
-    start_timeout_s: Positive = 600.0
-    health_interval_s: Positive = 5.0
+    start_timeout_s: Positive = 600.0  # until a server answers its health check (model load included)
+    health_interval_s: Positive = 5.0  # how often running servers are checked
     max_failures: Count = 3  # failed health checks in a row before a restart
-    request_timeout_s: Positive = 600.0
+    request_timeout_s: Positive = 600.0  # one generate or chat request
 
 
 class RolloutOptions(_Section):
@@ -179,14 +180,15 @@ class PrmConfig(_Section):
     failures and unparseable answers are counted, never turned into a score.
     """
 
-    enabled: bool = False
-    model: str = ""
-    endpoint: str = ""
+    enabled: bool = False  # process rewards on: each agent step is judged while the episode goes on
+    model: str = ""  # the judge as a model folder, launched like [engine]'s servers and never updated
+    endpoint: str = ""  # the judge as a running SGLang-API server (its URL); then also give tokenizer
     tokenizer: str = ""  # for endpoint: the judge's tokenizer folder (its chat template)
     samples: Count = 3  # answers per step (m)
+    # an episode's reward: its outcome + step_coef x the mean of its step scores
     step_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.1
     max_tokens: Count = 256  # per answer
-    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # the judge's sampling temperature
     history_steps: NonNegative = 4  # earlier steps shown
     max_chars: Count = 2000  # each reply and output shown, clipped to this
     timeout_s: Positive = 120.0  # per request
@@ -201,9 +203,9 @@ class TrainerConfig(_Section):
     """
 
     nodes: list[NodeName] = []  # nodes that run trainer ranks; empty = the first node
-    nproc_per_node: Count = 2
+    nproc_per_node: Count = 2  # torchrun ranks per trainer node (one per GPU on GPU nodes)
     python: str = ""  # the node's interpreter with swectl[cpu] (torch, transformers); "" = this controller's
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # torch.distributed backend: auto = nccl with GPUs, gloo on CPU
     threads_per_rank: Count = 1  # torch.set_num_threads in each rank (two ranks must not fight over 2 cores)
     # padded tokens per forward pass (micro-batches packed by this budget). On a GPU raise it as far as memory allows:
     # a forward + backward has a large fixed cost (H200, Qwen3-0.6B shape: 0.22 s for 4096 tokens, 0.26 s for 8192)
@@ -265,25 +267,29 @@ class SamplingConfig(_Section):
 class AdvantageConfig(_Section):
     """The [train.advantage] section: how a group's rewards become advantages (swectl/rl/advantages.py)."""
 
+    # grpo: (r - mean) / std; drgrpo: r - mean; rloo: leave-one-out mean
     estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
 
 
 class OptimConfig(_Section):
     """The [train.optim] section: the trainer's optimizer (AdamW) and learning-rate schedule."""
 
-    lr: Positive = 1e-4
-    warmup_steps: NonNegative = 0
+    lr: Positive = 1e-4  # peak learning rate
+    warmup_steps: NonNegative = 0  # steps of linear warmup from 0 to lr
+    # after warmup: constant, or cosine down to min_lr_ratio x lr at the last step
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1  # cosine floor, as a fraction of lr
-    weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
-    grad_clip: Positive = 1.0
+    weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # AdamW's decoupled weight decay
+    grad_clip: Positive = 1.0  # gradients clipped to this global norm
 
 
 class LossConfig(_Section):
     """The [train.loss] section: the trainer's policy loss (swectl/rl/losses.py)."""
 
+    # token_mean: every trained token weighs the same; seq_mean_token_sum: every sequence
     aggregation: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
-    eps_low: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.2
+    eps_low: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.2  # the clipped ratio's lower bound: 1 - eps_low
+    # the clipped ratio's upper bound: 1 + eps_high (clip-higher)
     eps_high: Annotated[float, msgspec.Meta(ge=0.0)] = 0.28
     tis_cap: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0  # truncated importance sampling ratio cap C
     kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # KL to the initial policy; 0 = off (no reference)
@@ -333,9 +339,10 @@ class TrainConfig(_Section):
     the one component it configures: data (the plan), sampling (the rollouts), advantage (group scoring), optim
     and loss (the trainer)."""
 
+    # grpo: RL from the reward (after train.data.sft_steps of SFT); sft: SFT only
     algorithm: Literal["grpo", "sft"] = "grpo"
     model: str = ""  # Hugging Face model folder; "" = the tiny model (`swectl model init`), made if missing
-    steps: Count = 20
+    steps: Count = 20  # optimizer steps of the run
     # the task order, the SFT order and the rollouts' sampling (each request seeded from it, the step, the
     # task, the sample and the turn: a rerun samples the same episodes)
     seed: int = 0
@@ -343,7 +350,7 @@ class TrainConfig(_Section):
     save_every: NonNegative = 5  # checkpoint every N steps (0 = only at the end)
     keep_weights: Count = 2  # weight folders kept besides checkpointed ones
     eval_every: NonNegative = 0  # evaluate on the held-out split every N steps (0 = never)
-    eval_samples: Count = 1
+    eval_samples: Count = 1  # episodes per held-out task in each evaluation
     data: DataConfig = DataConfig()
     sampling: SamplingConfig = SamplingConfig()
     advantage: AdvantageConfig = AdvantageConfig()
@@ -373,7 +380,8 @@ MOVED_KEYS: dict[str, str] = {
 class ClusterConfig(_Section):
     """The whole cluster.toml: run id, output folder, nodes and one section per component."""
     run_id: str = ""  # empty: a fresh id per run
-    out_dir: str = "runs"
+    out_dir: str = "runs"  # where run folders go (<out_dir>/<run_id>/)
+    # [[nodes]] tables: kind = "local" or "ssh"; default: this machine
     nodes: list[NodeConfig] = msgspec.field(default_factory=lambda: [LocalNodeConfig()])
     sandbox: SandboxConfig = msgspec.field(default_factory=SandboxConfig)
     env_pool: EnvPoolConfig = msgspec.field(default_factory=EnvPoolConfig)

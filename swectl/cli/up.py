@@ -18,6 +18,12 @@ from swectl.config import ClusterConfig, apply_override, decode_config, load_con
 from swectl.errors import ConfigError
 
 EPILOG = """\
+examples:
+  swectl up                              the embedded default: one local node, the tiny model, GRPO
+  swectl up cluster.toml --set train.data.sft_steps=200
+                                         SFT on gold trajectories of the train split first, then GRPO
+  swectl up --resume runs/<run_id>       go on from the run's last checkpoint
+
 outputs (in <out_dir>/<run_id>/, or the --resume folder):
   metrics.jsonl, tensorboard/   per-step loss, reward, resolve rate, clip fractions, grad norm, timings
   steps.jsonl                   each step's tasks and groups (what was trained on)
