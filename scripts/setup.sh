@@ -17,7 +17,9 @@ say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 need_root() { [ "$(id -u)" = 0 ] || { echo "setup: $1 needs root (run with sudo)" >&2; exit 1; }; }
 
 # --- 1. system packages -------------------------------------------------------------------------
-PKGS=(podman runc catatonit conmon debootstrap uidmap openssh-server iproute2 git patch python3-venv)
+# chromium + chromium-driver: the browser tests of `swectl view` (headless, driven by selenium)
+PKGS=(podman runc catatonit conmon debootstrap uidmap openssh-server iproute2 git patch python3-venv chromium
+      chromium-driver)
 missing=()
 for p in "${PKGS[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -118,9 +118,9 @@ class EnvPoolConfig(_Section):
     nodes: list[NodeName] = []  # node names that host sandboxes; empty = all nodes
     warm: NonNegative = 4  # sandboxes kept started ahead of demand (for sandbox.image)
     lease_ttl_s: Positive = 300.0  # a lease whose holder stops heartbeating this long expires (its sandbox goes)
-    health_interval_s: Positive = 5.0  # how often idle and leased sandboxes are pinged
-    health_timeout_s: Positive = 15.0  # a ping unanswered this long marks the sandbox lost
-    start_retries: NonNegative = 2  # failed sandbox starts retried (on another node where there is one)
+    health_interval_s: Positive = 5.0  # how often every node is probed (a node that fails loses its leases)
+    health_timeout_s: Positive = 15.0  # a node probe unanswered this long marks the node lost
+    start_retries: NonNegative = 2  # failed sandbox starts retried (on the node the placement picks next)
 
 
 class EngineConfig(_Section):

@@ -23,7 +23,8 @@ LAYERS = {
     "logic": {"swectl.agent", "swectl.engine", "swectl.grading", "swectl.tasks", "swectl.images", "swectl.model",
               "swectl.rl", "swectl.data", "swectl.remote.nodes", "swectl.remote.programs", "swectl.testing"},
     "actors": {"swectl.actors"},
-    "commands": {"swectl.cli", "swectl.eval", "swectl.serve", "swectl.synth", "swectl.train"},
+    "commands": {"swectl.cli", "swectl.eval", "swectl.serve", "swectl.synth", "swectl.train",
+                 "swectl.view"},
 }
 LAYER_ORDER = list(LAYERS)
 # test infrastructure: the product never imports it

@@ -37,6 +37,7 @@ examples:
   swectl eval --model runs/models/tiny-qwen3 --slice 0:4   run the agent with it and grade
   swectl serve --port 18090               the sandbox fleet over HTTP for slime / OpenClaw-RL swe-rl rollouts
   swectl plot runs/train-1               draw a training run's learning curves into runs/train-1/plots/
+  swectl view runs/train-1               look at a run in a browser: curves, tasks, every episode
   swectl -v eval --gold                  also print what happens inside the run (restarts, retries, ...)
 """
 
@@ -52,6 +53,7 @@ COMMANDS = {
     "model": "model",
     "plot": "plot",
     "serve": "serve",
+    "view": "view",
 }
 # signals that stop a command like Ctrl-C does
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
