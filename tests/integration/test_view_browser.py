@@ -112,6 +112,14 @@ def test_curves_episodes_filters_and_a_live_step(browser: webdriver.Chrome, serv
     assert "resolved" in browser.find_element(By.ID, "verdict").text
     assert "format error" in browser.page_source and "PASSED" in browser.find_element(By.ID, "log").text
 
+    # two episodes of one group side by side
+    _wait(browser, lambda d: d.find_element(By.ID, "nav-episodes").click() or True)
+    row = '#episodes tr.ep[data-id="episodes/step_000001/calc-1__0"]'
+    _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, row).click() or True)
+    _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, '#compare button[data-id$="calc-1__1"]').click() or True)
+    _wait(browser, lambda d: d.find_element(By.ID, "diff-b") and d.find_element(By.ID, "diff"))
+    assert "+return a + b" in browser.find_element(By.ID, "diff-b").text
+
 
 def test_the_export_opens_from_disk_without_a_server(browser: webdriver.Chrome, tmp_path: Path) -> None:
     run = make_up_run(tmp_path / "run", steps=STEPS)
