@@ -376,6 +376,8 @@ class Engines:
                                                           api_key=self._api_key))
                         assert s.client is not None
                         if await s.client.health(timeout_s=5):
+                            _log.info("engine server %d (%s) is up on %s at %s", s.index, cfg.kind, s.host.node.name,
+                                      s.url)
                             return True
                     with anyio.move_on_after(0.5):
                         await s.changed.wait()

@@ -59,6 +59,7 @@ class _NodeSlot:
     warm: list[Sandbox] = field(default_factory=list)
     failures: int = 0
     last_problem: str = ""
+    granted: int = 0  # leases given out on this node, for the run's log
 
     @property
     def load(self) -> int:
@@ -179,8 +180,9 @@ class EnvPool:
                         "no node is usable: "
                         + "; ".join(f"{s.config.name}: {s.last_problem}" for s in self._slots)
                     )
-                _log.info("env pool %s: %s sandboxes on %d node(s)", self.run_id, self._sandbox.backend,
-                          sum(slot.healthy for slot in self._slots))  # fmt: skip
+                _log.info("env pool %s: %s sandboxes on %d node(s): %s", self.run_id, self._sandbox.backend,
+                          sum(slot.healthy for slot in self._slots),
+                          ", ".join(s.config.name for s in self._slots if s.healthy))  # fmt: skip
                 tg.start_soon(self._health_loop, name="env_pool health")
                 tg.start_soon(self._expiry_loop, name="env_pool lease expiry")
                 tg.start_soon(self._warm_loop, name="env_pool warm")
@@ -189,6 +191,9 @@ class EnvPool:
             finally:
                 self._closed = True
                 self._notify()
+                if self._counts["granted"]:
+                    _log.info("env pool %s: leases per node: %s", self.run_id,
+                              ", ".join(f"{slot.config.name} {slot.granted}" for slot in self._slots))
                 with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_TIMEOUT_S):
                     await self._shutdown()
                 tg.cancel_scope.cancel("env pool stopped")
@@ -308,6 +313,7 @@ class EnvPool:
         lease = Lease(self, slot, sandbox)
         slot.leases.add(lease)
         self._counts["granted"] += 1
+        slot.granted += 1
         return lease
 
     async def _take_warm(self) -> Lease | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import tomllib
 from collections.abc import Iterator
@@ -194,3 +195,65 @@ async def test_a_rank_killed_on_the_second_node_is_noticed_at_once(model: Path, 
     assert "exited with" in str(error), str(error)
     assert noticed < 60, noticed  # torchrun's agent on the first node may see it first: either node is named
     assert not _ranks(str(tmp_path))  # both nodes' ranks are gone
+
+
+def test_one_swectl_up_across_nodes_trains_and_resumes(model: Path, fleet: testnodes.TestNodes,
+                                                       tmp_path: Path) -> None:
+    """Sandboxes on both nodes, the engine on the first, one trainer rank on each: `swectl up` trains two steps,
+    then --resume goes on to a third; swectl.log says where each part ran."""
+    import subprocess
+    import sys
+
+    first, second = fleet.nodes
+    names = f'["{first.name}", "{second.name}"]'
+    config = tmp_path / "cluster.toml"
+    config.write_text(f'out_dir = "{tmp_path / "runs"}"\nrun_id = "fleet"\n\n'
+                      + fleet.cluster_toml(extra_node_fields="connect_timeout_s = 5") + f"""
+[sandbox]
+backend = "podman"
+
+[env_pool]
+nodes = {names}
+warm = 0
+
+[engine]
+nodes = ["{first.name}"]
+
+[trainer]
+nodes = {names}
+nproc_per_node = 1
+start_timeout_s = 300
+
+[rollout]
+step_limit = 1
+max_tokens = 16
+
+[train]
+model = "{model}"
+steps = 2
+save_every = 1
+concurrency = 4
+
+[train.sampling]
+tasks_per_step = 2
+n_samples = 2
+dynamic_sampling = false
+""")
+    run = tmp_path / "runs" / "fleet"
+    cli = [sys.executable, "-m", "swectl.cli.main", "-v", "up", str(config)]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["steps"] == 2
+    said = done.stderr
+    assert f"trainer: rank 0 is up on {first.name}" in said and f"trainer: rank 1 is up on {second.name}" in said, said
+    again = subprocess.run([*cli, "--resume", str(run), "--steps", "3"], capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "resuming after step 2" in again.stderr, again.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in (run / "steps.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    log = (run / "swectl.log").read_text()  # where each part ran
+    assert f"podman sandboxes on 2 node(s): {first.name}, {second.name}" in log, log
+    assert re.search(rf"engine server 0 \(cpu\) is up on {first.name} at http://{re.escape(first.host)}:", log), log
+    assert f"rank 1 is up on {second.name}" in log, log
+    leases = re.findall(rf"leases per node: {first.name} (\d+), {second.name} (\d+)", log)
+    assert leases and all(int(a) + int(b) > 0 for a, b in leases), log
