@@ -37,7 +37,7 @@ import anyio.abc
 import msgspec
 
 from swectl.actors.engines import FREE_PORT, EngineHost
-from swectl.config import TrainerConfig
+from swectl.config import TrainerConfig, ranks_per_node
 from swectl.errors import InfraError, SwectlError
 from swectl.remote.nodes.node import NodeProcess
 from swectl.remote.nodes.supervisor import SUPERVISOR, copy_output, stop_supervised
@@ -230,7 +230,7 @@ class Trainer:
 
     def _rank_up(self, rank: int, node: str) -> None:
         self._ranks_up.add(rank)
-        world = self._config.nproc_per_node * len(self._launches)
+        world = sum(ranks_per_node(self._config, len(self._launches)))
         line = f"trainer: rank {rank} is up on {node} ({len(self._ranks_up)} of {world} ranks)"
         _log.info(line)
         if self._progress is not None:
@@ -267,7 +267,8 @@ class Trainer:
         cfg = self._config
         python = cfg.python or sys.executable
         first = self._launches[0].host
-        argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc_per_node)]
+        ranks = ranks_per_node(cfg, len(self._launches))[launch.index]
+        argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
         if len(self._launches) > 1:
             argv += ["--nnodes", str(len(self._launches)), "--node-rank", str(launch.index),
                      "--master-addr", first.address, "--master-port", str(port)]

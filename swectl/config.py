@@ -194,6 +194,12 @@ class PrmConfig(_Section):
     timeout_s: Positive = 120.0  # per request
 
 
+def ranks_per_node(trainer: TrainerConfig, nodes: int) -> list[int]:
+    """``trainer.nproc_per_node`` as one count per trainer node."""
+    ranks = trainer.nproc_per_node
+    return list(ranks) if isinstance(ranks, list) else [ranks] * nodes
+
+
 class TrainerConfig(_Section):
     """The [trainer] section: where and how the torchrun FSDP2 workers run (remote/programs/trainer.py).
 
@@ -203,7 +209,9 @@ class TrainerConfig(_Section):
     """
 
     nodes: list[NodeName] = []  # nodes that run trainer ranks; empty = the first node
-    nproc_per_node: Count = 2  # torchrun ranks per trainer node (one per GPU on GPU nodes)
+    # torchrun ranks per trainer node (one per GPU on GPU nodes): one number for every node, or one per node of
+    # trainer.nodes in that order (e.g. [2, 1]: two ranks on the first node, one on the second)
+    nproc_per_node: Count | list[Count] = 2
     python: str = ""  # the node's interpreter with swectl[cpu] (torch, transformers); "" = this controller's
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # torch.distributed backend: auto = nccl with GPUs, gloo on CPU
     threads_per_rank: Count = 1  # torch.set_num_threads in each rank (two ranks must not fight over 2 cores)
@@ -547,6 +555,10 @@ def check_config(config: ClusterConfig) -> list[str]:
     if config.train.optim.warmup_steps >= train.steps and config.train.optim.warmup_steps:
         problems.append(f"train.optim.warmup_steps ({config.train.optim.warmup_steps}) must be below train.steps "
                         f"({train.steps})")
+    ranks = config.trainer.nproc_per_node
+    if isinstance(ranks, list) and len(ranks) != len(config.trainer.nodes or config.nodes[:1]):
+        problems.append(f"trainer.nproc_per_node = {ranks}: one number per node of trainer.nodes "
+                        f"({len(config.trainer.nodes or config.nodes[:1])}), or one number for every node")
     if config.engine.port and config.engine.replicas > 1:
         problems.append(f"engine.port = {config.engine.port} with engine.replicas = {config.engine.replicas}: "
                         "servers on one node need different ports; set engine.port = 0 (free ports)")

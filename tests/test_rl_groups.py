@@ -258,6 +258,7 @@ def test_truncated_reward_is_checked_against_the_other_rewards_and_the_mask() ->
     ("reward.resolved=0.0", "reward.resolved"),
     ("trainer.nodes=['gpu9']", "trainer.nodes"),
     ("train.optim.lr=0", "lr"),
+    ("trainer.nproc_per_node=[2, 1]", "one number per node of trainer.nodes"),
 ])
 def test_train_config_errors_name_the_knob(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -33,7 +33,7 @@ from swectl.actors.judge import Judge
 from swectl.actors.metrics import Metrics, StepProgress
 from swectl.actors.rollout import EpisodeResult
 from swectl.actors.trainer import Trainer, TrainerLostError
-from swectl.config import ClusterConfig, TrainConfig
+from swectl.config import ClusterConfig, TrainConfig, ranks_per_node
 from swectl.engine.client import SglangClient
 from swectl.errors import ConfigError
 from swectl.logs import write_run_log
@@ -141,10 +141,10 @@ class Controller:
                 engines = Engines(cfg.engine, model=self.state.weights, hosts=ehosts,
                                   log_dir=self.run_dir / "engine-logs")
                 self.say(f"starting {len(ehosts) * cfg.engine.replicas} {cfg.engine.kind} engine server(s) and the "
-                         f"trainer ({cfg.trainer.nproc_per_node} ranks x {len(thosts)} node(s))")
+                         f"trainer ({_ranks(cfg, thosts)})")
                 await tg.start(engines.run, name="engines")
             else:
-                self.say(f"starting the trainer ({cfg.trainer.nproc_per_node} ranks x {len(thosts)} node(s))")
+                self.say(f"starting the trainer ({_ranks(cfg, thosts)})")
             self._trainer_was_ready = False
             ready = await tg.start(trainer.run, name="trainer")
             self._trainer_was_ready = True
@@ -350,6 +350,14 @@ class Controller:
             return
         rate = await rollouts.evaluate(self.plan.test_tasks, metrics, step)
         self.say(f"eval after step {step}: {rate:.0%} of held-out episodes resolved")
+
+
+def _ranks(config: ClusterConfig, hosts: list[Any]) -> str:
+    """"2 ranks x 1 node(s)", or "3 ranks on 2 node(s) (2 + 1)" when the nodes' counts differ."""
+    ranks = ranks_per_node(config.trainer, len(hosts))
+    if len(set(ranks)) == 1:
+        return f"{ranks[0]} ranks x {len(hosts)} node(s)"
+    return f"{sum(ranks)} ranks on {len(hosts)} node(s) ({' + '.join(map(str, ranks))})"
 
 
 async def _close_at_cancel(client: SglangClient) -> None:

@@ -67,12 +67,12 @@ def _netns_of_ranks(marker: str) -> set[str]:
 
 
 async def _run(fleet: testnodes.TestNodes, body, settings: TrainerSettings,  # type: ignore[no-untyped-def]
-               said: list[str] | None = None) -> None:
-    """A trainer with one rank on each test node; ``body(trainer, ready)`` runs once it is ready; its progress
-    lines go to ``said``."""
+               said: list[str] | None = None, ranks: int | list[int] = 1) -> None:
+    """A trainer with ``ranks`` on each test node (one count, or one per node); ``body(trainer, ready)`` runs once
+    it is ready; its progress lines go to ``said``."""
     config = decode_config(tomllib.loads(fleet.cluster_toml(extra_node_fields="connect_timeout_s = 5")))
     async with engine_hosts([config.node(n.name) for n in fleet.nodes]) as hosts:
-        trainer = Trainer(TrainerConfig(nproc_per_node=1, start_timeout_s=300, step_timeout_s=300), settings,
+        trainer = Trainer(TrainerConfig(nproc_per_node=ranks, start_timeout_s=300, step_timeout_s=300), settings,
                           hosts, log_dir=Path(settings.out_dir), progress=None if said is None else said.append)
         async with anyio.create_task_group() as tg:
             ready = await tg.start(trainer.run)
@@ -123,6 +123,47 @@ async def test_two_nodes_train_the_golden_steps_and_resume(model: Path, fleet: t
         assert seen[key] == pytest.approx(value, rel=TOLERANCE, abs=1e-7), (key, seen[key], value)
     assert seen["resumed_grpo_3"] == pytest.approx(seen["grpo_3"], rel=1e-5)
     assert not _netns_of_ranks(str(tmp_path))
+
+
+async def test_two_ranks_on_one_node_and_one_on_the_other_match_three_ranks_on_one(
+        model: Path, fleet: testnodes.TestNodes, tmp_path: Path) -> None:
+    """trainer.nproc_per_node = [2, 1]: a world of three over two nodes gives the losses of three ranks on this
+    machine (the same world size gives the same sums)."""
+    vocab = _vocab(model)
+    steps = ((1, "sft"), (2, "grpo"))
+
+    async def losses(trainer: Trainer, frames: bool) -> list[float]:
+        out = []
+        with BatchWriter() as writer:
+            for step, algorithm in steps:
+                ref = writer.write(synthetic_batch(step, algorithm, vocab, seed=step))
+                reply = await trainer.step(step, ref, frame_bytes=writer.frame_bytes(ref) if frames else None)
+                assert not reply.skipped, reply.reason
+                out.append(reply.metrics["loss"])
+        return out
+
+    split: list[float] = []
+    said: list[str] = []
+
+    async def across(trainer: Trainer, ready) -> None:  # type: ignore[no-untyped-def]
+        assert ready.world_size == 3
+        where = sorted(_ranks(str(tmp_path / "split")).values())
+        assert where == sorted([fleet.nodes[0].netns, fleet.nodes[0].netns, fleet.nodes[1].netns]), where
+        split.extend(await losses(trainer, True))
+
+    with anyio.fail_after(600):
+        await _run(fleet, across, _settings(model, tmp_path / "split"), said, ranks=[2, 1])
+    assert any(line.endswith("(3 of 3 ranks)") for line in said), said
+    local: list[float] = []
+    async with engine_hosts([decode_config({}).nodes[0]]) as hosts:
+        trainer = Trainer(TrainerConfig(nproc_per_node=3, start_timeout_s=300, step_timeout_s=300),
+                          _settings(model, tmp_path / "local"), hosts, log_dir=tmp_path / "local")
+        with anyio.fail_after(600):
+            async with anyio.create_task_group() as tg:
+                await tg.start(trainer.run)
+                local.extend(await losses(trainer, trainer.stream_frames))
+                tg.cancel_scope.cancel()
+    assert split == pytest.approx(local, rel=TOLERANCE, abs=1e-7), (split, local)
 
 
 async def test_a_node_that_cannot_reach_the_rendezvous_is_named_at_once(model: Path, fleet: testnodes.TestNodes,
