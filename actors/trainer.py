@@ -73,6 +73,9 @@ TAIL_LINES = 40
 # torchrun's ChildFailedError summary, printed after it, pushes out of the tail.
 _EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[A-Za-z_]\w*\.)*([A-Z]\w*(?:Error|Exception)): ")
 ERROR_LINES = 3
+# Ranks on several nodes: how long a request that failed waits for a node's connection to be known gone, so the
+# error names the node that went away (SSH keepalives notice it: keepalive_interval_s x keepalive_count_max)
+NODE_LOSS_GRACE_S = 20.0
 # The rendezvous check: a listener on the first trainer node (address, port, seconds, connections) that answers each
 # connection and exits after the last, and a client on each other node (address, port, seconds) that exits 1 with
 # its error.
@@ -379,10 +382,10 @@ class Trainer:
                     await self._stream.send(frame(request))
                     reply = await self._receive()
             except TimeoutError:
-                raise self._lost(self._launches[0], f"did not finish {what} within {self._config.step_timeout_s:.0f}"
-                                 " s (trainer.step_timeout_s)") from None
+                raise await self._named_loss(f"did not finish {what} within {self._config.step_timeout_s:.0f} s "
+                                             "(trainer.step_timeout_s)") from None
             except (OSError, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-                raise self._lost(self._launches[0], f"closed the control connection during {what} ({exc})") from None
+                raise await self._named_loss(f"closed the control connection during {what} ({exc})") from None
         if isinstance(reply, Failed):
             if reply.fatal or await self._exited_soon():
                 raise self._lost(self._first_exited(), f"failed {what}: {reply.message}")
@@ -395,6 +398,22 @@ class Trainer:
         with anyio.move_on_after(grace_s):
             await self._exited.wait()
         return self._exited.is_set()
+
+    async def _named_loss(self, what: str) -> TrainerLostError:
+        """Rank 0 stopped answering. With ranks on several nodes the cause is often another node that went away
+        (its network: rank 0's collective fails first): wait up to NODE_LOSS_GRACE_S for a node's connection to be
+        known gone (SSH keepalives) and name that node; else name rank 0's."""
+        first = self._launches[0]
+        if len(self._launches) > 1:  # a node's liveness has no event to wait on: look four times a second
+            for _ in range(int(NODE_LOSS_GRACE_S * 4)):
+                if not all(launch.host.node.alive for launch in self._launches):
+                    break
+                await anyio.sleep(0.25)
+        gone = next((launch for launch in self._launches if not launch.host.node.alive), None)
+        if gone is not None and gone is not first:
+            return self._lost(gone, f"lost its node (the connection to {gone.host.node.name} dropped); rank 0 on "
+                                    f"{first.host.node.name} {what}")
+        return self._lost(first, what)
 
     def _first_exited(self) -> _Launch:
         return next((launch for launch in self._launches if launch.exit_code is not None), self._launches[0])

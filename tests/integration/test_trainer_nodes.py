@@ -190,6 +190,78 @@ async def test_a_node_that_cannot_reach_the_rendezvous_is_named_at_once(model: P
     assert not _netns_of_ranks(str(tmp_path))  # no rank was started
 
 
+async def test_a_node_that_loses_its_network_mid_run_is_named_and_the_checkpoint_stays(
+        model: Path, fleet: testnodes.TestNodes, tmp_path: Path) -> None:
+    """The second node's network goes (packets vanish, nothing closes) after a checkpoint: the next step ends in
+    TrainerLostError naming that node within a minute, and the checkpoint written before is whole."""
+    vocab = _vocab(model)
+    second = fleet.nodes[1]
+    ckpt = tmp_path / "ckpt"
+    config = decode_config(tomllib.loads(fleet.cluster_toml(
+        extra_node_fields="connect_timeout_s = 5\nkeepalive_interval_s = 1\nkeepalive_count_max = 3")))
+    started = 0.0
+    try:
+        with pytest.raises(BaseException) as caught, anyio.fail_after(400):
+            async with engine_hosts([config.node(n.name) for n in fleet.nodes]) as hosts:
+                trainer = Trainer(TrainerConfig(nproc_per_node=1, start_timeout_s=300, step_timeout_s=120),
+                                  _settings(model, tmp_path / "run"), hosts, log_dir=tmp_path)
+                async with anyio.create_task_group() as tg:
+                    await tg.start(trainer.run)
+                    with BatchWriter() as writer:
+                        ref = writer.write(synthetic_batch(1, "sft", vocab, seed=1))
+                        await trainer.step(1, ref, frame_bytes=writer.frame_bytes(ref))
+                        await trainer.checkpoint(1, ckpt)
+                        await anyio.to_thread.run_sync(second.cut_network)
+                        started = time.monotonic()
+                        ref = writer.write(synthetic_batch(2, "sft", vocab, seed=2))
+                        await trainer.step(2, ref, frame_bytes=writer.frame_bytes(ref))
+    finally:
+        await anyio.to_thread.run_sync(second.restore_network)
+    took = time.monotonic() - started
+    error = caught.value
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, TrainerLostError), repr(caught.value)
+    assert second.name in str(error), str(error)
+    assert took < 90, took
+    assert (ckpt / ".metadata").is_file() or any(ckpt.rglob(".metadata")), sorted(ckpt.rglob("*"))
+
+
+async def test_a_rendezvous_port_that_is_taken_is_named_at_once(model: Path, fleet: testnodes.TestNodes,
+                                                                 tmp_path: Path) -> None:
+    """trainer.rdzv_port fixed to a port something else holds on the first node: one line naming it, no rank."""
+    import sys
+
+    first = fleet.nodes[0]
+    holder = await anyio.open_process(["ip", "netns", "exec", first.netns, sys.executable, "-c",
+                                       "import socket, time; s = socket.create_server(('0.0.0.0', 0)); "
+                                       "print(s.getsockname()[1], flush=True); time.sleep(600)"])
+    try:
+        assert holder.stdout is not None
+        with anyio.fail_after(30):
+            port = int((await holder.stdout.receive()).decode().split()[0])
+        config = decode_config(tomllib.loads(fleet.cluster_toml(extra_node_fields="connect_timeout_s = 5")))
+        async with engine_hosts([config.node(n.name) for n in fleet.nodes]) as hosts:
+            trainer = Trainer(TrainerConfig(nproc_per_node=1, rdzv_port=port, start_timeout_s=300), _settings(
+                model, tmp_path), hosts, log_dir=tmp_path)
+            started = time.monotonic()
+            with pytest.raises(BaseException) as caught, anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+                    await tg.start(trainer.run)
+            took = time.monotonic() - started
+    finally:
+        holder.kill()
+        await holder.aclose()
+    error = caught.value
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, TrainerLostError), repr(caught.value)
+    assert f"{first.name} cannot listen on the rendezvous port {port}" in str(error), str(error)
+    assert "Address already in use" in str(error), str(error)
+    assert took < 60, took
+    assert not _netns_of_ranks(str(tmp_path))
+
+
 async def test_nodes_check_reports_trainer_nodes_that_cannot_reach_each_other(fleet: testnodes.TestNodes) -> None:
     from swectl.cli.nodes import check_nodes
 
