@@ -370,3 +370,26 @@ dynamic_sampling = false
     assert f"rank 1 is up on {second.name}" in log, log
     leases = re.findall(rf"leases per node: {first.name} (\d+), {second.name} (\d+)", log)
     assert leases and all(int(a) + int(b) > 0 for a, b in leases), log
+
+    # a rank killed on the second node: the run restarts the trainer on both nodes from the last checkpoint
+    readies = (run / "swectl.log").read_text().count("trainer ready")
+    proc = subprocess.Popen([*cli, "--resume", str(run), "--steps", "4"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        victims: list[int] = []
+        while not victims and time.monotonic() < deadline and proc.poll() is None:
+            if (run / "swectl.log").read_text().count("trainer ready") > readies:  # past start: a loss to restart
+                victims = [pid for pid, netns in _ranks(str(run)).items() if netns == second.netns]
+            time.sleep(0.2)
+        assert victims, "no rank came up on the second node"
+        os.kill(victims[0], 9)
+        _, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    assert "trainer lost" in err and "restart 1/" in err, err[-4000:]
+    steps = [json.loads(line)["step"] for line in (run / "steps.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert not _ranks(str(run))
