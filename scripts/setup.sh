@@ -17,9 +17,10 @@ say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 need_root() { [ "$(id -u)" = 0 ] || { echo "setup: $1 needs root (run with sudo)" >&2; exit 1; }; }
 
 # --- 1. system packages -------------------------------------------------------------------------
-# chromium + chromium-driver: the browser tests of `swectl view` (headless, driven by selenium)
+# chromium + chromium-driver: the browser tests of `swectl view` (headless, driven by selenium); faketime: a
+# trainer node whose clock runs ahead (tests)
 PKGS=(podman runc catatonit conmon debootstrap uidmap openssh-server iproute2 git patch python3-venv chromium
-      chromium-driver)
+      chromium-driver faketime)
 missing=()
 for p in "${PKGS[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -227,6 +227,50 @@ async def test_a_node_that_loses_its_network_mid_run_is_named_and_the_checkpoint
     assert (ckpt / ".metadata").is_file() or any(ckpt.rglob(".metadata")), sorted(ckpt.rglob("*"))
 
 
+async def test_nodes_whose_clocks_differ_train_the_golden_steps(model: Path, fleet: testnodes.TestNodes,
+                                                                 tmp_path: Path) -> None:
+    """The second node's trainer processes run two hours ahead (libfaketime, through trainer.python): nothing in
+    the rendezvous, the steps or the checkpoint compares wall clocks across nodes, so the losses are the golden
+    ones."""
+    import shutil
+    import sys
+
+    faketime = shutil.which("faketime")
+    assert faketime, "faketime comes from scripts/setup.sh (apt)"
+    second = fleet.nodes[1]
+    marker = tmp_path / "skewed"
+    python = tmp_path / "python"
+    python.write_text(f"""#!/bin/sh
+if [ "$(ip netns identify $$)" = "{second.netns}" ]; then
+    touch {marker}
+    exec {faketime} -f "+2h" {sys.executable} "$@"
+fi
+exec {sys.executable} "$@"
+""")
+    python.chmod(0o755)
+    vocab = _vocab(model)
+    golden = json.loads(GOLDEN.read_text())
+    seen: dict[str, float] = {}
+    config = decode_config(tomllib.loads(fleet.cluster_toml(extra_node_fields="connect_timeout_s = 5")))
+    with anyio.fail_after(600):
+        async with engine_hosts([config.node(n.name) for n in fleet.nodes]) as hosts:
+            trainer = Trainer(TrainerConfig(nproc_per_node=1, python=str(python), start_timeout_s=300,
+                                            step_timeout_s=300), _settings(model, tmp_path / "run"), hosts,
+                              log_dir=tmp_path)
+            async with anyio.create_task_group() as tg:
+                await tg.start(trainer.run)
+                with BatchWriter() as writer:
+                    for step, algorithm in ((1, "sft"), (2, "sft")):
+                        ref = writer.write(synthetic_batch(step, algorithm, vocab, seed=step))
+                        reply = await trainer.step(step, ref, frame_bytes=writer.frame_bytes(ref))
+                        seen[f"{algorithm}_{step}"] = reply.metrics["loss"]
+                await trainer.checkpoint(2, tmp_path / "ckpt")
+                tg.cancel_scope.cancel()
+    assert marker.exists()  # the second node's ranks did run skewed
+    for key, value in seen.items():
+        assert value == pytest.approx(golden[key], rel=TOLERANCE, abs=1e-7), (key, value, golden[key])
+
+
 async def test_a_rendezvous_port_that_is_taken_is_named_at_once(model: Path, fleet: testnodes.TestNodes,
                                                                  tmp_path: Path) -> None:
     """trainer.rdzv_port fixed to a port something else holds on the first node: one line naming it, no rank."""
