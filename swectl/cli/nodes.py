@@ -130,7 +130,7 @@ async def _check_one(
                 if not report["exec_ok"]:
                     problems.append(f"a test command failed in a sandbox: {result.output[-500:]}")
         except InfraError as exc:
-            problems.append(f"{exc} -- hint: see ../shared/MACHINE.md for podman on this kind of host")
+            problems.append(f"{exc} -- hint: see docs/sandboxes.md (podman, runc, the bundled containers.conf)")
     if scope.cancelled_caught:
         problems.append(f"check did not finish within {timeout_s}s -- hint: is the node overloaded?")
     report["ok"] = not problems
