@@ -42,6 +42,8 @@ class StepSamples(msgspec.Struct, kw_only=True):
 
 
 class SampleSource(Protocol):
+    """Where a step's samples come from: ``next(step)`` gives them, ``save(state)`` records the position."""
+
     async def next(self, step: int) -> StepSamples: ...
 
     def save(self, state: RunState) -> None: ...

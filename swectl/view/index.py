@@ -42,6 +42,8 @@ class EpisodeRow(msgspec.Struct, kw_only=True):
 
 
 class RunSummary(msgspec.Struct, kw_only=True):
+    """A run as the page's header and config table show it."""
+
     name: str
     path: str
     kind: str  # "up" or "eval"
