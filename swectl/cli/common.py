@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +14,25 @@ if TYPE_CHECKING:
     from swectl.tasks.record import Task
 
 SHOWN_SKIPPED_ROWS = 10
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a --host to bind is reachable from this machine only."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_key_file(path: Path) -> str:
+    """The key in an --api-key-file (stripped); ConfigError when it cannot be read or is empty."""
+    try:
+        key = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"--api-key-file {path}: cannot read: {exc.strerror or exc}") from exc
+    if not key:
+        raise ConfigError(f"--api-key-file {path}: the file is empty")
+    return key
 
 
 def say(msg: str) -> None:

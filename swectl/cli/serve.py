@@ -13,7 +13,7 @@ from pathlib import Path
 
 import anyio
 
-from swectl.cli.common import config_args, load_task_set, output_dir, say
+from swectl.cli.common import config_args, is_loopback, load_task_set, output_dir, read_key_file, say
 from swectl.config import load_config
 from swectl.errors import ConfigError
 from swectl.images.project import BUNDLED_TASKS
@@ -117,13 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key_file is not None:
-        try:
-            key = args.api_key_file.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"--api-key-file {args.api_key_file}: cannot read: {exc.strerror or exc}") from exc
-        if not key:
-            raise ConfigError(f"--api-key-file {args.api_key_file}: the file is empty")
-        return key
+        return read_key_file(args.api_key_file)
     return os.environ.get(API_KEY_ENV, "").strip() or None
 
 
@@ -148,11 +142,7 @@ def _check_exposure(host: str, api_key: str | None, allow_from: Sequence[str] = 
     sandboxes."""
     if api_key is not None or allow_from:
         return
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
+    if not is_loopback(host):
         raise ConfigError(f"--host {host} is reachable from other machines and the API runs commands in sandboxes: "
                           f"set an API key (${API_KEY_ENV} or --api-key-file FILE), list the client networks "
                           "(--allow-from CIDR), or bind 127.0.0.1")

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import socket
 import sys
 from pathlib import Path
 
 import anyio
 
-from swectl.cli.common import say
+from swectl.cli.common import is_loopback, read_key_file, say
 from swectl.errors import ConfigError
 
 _DESCRIPTION = """\
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         episodes = sum(len(r.episodes) for r in runs)
         say(f"wrote {args.html} ({len(runs)} run(s), {episodes} episodes; opens without a server or network)")
         return 0
-    api_key = _api_key(args.api_key_file)
+    api_key = read_key_file(args.api_key_file) if args.api_key_file is not None else None
     _check_exposure(args.host, api_key)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: expected 0..65535")
@@ -74,26 +73,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _api_key(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        key = path.read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"--api-key-file {path}: cannot read: {exc.strerror or exc}") from exc
-    if not key:
-        raise ConfigError(f"--api-key-file {path}: the file is empty")
-    return key
-
-
 def _check_exposure(host: str, api_key: str | None) -> None:
     """Off loopback the page shows every command and output of the runs: it needs a key."""
-    if api_key is not None:
-        return
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
+    if api_key is None and not is_loopback(host):
         raise ConfigError(f"--host {host} is reachable from other machines: give --api-key-file FILE (the page's "
                           "address then carries ?key=...), or bind 127.0.0.1")
