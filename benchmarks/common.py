@@ -16,10 +16,12 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import anyio
 
 FORMAT_VERSION = 1
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -204,3 +206,18 @@ def host_meta() -> dict[str, Any]:
         "python": platform.python_version(),
         "loadavg_start": loadavg(),
     }
+
+
+async def run_each(fn: Callable[[Any], Awaitable[None]], items: Iterable[Any], at_once: float = math.inf) -> float:
+    """fn(item) for all items at once, at most ``at_once`` at a time; returns the seconds it took."""
+    limiter = anyio.CapacityLimiter(at_once)
+
+    async def one(item: Any) -> None:
+        async with limiter:
+            await fn(item)
+
+    start = time.perf_counter_ns()
+    async with anyio.create_task_group() as tg:
+        for item in items:
+            tg.start_soon(one, item)
+    return ms_since(start) / 1000

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import re
 import shlex
@@ -61,6 +60,7 @@ from common import (
     ms_since,
     percentile,
     result_table,
+    run_each,
     summarize,
     write_results,
 )
@@ -941,7 +941,7 @@ class _Batch:
             except (InfraError, TimeoutError) as exc:
                 self.problems.append(f"create: {type(exc).__name__}: {exc}")
 
-        return await _each(create_one, range(count), CREATE_CONCURRENCY)
+        return await run_each(create_one, range(count), CREATE_CONCURRENCY)
 
     async def exec_all(self) -> float:
         """exec('echo ok') in every sandbox at once, counting successes in ``exec_ok``; returns seconds."""
@@ -958,28 +958,13 @@ class _Batch:
                 self.problems.append(f"exec in {sandbox.name}: exit {result.exit_code}, output {result.output[:200]!r}")
 
         self.exec_ok = 0
-        return await _each(exec_echo, list(self.sandboxes))
+        return await run_each(exec_echo, list(self.sandboxes))
 
     async def destroy_all(self) -> float | None:
         """Destroy them all (shielded, at most CLEANUP_TIMEOUT_S); the seconds it took, None when cut off."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_S):
-            return round(await _each(lambda sandbox: sandbox.destroy(), self.sandboxes, CREATE_CONCURRENCY), 2)
+            return round(await run_each(lambda sandbox: sandbox.destroy(), self.sandboxes, CREATE_CONCURRENCY), 2)
         return None
-
-
-async def _each(fn: Callable[[Any], Awaitable[None]], items: Iterable[Any], at_once: float = math.inf) -> float:
-    """fn(item) for all items at once, at most ``at_once`` at a time; returns the seconds it took."""
-    limiter = anyio.CapacityLimiter(at_once)
-
-    async def one(item: Any) -> None:
-        async with limiter:
-            await fn(item)
-
-    start = time.perf_counter_ns()
-    async with anyio.create_task_group() as tg:
-        for item in items:
-            tg.start_soon(one, item)
-    return ms_since(start) / 1000
 
 
 @dataclass(frozen=True)

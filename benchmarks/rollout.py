@@ -25,7 +25,7 @@ import anyio
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import Goal, host_meta, percentile, report, summarize  # noqa: E402
+from common import Goal, host_meta, percentile, report, run_each, summarize  # noqa: E402
 
 from swectl.actors.env_pool import running_pool  # noqa: E402
 from swectl.actors.grader import prepare_task  # noqa: E402
@@ -64,17 +64,7 @@ async def real_episodes(tasks: list[Task], concurrency: int, tok, out: Path) -> 
                 engine = ReplayEngine(gold_replies(task.patch), tok)
                 episodes.append(await run_episode(task, lease, engine, tok, EpisodeConfig()))
 
-        limiter = anyio.CapacityLimiter(concurrency)
-
-        async def bounded(task: Task) -> None:
-            async with limiter:
-                await one(task)
-
-        started = time.monotonic()
-        async with anyio.create_task_group() as tg:
-            for t in tasks:
-                tg.start_soon(bounded, t)
-        elapsed = time.monotonic() - started
+        elapsed = await run_each(one, tasks, concurrency)
     return elapsed, episodes
 
 
