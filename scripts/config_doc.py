@@ -86,40 +86,31 @@ def _type_name(kind: Any) -> str:
     return kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
 
 
-def _section_rows(kind: type[msgspec.Struct], value: Any, prefix: str, notes: dict[tuple[str, str], str],
-                  sections: list[tuple[str, type, list[str]]]) -> None:
-    rows: list[str] = []
-    sections.append((prefix.rstrip(".") or "(top level)", kind, rows))
-    for field in msgspec.structs.fields(kind):
-        current = getattr(value, field.name)
-        if isinstance(current, msgspec.Struct):
-            _section_rows(type(current), current, f"{prefix}{field.name}.", notes, sections)
-            continue
-        default = msgspec.json.encode(msgspec.to_builtins(current)).decode()
-        note = notes.get((kind.__name__, field.name), "").replace("|", "\\|")
-        rows.append(f"| `{prefix}{field.name}` | `{_type_name(field.type)}` | `{default}` | {note} |")
+def _row(key: str, owner: type, field: msgspec.structs.FieldInfo, default: str,
+         notes: dict[tuple[str, str], str]) -> str:
+    note = notes.get((owner.__name__, field.name), "").replace("|", "\\|")
+    return f"| `{key}` | `{_type_name(field.type)}` | `{default}` | {note} |"
 
 
 def render() -> str:
     sys.path.insert(0, str(ROOT))
-    from swectl.config import ClusterConfig, LocalNodeConfig, SshNodeConfig
+    from swectl.config import LocalNodeConfig, SshNodeConfig, config_leaves
 
     notes = field_notes(CONFIG_SOURCE.read_text())
-    sections: list[tuple[str, type, list[str]]] = []
-    _section_rows(ClusterConfig, ClusterConfig(), "", notes, sections)
+    sections: dict[str, tuple[type, list[str]]] = {}  # title -> (the section's Struct, its rows)
+    for leaf in config_leaves():
+        _, rows = sections.setdefault(leaf.section or "(top level)", (leaf.owner, []))
+        rows.append(_row(leaf.key, leaf.owner, leaf.field,
+                         msgspec.json.encode(msgspec.to_builtins(leaf.value)).decode(), notes))
     for name, kind in (("nodes[] (kind = \"local\")", LocalNodeConfig), ("nodes[] (kind = \"ssh\")", SshNodeConfig)):
-        rows: list[str] = []
+        sections[name] = (kind, [])
         for field in msgspec.structs.fields(kind):
             default = "(required)" if field.required else msgspec.json.encode(
                 msgspec.to_builtins(field.default if field.default is not msgspec.NODEFAULT
                                     else field.default_factory())).decode()
-            note = notes.get((kind.__name__, field.name), "").replace("|", "\\|")
-            rows.append(f"| `{field.name}` | `{_type_name(field.type)}` | `{default}` | {note} |")
-        sections.append((name, kind, rows))
+            sections[name][1].append(_row(field.name, kind, field, default, notes))
     out = [HEADER]
-    for name, kind, rows in sections:
-        if not rows:
-            continue
+    for name, (kind, rows) in sections.items():
         title = name if name.startswith(("(", "nodes")) else f"[{name}]"
         doc = (kind.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
         out.append(f"## {title}\n\n{doc}\n\n| key | type | default | what it is |\n|---|---|---|---|")

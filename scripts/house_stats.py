@@ -16,8 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -54,19 +52,8 @@ def _functions(path: Path, tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
-def _config_keys(kind: Any, prefix: str = "") -> list[str]:
-    keys = []
-    for field in msgspec.structs.fields(kind):
-        inner = field.type
-        if isinstance(inner, type) and issubclass(inner, msgspec.Struct):
-            keys.extend(_config_keys(inner, f"{prefix}{field.name}."))
-        else:
-            keys.append(prefix + field.name)
-    return keys
-
-
 def collect(top: int) -> dict[str, Any]:
-    from swectl.config import ClusterConfig
+    from swectl.config import config_leaves
 
     layers: dict[str, int] = {}
     files: list[tuple[int, str]] = []
@@ -83,7 +70,7 @@ def collect(top: int) -> dict[str, Any]:
         layers[extra] = sum(_code_lines(p.read_text()) for p in (ROOT / extra).rglob("*.py"))
         for path in (ROOT / extra).rglob("*.py"):
             files.append((_code_lines(path.read_text()), str(path.relative_to(ROOT))))
-    keys = _config_keys(ClusterConfig)
+    keys = [leaf.key for leaf in config_leaves()]
     sections: dict[str, int] = {}
     for key in keys:
         section = key.split(".")[0]

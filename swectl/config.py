@@ -12,8 +12,9 @@ import difflib
 import os
 import re
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, NamedTuple, get_args
 
 import msgspec
 
@@ -648,6 +649,29 @@ def _hint_for(message: str) -> str:
     if "Expected" in message:
         return "\n  hint: check the value's type (strings need quotes, numbers must not have them)"
     return ""
+
+
+class ConfigLeaf(NamedTuple):
+    """One key of the config as ``--set`` names it, with the section Struct that declares it and its value."""
+
+    key: str  # "train.optim.lr"
+    section: str  # "train.optim"; "" at the top level
+    owner: type[msgspec.Struct]
+    field: msgspec.structs.FieldInfo
+    value: Any
+
+
+def config_leaves(config: msgspec.Struct | None = None, section: str = "") -> Iterator[ConfigLeaf]:
+    """Every key of ``config`` (default: the embedded default) in declaration order, a section's own keys before
+    its subsections'; for the key-set snapshot, the generated reference and the house stats."""
+    config = ClusterConfig() if config is None else config
+    for field in msgspec.structs.fields(type(config)):
+        value = getattr(config, field.name)
+        key = f"{section}.{field.name}" if section else field.name
+        if isinstance(value, msgspec.Struct):
+            yield from config_leaves(value, key)
+        else:
+            yield ConfigLeaf(key, section, type(config), field, value)
 
 
 def resolved_json(config: ClusterConfig) -> bytes:
