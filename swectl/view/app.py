@@ -18,6 +18,7 @@ import json
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import msgspec
 from starlette.applications import Starlette
@@ -104,8 +105,8 @@ def export_html(runs: list[RunIndex]) -> str:
     for i, run in enumerate(runs):
         data[f"/api/runs/{i}/metrics"] = run.metrics
         data[f"/api/runs/{i}/tasks"] = run.tasks()
-        data[f"/api/runs/{i}/episodes"] = run.episode_rows()
-        for row in run.episode_rows():
+        rows = data[f"/api/runs/{i}/episodes"] = run.episode_rows()
+        for row in rows:
             data[f"/api/runs/{i}/episode?id={_quote(row.id)}"] = run.episode(row.id)
     blob = json.dumps(msgspec.to_builtins(data)).replace("</", "<\\/")  # never closes the script element
     return page_html().replace("<script>\n\"use strict\";", f"<script>window.SWECTL_DATA = {blob};</script>\n"
@@ -114,8 +115,6 @@ def export_html(runs: list[RunIndex]) -> str:
 
 def _quote(text: str) -> str:
     """As the page's encodeURIComponent writes an episode id into the address."""
-    from urllib.parse import quote
-
     return quote(text, safe="-_.!~*'()")
 
 
