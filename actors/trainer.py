@@ -220,6 +220,7 @@ class Trainer:
         self._progress = progress  # one line per rank that is up while the trainer starts (``swectl up`` says them)
         self._ranks_up: set[int] = set()
         self._launches = [_Launch(h, i, self._exited, self._rank_up) for i, h in enumerate(hosts)]
+        self._ranks = ranks_per_node(config, len(hosts))  # torchrun ranks on each node, in node order
         self._log_dir = log_dir
         self._run_id = run_id
         self._key = secrets.token_urlsafe(24)
@@ -233,7 +234,7 @@ class Trainer:
 
     def _rank_up(self, rank: int, node: str) -> None:
         self._ranks_up.add(rank)
-        world = sum(ranks_per_node(self._config, len(self._launches)))
+        world = sum(self._ranks)
         line = f"trainer: rank {rank} is up on {node} ({len(self._ranks_up)} of {world} ranks)"
         _log.info(line)
         if self._progress is not None:
@@ -270,8 +271,7 @@ class Trainer:
         cfg = self._config
         python = cfg.python or sys.executable
         first = self._launches[0].host
-        ranks = ranks_per_node(cfg, len(self._launches))[launch.index]
-        argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+        argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(self._ranks[launch.index])]
         if len(self._launches) > 1:
             argv += ["--nnodes", str(len(self._launches)), "--node-rank", str(launch.index),
                      "--master-addr", first.address, "--master-port", str(port)]

@@ -556,10 +556,10 @@ def check_config(config: ClusterConfig) -> list[str]:
     if config.train.optim.warmup_steps >= train.steps and config.train.optim.warmup_steps:
         problems.append(f"train.optim.warmup_steps ({config.train.optim.warmup_steps}) must be below train.steps "
                         f"({train.steps})")
-    ranks = config.trainer.nproc_per_node
-    if isinstance(ranks, list) and len(ranks) != len(config.trainer.nodes or config.nodes[:1]):
+    ranks, trainer_nodes = config.trainer.nproc_per_node, len(config.trainer.nodes or config.nodes[:1])
+    if isinstance(ranks, list) and len(ranks) != trainer_nodes:
         problems.append(f"trainer.nproc_per_node = {ranks}: one number per node of trainer.nodes "
-                        f"({len(config.trainer.nodes or config.nodes[:1])}), or one number for every node")
+                        f"({trainer_nodes}), or one number for every node")
     if config.engine.port and config.engine.replicas > 1:
         problems.append(f"engine.port = {config.engine.port} with engine.replicas = {config.engine.replicas}: "
                         "servers on one node need different ports; set engine.port = 0 (free ports)")
