@@ -289,7 +289,7 @@ class Controller:
         t = self.train
         tasks = DataSource(self.plan.train_tasks, seed=t.seed, cursor=self.state.cursor)
         if not t.sampling.max_staleness:
-            return GroupSource(rollouts, tasks, t.sampling, self.config.experiment, self.run_dir)
+            return GroupSource(rollouts, tasks, t.sampling, self.config.experiment)
         feed = await self._start_feed(tg, rollouts, tasks)
         return FeedSource(feed, tasks, t.sampling, self.config.experiment)
 

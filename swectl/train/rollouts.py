@@ -74,7 +74,7 @@ class TrainRollouts:
     def __init__(self, config: ClusterConfig, run_dir: Path, pool: EnvPool, engines: Engines, tokenizer: Any,
                  judge: Judge | None) -> None:
         self._config = config
-        self._run_dir = run_dir
+        self.run_dir = run_dir
         self._pool = pool
         self._engines = engines
         self._tokenizer = tokenizer
@@ -130,7 +130,7 @@ class TrainRollouts:
     async def evaluate(self, tasks: list[Task], metrics: Metrics, step: int) -> float:
         """The held-out evaluation after ``step``: ``eval_samples`` episodes per task, logged and summarised in
         eval/step_N/summary.json; returns the resolve rate."""
-        out = self._run_dir / "eval" / step_name(step)
+        out = self.run_dir / "eval" / step_name(step)
         t = self._config.train
         grader = self.grader(out)
         engines = self._engines

@@ -81,12 +81,11 @@ class GroupSource:
     """Synchronous GRPO: each step's groups are sampled on the weights of the step before."""
 
     def __init__(self, rollouts: TrainRollouts, tasks: DataSource, sampling: SamplingConfig,
-                 experiment: ExperimentConfig, run_dir: Any) -> None:
+                 experiment: ExperimentConfig) -> None:
         self._rollouts = rollouts
         self._tasks = tasks
         self._sampling = sampling
         self._experiment = experiment
-        self._run_dir = run_dir
 
     async def next(self, step: int) -> StepSamples:
         groups, results, info, tasks_seen = await self._collect(step)
@@ -101,7 +100,7 @@ class GroupSource:
         tasks_seen: list[str] = []
         dropped = {"uninformative": 0, "aborted": 0}
         rounds = 0
-        out = self._run_dir / "episodes" / step_name(step)
+        out = self._rollouts.run_dir / "episodes" / step_name(step)
         grader = self._rollouts.grader(out)
         rollout = self._rollouts.rollout(grader, str(step), out)
         async with anyio.create_task_group() as tg:
