@@ -62,6 +62,15 @@ def _ranks(marker: str) -> dict[int, str]:
     return found
 
 
+def _trainer_lost(raised: BaseException) -> TrainerLostError:
+    """The TrainerLostError inside what a task group raised (its first leaf), or an AssertionError."""
+    error = raised
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, TrainerLostError), repr(raised)
+    return error
+
+
 def _netns_of_ranks(marker: str) -> set[str]:
     return set(_ranks(marker).values())
 
@@ -179,10 +188,7 @@ async def test_a_node_that_cannot_reach_the_rendezvous_is_named_at_once(model: P
     finally:
         await anyio.run_process(["ip", "-n", second.netns, "route", "add", testnodes.FLEET_NET, "via",
                                  f"10.200.{second.index}.1"])
-    error = caught.value
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    assert isinstance(error, TrainerLostError), repr(caught.value)
+    error = _trainer_lost(caught.value)
     message = str(error)
     assert f"{second.name} cannot reach {first.name}'s rendezvous {first.host}:" in message, message
     assert "unreachable" in message.lower(), message
@@ -218,10 +224,7 @@ async def test_a_node_that_loses_its_network_mid_run_is_named_and_the_checkpoint
     finally:
         await anyio.to_thread.run_sync(second.restore_network)
     took = time.monotonic() - started
-    error = caught.value
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    assert isinstance(error, TrainerLostError), repr(caught.value)
+    error = _trainer_lost(caught.value)
     assert second.name in str(error), str(error)
     assert took < 90, took
     assert (ckpt / ".metadata").is_file() or any(ckpt.rglob(".metadata")), sorted(ckpt.rglob("*"))
@@ -296,10 +299,7 @@ async def test_a_rendezvous_port_that_is_taken_is_named_at_once(model: Path, fle
     finally:
         holder.kill()
         await holder.aclose()
-    error = caught.value
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    assert isinstance(error, TrainerLostError), repr(caught.value)
+    error = _trainer_lost(caught.value)
     assert f"{first.name} cannot listen on the rendezvous port {port}" in str(error), str(error)
     assert "Address already in use" in str(error), str(error)
     assert took < 60, took
@@ -345,10 +345,7 @@ async def test_a_rank_killed_on_the_second_node_is_noticed_at_once(model: Path, 
     with pytest.raises(BaseException) as caught, anyio.fail_after(240):
         await _run(fleet, body, _settings(model, tmp_path))
     noticed = time.monotonic() - killed_at
-    error = caught.value
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    assert isinstance(error, TrainerLostError), repr(caught.value)
+    error = _trainer_lost(caught.value)
     assert "exited with" in str(error), str(error)
     assert noticed < 60, noticed  # torchrun's agent on the first node may see it first: either node is named
     assert not _ranks(str(tmp_path))  # both nodes' ranks are gone
