@@ -9,15 +9,15 @@ training episode, else the first episode).
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
+
+from swectl.testing.browser import headless_chrome
 
 
 def main() -> None:
@@ -29,28 +29,23 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "swectl.cli.main", "view", "--port", "0", str(args.run_dir)],
                             stdout=subprocess.PIPE, text=True)
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium") or "chromium"
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"):
-        options.add_argument(flag)
-    chrome = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
-    wait = WebDriverWait(chrome, 30, ignored_exceptions=(StaleElementReferenceException,))
     try:
-        chrome.get(proc.stdout.readline().strip())
-        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".chart svg"))
-        chrome.save_screenshot(str(args.out / f"{args.prefix}-runs.png"))
-        for view, ready in (("tasks", "#tasks tr.ep"), ("episodes", "#episodes tr.ep")):
-            wait.until(lambda d, v=view: d.find_element(By.ID, f"nav-{v}").click() or True)
-            wait.until(lambda d, r=ready: d.find_elements(By.CSS_SELECTOR, r))
-            chrome.save_screenshot(str(args.out / f"{args.prefix}-{view}.png"))
-        rows = chrome.find_elements(By.CSS_SELECTOR, '#episodes tr.ep[data-id^="episodes/"]')
-        pick = next((r for r in rows if "yes" in r.text), rows[0] if rows else None)
-        if pick is not None:
-            pick.click()
-            wait.until(lambda d: d.find_element(By.ID, "diff"))
-            chrome.save_screenshot(str(args.out / f"{args.prefix}-episode.png"))
+        with headless_chrome() as chrome:
+            wait = WebDriverWait(chrome, 30, ignored_exceptions=(StaleElementReferenceException,))
+            chrome.get(proc.stdout.readline().strip())
+            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".chart svg"))
+            chrome.save_screenshot(str(args.out / f"{args.prefix}-runs.png"))
+            for view, ready in (("tasks", "#tasks tr.ep"), ("episodes", "#episodes tr.ep")):
+                wait.until(lambda d, v=view: d.find_element(By.ID, f"nav-{v}").click() or True)
+                wait.until(lambda d, r=ready: d.find_elements(By.CSS_SELECTOR, r))
+                chrome.save_screenshot(str(args.out / f"{args.prefix}-{view}.png"))
+            rows = chrome.find_elements(By.CSS_SELECTOR, '#episodes tr.ep[data-id^="episodes/"]')
+            pick = next((r for r in rows if "yes" in r.text), rows[0] if rows else None)
+            if pick is not None:
+                pick.click()
+                wait.until(lambda d: d.find_element(By.ID, "diff"))
+                chrome.save_screenshot(str(args.out / f"{args.prefix}-episode.png"))
     finally:
-        chrome.quit()
         proc.terminate()
         proc.wait(timeout=30)
     print(f"wrote {args.out}/{args.prefix}-*.png")

@@ -5,7 +5,6 @@ self-contained export opened from disk with no server."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +18,8 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from view_runs import make_up_run, metrics_row, write_episode
 
+from swectl.testing.browser import headless_chrome
+
 pytestmark = [pytest.mark.integration]
 
 STEPS = 3
@@ -26,19 +27,8 @@ STEPS = 3
 
 @pytest.fixture
 def browser() -> Iterator[webdriver.Chrome]:
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    assert chromium and driver, "chromium and chromium-driver come from scripts/setup.sh (apt)"
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--window-size=1400,1000"):
-        options.add_argument(flag)
-    service = webdriver.ChromeService(executable_path=driver)
-    chrome = webdriver.Chrome(options=options, service=service)
-    try:
+    with headless_chrome() as chrome:
         yield chrome
-    finally:
-        chrome.quit()
 
 
 @pytest.fixture
