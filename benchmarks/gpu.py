@@ -138,7 +138,8 @@ async def check_golden(ctx: Context) -> dict[str, Any]:
                 losses[f"grad_norm_{step}"] = reply.metrics["grad_norm"]
         return ready.device
 
-    device = await with_trainer(ctx, ctx.work / "golden", body, micro_batch_tokens=128)
+    device = await with_trainer(ctx, ctx.work / "golden", body, micro_batch_tokens=128,
+                                compile=ctx.trainer_settings.get("compile", "auto"))
     golden = json.loads(GOLDEN.read_text())
     diffs = {key: rel_diff(value, golden[key]) for key, value in losses.items()}
     worst = max(diffs, key=diffs.__getitem__)
@@ -356,18 +357,9 @@ def profile_one(trainer: Any, device: Any, sample: Any, batch: Any, reps: int = 
     ones = torch.ones_like(mb["input_ids"])  # the all-ones attention mask (the worker itself passes none)
 
     def timed(fn: Callable[[], None]) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+        seconds = _median_time(fn, device, reps)
         trainer.optimizer.zero_grad(set_to_none=True)
-        return round(statistics.median(times), 4)
+        return seconds
 
     def real() -> None:
         loss, _ = trainer._micro_loss(mb, batch)
@@ -439,9 +431,64 @@ def profile_micro_batch(ctx: Context, model: Path) -> dict[str, Any]:
             row["tokens_per_s_micro_loss"] = round(length / row["micro_loss_and_backward_s"])
             result[str(length)] = row
             ctx.progress(f"profile {length} tokens: {json.dumps(row)}")
+        del trainer
+        result["plain_bf16"] = plain_model_rows(model, device, rng)
         return result
     finally:
         dist.destroy_process_group()
+
+
+def plain_model_rows(model: Path, device: Any, rng: Any) -> dict[str, Any]:
+    """The same model without FSDP (bf16 weights, no sharding hooks, no mixed-precision casts): median seconds of a
+    bare forward + backward and of a forward alone per length, and on a GPU the summed kernel time of one forward +
+    backward next to its wall time (kernels far below wall: the host's launches are the limit, not the GPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.bfloat16, local_files_only=True).to(device)
+    plain.config.use_cache = False
+    rows = {str(length): _plain_row(plain, torch.from_numpy(rng.integers(3, vocab(model), size=(1, length)))
+                                    .to(device), device) for length in PROFILE_LENGTHS}
+    del plain
+    return rows
+
+
+def _plain_row(plain: Any, ids: Any, device: Any) -> dict[str, float]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def fwd_bwd() -> None:
+        plain(input_ids=ids).logits[..., :1].float().sum().backward()
+
+    def forward() -> None:
+        with torch.no_grad():
+            plain(input_ids=ids)
+
+    row = {"fwd_bwd_s": _median_time(fwd_bwd, device), "forward_s": _median_time(forward, device)}
+    if device.type == "cuda":
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fwd_bwd()
+            torch.cuda.synchronize()
+        kernel_us = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages())
+        row["fwd_bwd_kernel_s"] = round(kernel_us / 1e6, 4)
+    plain.zero_grad(set_to_none=True)
+    return row
+
+
+def _median_time(fn: Callable[[], None], device: Any, reps: int = 3) -> float:
+    import torch
+
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times), 4)
 
 
 async def check_profile(ctx: Context) -> dict[str, Any]:
@@ -489,7 +536,8 @@ def variants_micro_batch(ctx: Context, model: Path) -> dict[str, Any]:
     try:
         for compiled in (False, True):
             name = "compiled" if compiled else "eager"
-            s = settings(model, ctx.work / f"variants-{name}", algorithm="grpo", lr=1e-6, compile=compiled)
+            s = settings(model, ctx.work / f"variants-{name}", algorithm="grpo", lr=1e-6,
+                         compile="on" if compiled else "off")
             device, _ = worker._device(s)
             trainer = worker.Trainer(s)
             result.setdefault("attn_implementation", getattr(trainer.model.config, "_attn_implementation", "?"))
@@ -597,8 +645,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--throughput-model", type=Path, default=None,
                         help="throughput: this model folder instead of a random Qwen3 of Qwen3-0.6B's shape")
     parser.add_argument("--steps", type=int, default=3, help="throughput: measured steps after one warm-up")
-    parser.add_argument("--compile", action="store_true", help="throughput: compile each decoder layer")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="golden and throughput: compile each decoder layer ([trainer] compile; auto: on a GPU)")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="throughput: the trainer's budget")
+    parser.add_argument("--sync-every-micro-batch", action="store_true",
+                        help="throughput: reduce gradients after every micro-batch (the trainer before 2026-11-28)")
     args = parser.parse_args(argv)
     names = [c.strip() for c in args.checks.split(",") if c.strip()]
     unknown = [c for c in names if c not in CHECKS]
@@ -616,7 +667,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx = Context(tiny=tiny_model(args.tiny or work / "tiny", progress), work=work, cuda=cuda, gpus=env["gpus"],
                       tolerance=args.tolerance or (3e-2 if cuda else 1e-4), steps=args.steps, progress=progress,
                       throughput_model=args.throughput_model,
-                      trainer_settings={"compile": args.compile, "micro_batch_tokens": args.micro_batch_tokens})
+                      trainer_settings={"compile": args.compile, "micro_batch_tokens": args.micro_batch_tokens,
+                                        "accumulate_unsharded": not args.sync_every_micro_batch})
         for name in names:
             progress(f"check {name}")
             t0 = time.perf_counter()

@@ -138,7 +138,7 @@ def build_model(s: TrainerSettings, device: torch.device) -> torch.nn.Module:
     if device.type == "cuda":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if s.compile and layers is not None:
+    if layers is not None and (s.compile == "on" or (s.compile == "auto" and device.type == "cuda")):
         # Each decoder layer compiled on its own (FSDP2's hooks stay outside the compiled code): fused norms,
         # activations and rotary embeddings instead of one kernel launch each. The layers share one code object:
         # room in dynamo's cache for each of them and a few shapes
@@ -290,6 +290,17 @@ class Trainer:
                 return (token_entropy(logits.detach()) * mask).sum()
             return (spread(row_entropy(logits.detach()), *where, mask.shape) * mask).sum()
 
+    def _accumulate(self, *, last: bool) -> None:
+        """In a world of one, only the step's last micro-batch reduces its gradients and reshards after its backward
+        (the optimizer then updates the sharded parameters and the next forward gathers them afresh); the others add
+        to unreduced gradients and leave the parameters gathered for the next forward. With several ranks every
+        micro-batch syncs: unreduced gradients there would cost each rank a whole model's gradients in memory.
+        (Keeping the parameters gathered from forward to backward as well, ``reshard_after_forward=False``, changed
+        the second step's losses in a world of one on torch 2.13: not done.)"""
+        if self.s.accumulate_unsharded and self.world == 1:
+            self.model.set_requires_gradient_sync(last)
+            self.model.set_reshard_after_backward(last)
+
     def _micro_loss(self, mb: dict[str, torch.Tensor], batch: TrainBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         s = self.s
         mb = {k: v.to(self.device) for k, v in mb.items()}
@@ -323,7 +334,8 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         maxes: dict[str, torch.Tensor] = {}
         tokens = 0
-        for indices in plan:
+        for index, indices in enumerate(plan):
+            self._accumulate(last=index == len(plan) - 1)
             chosen = [batch.samples[i] for i in indices]
             tokens += sum(smp.length for smp in chosen)
             loss, stats = self._micro_loss(self._collate(chosen), batch)

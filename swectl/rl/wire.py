@@ -44,7 +44,10 @@ class TrainerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     kl_coef: float = 0.0
     prob_weight: float = 0.0
     micro_batch_tokens: int = 8192
-    compile: bool = False  # torch.compile each decoder layer (`just bench gpu`: the variants check; not a default)
+    compile: Literal["auto", "on", "off"] = "auto"  # torch.compile each decoder layer; auto: on a GPU only
+    # A world of one keeps its parameters gathered and its gradients unreduced between the micro-batches of a step
+    # (FSDP2 all-gathers and reduce-scatters each micro-batch otherwise); False: the old way (`just bench gpu` A/B)
+    accumulate_unsharded: bool = True
     threads: int = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     seed: int = 0
@@ -56,7 +59,8 @@ class TrainerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         """The settings of a run's ranks: the [trainer], [train.optim] and [train.loss] sections whole, and the
         run's own fields (model, out_dir, algorithm, total_steps, seed, resume, ...) as keywords."""
         return cls(**msgspec.structs.asdict(optim), **msgspec.structs.asdict(loss),
-                   micro_batch_tokens=trainer.micro_batch_tokens, threads=trainer.threads_per_rank,
+                   micro_batch_tokens=trainer.micro_batch_tokens, compile=trainer.compile,
+                   threads=trainer.threads_per_rank,
                    backend=trainer.backend, sync_dtype=trainer.weight_sync_dtype, **run)
 
 

@@ -52,8 +52,8 @@ def _vocab(model: Path) -> int:
     return json.loads((model / "config.json").read_text())["vocab_size"]
 
 
-async def _with_trainer(model: Path, out: Path, body, **settings):
-    trainer = Trainer(TrainerConfig(nproc_per_node=2, start_timeout_s=300, step_timeout_s=300),
+async def _with_trainer(model: Path, out: Path, body, ranks: int = 2, **settings):
+    trainer = Trainer(TrainerConfig(nproc_per_node=ranks, start_timeout_s=300, step_timeout_s=300),
                       _settings(model, out, **settings), [EngineHost.local()], log_dir=out)
     return await with_trainer(trainer, body)
 
@@ -95,6 +95,25 @@ async def test_sft_and_grpo_losses_match_the_golden_file(model: Path, tmp_path: 
     diff = sum(float((a - b).detach().abs().sum()) for a, b in pairs)
     assert diff > 0
     assert not list((tmp_path / "weights").glob("*.tmp"))
+
+
+async def test_one_rank_syncing_gradients_once_per_step_matches_the_golden_file(model: Path, tmp_path: Path
+                                                                               ) -> None:
+    """A world of one reduces its gradients and reshards only on a step's last micro-batch (FSDP2 no-sync
+    accumulation); the losses and gradient norms stay the golden ones of two ranks that sync every micro-batch."""
+    vocab = _vocab(model)
+    golden = json.loads(GOLDEN.read_text())
+
+    async def body(trainer: Trainer, ready) -> None:
+        assert ready.world_size == 1
+        with BatchWriter() as writer:
+            for step, algorithm in ((1, "sft"), (2, "sft"), (3, "grpo"), (4, "grpo")):
+                reply = await trainer.step(step, writer.write(_batch(step, algorithm, vocab, seed=step)))
+                assert reply.metrics["micro_batches"] >= 2
+                assert reply.metrics["loss"] == pytest.approx(golden[f"{algorithm}_{step}"], rel=TOLERANCE)
+                assert reply.metrics["grad_norm"] == pytest.approx(golden[f"grad_norm_{step}"], rel=TOLERANCE)
+
+    await _with_trainer(model, tmp_path, body, ranks=1, threads=2)
 
 
 async def test_a_checkpoint_resumes_to_the_same_next_step(model: Path, tmp_path: Path) -> None:
