@@ -1,12 +1,15 @@
 """`just bench view`: does `swectl view` open a big run fast?
 
 Writes a `swectl up` run folder of ``--episodes`` episodes (default 10,000: 100 steps x 25 tasks x 4 samples, each
-with a traj.json of a few turns, patch.diff and meta.json, written with the product's own structs), then measures:
+with a traj.json of a few turns, patch.diff and meta.json, written with the product's own structs; each step's group
+rewards in steps.jsonl), then measures:
 
-* ``view_open_s_10k``: building the run's index from nothing (what `swectl view RUN` does before it serves);
+* ``view_open_s_10k``: building the run's index from nothing (what `swectl view RUN` does before it serves), the
+  episodes' rewards matched from steps.jsonl;
 * ``view_refresh_ms``: bringing it up to date when nothing changed (what every API call does: the page polls);
 * ``view_episodes_ms``: the episode list of one task through the HTTP API;
-* ``view_episode_ms_p50`` / ``_p99``: one episode in full (turns, diff, verdict) through the HTTP API.
+* ``view_episode_ms_p50`` / ``_p99``: one episode in full (turns, diff, verdict) through the HTTP API;
+* ``view_weight_filter_s``: the first filter by weight version over every episode (it reads each traj.json once).
 
 Goals (issue 42): open in under 2 s, an episode in under 200 ms, on this machine.
 Run: ``.venv/bin/python benchmarks/view.py [--quick] [--episodes N] [--keep DIR]``.
@@ -30,7 +33,7 @@ from common import Goal, host_meta, report
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from view_runs import make_up_run, write_episode  # noqa: E402  (the tests' run folders, the product's structs)
+from view_runs import make_up_run, steps_row, write_episode  # noqa: E402  (the tests' run folders, the product's structs)
 
 from swectl.view.app import build_app  # noqa: E402
 from swectl.view.index import RunIndex  # noqa: E402
@@ -47,11 +50,17 @@ def write_run(folder: Path, episodes: int) -> Path:
     with (run / "metrics.jsonl").open("a") as f:
         for step in range(2, steps + 1):
             f.write(f'{{"step": {step}, "reward_mean": {random.random():.3f}, "loss": -0.01}}\n')
-    for step in range(2, steps + 1):
-        for task in range(TASKS):
-            for sample in range(SAMPLES):
-                write_episode(run / "episodes" / f"step_{step:06d}" / f"task-{task:03d}__{sample}",
-                              f"task-{task:03d}", sample, resolved=random.random() < 0.4, observation=observation)
+    with (run / "steps.jsonl").open("a") as f:
+        for step in range(2, steps + 1):
+            rewards: dict[str, list[float]] = {}
+            for task in range(TASKS):
+                for sample in range(SAMPLES):
+                    resolved = random.random() < 0.4
+                    write_episode(run / "episodes" / f"step_{step:06d}" / f"task-{task:03d}__{sample}",
+                                  f"task-{task:03d}", sample, resolved=resolved, observation=observation,
+                                  weight_version=str(step - 1))
+                    rewards.setdefault(f"task-{task:03d}", []).append(float(resolved))
+            f.write(steps_row(step, rewards))
     return run
 
 
@@ -93,13 +102,17 @@ def main(argv: list[str] | None = None) -> int:
         run.refresh()
         refresh_ms = (time.perf_counter() - t0) * 1000
         episode_ms, list_ms = anyio.run(api_timings, run, 50)
+        t0 = time.perf_counter()
+        run.episode_rows(weight_version="7")
+        weight_filter_s = time.perf_counter() - t0
     finally:
         shutil.rmtree(work, ignore_errors=True)
     suffix = "10k" if n == 10_000 else f"{n}"
     metrics = {f"view_open_s_{suffix}": round(open_s, 3), "view_refresh_ms": round(refresh_ms, 2),
                "view_episodes_ms": round(list_ms, 2),
                "view_episode_ms_p50": round(statistics.median(episode_ms), 2),
-               "view_episode_ms_p99": round(sorted(episode_ms)[int(0.99 * (len(episode_ms) - 1))], 2)}
+               "view_episode_ms_p99": round(sorted(episode_ms)[int(0.99 * (len(episode_ms) - 1))], 2),
+               "view_weight_filter_s": round(weight_filter_s, 3)}
     meta = {"host": host_meta(), "quick": args.quick, "episodes": len(run.episodes), "write_s": round(written_s, 1)}
     goals = [Goal(f"view_open_s_{suffix}", "<=", 2.0, text="<= 2 s"),
              Goal("view_episode_ms_p50", "<=", 200.0, text="<= 200 ms")]

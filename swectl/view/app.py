@@ -3,9 +3,11 @@
     GET /                                   the page (swectl/view/page.html)
     GET /api/runs                           each run's summary (kind, steps, episodes, config)
     GET /api/runs/{i}/metrics               its metrics.jsonl rows
-    GET /api/runs/{i}/tasks                 per task: episodes, resolved, per step
-    GET /api/runs/{i}/episodes?instance_id=&phase=&step=&exit_status=&resolved=
-    GET /api/runs/{i}/episode?id=FOLDER     one episode: turns, steps, diff, grade, test log tail
+    GET /api/runs/{i}/tasks                 per task: episodes, resolved, per step, groups with/without signal
+    GET /api/runs/{i}/episodes?instance_id=&phase=&step=&sample=&exit_status=&resolved=&reward_min=&reward_max=
+                               &weight_version=
+    GET /api/runs/{i}/episode?id=FOLDER     one episode: turns, steps, context cuts, format errors, diff, grade,
+                                            test log tail, the other episodes of its group
 
 Each API call first brings the run's index up to date (new metrics lines, new episode folders), so the page
 polling it shows a live run. Off loopback every request needs ``key=`` (the page passes the one in its URL).
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import msgspec
@@ -28,6 +31,8 @@ from starlette.routing import Route
 
 from swectl.view.index import RunIndex
 
+N = TypeVar("N", int, float)
+
 
 def page_html() -> str:
     return resources.files("swectl.view").joinpath("page.html").read_text(encoding="utf-8")
@@ -35,6 +40,10 @@ def page_html() -> str:
 
 def _json(content: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(content), status_code=status, media_type="application/json")
+
+
+def _number(text: str, kind: Callable[[str], N]) -> N | None:
+    return kind(text) if text.strip() else None
 
 
 def build_app(runs: list[RunIndex], *, api_key: str | None = None) -> Starlette:
@@ -62,15 +71,16 @@ def build_app(runs: list[RunIndex], *, api_key: str | None = None) -> Starlette:
 
     async def episodes(request: Request) -> Response:
         q = request.query_params
-        step = q.get("step", "")
         resolved = q.get("resolved", "")
         try:
-            rows = run_of(request).episode_rows(
-                instance_id=q.get("instance_id", ""), phase=q.get("phase", ""),
-                step=int(step) if step else None, exit_status=q.get("exit_status", ""),
-                resolved=None if resolved == "" else resolved == "true")
+            step, sample = _number(q.get("step", ""), int), _number(q.get("sample", ""), int)
+            reward_min, reward_max = _number(q.get("reward_min", ""), float), _number(q.get("reward_max", ""), float)
         except ValueError:
-            return _json({"error": f"step must be a number, got {step!r}"}, 400)
+            return _json({"error": "step and sample must be whole numbers, reward_min and reward_max numbers"}, 400)
+        rows = run_of(request).episode_rows(
+            instance_id=q.get("instance_id", ""), phase=q.get("phase", ""), step=step, sample=sample,
+            exit_status=q.get("exit_status", ""), resolved=None if resolved == "" else resolved == "true",
+            reward_min=reward_min, reward_max=reward_max, weight_version=q.get("weight_version", ""))
         return _json(rows)
 
     async def episode(request: Request) -> Response:
@@ -106,7 +116,7 @@ def export_html(runs: list[RunIndex]) -> str:
         data[f"/api/runs/{i}/metrics"] = run.metrics
         data[f"/api/runs/{i}/tasks"] = run.tasks()
         rows = data[f"/api/runs/{i}/episodes"] = run.episode_rows()
-        for row in rows:
+        for row in rows:  # reading each episode also fills in its row's weight versions (encoded below)
             data[f"/api/runs/{i}/episode?id={_quote(row.id)}"] = run.episode(row.id)
     blob = json.dumps(msgspec.to_builtins(data)).replace("</", "<\\/")  # never closes the script element
     return page_html().replace("<script>\n\"use strict\";", f"<script>window.SWECTL_DATA = {blob};</script>\n"

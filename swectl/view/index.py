@@ -1,10 +1,15 @@
 """What `swectl view` knows of a run folder: its curves, its episodes, one episode in full.
 
-A run folder is a `swectl up` run (``metrics.jsonl``, ``episodes/``, ``eval/``) or a `swectl eval` output
-(``results.jsonl``, ``<instance_id>__<n>/``). The index is built once and brought up to date by ``refresh``: new
-lines of ``metrics.jsonl`` are read from where the last read stopped (a partial last line waits for its end), and
-only episode folders not seen before are read (their ``meta.json``; trajectories are read when an episode is
-opened). Nothing here writes to the run folder.
+A run folder is a `swectl up` run (``metrics.jsonl``, ``steps.jsonl``, ``episodes/``, ``eval/``) or a `swectl eval`
+output (``results.jsonl``, ``<instance_id>__<n>/``). The index is built once and brought up to date by ``refresh``:
+new lines of ``metrics.jsonl`` and ``steps.jsonl`` are read from where the last read stopped (a partial last line
+waits for its end), and only episode folders not seen before are read (their ``meta.json``; trajectories are read
+when an episode is opened, or asked for its weight version). Nothing here writes to the run folder.
+
+An episode's reward is not in its meta.json: the training loop records each step's group rewards in
+``steps.jsonl`` (``{"step": N, "rewards": {instance_id: [one per scored episode, by sample]}}``), matched here to
+the scored episodes (not ABORTED, no infrastructure failure) of ``episodes/step_N/`` in sample order. Episodes of
+the async loop (``episodes/group_N/``), held-out readings and `swectl eval` outputs have no reward (None).
 """
 
 from __future__ import annotations
@@ -39,6 +44,27 @@ class EpisodeRow(msgspec.Struct, kw_only=True):
     grade: str = ""  # the grade's status: resolved, unresolved, error, ... ("" when not graded)
     turns: int = 0
     total_time_s: float = 0.0
+    scored: bool = True  # GRPO scores it: not ABORTED, no infrastructure failure in its grading
+    reward: float | None = None  # from steps.jsonl (None: not recorded for it)
+    weight_versions: list[str] | None = None  # the policy versions of its turns (None: traj.json not read yet)
+
+
+class _Versions(msgspec.Struct):
+    """The one field of a traj.json's trajectory the episode list needs."""
+
+    weight_versions: list[str] = []
+
+
+class _TrajEpisode(msgspec.Struct):
+    """traj.json's episode, only as far as its weight versions."""
+
+    trajectory: _Versions = msgspec.field(default_factory=_Versions)
+
+
+class _TrajVersions(msgspec.Struct):
+    """traj.json, read for its weight versions only (the rest of the file is skipped, not built)."""
+
+    episode: _TrajEpisode = msgspec.field(default_factory=_TrajEpisode)
 
 
 class RunSummary(msgspec.Struct, kw_only=True):
@@ -70,34 +96,53 @@ class RunIndex:
         self.name = path.name
         self.metrics: list[dict[str, Any]] = []
         self.episodes: dict[str, EpisodeRow] = {}
-        self._metrics_offset = 0
+        self._offsets = {"metrics.jsonl": 0, "steps.jsonl": 0}
         self._seen_dirs: dict[Path, float] = {}  # folder -> its mtime when last listed
+        self._groups: dict[tuple[str, str], list[EpisodeRow]] = {}  # (parent folder, instance_id) -> its episodes
+        self._rewards: dict[tuple[str, str], list[float]] = {}  # the same key -> the rewards steps.jsonl gave it
+        self._touched: set[tuple[str, str]] = set()  # groups whose rewards are to be matched again
         self.refresh()
 
     # ------------------------------------------------------------ keeping up
 
     def refresh(self) -> None:
-        self._read_metrics()
+        self.metrics += self._read_lines("metrics.jsonl")
+        for record in self._read_lines("steps.jsonl"):
+            rewards = record.get("rewards")
+            for instance_id, values in (rewards.items() if isinstance(rewards, dict) else ()):
+                key = (f"episodes/step_{record['step']:06d}", instance_id)
+                if isinstance(values, list) and all(isinstance(v, int | float) for v in values):
+                    self._rewards[key] = [float(v) for v in values]
+                    self._touched.add(key)
         for folder, phase in self._episode_parents():
             self._scan(folder, phase)
+        for key in self._touched & self._rewards.keys():
+            scored = sorted((r for r in self._groups.get(key, []) if r.scored), key=lambda r: r.sample)
+            rewards = self._rewards[key]
+            if len(scored) >= len(rewards):  # the group is all here (else: again when its last episode is)
+                for row, reward in zip(scored, rewards, strict=False):
+                    row.reward = reward
+        self._touched.clear()
 
-    def _read_metrics(self) -> None:
-        path = self.path / "metrics.jsonl"
+    def _read_lines(self, name: str) -> list[dict[str, Any]]:
+        """The whole new lines of a JSONL file of the run (objects with an integer ``step``) since the last read."""
         try:
-            with path.open("rb") as f:
-                f.seek(self._metrics_offset)
+            with (self.path / name).open("rb") as f:
+                f.seek(self._offsets[name])
                 data = f.read()
         except OSError:
-            return
+            return []
         end = data.rfind(b"\n") + 1  # a line still being written waits for its newline
+        self._offsets[name] += end
+        rows = []
         for raw in data[:end].splitlines():
             try:
                 row = json.loads(raw)
             except ValueError:
                 continue
             if isinstance(row, dict) and isinstance(row.get("step"), int):
-                self.metrics.append(row)
-        self._metrics_offset += end
+                rows.append(row)
+        return rows
 
     def _episode_parents(self) -> list[tuple[Path, str]]:
         """The folders that hold episode folders, with their phase."""
@@ -135,6 +180,9 @@ class RunIndex:
             row = _row(Path(entry.path), rel, phase, step)
             if row is not None:
                 self.episodes[rel] = row
+                key = (_parent(rel), row.instance_id)
+                self._groups.setdefault(key, []).append(row)
+                self._touched.add(key)
 
     # ------------------------------------------------------------ what the page asks
 
@@ -151,27 +199,54 @@ class RunIndex:
                           episodes=len(self.episodes), config=config)
 
     def episode_rows(self, *, instance_id: str = "", phase: str = "", step: int | None = None,
-                     exit_status: str = "", resolved: bool | None = None) -> list[EpisodeRow]:
+                     sample: int | None = None, exit_status: str = "", resolved: bool | None = None,
+                     reward_min: float | None = None, reward_max: float | None = None,
+                     weight_version: str = "") -> list[EpisodeRow]:
+        """The episodes that pass every filter given. An episode without a reward passes no reward bound; a
+        weight version filter reads the weight versions of the episodes that passed the others (once each)."""
         rows = [r for r in self.episodes.values()
                 if (not instance_id or r.instance_id == instance_id) and (not phase or r.phase == phase)
-                and (step is None or r.step == step) and (not exit_status or r.exit_status == exit_status)
-                and (resolved is None or r.resolved == resolved)]
+                and (step is None or r.step == step) and (sample is None or r.sample == sample)
+                and (not exit_status or r.exit_status == exit_status)
+                and (resolved is None or r.resolved == resolved)
+                and (reward_min is None or (r.reward is not None and r.reward >= reward_min))
+                and (reward_max is None or (r.reward is not None and r.reward <= reward_max))]
+        if weight_version:
+            rows = [r for r in rows if weight_version in self._versions(r)]
         return sorted(rows, key=lambda r: (r.phase, r.step, r.instance_id, r.sample))
 
+    def _versions(self, row: EpisodeRow) -> list[str]:
+        if row.weight_versions is None:
+            try:
+                traj = msgspec.json.decode((self.path / row.id / "traj.json").read_bytes(), type=_TrajVersions)
+                row.weight_versions = sorted(set(traj.episode.trajectory.weight_versions), key=_version_order)
+            except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+                row.weight_versions = []
+        return row.weight_versions
+
     def tasks(self) -> list[dict[str, Any]]:
-        """Per task: episodes, resolved, resolve rate, per step of training; tasks that never resolve last."""
+        """Per task: episodes, resolved, resolve rate, per step; its groups (the episodes of one training step, or
+        of one `swectl eval` run) with signal (their rewards, else verdicts, differ) and without; whether it never
+        resolves. Most resolved first."""
         by_task: dict[str, dict[str, Any]] = {}
         for r in self.episodes.values():
             t = by_task.setdefault(r.instance_id, {"instance_id": r.instance_id, "episodes": 0, "resolved": 0,
-                                                    "steps": {}})
+                                                    "steps": {}, "groups_with_signal": 0, "groups_without_signal": 0})
             t["episodes"] += 1
             t["resolved"] += r.resolved
             cell = t["steps"].setdefault(f"{r.phase}:{r.step}", [0, 0])
             cell[0] += r.resolved
             cell[1] += 1
+        for (_, instance_id), rows in self._groups.items():
+            scored = [r for r in rows if r.scored and r.phase != "eval"]  # held-out readings are no groups
+            if scored:
+                known = all(r.reward is not None for r in scored)
+                signal = len({r.reward if known else r.resolved for r in scored}) > 1
+                by_task[instance_id]["groups_with_signal" if signal else "groups_without_signal"] += 1
         out = list(by_task.values())
         for t in out:
             t["resolve_rate"] = t["resolved"] / t["episodes"]
+            t["never_resolved"] = t["resolved"] == 0
         return sorted(out, key=lambda t: (-t["resolve_rate"], t["instance_id"]))
 
     def episode(self, rel: str) -> dict[str, Any]:
@@ -180,17 +255,30 @@ class RunIndex:
         if self.path not in folder.parents or rel not in self.episodes:
             raise KeyError(rel)
         row = self.episodes[rel]
-        out: dict[str, Any] = {"row": msgspec.to_builtins(row), "messages": [], "steps": [], "patch": "",
-                               "grade": None, "log": "", "problems": []}
+        out: dict[str, Any] = {"messages": [], "steps": [], "patch": "", "grade": None, "log": "", "problems": [],
+                               "samples": [], "context_cuts": [], "format_errors": [],
+                               "group": [r.id for r in sorted(self._groups[(_parent(rel), row.instance_id)],
+                                                              key=lambda r: r.sample) if r.id != rel]}
         try:
             traj = json.loads((folder / "traj.json").read_bytes().decode("utf-8", errors="replace"))
             episode = traj.get("episode", {})
-            out["messages"] = [_shown_message(m) for m in episode.get("trajectory", {}).get("messages", [])]
+            trajectory = episode.get("trajectory", {})
+            out["messages"] = [_shown_message(m) for m in trajectory.get("messages", [])]
             out["steps"] = episode.get("steps", [])
-            out["weight_versions"] = episode.get("trajectory", {}).get("weight_versions", [])
+            out["weight_versions"] = trajectory.get("weight_versions", [])
+            row.weight_versions = sorted(set(out["weight_versions"]), key=_version_order)
             out["reason"] = episode.get("reason", "")
-        except (OSError, ValueError) as exc:
+            # per step as the model saw it (head+tail context management, per-step samples): tokens in and out
+            out["samples"] = [{"step": s.get("step", 0), "prompt_tokens": len(s.get("prompt_ids", [])),
+                               "output_tokens": len(s.get("output_ids", [])),
+                               "weight_version": s.get("weight_version", ""),
+                               "omitted_turns": s.get("omitted_turns", 0)} for s in episode.get("samples", [])]
+            out["context_cuts"] = [{"turn": s["step"] + 1, "omitted_turns": s["omitted_turns"]}
+                                   for s in out["samples"] if s["omitted_turns"]]
+            out["format_errors"] = [i + 1 for i, s in enumerate(out["steps"]) if s.get("format_error")]
+        except (OSError, ValueError, AttributeError, TypeError) as exc:
             out["problems"].append(f"traj.json: {exc}")
+        out["row"] = msgspec.to_builtins(row)
         try:
             out["patch"] = (folder / "patch.diff").read_bytes().decode("utf-8", errors="replace")
         except OSError:
@@ -203,11 +291,29 @@ class RunIndex:
         log_path = (out["grade"] or {}).get("log_path") or ""
         if log_path:
             try:
-                text = Path(log_path).read_bytes().decode("utf-8", errors="replace")
+                text = self._log(Path(log_path)).read_bytes().decode("utf-8", errors="replace")
                 out["log"] = text[-LOG_TAIL_CHARS:]
             except OSError:
                 out["problems"].append(f"grading log {log_path} is not here (a run copied from elsewhere?)")
         return out
+
+    def _log(self, path: Path) -> Path:
+        """A grading log where it was written, else at the same place in this run folder (a copied run)."""
+        if path.exists():
+            return path
+        for keep in range(min(len(path.parts) - 1, 4), 1, -1):  # e.g. episodes/step_000001/grade-logs/x.log
+            here = (self.path / Path(*path.parts[-keep:])).resolve()
+            if self.path in here.parents and here.exists():
+                return here
+        return path
+
+
+def _parent(rel: str) -> str:
+    return str(Path(rel).parent)
+
+
+def _version_order(version: str) -> tuple[int, str]:
+    return (int(version), "") if version.isdigit() else (1 << 62, version)
 
 
 def _step_of(name: str) -> int:
@@ -223,12 +329,13 @@ def _row(folder: Path, rel: str, phase: str, step: int) -> EpisodeRow | None:
         return None
     if not isinstance(meta, dict):
         return None
-    grade = meta.get("grade") or {}
+    grade = meta.get("grade") if isinstance(meta.get("grade"), dict) else {}
+    outcome = str(meta.get("outcome", ""))
     return EpisodeRow(id=rel, phase=phase, step=step, instance_id=str(meta.get("instance_id", "")),
                       sample=int(meta.get("sample", 0) or 0), exit_status=str(meta.get("exit_status", "")),
-                      outcome=str(meta.get("outcome", "")), resolved=bool(meta.get("resolved", False)),
-                      grade=str(grade.get("status", "")) if isinstance(grade, dict) else "",
-                      turns=int(meta.get("turns", 0) or 0), total_time_s=float(meta.get("total_time_s", 0) or 0))
+                      outcome=outcome, resolved=bool(meta.get("resolved", False)), grade=str(grade.get("status", "")),
+                      turns=int(meta.get("turns", 0) or 0), total_time_s=float(meta.get("total_time_s", 0) or 0),
+                      scored=outcome != "ABORTED" and not grade.get("infra"))
 
 
 def _shown_message(message: Any) -> dict[str, Any]:
