@@ -34,71 +34,28 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import msgspec
 
-from swectl.actors.data_source import split_tasks
-from swectl.config import TRUNCATED_ENDINGS
-from swectl.images.project import BUNDLED_TASKS
-from swectl.tasks.sources import load_tasks
+from swectl.train import first_run
+from swectl.train.first_run import Recipe, set_flags
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learn.json"
-OVERLONG_ENDINGS = [e for e in TRUNCATED_ENDINGS if e != "FormatError"]  # the TRUNCATED endings but FormatError
-SWECTL = [sys.executable, "-m", "swectl.cli.main"]
+RECIPE = Recipe()  # the product's first-run recipe: every flag below that shares a name defaults to it
+# The demo's episodes (prm.py runs its episodes the same way)
+DEMO_ROLLOUT = Recipe().rollout_sets()
 
 
 def say(message: str) -> None:
     print(f"learn: {message}", file=sys.stderr, flush=True)
 
 
-def run(argv: list[str], what: str) -> float:
-    """Run one swectl command; its output goes to the terminal. Returns the seconds it took."""
-    say(f"{what}: swectl {' '.join(argv)}")
-    t0 = time.monotonic()
-    done = subprocess.run([*SWECTL, *argv])
-    if done.returncode != 0:
-        raise SystemExit(f"learn: {what} failed (exit {done.returncode})")
-    return time.monotonic() - t0
-
-
-# The demo's episodes: the flag defaults below (prm.py runs its episodes the same way).
-DEMO_ROLLOUT = {"rollout.step_limit": 6, "rollout.max_tokens": 192, "rollout.max_format_errors": 3,
-                "env_pool.warm": 0}
-
-
-def set_flags(sets: dict[str, object]) -> list[str]:
-    """``--set KEY=VALUE`` arguments of `swectl up`, one pair per entry."""
-    return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
-
-
-def rollout_sets(args: argparse.Namespace) -> list[str]:
-    return set_flags({**DEMO_ROLLOUT, "rollout.step_limit": args.step_limit, "rollout.max_tokens": args.max_tokens,
-                      "rollout.max_format_errors": args.max_format_errors, "rollout.context": args.context,
-                      "rollout.manage_context": str(args.manage_context).lower()})
-
-
-def evaluate(args: argparse.Namespace, model: Path, tasks: Path, out: Path, samples: int | None = None,
-             seed_offset: int = 0) -> dict:
-    """`swectl eval` of ``model`` on ``tasks`` (``samples`` episodes per task, default ``--samples``) into ``out``,
-    once: a folder with a summary is read back. Sampling is seeded with ``--eval-seed`` + ``seed_offset``: every
-    reading of one seed draws the same random numbers (a rerun of the demo reads the same rates), and two
-    readings of one policy that are pooled take different offsets, so they are independent samples."""
-    if not (out / "summary.json").exists():
-        run(["eval", "--model", str(model), "--tasks", str(tasks), "--samples", str(samples or args.samples),
-             "--seed", str(args.eval_seed + seed_offset), "--temperature",
-             "1.0", "--step-limit", str(args.step_limit), "--max-tokens", str(args.max_tokens), "--concurrency",
-             str(args.concurrency), "--out", str(out), "--fresh", "--set", "env_pool.warm=0", "--set",
-             f"rollout.max_format_errors={args.max_format_errors}", "--context", str(args.context),
-             *(["--manage-context"] if args.manage_context else [])], f"eval {out.name}")
-    summary = json.loads((out / "summary.json").read_text())
-    return {"resolve_rate": summary["resolve_rate"], "resolved": summary["resolved"], "episodes": summary["finished"],
-            "aborted": summary["infra_errors"], "folder": str(out), "model": str(model),
-            "seed": summary["settings"]["rollout"].get("seed")}
+def recipe_of(args: argparse.Namespace) -> Recipe:
+    """The recipe these flags give: each Recipe field from the flag of its name."""
+    return msgspec.convert({k: getattr(args, k) for k in Recipe.__struct_fields__ if hasattr(args, k)}, Recipe)
 
 
 def weights_digest(weights: Path) -> str:
@@ -126,26 +83,6 @@ def pooled_sft(rates: dict[str, dict]) -> dict | None:
             "evaluations": [sft["folder"], control["folder"]]}
 
 
-def train(args: argparse.Namespace, out_dir: Path, run_id: str, sets: dict[str, object],
-          continue_from: Path | None = None) -> Path:
-    """One `swectl up` run in ``out_dir/run_id``: a new run with ``sets``, or (``continue_from``, an SFT run folder)
-    a copy of that run resumed from its last checkpoint with ``sets`` as overrides, so the GRPO steps go on with
-    the SFT's optimizer state (Adam's moments) and learning rate instead of a fresh optimizer."""
-    folder = out_dir / run_id
-    overrides = set_flags(sets)
-    if continue_from is not None:
-        if not folder.exists():
-            shutil.copytree(continue_from, folder)
-        argv = ["up", "--resume", str(folder), *rollout_sets(args), *overrides]
-    elif (folder / "checkpoints" / "latest").exists():  # go on (or stop) at the steps asked for now
-        argv = ["up", "--resume", str(folder), "--steps", str(sets["train.steps"])]
-    else:
-        argv = ["up", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}", *rollout_sets(args),
-                *overrides]
-    run(argv, f"train {run_id}")
-    return final_weights(folder)
-
-
 def check_trained_on(run_dir: Path, train_tasks: list) -> None:
     """Stop unless every task the run trained on (its steps.jsonl) is one of the bench's train split: the
     evaluations read the train split, and a run that trained on held-out tasks would make the test reading moot
@@ -156,12 +93,6 @@ def check_trained_on(run_dir: Path, train_tasks: list) -> None:
     if trained - allowed:
         raise SystemExit(f"learn: {run_dir.name} trained on {len(trained - allowed)} task(s) outside the train split "
                          f"(e.g. {sorted(trained - allowed)[:3]}): its readings would not be a learning check")
-
-
-def final_weights(run_dir: Path) -> Path:
-    """The weights folder of a `swectl up` run's latest checkpoint."""
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return Path(json.loads((run_dir / "checkpoints" / latest / "controller.json").read_text())["weights"])
 
 
 def curve(run_dir: Path, after: int = 0) -> list[dict]:
@@ -189,29 +120,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test-samples", type=int, default=4,
                         help="episodes per task in the held-out evaluation after GRPO")
     parser.add_argument("--sft-steps", type=int, default=None,
-                        help="SFT steps (batch 8); default 400, and 1600 with --manage-context: its SFT data has one "
-                             "sample per agent step (about four per trajectory), so each reply is still seen as often")
-    parser.add_argument("--sft-lr", type=float, default=2e-3)
-    parser.add_argument("--sft-schedule", choices=("constant", "cosine"), default="constant",
+                        help=f"SFT steps (batch 8); default {RECIPE.sft_steps} (the first run's), and 4x that with "
+                             "--manage-context: its SFT data has one sample per agent step (about four per "
+                             "trajectory), so each reply is still seen as often")
+    parser.add_argument("--sft-lr", type=float, default=RECIPE.sft_lr)
+    parser.add_argument("--sft-schedule", choices=("constant", "cosine"), default=RECIPE.sft_schedule,
                         help="SFT learning-rate schedule (cosine: down to a tenth of --sft-lr)")
-    parser.add_argument("--give-up", type=int, default=1, metavar="K",
+    parser.add_argument("--give-up", type=int, default=RECIPE.give_up, metavar="K",
                         help="SFT data from a noisy teacher: besides each task's gold trajectory, K copies of a "
                              "trajectory that looks at the same code and submits no change (`swectl data gold "
                              "--script give-up`), so the SFT model edits on some tries and gives up on others")
-    parser.add_argument("--recover", type=int, default=1, metavar="K",
+    parser.add_argument("--recover", type=int, default=RECIPE.recover, metavar="K",
                         help="SFT data: K copies per task of a teacher that slips and recovers (`swectl data gold "
                              "--script recover`: the gold replies, each of the first two after a cut-off copy the "
                              "agent loop rejects as malformed; SFT masks the malformed ones), so the model answers a "
                              "format error with the right reply instead of more malformed ones")
-    parser.add_argument("--grpo-steps", type=int, default=30)
-    parser.add_argument("--kl-coef", type=float, default=0.5,
+    parser.add_argument("--grpo-steps", type=int, default=RECIPE.grpo_steps)
+    parser.add_argument("--kl-coef", type=float, default=RECIPE.kl_coef,
                         help="GRPO: weight of the KL penalty to the SFT weights (train.loss.kl_coef, low_var_kl); 0 = "
                              "none. "
                              "The anchor keeps a seed near the SFT policy's format while the reward moves it; with "
                              "the cosine schedule five seeds at 30 steps read +12.2 to +26.0 points over SFT "
                              "(benchmarks/results/learn.json)")
-    parser.add_argument("--grpo-lr", type=float, default=2e-4, help="GRPO learning rate (--grpo-start weights)")
-    parser.add_argument("--grpo-schedule", choices=("constant", "cosine"), default="cosine",
+    parser.add_argument("--grpo-lr", type=float, default=RECIPE.grpo_lr,
+                        help="GRPO learning rate (--grpo-start weights)")
+    parser.add_argument("--grpo-schedule", choices=("constant", "cosine"), default=RECIPE.grpo_schedule,
                         help="GRPO learning-rate schedule (--grpo-start weights; train.optim.schedule): cosine "
                              "(default) "
                              "decays --grpo-lr to a tenth by the last step; with a constant rate, weak seeds lost by "
@@ -219,11 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpo-start", choices=("checkpoint", "weights"), default="weights",
                         help="weights (default): a new run from the SFT weights with a fresh optimizer; checkpoint: "
                              "GRPO goes on from the SFT run's last checkpoint (its optimizer state and learning rate)")
-    parser.add_argument("--tasks-per-step", type=int, default=4)
-    parser.add_argument("--n-samples", type=int, default=4, help="GRPO group size")
-    parser.add_argument("--step-limit", type=int, default=DEMO_ROLLOUT["rollout.step_limit"])
-    parser.add_argument("--max-tokens", type=int, default=DEMO_ROLLOUT["rollout.max_tokens"])
-    parser.add_argument("--context", type=int, default=8192,
+    parser.add_argument("--tasks-per-step", type=int, default=RECIPE.tasks_per_step)
+    parser.add_argument("--n-samples", type=int, default=RECIPE.n_samples, help="GRPO group size")
+    parser.add_argument("--step-limit", type=int, default=RECIPE.step_limit)
+    parser.add_argument("--max-tokens", type=int, default=RECIPE.max_tokens)
+    parser.add_argument("--context", type=int, default=RECIPE.context,
                         help="context budget in tokens of every episode, training and evaluation (rollout.context)")
     parser.add_argument("--manage-context", action="store_true",
                         help="head+tail context management when an episode outgrows --context, in training and "
@@ -231,17 +164,18 @@ def main(argv: list[str] | None = None) -> int:
                              "--grpo-set train.sampling.sample_mode='\"step\"'. The SFT data is made under it too: "
                              "each "
                              "gold step records the prompt the engine would see, so SFT trains on those")
-    parser.add_argument("--max-format-errors", type=int,
-                        default=DEMO_ROLLOUT["rollout.max_format_errors"],
+    parser.add_argument("--max-format-errors", type=int, default=RECIPE.max_format_errors,
                         help="malformed replies in a row that end an episode (rollout.max_format_errors)")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--mask-truncated", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--concurrency", type=int, default=RECIPE.concurrency)
+    parser.add_argument("--mask-truncated", action=argparse.BooleanOptionalAction, default=RECIPE.mask_truncated,
                         help="GRPO: truncated episodes (step limit, malformed replies) carry no gradient")
-    parser.add_argument("--mask-truncated-endings", choices=("all", "overlong"), default="all",
+    parser.add_argument("--mask-truncated-endings", choices=("all", "overlong"),
+                        default=RECIPE.mask_truncated_endings,
                         help="with --mask-truncated, which endings are masked: all (the step limit, time, context and "
                              "the malformed-reply limit) or overlong (not the malformed-reply limit: those episodes "
                              "train their well-formed turns with their advantage)")
-    parser.add_argument("--mask-format-errors", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--mask-format-errors", action=argparse.BooleanOptionalAction,
+                        default=RECIPE.mask_format_errors,
                         help="GRPO: malformed replies carry no gradient (experiment.mask_format_errors); the turns "
                              "around "
                              "them train as usual")
@@ -256,63 +190,40 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_seed is None:
         args.eval_seed = args.seed
     if args.sft_steps is None:
-        args.sft_steps = 1600 if args.manage_context else 400
+        args.sft_steps = RECIPE.sft_steps * (4 if args.manage_context else 1)
     work = (args.work or Path("runs") / f"learn-seed{args.seed}").resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     timings: dict[str, float] = {}
+    recipe = recipe_of(args)
 
-    model = work / "model"
-    if not (model / "config.json").exists():
-        timings["model_init_s"] = run(["model", "init", "--out", str(model), "--seed", str(args.seed)], "model")
-    train_tasks, test_tasks = split_tasks(load_tasks(BUNDLED_TASKS).tasks, 0.5, args.seed)
-    for name, tasks in (("train", train_tasks), ("test", test_tasks)):
-        (work / f"{name}.jsonl").write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t in tasks))
+    def timed(key: str, fn):
+        t0 = time.monotonic()
+        value = fn()
+        timings[key] = time.monotonic() - t0
+        return value
 
-    def scripted(script: str) -> Path:
-        """`swectl data gold --script SCRIPT` on the train split into work/SCRIPT, once."""
-        out = work / script
-        if not (out / "summary.json").exists():
-            timings[f"{script.replace('-', '_')}_s"] = run(
-                ["data", "gold", "--script", script, "--tasks", str(work / "train.jsonl"), "--model", str(model),
-                 "--out", str(out), "--concurrency", "4", *rollout_sets(args)], script)
-        return out
+    model = timed("model_init_s", lambda: first_run.make_model(work, args.seed, say))
+    train_tasks, test_tasks = first_run.write_split(work, recipe)
+    sft_data = timed("sft_data_s", lambda: first_run.sft_data(work, model, recipe, say))
 
-    gold = scripted("gold")
-    sft_data = ([str(gold)] + ([str(scripted("give-up"))] * args.give_up if args.give_up else [])
-                + ([str(scripted("recover"))] * args.recover if args.recover else []))
+    def evaluate(weights: Path, split: str, out: str, samples: int, seed_offset: int = 0) -> dict:
+        return first_run.evaluate(recipe, weights, work / f"{split}.jsonl", work / out, samples, say, seed_offset)
 
     rates: dict[str, dict] = {}
-    t0 = time.monotonic()
-    rates["train_before"] = evaluate(args, model, work / "train.jsonl", work / "eval-before", args.before_samples)
-    timings["eval_before_s"] = time.monotonic() - t0
-
-    t0 = time.monotonic()
-    sft_weights = train(args, work, "sft", {
-        "train.model": repr(str(model)), "train.algorithm": '"sft"', "train.data.sft_data": json.dumps(sft_data),
-        "experiment.sft_resolved_only": str(not args.give_up).lower(),
-        "train.steps": args.sft_steps,
-        "train.data.sft_batch_size": 8, "train.optim.lr": args.sft_lr, "train.optim.warmup_steps": 3,
-        "train.optim.schedule": f'"{args.sft_schedule}"', "train.seed": args.seed,
-        "train.save_every": args.sft_steps})
-    timings["sft_s"] = time.monotonic() - t0
-    rates["train_after_sft"] = evaluate(args, sft_weights, work / "train.jsonl", work / "eval-sft")
+    rates["train_before"] = timed("eval_before_s", lambda: evaluate(model, "train", "eval-before",
+                                                                    args.before_samples))
+    rollout = set_flags(recipe.rollout_sets())
+    sft_weights = timed("sft_s", lambda: first_run.train(work, "sft", recipe.sft_sets(model, sft_data), say,
+                                                         extra=rollout))
+    rates["train_after_sft"] = evaluate(sft_weights, "train", "eval-sft", args.samples)
 
     continue_sft = args.grpo_start == "checkpoint"
-    grpo_sets: dict[str, object] = {
-        "train.algorithm": '"grpo"', "train.sampling.tasks_per_step": args.tasks_per_step,
-        "train.sampling.n_samples": args.n_samples, "train.seed": args.seed, "train.data.split_seed": args.seed,
-        "train.data.test_fraction": 0.5, "train.save_every": 5,
-        "train.concurrency": args.concurrency, "train.sampling.max_sampling_rounds": 2,
-        "experiment.mask_truncated": str(args.mask_truncated).lower(),
-        "experiment.mask_truncated_endings": json.dumps(OVERLONG_ENDINGS if args.mask_truncated_endings == "overlong"
-                                                   else [*OVERLONG_ENDINGS, "FormatError"]),
-        "experiment.mask_format_errors": str(args.mask_format_errors).lower(), "train.loss.kl_coef": args.kl_coef}
+    grpo_sets = recipe.grpo_sets(sft_weights)
     if continue_sft:  # steps 1..sft_steps were the SFT run's; the optimizer's learning rate is the SFT's
+        for key in ("train.model", "train.optim.lr", "train.optim.schedule"):
+            del grpo_sets[key]
         grpo_sets.update({"train.data.sft_steps": args.sft_steps, "train.steps": args.sft_steps + args.grpo_steps})
-    else:
-        grpo_sets.update({"train.model": repr(str(sft_weights)), "train.steps": args.grpo_steps,
-                          "train.optim.lr": args.grpo_lr, "train.optim.schedule": f'"{args.grpo_schedule}"'})
     for item in args.grpo_set:
         key, sep, value = item.partition("=")
         if not sep:
@@ -329,16 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     suffix = f"-{args.tag}" if args.tag else ""
     curves = {}
     for name, sets in runs.items():
-        t0 = time.monotonic()
-        weights = train(args, work, name + suffix, sets, continue_from=work / "sft" if continue_sft else None)
+        weights = timed(f"{name}_s", lambda name=name, sets=sets: first_run.train(
+            work, name + suffix, sets, say, extra=rollout, continue_from=work / "sft" if continue_sft else None))
         check_trained_on(work / (name + suffix), train_tasks)
-        timings[f"{name}_s"] = time.monotonic() - t0
         curves[name] = curve(work / (name + suffix), after=args.sft_steps if continue_sft else 0)
-        rates[f"train_after_{name}"] = evaluate(args, weights, work / "train.jsonl", work / f"eval-{name}{suffix}",
+        rates[f"train_after_{name}"] = evaluate(weights, "train", f"eval-{name}{suffix}", args.samples,
                                                 seed_offset=0 if name == "grpo" else 1)
         if name == "grpo":
-            rates["test_after_grpo"] = evaluate(args, weights, work / "test.jsonl", work / f"eval-grpo{suffix}-test",
-                                                 args.test_samples)
+            rates["test_after_grpo"] = evaluate(weights, "test", f"eval-grpo{suffix}-test", args.test_samples)
 
     def pct(key: str) -> float | None:  # None (JSON null) for a phase not run (--no-control)
         return round(100 * rates[key]["resolve_rate"], 1) if key in rates else None

@@ -31,12 +31,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import host_meta  # noqa: E402
-from learn import DEMO_ROLLOUT, final_weights, set_flags  # noqa: E402
+from learn import DEMO_ROLLOUT  # noqa: E402
 
 from swectl.agent.loop import Episode  # noqa: E402
 from swectl.data.judge import step_labels  # noqa: E402
 from swectl.data.trajectories import META_FILE, read_meta  # noqa: E402
 from swectl.rl.prm import StepJudgement  # noqa: E402
+from swectl.train.first_run import final_weights, set_flags  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "prm.json"
 SWECTL = [sys.executable, "-m", "swectl.cli.main"]
@@ -65,7 +66,8 @@ def up(work: Path, run_id: str, values: dict[str, object]) -> Path:
     if (folder / "checkpoints" / "latest").exists():
         swectl(["up", "--resume", str(folder), "--steps", str(values["train.steps"])], f"train {run_id}")
     else:
-        swectl(["up", *set_flags({"out_dir": repr(str(work)), "run_id": repr(run_id), **values})], f"train {run_id}")
+        swectl(["up", "--single-run", *set_flags({"out_dir": repr(str(work)), "run_id": repr(run_id), **values})],
+               f"train {run_id}")
     return final_weights(folder)
 
 

@@ -24,7 +24,7 @@ from swectl.errors import ConfigError, InfraError, SwectlError, TaskDataError
 
 EPILOG = """\
 examples:
-  swectl up                              run the embedded default (one local node)
+  swectl up                              the first run on one local node: tiny model, SFT, GRPO, readings
   swectl up examples/two-nodes.toml --set env_pool.warm=8
   swectl check-config cluster.toml       print the resolved config as JSON
   swectl nodes check cluster.toml        connect to every node and report problems

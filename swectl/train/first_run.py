@@ -1,0 +1,377 @@
+"""The first run: what `swectl up` does with no config file, and the recipe `just learn` measures with controls.
+
+A user of this field on a laptop runs: a small policy, supervised data from a teacher, SFT, then GRPO from the
+SFT weights, then sampled readings of the policy on the train split and on the held-out split. Each phase is one
+swectl command (the same commands a user would type), run in order in one run folder:
+
+1. ``model/``: the tiny Qwen3 (`swectl model init --seed SEED`); ``train.jsonl`` / ``test.jsonl``: the seeded
+   split of the bundled tasks (the split `swectl up` makes with train.data.split_seed = SEED);
+2. SFT data on the train split (`swectl data gold`): each task's gold patch acted out as agent turns (``gold/``)
+   and a noisy teacher: ``give_up`` copies of a trajectory that looks at the code and submits no change
+   (``give-up/``) and ``recover`` copies of one that slips (malformed replies, masked in SFT) and recovers
+   (``recover/``). The SFT policy imitates a teacher that is right one time in ``1 + give_up``: only the reward
+   says which of its attempts are right, which is what GRPO then learns from;
+3. SFT (``sft/``, `swectl up` with train.algorithm = "sft");
+4. a sampled reading (temperature 1, seeded) of the SFT policy on the train split (``eval-sft/``);
+5. GRPO from the SFT weights (``grpo/``) with a KL anchor to them and a cosine learning rate;
+6. the same reading of the GRPO policy (``eval-grpo/``), and one on the held-out split (``eval-test/``).
+
+Every phase that finished is kept: the run resumed (`swectl up --resume RUN`) starts at the first phase that did
+not. ``summary.json`` holds the readings, the gain and the minutes; the table is printed and added to
+``swectl.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from swectl.config import TRUNCATED_ENDINGS
+from swectl.errors import ConfigError, SwectlError
+
+SWECTL = [sys.executable, "-m", "swectl.cli.main"]
+RECIPE_FILE = "recipe.json"
+SUMMARY_FILE = "summary.json"
+LOG_FILE = "swectl.log"
+OVERLONG_ENDINGS = [e for e in TRUNCATED_ENDINGS if e != "FormatError"]  # the TRUNCATED endings but FormatError
+Say = Callable[[str], None]
+
+
+class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The first run's numbers (`swectl up --set recipe.KEY=VALUE`; `just learn` flags of the same names)."""
+
+    seed: int = 0  # the model's init, the task split, SFT, GRPO and the readings' sampling
+    tasks: str = ""  # the task file to split ("": the bundled tasks)
+    test_fraction: float = 0.5  # share of the bundled tasks held out
+    give_up: int = 1  # copies per task of the teacher that submits no change (0: SFT on gold only)
+    recover: int = 1  # copies per task of the teacher that slips and recovers
+    sft_steps: int = 100
+    sft_batch_size: int = 8
+    sft_lr: float = 2e-3
+    sft_schedule: Literal["constant", "cosine"] = "constant"
+    grpo_steps: int = 10
+    grpo_lr: float = 2e-4
+    grpo_schedule: Literal["constant", "cosine"] = "cosine"  # cosine: down to a tenth by the last step
+    kl_coef: float = 0.5  # GRPO's KL penalty to the SFT weights (low_var_kl): keeps the SFT format
+    tasks_per_step: int = 4
+    n_samples: int = 4  # GRPO group size
+    step_limit: int = 6  # agent turns per episode, in training and in the readings
+    max_tokens: int = 192  # generated tokens per turn
+    max_format_errors: int = 3  # malformed replies in a row that end an episode
+    context: int = 8192  # context budget in tokens of every episode
+    manage_context: bool = False  # head+tail context management when an episode outgrows `context`
+    mask_truncated: bool = True  # GRPO: truncated episodes (step limit, malformed replies) carry no gradient
+    mask_truncated_endings: Literal["all", "overlong"] = "all"  # overlong: not the malformed-reply limit
+    mask_format_errors: bool = True  # GRPO: malformed replies carry no gradient
+    concurrency: int = 8  # episodes at a time, in training and in the readings
+    eval_samples: int = 4  # episodes per train task in each reading
+    test_samples: int = 2  # episodes per held-out task
+    eval_seed: int | None = None  # sampling seed of the readings (default: seed)
+
+    def rollout_sets(self) -> dict[str, object]:
+        return {"rollout.step_limit": self.step_limit, "rollout.max_tokens": self.max_tokens,
+                "rollout.max_format_errors": self.max_format_errors, "env_pool.warm": 0,
+                "rollout.context": self.context, "rollout.manage_context": str(self.manage_context).lower()}
+
+    def sft_sets(self, model: Path, sft_data: list[str]) -> dict[str, object]:
+        return {"train.model": repr(str(model)), "train.algorithm": '"sft"',
+                "train.data.sft_data": json.dumps(sft_data),
+                "experiment.sft_resolved_only": str(not self.give_up).lower(), "train.steps": self.sft_steps,
+                "train.data.sft_batch_size": self.sft_batch_size, "train.optim.lr": self.sft_lr,
+                "train.optim.warmup_steps": 3, "train.optim.schedule": f'"{self.sft_schedule}"',
+                "train.seed": self.seed, "train.save_every": self.sft_steps}
+
+    def grpo_sets(self, sft_weights: Path) -> dict[str, object]:
+        endings = OVERLONG_ENDINGS if self.mask_truncated_endings == "overlong" else [*OVERLONG_ENDINGS, "FormatError"]
+        return {"train.model": repr(str(sft_weights)), "train.algorithm": '"grpo"', "train.steps": self.grpo_steps,
+                "train.optim.lr": self.grpo_lr, "train.optim.schedule": f'"{self.grpo_schedule}"',
+                "train.sampling.tasks_per_step": self.tasks_per_step, "train.sampling.n_samples": self.n_samples,
+                "train.seed": self.seed, "train.data.split_seed": self.seed,
+                "train.data.test_fraction": self.test_fraction, "train.save_every": 5,
+                **({"train.data.tasks": repr(self.tasks)} if self.tasks else {}),
+                "train.concurrency": self.concurrency, "train.sampling.max_sampling_rounds": 2,
+                "experiment.mask_truncated": str(self.mask_truncated).lower(),
+                "experiment.mask_truncated_endings": json.dumps(endings),
+                "experiment.mask_format_errors": str(self.mask_format_errors).lower(),
+                "train.loss.kl_coef": self.kl_coef}
+
+    @property
+    def reading_seed(self) -> int:
+        return self.seed if self.eval_seed is None else self.eval_seed
+
+
+def set_flags(sets: dict[str, object]) -> list[str]:
+    """``--set KEY=VALUE`` arguments, one pair per entry."""
+    return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+
+
+def swectl(argv: list[str], what: str, say: Say) -> float:
+    """Run one swectl command (its output goes to this terminal); the seconds it took. A failure stops the run
+    with the command's exit status: the phases before it stay in the run folder."""
+    say(f"{what}: swectl {' '.join(argv)}")
+    t0 = time.monotonic()
+    done = subprocess.run([*SWECTL, *argv], check=False)
+    if done.returncode == 130:
+        raise KeyboardInterrupt
+    if done.returncode != 0:
+        raise SwectlError(f"{what} failed (exit {done.returncode}); what finished is kept: go on with "
+                          f"`swectl up --resume RUN_DIR`")
+    return time.monotonic() - t0
+
+
+def make_model(work: Path, seed: int, say: Say) -> Path:
+    model = work / "model"
+    if not (model / "config.json").exists():
+        swectl(["model", "init", "--out", str(model), "--seed", str(seed)], "model", say)
+    return model
+
+
+def write_split(work: Path, recipe: Recipe) -> tuple[list[Any], list[Any]]:
+    """The seeded train / held-out split of the bundled tasks, written to ``train.jsonl`` and ``test.jsonl``."""
+    from swectl.actors.data_source import split_tasks
+    from swectl.images.project import BUNDLED_TASKS
+    from swectl.tasks.sources import load_tasks
+
+    source = recipe.tasks or str(BUNDLED_TASKS)
+    loaded = load_tasks(source)
+    if not loaded.tasks:
+        raise ConfigError(f"recipe.tasks {source}: no usable task in it")
+    train, test = split_tasks(loaded.tasks, recipe.test_fraction, recipe.seed)
+    if not train or not test:
+        raise ConfigError(f"recipe.test_fraction {recipe.test_fraction}: {len(train)} train and {len(test)} held-out "
+                          f"tasks of {len(loaded.tasks)}; both splits need one")
+    for name, tasks in (("train", train), ("test", test)):
+        (work / f"{name}.jsonl").write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t in tasks))
+    return train, test
+
+
+def scripted_data(work: Path, model: Path, recipe: Recipe, script: str, say: Say) -> Path:
+    """`swectl data gold --script SCRIPT` on the train split into ``work/SCRIPT``, once."""
+    out = work / script
+    if not (out / "summary.json").exists():
+        swectl(["data", "gold", "--script", script, "--tasks", str(work / "train.jsonl"), "--model", str(model),
+                "--out", str(out), "--concurrency", "4", *set_flags(recipe.rollout_sets())], script, say)
+    return out
+
+
+def sft_data(work: Path, model: Path, recipe: Recipe, say: Say) -> list[str]:
+    """The SFT data folders: gold, then the noisy teacher's copies (a folder listed K times is read K times)."""
+    gold = scripted_data(work, model, recipe, "gold", say)
+    give_up = [str(scripted_data(work, model, recipe, "give-up", say))] * recipe.give_up if recipe.give_up else []
+    recover = [str(scripted_data(work, model, recipe, "recover", say))] * recipe.recover if recipe.recover else []
+    return [str(gold), *give_up, *recover]
+
+
+def evaluate(recipe: Recipe, model: Path, tasks: Path, out: Path, samples: int, say: Say,
+             seed_offset: int = 0) -> dict[str, Any]:
+    """`swectl eval` of ``model`` on ``tasks`` (``samples`` episodes per task, temperature 1, seeded) into
+    ``out``, once: a folder with a summary is read back. Two readings of one policy that are pooled take
+    different ``seed_offset``s, so they are independent samples."""
+    if not (out / "summary.json").exists():
+        swectl(["eval", "--model", str(model), "--tasks", str(tasks), "--samples", str(samples),
+                "--seed", str(recipe.reading_seed + seed_offset), "--temperature", "1.0",
+                "--step-limit", str(recipe.step_limit), "--max-tokens", str(recipe.max_tokens),
+                "--concurrency", str(recipe.concurrency), "--out", str(out), "--fresh", "--set", "env_pool.warm=0",
+                "--set", f"rollout.max_format_errors={recipe.max_format_errors}", "--context", str(recipe.context),
+                *(["--manage-context"] if recipe.manage_context else [])], f"eval {out.name}", say)
+    summary = json.loads((out / "summary.json").read_text())
+    return {"resolve_rate": summary["resolve_rate"], "resolved": summary["resolved"], "episodes": summary["finished"],
+            "aborted": summary["infra_errors"], "folder": str(out), "model": str(model),
+            "seed": summary["settings"]["rollout"].get("seed")}
+
+
+def train(out_dir: Path, run_id: str, sets: dict[str, object], say: Say, *, extra: list[str] = (),
+          continue_from: Path | None = None) -> Path:
+    """One `swectl up` run in ``out_dir/run_id``: a new run with ``sets`` (and ``extra`` arguments), or the run
+    resumed from its last checkpoint when it has one (it goes on to ``train.steps``, or stops there), or
+    (``continue_from``, a finished run folder) a copy of that run resumed with ``sets`` as overrides."""
+    import shutil
+
+    folder = out_dir / run_id
+    if continue_from is not None:
+        if not folder.exists():
+            shutil.copytree(continue_from, folder)
+        argv = ["up", "--resume", str(folder), *extra, *set_flags(sets)]
+    elif (folder / "checkpoints" / "latest").exists():
+        argv = ["up", "--resume", str(folder), "--steps", str(sets["train.steps"])]
+    else:
+        argv = ["up", "--single-run", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}",
+                *extra, *set_flags(sets)]
+    swectl(argv, f"train {run_id}", say)
+    return final_weights(folder)
+
+
+def final_weights(run_dir: Path) -> Path:
+    """The weights folder of a `swectl up` run's latest checkpoint."""
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return Path(json.loads((run_dir / "checkpoints" / latest / "controller.json").read_text())["weights"])
+
+
+def finished_steps(run_dir: Path) -> int:
+    """The steps a `swectl up` run's latest checkpoint holds (0: none)."""
+    try:
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+        return int(json.loads((run_dir / "checkpoints" / latest / "controller.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+# ---------------------------------------------------------------- the run itself
+
+
+class Summary(msgspec.Struct, kw_only=True):
+    """``summary.json`` of a first run."""
+
+    seed: int
+    sft_train_resolve_rate: float
+    grpo_train_resolve_rate: float
+    test_resolve_rate: float
+    gain_points: float  # GRPO's train reading minus SFT's, in percentage points
+    gain_noise_points: float  # one standard error of that difference (two independent binomial readings)
+    minutes: float
+    phases_s: dict[str, float]
+    readings: dict[str, dict[str, Any]]
+    run_dir: str
+    recipe: dict[str, Any]
+
+
+PHASES = ("model and split", "SFT data", "SFT", "SFT reading", "GRPO", "GRPO reading", "held-out reading")
+# Seconds each phase took in the run that set the recipe (2-core machine): the ETA scales them by how the phases
+# so far compare with them
+EXPECTED_S = (20.0, 170.0, 330.0, 160.0, 620.0, 180.0, 130.0)
+
+
+def load_recipe(run_dir: Path, overrides: dict[str, Any]) -> Recipe:
+    """A resumed run's recipe (its recipe.json) or a new one, with ``recipe.KEY=VALUE`` overrides."""
+    saved: dict[str, Any] = {}
+    if (run_dir / RECIPE_FILE).exists():
+        saved = json.loads((run_dir / RECIPE_FILE).read_text())
+    try:
+        return msgspec.convert({**saved, **overrides}, Recipe, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"recipe: {exc} (the keys are {', '.join(Recipe.__struct_fields__)})") from exc
+
+
+def run_first(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say) -> Summary:
+    """Every phase of the first run in ``run_dir`` (finished ones are skipped); the summary, also written."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved = run_dir / RECIPE_FILE
+    resumed = saved.exists()
+    saved.write_bytes(msgspec.json.format(msgspec.json.encode(recipe)) + b"\n")
+    started = time.monotonic()
+    phases_s: dict[str, float] = {}
+    log = _Log(run_dir / LOG_FILE, say)
+
+    def phase(index: int, detail: str) -> None:
+        done = sum(EXPECTED_S[:index])
+        spent = time.monotonic() - started
+        scale = spent / done if done and spent > 60 else 1.0
+        left = sum(EXPECTED_S[index:]) * scale
+        log(f"[{index + 1}/{len(PHASES)}] {PHASES[index]}: {detail} (elapsed {spent / 60:.1f} min, about "
+            f"{left / 60:.0f} min left)")
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.monotonic()
+        value = fn()
+        phases_s[name] = round(time.monotonic() - t0, 1)
+        return value
+
+    if resumed:
+        log(f"resuming {run_dir}: phases already finished are kept")
+    extra = [*set_flags(recipe.rollout_sets()), *config_sets]
+    phase(0, f"the tiny model (seed {recipe.seed}) and a {1 - recipe.test_fraction:.0%} train split of the bundled "
+             "tasks")
+    model = timed("model", lambda: make_model(run_dir, recipe.seed, log))
+    train_tasks, test_tasks = write_split(run_dir, recipe)
+    log(f"{len(train_tasks)} train / {len(test_tasks)} held-out tasks (split seed {recipe.seed})")
+    phase(1, f"gold trajectories, {recipe.give_up} give-up and {recipe.recover} recover copies per train task")
+    data = timed("sft_data", lambda: sft_data(run_dir, model, recipe, log))
+    phase(2, f"{recipe.sft_steps} steps x {recipe.sft_batch_size} samples, lr {recipe.sft_lr:g}" +
+          _resumed_at(run_dir / "sft"))
+    sft_weights = timed("sft", lambda: train(run_dir, "sft", recipe.sft_sets(model, data), log, extra=extra))
+    readings: dict[str, dict[str, Any]] = {}
+    phase(3, f"{recipe.eval_samples} episodes per train task at temperature 1")
+    readings["sft_train"] = timed("sft_reading", lambda: evaluate(
+        recipe, sft_weights, run_dir / "train.jsonl", run_dir / "eval-sft", recipe.eval_samples, log))
+    phase(4, f"{recipe.grpo_steps} steps x {recipe.tasks_per_step} tasks x {recipe.n_samples} samples from the SFT "
+             f"weights, lr {recipe.grpo_lr:g} {recipe.grpo_schedule}, KL {recipe.kl_coef:g}" +
+          _resumed_at(run_dir / "grpo"))
+    grpo_weights = timed("grpo", lambda: train(run_dir, "grpo", recipe.grpo_sets(sft_weights), log, extra=extra))
+    phase(5, f"{recipe.eval_samples} episodes per train task")
+    readings["grpo_train"] = timed("grpo_reading", lambda: evaluate(
+        recipe, grpo_weights, run_dir / "train.jsonl", run_dir / "eval-grpo", recipe.eval_samples, log))
+    phase(6, f"{recipe.test_samples} episodes per held-out task")
+    readings["test"] = timed("test_reading", lambda: evaluate(
+        recipe, grpo_weights, run_dir / "test.jsonl", run_dir / "eval-test", recipe.test_samples, log))
+    _plot(run_dir / "grpo", log)
+    summary = _summary(run_dir, recipe, readings, phases_s, time.monotonic() - started)
+    (run_dir / SUMMARY_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
+    for line in summary_table(summary):
+        log(line)
+    return summary
+
+
+def _resumed_at(folder: Path) -> str:
+    steps = finished_steps(folder)
+    return f" (resuming after step {steps})" if steps else ""
+
+
+def _plot(run_dir: Path, say: Say) -> None:
+    try:
+        swectl(["plot", str(run_dir)], "plot", say)
+    except SwectlError as exc:  # the curves are a convenience: the readings stand without them
+        say(f"plot: {exc}")
+
+
+def _summary(run_dir: Path, recipe: Recipe, readings: dict[str, dict[str, Any]], phases_s: dict[str, float],
+             seconds: float) -> Summary:
+    sft, grpo = readings["sft_train"], readings["grpo_train"]
+    noise = math.sqrt(sum(r["resolve_rate"] * (1 - r["resolve_rate"]) / max(r["episodes"], 1) for r in (sft, grpo)))
+    return Summary(seed=recipe.seed, sft_train_resolve_rate=sft["resolve_rate"],
+                   grpo_train_resolve_rate=grpo["resolve_rate"], test_resolve_rate=readings["test"]["resolve_rate"],
+                   gain_points=round(100 * (grpo["resolve_rate"] - sft["resolve_rate"]), 1),
+                   gain_noise_points=round(100 * noise, 1), minutes=round(seconds / 60, 1), phases_s=phases_s,
+                   readings=readings, run_dir=str(run_dir), recipe=msgspec.to_builtins(recipe))
+
+
+def summary_table(s: Summary) -> list[str]:
+    """The lines `swectl up` ends a first run with."""
+    r = s.readings
+
+    def row(name: str, key: str) -> str:
+        reading = r[key]
+        return (f"  {name:<28} {100 * reading['resolve_rate']:5.1f}%  ({reading['resolved']}/{reading['episodes']} "
+                f"episodes)")
+
+    minutes = {k: round(v / 60, 1) for k, v in s.phases_s.items()}
+    run = Path(s.run_dir)
+    return ["", f"first run {run}: {s.minutes} min (seed {s.seed})",
+            "  sampled resolve rate (temperature 1)",
+            row("train split after SFT", "sft_train"), row("train split after GRPO", "grpo_train"),
+            row("held-out split after GRPO", "test"),
+            f"  GRPO gain on the train split: {s.gain_points:+.1f} points (one standard error "
+            f"{s.gain_noise_points:.1f})",
+            "  minutes per phase: " + ", ".join(f"{k} {v}" for k, v in minutes.items()),
+            f"  run folder {run}: summary.json, sft/ and grpo/ (metrics.jsonl, tensorboard/), grpo/plots/, eval-*/",
+            f"  look at it: swectl view {run / 'grpo'}   curves: swectl plot {run / 'grpo'}", ""]
+
+
+class _Log:
+    """Says a line and adds it to the run's swectl.log."""
+
+    def __init__(self, path: Path, say: Say) -> None:
+        self.path = path
+        self.say = say
+
+    def __call__(self, line: str) -> None:
+        self.say(line)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} first-run: {line}\n")

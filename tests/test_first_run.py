@@ -1,0 +1,113 @@
+"""The first run's recipe (swectl/train/first_run.py) without running it: its settings are keys the config has,
+its numbers come from ``--set recipe.KEY=VALUE`` and a resumed run's recipe.json, its table and the `swectl up`
+choices around it. The whole run, shrunk, is tests/integration/test_first_run.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from swectl.cli import up
+from swectl.cli.main import main
+from swectl.config import load_config
+from swectl.errors import ConfigError
+from swectl.images.project import BUNDLED_TASKS
+from swectl.train import first_run
+from swectl.train.first_run import Recipe, Summary, load_recipe, set_flags, summary_table
+
+
+def _overrides(sets: dict[str, object]) -> list[str]:
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+def test_the_recipe_sets_only_keys_the_config_has_and_they_decode(tmp_path: Path) -> None:
+    recipe = Recipe(tasks=str(tmp_path / "tasks.jsonl"))
+    sft = load_config(None, _overrides({**recipe.rollout_sets(), **recipe.sft_sets(tmp_path / "m", ["a", "b"])}))
+    assert sft.train.algorithm == "sft" and sft.train.steps == recipe.sft_steps
+    assert sft.train.data.sft_data == ["a", "b"] and sft.experiment.sft_resolved_only is False
+    assert sft.rollout.step_limit == recipe.step_limit and sft.rollout.max_tokens == recipe.max_tokens
+    grpo = load_config(None, _overrides({**recipe.rollout_sets(), **recipe.grpo_sets(tmp_path / "w")}))
+    assert grpo.train.algorithm == "grpo" and grpo.train.steps == recipe.grpo_steps
+    assert grpo.train.model == str(tmp_path / "w") and grpo.train.loss.kl_coef == recipe.kl_coef
+    assert grpo.train.data.split_seed == recipe.seed and grpo.train.data.test_fraction == recipe.test_fraction
+    assert grpo.train.data.tasks == recipe.tasks  # GRPO splits the same task file the readings read
+    assert "FormatError" in grpo.experiment.mask_truncated_endings
+
+
+def test_the_noisy_teacher_off_trains_on_resolved_gold_only(tmp_path: Path) -> None:
+    sets = Recipe(give_up=0).sft_sets(tmp_path, ["gold"])
+    assert load_config(None, _overrides(sets)).experiment.sft_resolved_only is True
+
+
+def test_recipe_overrides_and_a_resumed_runs_recipe(tmp_path: Path) -> None:
+    assert load_recipe(tmp_path, {"sft_steps": 7}).sft_steps == 7
+    (tmp_path / first_run.RECIPE_FILE).write_text(json.dumps({"seed": 3, "grpo_steps": 4}))
+    recipe = load_recipe(tmp_path, {"grpo_steps": 5})
+    assert (recipe.seed, recipe.grpo_steps) == (3, 5)  # saved, then overridden
+
+
+def test_an_unknown_or_mistyped_recipe_key_is_a_config_error_naming_the_keys(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"sft_stepz.*the keys are seed, tasks"):
+        load_recipe(tmp_path, {"sft_stepz": 7})
+    with pytest.raises(ConfigError, match="sft_steps"):
+        load_recipe(tmp_path, {"sft_steps": "many"})
+
+
+def test_the_table_gives_both_readings_the_gain_and_where_things_are(tmp_path: Path) -> None:
+    reading = {"resolve_rate": 0.25, "resolved": 18, "episodes": 72}
+    summary = Summary(seed=2, sft_train_resolve_rate=0.25, grpo_train_resolve_rate=0.5, test_resolve_rate=0.0,
+                      gain_points=25.0, gain_noise_points=7.7, minutes=24.5, phases_s={"sft": 300.0},
+                      readings={"sft_train": reading, "grpo_train": {**reading, "resolve_rate": 0.5, "resolved": 36},
+                                "test": {**reading, "resolve_rate": 0.0, "resolved": 0, "episodes": 36}},
+                      run_dir=str(tmp_path), recipe={})
+    text = "\n".join(summary_table(summary))
+    assert "train split after SFT         25.0%  (18/72 episodes)" in text
+    assert "train split after GRPO        50.0%  (36/72 episodes)" in text
+    assert "+25.0 points (one standard error 7.7)" in text and "24.5 min (seed 2)" in text
+    assert f"swectl view {tmp_path / 'grpo'}" in text and "sft 5.0" in text
+
+
+def test_set_flags_pairs_each_key_with_its_value() -> None:
+    assert set_flags({"a.b": 1, "c": '"x"'}) == ["--set", "a.b=1", "--set", 'c="x"']
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    up.add_parser(parser.add_subparsers())
+    return parser.parse_args(["up", *argv])
+
+
+def test_which_runs_are_first_runs(tmp_path: Path) -> None:
+    assert up._first_run_asked(_args([]))
+    assert up._first_run_asked(_args(["--set", "recipe.seed=1"]))
+    assert not up._first_run_asked(_args(["--single-run"]))
+    assert not up._first_run_asked(_args(["cluster.toml"]))
+    single = tmp_path / "single"
+    single.mkdir()
+    assert not up._first_run_asked(_args(["--resume", str(single)]))
+    (tmp_path / "first").mkdir()
+    (tmp_path / "first" / first_run.RECIPE_FILE).write_text("{}")
+    assert up._first_run_asked(_args(["--resume", str(tmp_path / "first")]))
+
+
+def test_steps_without_a_file_says_which_recipe_keys_to_set(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--steps", "3"]) == 2
+    assert "recipe.sft_steps" in capsys.readouterr().err
+
+
+def test_a_bad_config_key_stops_the_first_run_before_any_phase(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--set", f"out_dir={str(tmp_path)!r}", "--set", "run_id='r'", "--set", "train.lr=1"]) == 2
+    assert "train.optim.lr" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_recipe_naming_a_split_with_an_empty_side_is_refused(tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(BUNDLED_TASKS.read_text().splitlines()[0] + "\n")
+    with pytest.raises(ConfigError, match="both splits need one"):
+        first_run.write_split(tmp_path, Recipe(tasks=str(tasks)))
+
