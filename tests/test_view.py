@@ -223,3 +223,25 @@ def test_an_episode_names_the_others_of_its_group_to_compare_with(tmp_path: Path
     run = RunIndex(make_up_run(tmp_path / "run"))
     assert run.episode("episodes/step_000002/calc-1__0")["group"] == ["episodes/step_000002/calc-1__1"]
     assert run.episode("eval/step_000003/calc-1__0")["group"] == []
+
+
+def test_rewards_jsonl_gives_each_episode_its_reward_by_sample_also_in_async_group_folders(tmp_path: Path) -> None:
+    path = make_up_run(tmp_path / "run")
+    group = path / "episodes" / "group_000007"  # the async loop's folders: no steps.jsonl rewards for them
+    for sample in (0, 1):
+        write_episode(group / f"calc-1__{sample}", "calc-1", sample, resolved=bool(sample))
+    run = RunIndex(path)
+    assert [r.reward for r in run.episode_rows() if r.id.startswith("episodes/group_")] == [None, None]
+    with (group / "rewards.jsonl").open("w") as f:  # written by the loop when the group is scored (not in order)
+        f.write(json.dumps({"instance_id": "calc-1", "sample": 1, "reward": 1.0, "advantage": 0.7}) + "\n")
+        f.write(json.dumps({"instance_id": "calc-1", "sample": 0, "reward": -0.5, "advantage": -0.7}) + "\n")
+        f.write('{"instance_id": "calc-1", "sam')  # a line still being written waits
+    run.refresh()
+    assert [(r.sample, r.reward) for r in run.episode_rows() if r.id.startswith("episodes/group_")] == [
+        (0, -0.5), (1, 1.0)]
+    # an exact reward wins over the steps.jsonl match of the same step's group
+    step2 = path / "episodes" / "step_000002"
+    (step2 / "rewards.jsonl").write_text(json.dumps({"instance_id": "calc-1", "sample": 0, "reward": 0.3,
+                                                     "advantage": 0.0}) + "\n")
+    run.refresh()
+    assert RunIndex(path).episodes["episodes/step_000002/calc-1__0"].reward == 0.3

@@ -49,6 +49,18 @@ class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
         return self.outcome == "TRUNCATED"
 
 
+REWARDS_FILE = "rewards.jsonl"  # in an episodes folder: one EpisodeReward per scored episode (`swectl view` reads it)
+
+
+class EpisodeReward(msgspec.Struct, frozen=True):
+    """What a scored episode got: its folder is ``<instance_id>__<sample>`` beside the rewards file."""
+
+    instance_id: str
+    sample: int
+    reward: float
+    advantage: float
+
+
 class Group(msgspec.Struct, kw_only=True):
     """The episodes of one task with their rewards and advantages."""
 

@@ -320,15 +320,15 @@ class Controller:
         limiter = anyio.CapacityLimiter(t.concurrency)
 
         async def run_group(task: Task, draw: int) -> tuple[Group | None, list[EpisodeResult]]:
-            rollout = rollouts.rollout(grader, f"g{draw}", self.run_dir / "episodes" / f"group_{draw:06d}",
-                                       limiter=limiter)
+            out = self.run_dir / "episodes" / f"group_{draw:06d}"
+            rollout = rollouts.rollout(grader, f"g{draw}", out, limiter=limiter)
             results: list[EpisodeResult] = []
             async with anyio.create_task_group() as group_tg:
                 await group_tg.start(rollout.run, name="group rollout")
                 group = await rollouts.group(rollout, task, results)
                 group_tg.cancel_scope.cancel("group sampled")
             if group is not None:
-                rollouts.score(group, f"g{draw}:{task.instance_id}")
+                rollouts.score(group, f"g{draw}:{task.instance_id}", out)
             return group, results
 
         s = t.sampling

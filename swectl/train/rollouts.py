@@ -27,7 +27,7 @@ from swectl.actors.rollout import EpisodeResult, Rollout, RolloutConfig
 from swectl.agent.loop import Episode, EpisodeConfig, episode_config
 from swectl.config import ClusterConfig
 from swectl.errors import TaskDataError
-from swectl.rl.groups import GradedEpisode, Group, score_group
+from swectl.rl.groups import REWARDS_FILE, EpisodeReward, GradedEpisode, Group, score_group
 from swectl.tasks.record import Task
 from swectl.train.checkpoint import step_name
 
@@ -122,10 +122,16 @@ class TrainRollouts:
                 return Group(instance_id=task.instance_id, episodes=good[:n])
         return None
 
-    def score(self, group: Group, key: str) -> None:
-        """Rewards and advantages of a finished group (``key`` seeds the shuffled-reward control)."""
+    def score(self, group: Group, key: str, out: Path) -> None:
+        """Rewards and advantages of a finished group (``key`` seeds the shuffled-reward control), recorded in
+        ``out``'s rewards.jsonl beside the episode folders."""
         c = self._config
         score_group(group, c.train.advantage, c.reward, c.experiment, shuffle_key=f"{c.train.seed}:{key}")
+        lines = b"".join(msgspec.json.encode(EpisodeReward(e.instance_id, e.sample, r, a)) + b"\n"
+                         for e, r, a in zip(group.episodes, group.rewards, group.advantages, strict=True))
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / REWARDS_FILE).open("ab") as f:
+            f.write(lines)
 
     async def evaluate(self, tasks: list[Task], metrics: Metrics, step: int) -> float:
         """The held-out evaluation after ``step``: ``eval_samples`` episodes per task, logged and summarised in

@@ -115,7 +115,7 @@ class GroupSource:
                     if g is None:
                         dropped["aborted"] += 1
                         continue
-                    self._rollouts.score(g, f"{step}:{g.instance_id}:{len(every)}")
+                    self._rollouts.score(g, f"{step}:{g.instance_id}:{len(every)}", out)
                     every.append(g)
                     if s.dynamic_sampling and not g.informative:
                         dropped["uninformative"] += 1

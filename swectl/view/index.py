@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from swectl.errors import ConfigError
+from swectl.rl.groups import REWARDS_FILE
 
 OBSERVATION_SHOWN_CHARS = 20_000  # a message longer than this is shown cut, with its full size
 LOG_TAIL_CHARS = 20_000
@@ -96,11 +97,13 @@ class RunIndex:
         self.name = path.name
         self.metrics: list[dict[str, Any]] = []
         self.episodes: dict[str, EpisodeRow] = {}
-        self._offsets = {"metrics.jsonl": 0, "steps.jsonl": 0}
+        self._offsets: dict[str, int] = {"metrics.jsonl": 0, "steps.jsonl": 0}  # also each rewards.jsonl
         self._seen_dirs: dict[Path, float] = {}  # folder -> its mtime when last listed
         self._groups: dict[tuple[str, str], list[EpisodeRow]] = {}  # (parent folder, instance_id) -> its episodes
         self._rewards: dict[tuple[str, str], list[float]] = {}  # the same key -> the rewards steps.jsonl gave it
         self._touched: set[tuple[str, str]] = set()  # groups whose rewards are to be matched again
+        self._exact: set[str] = set()  # "<parent>/<instance_id>" groups that rewards.jsonl scored
+        self._early: dict[str, float] = {}  # rewards.jsonl entries whose episode folder is not listed yet
         self.refresh()
 
     # ------------------------------------------------------------ keeping up
@@ -114,9 +117,23 @@ class RunIndex:
                 if isinstance(values, list) and all(isinstance(v, int | float) for v in values):
                     self._rewards[key] = [float(v) for v in values]
                     self._touched.add(key)
+        exact: dict[str, float] = {}  # episode folder (relative) -> its reward, from rewards.jsonl
         for folder, phase in self._episode_parents():
             self._scan(folder, phase)
-        for key in self._touched & self._rewards.keys():
+            parent = str(folder.relative_to(self.path))
+            for line in self._read_lines(f"{parent}/{REWARDS_FILE}", need_step=False):
+                if isinstance(line.get("reward"), int | float) and isinstance(line.get("sample"), int):
+                    exact[f"{parent}/{line.get('instance_id')}__{line['sample']}"] = float(line["reward"])
+                    self._exact.add(f"{parent}/{line.get('instance_id')}")
+        for rel, reward in exact.items():
+            if rel in self.episodes:
+                self.episodes[rel].reward = reward
+            else:
+                self._early[rel] = reward  # its folder is listed by a later refresh
+        for rel in [r for r in self._early if r in self.episodes]:
+            self.episodes[rel].reward = self._early.pop(rel)
+        # Runs recorded before rewards.jsonl: each step's rewards in steps.jsonl, matched by sample order
+        for key in {k for k in self._touched & self._rewards.keys() if f"{k[0]}/{k[1]}" not in self._exact}:
             scored = sorted((r for r in self._groups.get(key, []) if r.scored), key=lambda r: r.sample)
             rewards = self._rewards[key]
             if len(scored) >= len(rewards):  # the group is all here (else: again when its last episode is)
@@ -124,11 +141,12 @@ class RunIndex:
                     row.reward = reward
         self._touched.clear()
 
-    def _read_lines(self, name: str) -> list[dict[str, Any]]:
-        """The whole new lines of a JSONL file of the run (objects with an integer ``step``) since the last read."""
+    def _read_lines(self, name: str, *, need_step: bool = True) -> list[dict[str, Any]]:
+        """The whole new lines of a JSONL file of the run (objects, with an integer ``step`` when ``need_step``)
+        since the last read."""
         try:
             with (self.path / name).open("rb") as f:
-                f.seek(self._offsets[name])
+                f.seek(self._offsets.setdefault(name, 0))
                 data = f.read()
         except OSError:
             return []
@@ -140,7 +158,7 @@ class RunIndex:
                 row = json.loads(raw)
             except ValueError:
                 continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
+            if isinstance(row, dict) and (not need_step or isinstance(row.get("step"), int)):
                 rows.append(row)
         return rows
 

@@ -70,6 +70,11 @@ def _check_records(run: Path) -> None:
     state = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text() / "controller.json")
                        .read_text())
     assert state["step"] == STEPS and state["cursor"]["consumed"] == expected
+    for record in steps:  # each scored episode's reward beside its folder (what `swectl view` reads)
+        folder = run / "episodes" / f"step_{record['step']:06d}"
+        rewarded = _lines(folder / "rewards.jsonl")
+        assert {r["instance_id"] for r in rewarded} == set(record["groups"])
+        assert all((folder / f"{r['instance_id']}__{r['sample']}").is_dir() for r in rewarded)
 
 
 def test_sigkill_of_the_controller_then_resume_repeats_and_skips_nothing(model: Path, tmp_path: Path) -> None:
