@@ -188,7 +188,7 @@ class Controller:
         values = {**got.values, "rollout_s": time.monotonic() - t0}
         reply = None
         if got.samples:
-            reply = await self._train(step, got, trainer, writer, values)
+            reply = await self._train(step, got, trainer, writer, values, push=engines is not None)
         else:  # every group had equal rewards (or was aborted): nothing to learn from, nothing to push
             self.say(f"step {step}: no learning signal (all {values.get('groups_dropped_uninformative', 0):.0f} "
                      f"groups had equal rewards, {values.get('groups_dropped_aborted', 0):.0f} aborted); no update")
@@ -213,15 +213,16 @@ class Controller:
         prune_weights(self.run_dir, self.train.keep_weights, {self.state.weights, *self._checkpointed_weights()})
 
     async def _train(self, step: int, got: StepSamples, trainer: Trainer, writer: BatchWriter,
-                     values: dict[str, float]) -> StepReply:
+                     values: dict[str, float], *, push: bool) -> StepReply:
         batch = make_batch(step, got.algorithm, got.samples)
         t1 = time.monotonic()
         ref = writer.write(batch)
         values["transport_s"] = time.monotonic() - t1
         frame_bytes = writer.frame_bytes(ref) if trainer.stream_frames else None
         weights_dir = str(self.run_dir / "weights" / step_name(step))
-        if self._weight_group and not self._checkpoint_due(step):
-            weights_dir = ""  # broadcast to the engines; a folder only where a checkpoint needs one (resume)
+        if (self._weight_group or not push) and not self._checkpoint_due(step):
+            # broadcast to the engines, or no engines to give it to (SFT): a folder only where a checkpoint needs one
+            weights_dir = ""
         reply = await trainer.step(step, ref, weights_dir=weights_dir, frame_bytes=frame_bytes)
         values.update(reply.metrics)
         return reply
