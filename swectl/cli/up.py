@@ -20,8 +20,8 @@ from swectl.errors import ConfigError
 
 EPILOG = """\
 examples:
-  swectl up                              the first run: tiny model, teacher data, SFT, GRPO, readings (~25 min
-                                         on 2 cores); ends with a table and <run>/summary.json
+  swectl up                              the first run: tiny model, teacher data, SFT, GRPO, readings (about
+                                         an hour on 2 cores); ends with a table and <run>/summary.json
   swectl up --set recipe.seed=3 --set recipe.grpo_steps=20
                                          the first run with another seed and more GRPO steps
   swectl up cluster.toml --set train.data.sft_steps=200

@@ -28,7 +28,7 @@ import math
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -153,25 +153,27 @@ def write_split(work: Path, recipe: Recipe) -> tuple[list[Any], list[Any]]:
     return train, test
 
 
-def scripted_data(work: Path, model: Path, recipe: Recipe, script: str, say: Say) -> Path:
-    """`swectl data gold --script SCRIPT` on the train split into ``work/SCRIPT``, once."""
+def scripted_data(work: Path, model: Path, recipe: Recipe, script: str, say: Say, extra: Sequence[str] = ()) -> Path:
+    """`swectl data gold --script SCRIPT` on the train split into ``work/SCRIPT``, once (``extra``: more
+    arguments, the user's ``--set``s)."""
     out = work / script
     if not (out / "summary.json").exists():
         swectl(["data", "gold", "--script", script, "--tasks", str(work / "train.jsonl"), "--model", str(model),
-                "--out", str(out), "--concurrency", "4", *set_flags(recipe.rollout_sets())], script, say)
+                "--out", str(out), "--concurrency", "4", *set_flags(recipe.rollout_sets()), *extra], script, say)
     return out
 
 
-def sft_data(work: Path, model: Path, recipe: Recipe, say: Say) -> list[str]:
+def sft_data(work: Path, model: Path, recipe: Recipe, say: Say, extra: Sequence[str] = ()) -> list[str]:
     """The SFT data folders: gold, then the noisy teacher's copies (a folder listed K times is read K times)."""
-    gold = scripted_data(work, model, recipe, "gold", say)
-    give_up = [str(scripted_data(work, model, recipe, "give-up", say))] * recipe.give_up if recipe.give_up else []
-    recover = [str(scripted_data(work, model, recipe, "recover", say))] * recipe.recover if recipe.recover else []
-    return [str(gold), *give_up, *recover]
+
+    def made(script: str, copies: int) -> list[str]:
+        return [str(scripted_data(work, model, recipe, script, say, extra))] * copies if copies else []
+
+    return [*made("gold", 1), *made("give-up", recipe.give_up), *made("recover", recipe.recover)]
 
 
 def evaluate(recipe: Recipe, model: Path, tasks: Path, out: Path, samples: int, say: Say,
-             seed_offset: int = 0) -> dict[str, Any]:
+             seed_offset: int = 0, extra: Sequence[str] = ()) -> dict[str, Any]:
     """`swectl eval` of ``model`` on ``tasks`` (``samples`` episodes per task, temperature 1, seeded) into
     ``out``, once: a folder with a summary is read back. Two readings of one policy that are pooled take
     different ``seed_offset``s, so they are independent samples."""
@@ -181,14 +183,14 @@ def evaluate(recipe: Recipe, model: Path, tasks: Path, out: Path, samples: int, 
                 "--step-limit", str(recipe.step_limit), "--max-tokens", str(recipe.max_tokens),
                 "--concurrency", str(recipe.concurrency), "--out", str(out), "--fresh", "--set", "env_pool.warm=0",
                 "--set", f"rollout.max_format_errors={recipe.max_format_errors}", "--context", str(recipe.context),
-                *(["--manage-context"] if recipe.manage_context else [])], f"eval {out.name}", say)
+                *(["--manage-context"] if recipe.manage_context else []), *extra], f"eval {out.name}", say)
     summary = json.loads((out / "summary.json").read_text())
     return {"resolve_rate": summary["resolve_rate"], "resolved": summary["resolved"], "episodes": summary["finished"],
             "aborted": summary["infra_errors"], "folder": str(out), "model": str(model),
             "seed": summary["settings"]["rollout"].get("seed")}
 
 
-def train(out_dir: Path, run_id: str, sets: dict[str, object], say: Say, *, extra: list[str] = (),
+def train(out_dir: Path, run_id: str, sets: dict[str, object], say: Say, *, extra: Sequence[str] = (),
           continue_from: Path | None = None) -> Path:
     """One `swectl up` run in ``out_dir/run_id``: a new run with ``sets`` (and ``extra`` arguments), or the run
     resumed from its last checkpoint when it has one (it goes on to ``train.steps``, or stops there), or
@@ -293,24 +295,27 @@ def run_first(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say) -
     train_tasks, test_tasks = write_split(run_dir, recipe)
     log(f"{len(train_tasks)} train / {len(test_tasks)} held-out tasks (split seed {recipe.seed})")
     phase(1, f"gold trajectories, {recipe.give_up} give-up and {recipe.recover} recover copies per train task")
-    data = timed("sft_data", lambda: sft_data(run_dir, model, recipe, log))
+    data = timed("sft_data", lambda: sft_data(run_dir, model, recipe, log, config_sets))
     phase(2, f"{recipe.sft_steps} steps x {recipe.sft_batch_size} samples, lr {recipe.sft_lr:g}" +
           _resumed_at(run_dir / "sft"))
     sft_weights = timed("sft", lambda: train(run_dir, "sft", recipe.sft_sets(model, data), log, extra=extra))
     readings: dict[str, dict[str, Any]] = {}
     phase(3, f"{recipe.eval_samples} episodes per train task at temperature 1")
     readings["sft_train"] = timed("sft_reading", lambda: evaluate(
-        recipe, sft_weights, run_dir / "train.jsonl", run_dir / "eval-sft", recipe.eval_samples, log))
+        recipe, sft_weights, run_dir / "train.jsonl", run_dir / "eval-sft", recipe.eval_samples, log,
+        extra=config_sets))
     phase(4, f"{recipe.grpo_steps} steps x {recipe.tasks_per_step} tasks x {recipe.n_samples} samples from the SFT "
              f"weights, lr {recipe.grpo_lr:g} {recipe.grpo_schedule}, KL {recipe.kl_coef:g}" +
           _resumed_at(run_dir / "grpo"))
     grpo_weights = timed("grpo", lambda: train(run_dir, "grpo", recipe.grpo_sets(sft_weights), log, extra=extra))
     phase(5, f"{recipe.eval_samples} episodes per train task")
     readings["grpo_train"] = timed("grpo_reading", lambda: evaluate(
-        recipe, grpo_weights, run_dir / "train.jsonl", run_dir / "eval-grpo", recipe.eval_samples, log))
+        recipe, grpo_weights, run_dir / "train.jsonl", run_dir / "eval-grpo", recipe.eval_samples, log,
+        extra=config_sets))
     phase(6, f"{recipe.test_samples} episodes per held-out task")
     readings["test"] = timed("test_reading", lambda: evaluate(
-        recipe, grpo_weights, run_dir / "test.jsonl", run_dir / "eval-test", recipe.test_samples, log))
+        recipe, grpo_weights, run_dir / "test.jsonl", run_dir / "eval-test", recipe.test_samples, log,
+        extra=config_sets))
     _plot(run_dir / "grpo", log)
     summary = _summary(run_dir, recipe, readings, phases_s, time.monotonic() - started)
     (run_dir / SUMMARY_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
