@@ -37,6 +37,12 @@ def test_the_recipe_sets_only_keys_the_config_has_and_they_decode(tmp_path: Path
     assert "FormatError" in grpo.experiment.mask_truncated_endings
 
 
+def test_a_short_sft_warms_up_for_fewer_steps_than_it_has(tmp_path: Path) -> None:
+    for steps in (1, 2, 3, 400):
+        config = load_config(None, _overrides(Recipe(sft_steps=steps).sft_sets(tmp_path, ["gold"])))
+        assert config.train.optim.warmup_steps < max(steps, 2)
+
+
 def test_the_noisy_teacher_off_trains_on_resolved_gold_only(tmp_path: Path) -> None:
     sets = Recipe(give_up=0).sft_sets(tmp_path, ["gold"])
     assert load_config(None, _overrides(sets)).experiment.sft_resolved_only is True

@@ -86,8 +86,9 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 "train.data.sft_data": json.dumps(sft_data),
                 "experiment.sft_resolved_only": str(not self.give_up).lower(), "train.steps": self.sft_steps,
                 "train.data.sft_batch_size": self.sft_batch_size, "train.optim.lr": self.sft_lr,
-                "train.optim.warmup_steps": 3, "train.optim.schedule": f'"{self.sft_schedule}"',
-                "train.seed": self.seed, "train.save_every": self.sft_steps}
+                "train.optim.warmup_steps": min(3, self.sft_steps - 1),
+                "train.optim.schedule": f'"{self.sft_schedule}"', "train.seed": self.seed,
+                "train.save_every": self.sft_steps}
 
     def grpo_sets(self, sft_weights: Path) -> dict[str, object]:
         endings = OVERLONG_ENDINGS if self.mask_truncated_endings == "overlong" else [*OVERLONG_ENDINGS, "FormatError"]
@@ -122,8 +123,7 @@ def swectl(argv: list[str], what: str, say: Say) -> float:
     if done.returncode == 130:
         raise KeyboardInterrupt
     if done.returncode != 0:
-        raise SwectlError(f"{what} failed (exit {done.returncode}); what finished is kept: go on with "
-                          f"`swectl up --resume RUN_DIR`")
+        raise SwectlError(f"{what} failed (exit {done.returncode})")
     return time.monotonic() - t0
 
 
@@ -263,7 +263,16 @@ def load_recipe(run_dir: Path, overrides: dict[str, Any]) -> Recipe:
 
 
 def run_first(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say) -> Summary:
-    """Every phase of the first run in ``run_dir`` (finished ones are skipped); the summary, also written."""
+    """Every phase of the first run in ``run_dir`` (finished ones are skipped); the summary, also written. A
+    failed phase stops the run with its error and where to go on from."""
+    try:
+        return _run_phases(run_dir, recipe, config_sets, say)
+    except SwectlError as exc:
+        raise SwectlError(f"{exc}; the phases that finished are kept in {run_dir}: go on with "
+                          f"`swectl up --resume {run_dir}`") from exc
+
+
+def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say) -> Summary:
     run_dir.mkdir(parents=True, exist_ok=True)
     saved = run_dir / RECIPE_FILE
     resumed = saved.exists()
