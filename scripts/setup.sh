@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up swectl on a fresh Debian 12 machine (idempotent; safe to re-run).
 #   1. system packages: podman, runc, catatonit, debootstrap, uidmap, openssh-server, iproute2, git;
-#      docker.io (the docker sandbox backend and its tests; installed, never started: tests run a private dockerd)
+#      docker.io (the docker sandbox backend and its tests) and docker-registry (the image push/sync tests):
+#      installed, never started (tests run their own dockerd and registry)
 #   2. a virtualenv in .venv with swectl installed editable (extras from $SWECTL_EXTRAS, default "dev,cpu")
 #   3. the offline base image localhost/swectl-base:bookworm (debootstrap + podman import; en_US.UTF-8 locale)
 # Podman is configured through CONTAINERS_CONF=remote/nodes/containers.conf for swectl's own calls only;
@@ -29,11 +30,16 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
-# Docker from Debian's apt. Its service is not started: a policy-rc.d answering 101 ("action forbidden") keeps
-# the package scripts from starting dockerd and containerd on hosts with an init system; one already there is kept.
-if ! dpkg-query -W -f='${Status}' docker.io 2>/dev/null | grep -q "install ok installed"; then
-    need_root "installing docker.io"
-    say "installing system packages: docker.io (not started)"
+# Packages whose services must not start: Docker from Debian's apt (the docker backend's tests run a private
+# dockerd) and Debian's OCI registry, docker-registry (the image push/sync tests run one on a test address; its
+# service would listen on every address, port 5000). A policy-rc.d answering 101 ("action forbidden") keeps the
+# package scripts from starting them on hosts with an init system; one already there is kept.
+QUIET=(docker.io docker-registry)
+quiet_missing=()
+for p in "${QUIET[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || quiet_missing+=("$p"); done
+if [ ${#quiet_missing[@]} -gt 0 ]; then
+    need_root "installing ${quiet_missing[*]}"
+    say "installing system packages: ${quiet_missing[*]} (not started)"
     policy=""
     if [ ! -e /usr/sbin/policy-rc.d ]; then
         policy=/usr/sbin/policy-rc.d
@@ -41,7 +47,7 @@ if ! dpkg-query -W -f='${Status}' docker.io 2>/dev/null | grep -q "install ok in
         trap 'rm -f /usr/sbin/policy-rc.d' EXIT
     fi
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${quiet_missing[@]}" >/dev/null
     if [ -n "$policy" ]; then rm -f "$policy"; trap - EXIT; fi
 fi
 

@@ -19,6 +19,9 @@ Classes defined elsewhere are marked with their module (they live next to the co
     |   |   +-- NodeConnectError     could not connect (refused, auth, unknown host key, timeout)
     |   |   +-- NodeLostError        a node died while work was on it
     |   +-- CommandError             a host-side command (podman, ssh) failed; carries argv, exit code, stderr
+    |   +-- RegistryError            an image registry could not be asked: down, refused, no such image, not a
+    |   |                            manifest (swectl.images.registry)
+    |   |   +-- NotInRegistryError   the registry answered that it has no such image (swectl.images.registry)
     |   +-- SandboxError             a sandbox could not be created, or it broke
     |   |   +-- SandboxLostError     the sandbox (or its exec agent) vanished: container killed, OOM, ...
     |   |   +-- AgentProtocolError   the exec agent answered something that is not the protocol

@@ -221,3 +221,34 @@ def test_cluster_toml(nodes: tn.TestNodes) -> None:
             "labels": ["x"],
         }
     assert [n["name"] for n in tomllib.loads(nodes.cluster_toml())["nodes"]] == [n.name for n in nodes.nodes]
+
+
+def test_own_store_nodes_lack_what_this_machine_has_and_leave_no_store_behind() -> None:
+    """``own_store``: every node's sessions get a Podman store of their own (empty), the others keep this machine's;
+    teardown removes the store, its images and podman's mounts under it."""
+    env = {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
+    started = tn.start_test_nodes(1, prefix="swto", base_index=247, own_store=True)
+    store = Path(started.nodes[0].storage_conf).parent
+    try:
+        node = started.nodes[0]
+        assert store.is_relative_to(started.workdir)
+
+        async def main() -> None:
+            async with await _connect(started, node) as conn:
+                info = await conn.run(f"CONTAINERS_CONF={CONTAINERS_CONF} podman info --format "
+                                      "'{{.Store.GraphRoot}} {{.Store.RunRoot}} {{.Store.ImageStore.Number}}'",
+                                      check=True, timeout=60)
+                assert info.stdout.split() == [str(store / "graph"), str(store / "run"), "0"]
+
+        asyncio.run(main())
+        # an image put into the node's store is there for the node only
+        tar = subprocess.run(["tar", "-C", str(store), "-c", "storage.conf"], capture_output=True, check=True).stdout
+        image = "localhost/swectl-own-store-test:1"
+        subprocess.run(["podman", "import", "-", image], input=tar, env=node.podman_env(), check=True,
+                       capture_output=True, timeout=60)
+        assert subprocess.run(["podman", "image", "exists", image], env=node.podman_env(), timeout=60).returncode == 0
+        assert subprocess.run(["podman", "image", "exists", image], env=env, timeout=60).returncode == 1
+    finally:
+        tn.stop_test_nodes(started)
+    assert not store.exists()
+    assert str(store) not in Path("/proc/self/mountinfo").read_text()

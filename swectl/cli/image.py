@@ -1,11 +1,12 @@
-"""`swectl image build | prune`: project images of the bundled set, instance images from local clones."""
+"""`swectl image build | prune | push | sync`: project images of the bundled set, instance images from local clones;
+publishing a task set's images to a registry and pulling them onto the config's nodes."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from swectl.cli.common import say
+from swectl.cli.common import config_args, say
 from swectl.errors import ConfigError
 from swectl.images.project import BUNDLED_PROJECTS, build_project_image, load_projects, project_content, prune_images
 
@@ -47,9 +48,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "built on any more")
     prune.add_argument("--tasks", default=None, metavar="SOURCE",
                        help="with --instances: the rows whose images to keep")
+    push = isub.add_parser(
+        "push", help="publish images to a registry the nodes pull from (`image sync`): a task set's images with the "
+        "environment image under each, or every environment and instance image built here")
+    push.add_argument("--registry", required=True, metavar="URL", help=REGISTRY_HELP)
+    push.add_argument("--tasks", default=None, metavar="SOURCE",
+                      help="push the images of these tasks (default: every environment and instance image built here)")
+    _image_name_args(push)
+    sync = isub.add_parser(
+        "sync", help="pull onto every node of the config (the env pool's) the images of a task set it lacks, from a "
+        "registry; a per-node table at the end (exit 1 when an image is missing anywhere)")
+    sync.add_argument("--tasks", required=True, metavar="SOURCE", help="the task set whose images the nodes need")
+    sync.add_argument("--registry", required=True, metavar="URL", help=REGISTRY_HELP)
+    config_args(sync)
+    _image_name_args(sync)
+    sync.add_argument("--per-node", type=int, default=2, metavar="N", help="pulls at once on one node (default 2)")
+    sync.add_argument("--jobs", type=int, default=8, metavar="N", help="pulls at once across the nodes (default 8)")
+    sync.add_argument("--pull-timeout", type=float, default=1800.0, metavar="S",
+                      help="seconds one pull may take (default 1800)")
+    sync.add_argument("--json", action="store_true", help="print the report as JSON (stdout) instead of the table")
+
+
+REGISTRY_HELP = ("the registry: http://HOST:PORT[/PREFIX] for a plain-HTTP one (no TLS: a private network or tests "
+                 "only), https://HOST[:PORT][/PREFIX] or HOST[:PORT][/PREFIX] for TLS with verified certificates")
+
+
+def _image_name_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--image-map", default=None, metavar="FILE",
+                        help="instance_id -> image (JSON or TOML), as for swectl eval")
+    parser.add_argument("--image-template", default=None, metavar="T", help="image name template, as for swectl eval")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.image_command == "push":
+        return _push(args)
+    if args.image_command == "sync":
+        return _sync(args)
     if args.image_command == "build" and args.repo_cache is not None:
         return _build_instance_images(args)
     if args.image_command == "prune" and args.instances:
@@ -107,3 +141,70 @@ def _prune_instance_images(args: argparse.Namespace) -> int:
     removed = prune_instance_images(keep, dry_run=args.dry_run)
     say(("would remove" if args.dry_run else "removed") + f" {len(removed)} image(s): {', '.join(removed) or '-'}")
     return 0
+
+
+def _push(args: argparse.Namespace) -> int:
+    from swectl.cli.common import load_task_set
+    from swectl.images.names import ImageResolver
+    from swectl.images.push import built_images, push_images, task_images, with_environments
+    from swectl.images.registry import parse_registry
+
+    registry = parse_registry(args.registry)
+    if args.tasks:
+        resolver = ImageResolver.from_options(args.image_template, args.image_map)
+        images = with_environments(task_images(load_task_set(args.tasks), resolver))
+    else:
+        images = built_images()
+    if not images:
+        say("no images to push (none built here: swectl image build --repo-cache ...)")
+        return 0
+    outcomes = push_images(images, registry, say=say)
+    failed = [o for o in outcomes if not o.ok]
+    say(f"pushed {len(outcomes) - len(failed)}/{len(outcomes)} image(s) to {registry.url}")
+    return 1 if failed else 0
+
+
+def _sync(args: argparse.Namespace) -> int:
+    import sys
+
+    import anyio
+    import msgspec
+
+    from swectl.cli.common import load_task_set
+    from swectl.config import load_config
+    from swectl.images.names import ImageResolver
+    from swectl.images.push import task_images
+    from swectl.images.registry import parse_registry
+    from swectl.images.sync import SyncOptions, SyncReport, SyncTarget, format_report, sync_images
+    from swectl.remote.nodes.backends import make_node
+    from swectl.remote.nodes.podman import PodmanCli
+
+    registry = parse_registry(args.registry)
+    try:
+        options = SyncOptions(per_node=args.per_node, total=args.jobs, pull_timeout_s=args.pull_timeout)
+    except ValueError as exc:
+        raise ConfigError(f"--per-node / --jobs: {exc}") from exc
+    config = load_config(args.config, args.overrides)
+    if config.sandbox.backend == "docker":
+        raise ConfigError("image sync fills the nodes' Podman stores; sandbox.backend = \"docker\" nodes are not "
+                          "synced yet (pull there with `docker pull`, or use the podman or namespace backend)")
+    resolver = ImageResolver.from_options(args.image_template, args.image_map)
+    images = task_images(load_task_set(args.tasks), resolver)
+
+    async def main() -> SyncReport:
+        nodes = [make_node(n) for n in config.sandbox_nodes()]
+        targets = [SyncTarget(node.name, PodmanCli(node, cfg.containers_conf))
+                   for node, cfg in zip(nodes, config.sandbox_nodes(), strict=True)]
+        try:
+            return await sync_images(targets, images, registry, options=options, say=say)
+        finally:
+            for node in nodes:
+                await node.aclose()
+
+    say(f"{len(images)} image(s) onto {len(config.sandbox_nodes())} node(s) from {registry.url}")
+    report = anyio.run(main)
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(report)).decode() + "\n")
+    else:
+        print(format_report(report))
+    return 0 if report.ok else 1

@@ -17,7 +17,14 @@ What it touches on the host (all of it needs root, and all of it is undone by :f
 * ``/run/sshd``, sshd's privilege-separation directory (created if missing, never removed);
 * a temp dir holding the per-node host keys, sshd configs, pid files and logs, the client key and a
   ``known_hosts`` file;
-* for the CLI only: ``/run/swectl-testnodes/state.json``.
+* for the CLI only: ``/run/swectl-testnodes/state.json``;
+* with ``own_store``: a Podman store per node (graph root and run root in the node's temp dir, named by a
+  ``storage.conf`` that sshd hands every session as ``CONTAINERS_STORAGE_CONF``), so a node lacks what this
+  machine or another node holds, as a separate machine would. Podman's other state stays shared with this
+  machine (``/run/libpod``, the lock segment): a store of its own under a tmp dir of its own would make the
+  first podman call "refresh" and free every lock of the machine's containers. Teardown removes the store's
+  containers and images, unmounts what podman left mounted under it, and deletes it. Without ``own_store``
+  (the default) every node uses this machine's store.
 
 sshd is started with ``nsenter --net=/run/netns/NAME`` rather than ``ip netns exec``: the latter
 remounts /sys, after which podman inside the ssh session fails with "no cgroup mount found".
@@ -72,10 +79,10 @@ __all__ = [
 
 
 def _run(
-    args: list[str], *, check: bool = True, timeout: float = _CMD_TIMEOUT
+    args: list[str], *, check: bool = True, timeout: float = _CMD_TIMEOUT, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
-        args, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, check=False
+        args, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)!r} exited {proc.returncode}: {proc.stderr.strip()}")
@@ -135,6 +142,23 @@ class TestNode:
     config_path: str
     pid_file: str
     log_path: str
+    # The node's own Podman storage.conf (own_store); "" when the node uses this machine's store.
+    storage_conf: str = ""
+
+    @property
+    def host_addr(self) -> str:
+        """This machine's address on the node's veth, which the node reaches (a registry for nodes listens here)."""
+        return f"10.200.{self.index}.1"
+
+    def podman_env(self) -> dict[str, str]:
+        """The environment for running ``podman`` on this machine against the node's store (this machine's own
+        store when the node has none), with swectl's containers.conf."""
+        from swectl.remote.nodes.podman import local_podman_env
+
+        env = local_podman_env()
+        if self.storage_conf:
+            env["CONTAINERS_STORAGE_CONF"] = self.storage_conf
+        return env
 
     def read_sshd_pid(self) -> int | None:
         """The pid in sshd's PidFile, or None when the file is missing or that process is gone."""
@@ -287,7 +311,9 @@ def _keygen(path: Path, comment: str) -> str:
     return path.with_name(path.name + ".pub").read_text().strip()
 
 
-def _sshd_config(node_dir: Path, addr: str, authorized_keys: Path) -> str:
+def _sshd_config(node_dir: Path, addr: str, authorized_keys: Path, storage_conf: str = "") -> str:
+    # sshd takes the first SetEnv line only: every variable goes on it.
+    setenv = "SetEnv SHLVL=1" + (f" CONTAINERS_STORAGE_CONF={storage_conf}" if storage_conf else "")
     return "\n".join(
         [
             f"Port {SSH_PORT}",
@@ -308,13 +334,63 @@ def _sshd_config(node_dir: Path, addr: str, authorized_keys: Path) -> str:
             # bash run by sshd sources ~/.bashrc when SHLVL < 2; on these machines that runs
             # `pyenv rehash`, whose lock file a killed session leaves behind, after which every
             # command waits 60 s for it. A node's commands get the plain sshd environment instead.
-            "SetEnv SHLVL=1",
+            setenv,
             "",
         ]
     )
 
 
-def _create_node(prefix: str, index: int, workdir: Path, authorized_keys: Path) -> tuple[TestNode, str]:
+STORE_DIR = "store"  # a node's own Podman store, in its folder of the temp dir (own_store)
+
+
+def _make_store(node_dir: Path) -> str:
+    """A Podman store of the node's own: its storage.conf (the path), on this machine's storage driver."""
+    from swectl.remote.nodes.podman import local_podman_env
+
+    driver = _run(["podman", "info", "--format", "{{.Store.GraphDriverName}}"], timeout=60, env=local_podman_env())
+    store = node_dir / STORE_DIR
+    (store / "graph").mkdir(parents=True)
+    (store / "run").mkdir()
+    conf = store / "storage.conf"
+    conf.write_text(
+        f'[storage]\ndriver = {json.dumps(driver.stdout.strip() or "overlay")}\n'
+        f'graphroot = {json.dumps(str(store / "graph"))}\nrunroot = {json.dumps(str(store / "run"))}\n'
+    )
+    return str(conf)
+
+
+def _remove_store(store: Path) -> None:
+    """Remove a node's own store: its containers and images (through podman), then whatever podman left mounted
+    under it (the overlay driver keeps its home mounted), then the files. Idempotent."""
+    from swectl.remote.nodes.podman import local_podman_env
+
+    conf = store / "storage.conf"
+    if conf.exists():
+        env = {**local_podman_env(), "CONTAINERS_STORAGE_CONF": str(conf)}
+        for args in (["rm", "--all", "--force", "--time", "0"], ["rmi", "--all", "--force"]):
+            try:
+                _run(["podman", *args], check=False, timeout=120, env=env)
+            except subprocess.TimeoutExpired:
+                pass
+    for mountpoint in sorted(_mounts_under(store), key=len, reverse=True):
+        if _run(["umount", mountpoint], check=False).returncode != 0:
+            _run(["umount", "-l", mountpoint], check=False)
+    shutil.rmtree(store, ignore_errors=True)
+
+
+def _mounts_under(folder: Path) -> list[str]:
+    root = str(folder.resolve())
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4].replace("\\040", " ")
+        if point == root or point.startswith(root + "/"):
+            points.append(point)
+    return points
+
+
+def _create_node(
+    prefix: str, index: int, workdir: Path, authorized_keys: Path, *, own_store: bool = False
+) -> tuple[TestNode, str]:
     netns, host_veth, ns_veth = _names(prefix, index)
     host_addr, ns_addr = f"10.200.{index}.1", f"10.200.{index}.2"
     _cleanup_node(netns, index)  # leftovers of a crashed run with the same names
@@ -343,8 +419,9 @@ def _create_node(prefix: str, index: int, workdir: Path, authorized_keys: Path) 
     node_dir = workdir / netns
     node_dir.mkdir()
     host_pub = _keygen(node_dir / "ssh_host_ed25519_key", f"{netns}-host")
+    storage_conf = _make_store(node_dir) if own_store else ""
     config = node_dir / "sshd_config"
-    config.write_text(_sshd_config(node_dir, ns_addr, authorized_keys))
+    config.write_text(_sshd_config(node_dir, ns_addr, authorized_keys, storage_conf))
     node = TestNode(
         name=netns,
         host=ns_addr,
@@ -356,13 +433,19 @@ def _create_node(prefix: str, index: int, workdir: Path, authorized_keys: Path) 
         config_path=str(config),
         pid_file=str(node_dir / "sshd.pid"),
         log_path=str(node_dir / "sshd.log"),
+        storage_conf=storage_conf,
     )
     pid = node._start_sshd()
     return dataclasses.replace(node, sshd_pid=pid), host_pub
 
 
-def start_test_nodes(count: int = 2, *, prefix: str = "swt", base_index: int = 1) -> TestNodes:
-    """Start ``count`` nodes named ``<prefix><K>`` at 10.200.K.2, K = base_index, base_index+1, ..."""
+def start_test_nodes(
+    count: int = 2, *, prefix: str = "swt", base_index: int = 1, own_store: bool = False
+) -> TestNodes:
+    """Start ``count`` nodes named ``<prefix><K>`` at 10.200.K.2, K = base_index, base_index+1, ...
+
+    ``own_store``: each node gets a Podman store of its own, empty at first (see the module docstring);
+    otherwise they all use this machine's."""
     reason = can_run_test_nodes()
     if reason is not None:
         raise RuntimeError(reason)
@@ -380,7 +463,7 @@ def start_test_nodes(count: int = 2, *, prefix: str = "swt", base_index: int = 1
         known_hosts = workdir / "known_hosts"
         nodes, lines = [], []
         for index in indexes:
-            node, host_pub = _create_node(prefix, index, workdir, authorized_keys)
+            node, host_pub = _create_node(prefix, index, workdir, authorized_keys, own_store=own_store)
             nodes.append(node)
             host = node.host if node.port == 22 else f"[{node.host}]:{node.port}"
             lines.append(f"{host} {host_pub}\n")
@@ -398,6 +481,8 @@ def _stop(nodes: list[tuple[str, int]], workdir: str | None) -> None:
     for netns, index in nodes:
         try:
             _cleanup_node(netns, index)
+            if workdir is not None:
+                _remove_store(Path(workdir) / netns / STORE_DIR)  # once nothing in the node uses it any more
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
             errors.append(str(exc))
     if workdir is not None:
@@ -415,9 +500,11 @@ def stop_test_nodes(nodes: TestNodes) -> None:
 
 
 @contextmanager
-def test_nodes(count: int = 2, *, prefix: str = "swt", base_index: int = 1) -> Iterator[TestNodes]:
+def test_nodes(
+    count: int = 2, *, prefix: str = "swt", base_index: int = 1, own_store: bool = False
+) -> Iterator[TestNodes]:
     """``start_test_nodes`` ... ``stop_test_nodes``, even on error."""
-    nodes = start_test_nodes(count, prefix=prefix, base_index=base_index)
+    nodes = start_test_nodes(count, prefix=prefix, base_index=base_index, own_store=own_store)
     try:
         yield nodes
     finally:
@@ -455,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=2)
     parser.add_argument("--prefix", default="swt")
     parser.add_argument("--base-index", type=int, default=1)
+    parser.add_argument("--own-store", action="store_true", help="a Podman store per node (empty at first)")
     args = parser.parse_args(argv)
     reason = can_run_test_nodes()
     if reason is not None:
@@ -467,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         print("test nodes down", file=sys.stderr)
         return 0
     _down()
-    nodes = start_test_nodes(args.count, prefix=args.prefix, base_index=args.base_index)
+    nodes = start_test_nodes(args.count, prefix=args.prefix, base_index=args.base_index, own_store=args.own_store)
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     STATE_FILE.write_text(json.dumps(dataclasses.asdict(nodes), indent=1))
     print(nodes.cluster_toml(local=True), end="")

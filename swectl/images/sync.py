@@ -1,0 +1,427 @@
+"""`swectl image sync`: make every image of a task set present on the nodes, each node pulling from a registry.
+
+For each node (the env pool's nodes of the config): list its images (one ``podman images``), then pull each one
+it lacks from the registry (``podman pull REF``, ``podman tag REF NAME``, ``podman untag`` the registry name). An
+image counts as present under the name the tasks use only once its pull completed and it was tagged (and, where the
+registry's copy is known, only when its id is that copy's: an image rebuilt since is pulled again), so a pull
+that fails, times out or is interrupted leaves nothing that a later sync or an episode takes as present (podman
+drops the layers of a pull it did not finish; the next sync pulls that image again). A second sync finds
+everything present and moves nothing.
+
+Concurrency: at most ``per_node`` pulls at once on one node and ``total`` across the fleet, one pull per (node,
+image). Where the images' layers are known (read from the registry by the controller, ``image_layers``), a pull
+waits while another pull on the same node is fetching a layer it needs too, so an environment layer moves once
+per node and each instance image then costs its own layer. Every wait is bounded: listing a node's images
+(``check_timeout_s``), each pull and the wait for a shared layer before it (``pull_timeout_s``; a pull holds the
+slots others wait for, so those waits are bounded too).
+
+Disk: where the layers are known, the node's free disk (its store's file system) is read once, and a pull that
+would leave less than ``min_free_gb`` (its layers' stored sizes times ``UNPACKED_PER_STORED``, less what the node's
+earlier pulls are expected to take) fails without starting, naming the numbers.
+
+Faults: a node that cannot be reached, or is lost during the sync, is one error for that node; a registry the node
+cannot reach (refused, no route, timed out, TLS spoken to a plain-HTTP registry) stops that node's pulls with one
+error that names the registry, its missing images reported as not pulled; an image the registry does not have is
+listed once, before any pull, and the rest goes on. Other nodes are not affected by one node's faults.
+
+Bytes: a pull's bytes are the stored (compressed) sizes of the layers of the image that the node lacked (by diff
+id, as podman reuses them); unknown (None) where the controller could not read the manifests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import anyio
+import httpx
+import msgspec
+
+from swectl.errors import InfraError, NodeError
+from swectl.images.registry import (
+    ImageLayers,
+    NotInRegistryError,
+    Registry,
+    RegistryError,
+    image_layers,
+    normal_name,
+)
+from swectl.remote.nodes.podman import PodmanCli
+
+FORMAT_VERSION = 1
+# A layer on disk against its stored (gzip) size, for the disk check: source trees, wheels and binaries compress
+# about 2-3x; the check errs on the safe side.
+UNPACKED_PER_STORED = 3.0
+MANIFEST_READS = 8  # manifests the controller reads from the registry at once
+# podman's messages when it cannot talk to the registry at all (as opposed to a missing or broken image)
+_UNREACHABLE = ("pinging container registry", "connection refused", "no route to host", "i/o timeout",
+                "network is unreachable", "no such host", "connection reset", "server gave http response to https")
+_NOT_IN_REGISTRY = ("manifest unknown", "name unknown")
+Say = Callable[[str], None]
+
+
+class SyncOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How many pulls at once, and the time bounds."""
+
+    per_node: int = 2  # pulls at once on one node
+    total: int = 8  # pulls at once across the fleet
+    check_timeout_s: float = 120.0  # connecting to a node and listing its images
+    pull_timeout_s: float = 1800.0  # one pull (and the wait for a layer another pull is fetching)
+    manifest_timeout_s: float = 60.0  # the controller reading every image's manifest from the registry
+    # Free disk a node keeps (GB): a pull that would leave less (by the estimate below) is not started.
+    min_free_gb: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.per_node < 1 or self.total < 1:
+            raise ValueError(f"pulls at once must be at least 1 (per node {self.per_node}, total {self.total})")
+
+
+class Pull(msgspec.Struct, frozen=True, kw_only=True):
+    """One image pulled, or not, on one node."""
+
+    image: str
+    ok: bool
+    seconds: float = 0.0
+    bytes: int | None = None  # the stored sizes of the layers the node lacked; None when unknown
+    error: str = ""
+
+
+class NodeSync(msgspec.Struct, kw_only=True):
+    """What a sync did on one node."""
+
+    node: str
+    wanted: int = 0  # images of the task set
+    present_before: list[str] = []
+    pulls: list[Pull] = []
+    error: str = ""  # the node's one error: node unreachable, registry unreachable from it
+    seconds: float = 0.0
+
+    @property
+    def pulled(self) -> list[str]:
+        return [p.image for p in self.pulls if p.ok]
+
+    @property
+    def failed(self) -> list[Pull]:
+        return [p for p in self.pulls if not p.ok]
+
+    @property
+    def bytes(self) -> int | None:
+        sizes = [p.bytes for p in self.pulls if p.ok]
+        return None if any(s is None for s in sizes) else sum(s for s in sizes if s is not None)
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and not self.failed and len(self.present_before) + len(self.pulled) == self.wanted
+
+
+class SyncReport(msgspec.Struct, kw_only=True):
+    """What a sync did: per node, and the images the registry lacks (``--json`` prints it)."""
+
+    format_version: int = FORMAT_VERSION
+    registry: str
+    images: list[str]
+    not_in_registry: dict[str, str] = {}  # image -> why, found before any pull
+    nodes: list[NodeSync] = []
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.not_in_registry and all(n.ok for n in self.nodes)
+
+
+class SyncTarget(msgspec.Struct, frozen=True):
+    """A node to sync: its name and its podman (``prepare`` runs here if it has not)."""
+
+    name: str
+    podman: PodmanCli
+
+
+class _NodeState:
+    """One node's pulls in flight: the layers it has (diff ids) and the layers being fetched, each with the event
+    its pull sets when it ends."""
+
+    def __init__(self, layers: set[str], free_gb: float | None) -> None:
+        self.have = layers
+        self.free_gb = free_gb  # the store's free disk at the start, less what the pulls since are expected to take
+        self.fetching: dict[str, anyio.Event] = {}
+        # A fault that stops every pull of the node (registry unreachable from it, node lost): the node's one error,
+        # and what its images not pulled say.
+        self.fault = ""
+        self.fault_note = ""
+        self.done = 0
+
+    def stop(self, fault: str, note: str, scope: anyio.CancelScope) -> bool:
+        """Stop the node's pulls for ``fault`` (the first fault wins); whether this call was the first."""
+        scope.cancel()
+        if self.fault:
+            return False
+        self.fault, self.fault_note = fault, note
+        return True
+
+
+async def read_layers(registry: Registry, images: Sequence[str], *, timeout_s: float,
+                      client: httpx.AsyncClient | None = None) -> tuple[dict[str, ImageLayers], dict[str, str], str]:
+    """The registry's layers of each image, the images it lacks (-> why), and a note when the controller cannot
+    read them at all ("": read). Bounded by ``timeout_s`` in all."""
+    layers: dict[str, ImageLayers] = {}
+    missing: dict[str, str] = {}
+    failures: list[str] = []
+    own = client is None
+    client = client if client is not None else httpx.AsyncClient(timeout=10.0, verify=not registry.plain_http)
+    limiter = anyio.CapacityLimiter(MANIFEST_READS)
+
+    async def read(image: str, scope: anyio.CancelScope) -> None:
+        async with limiter:
+            try:
+                layers[image] = await image_layers(client, registry, image)
+            except NotInRegistryError as exc:
+                missing[image] = str(exc)
+            except RegistryError as exc:
+                failures.append(str(exc))
+                scope.cancel()
+
+    try:
+        with anyio.fail_after(timeout_s):
+            async with anyio.create_task_group() as tg:
+                for image in images:
+                    tg.start_soon(read, image, tg.cancel_scope, name=f"manifest of {image}")
+    except TimeoutError:
+        return {}, {}, f"reading the manifests from {registry.url} took more than {timeout_s:g}s"
+    finally:
+        if own:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await client.aclose()
+    if failures:
+        return {}, {}, failures[0]
+    return layers, missing, ""
+
+
+async def sync_images(targets: Sequence[SyncTarget], images: Sequence[str], registry: Registry, *,
+                      options: SyncOptions | None = None, say: Say = print,
+                      client: httpx.AsyncClient | None = None) -> SyncReport:
+    """Pull onto every target the images of ``images`` it lacks, from ``registry``; the report says per node what was
+    there, what was pulled, what failed and why (see the module docstring)."""
+    options = options or SyncOptions()
+    start = time.monotonic()
+    wanted = list(dict.fromkeys(normal_name(i) for i in images))
+    layers, not_in_registry, note = await read_layers(registry, wanted, timeout_s=options.manifest_timeout_s,
+                                                      client=client)
+    if note:
+        say(f"layer sizes unknown (bytes not counted): {note}")
+    for why in not_in_registry.values():
+        say(f"not pulled anywhere: {why}")
+    report = SyncReport(registry=registry.url, images=wanted, not_in_registry=not_in_registry)
+    fleet = anyio.CapacityLimiter(options.total)
+    results: dict[str, NodeSync] = {}
+    pullable = [i for i in wanted if i not in not_in_registry]
+    async with anyio.create_task_group() as tg:
+        for target in targets:
+            tg.start_soon(_sync_node, target, wanted, pullable, registry, layers, fleet, options, say, results,
+                          name=f"image sync {target.name}")
+    report.nodes = [results[t.name] for t in targets]
+    report.seconds = time.monotonic() - start
+    return report
+
+
+async def _node_images(target: SyncTarget, with_layers: bool) -> tuple[dict[str, str], set[str]]:
+    """The node's images (name -> id, ``sha256:...``) and, ``with_layers``, the diff ids of their layers."""
+    cli = target.podman
+    if not cli.ready:
+        await cli.prepare()
+    out = await cli.run("images", "--no-trunc", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}")
+    names: dict[str, str] = {}
+    for line in out.stdout.decode().splitlines():
+        name, _, image_id = line.strip().partition(" ")
+        if name and "<none>" not in name:
+            names[normal_name(name)] = image_id if image_id.startswith("sha256:") else f"sha256:{image_id}"
+    if not with_layers or not names:
+        return names, set()
+    out = await cli.run("image", "inspect", "--format", "{{range .RootFS.Layers}}{{println .}}{{end}}",
+                        *dict.fromkeys(names.values()))
+    return names, set(out.stdout.decode().split())
+
+
+async def _free_gb(cli: PodmanCli) -> float | None:
+    """The free disk of the node's image store (GB); None when the node does not say (no disk check then)."""
+    try:
+        return await cli.free_disk_gb()
+    except (InfraError, ValueError, IndexError):
+        return None
+
+
+def _is_present(image: str, names: dict[str, str], layers: dict[str, ImageLayers]) -> bool:
+    """Whether the node has ``image``: by name, and, where the registry's copy is known, the same image (its id is
+    the registry's config digest); a different image of that name (rebuilt since) is pulled again."""
+    if image not in names:
+        return False
+    known = layers.get(image)
+    return known is None or not known.config_digest or names[image] == known.config_digest
+
+
+async def _sync_node(target: SyncTarget, wanted: list[str], pullable: list[str], registry: Registry,
+                     layers: dict[str, ImageLayers], fleet: anyio.CapacityLimiter, options: SyncOptions, say: Say,
+                     results: dict[str, NodeSync]) -> None:
+    start = time.monotonic()
+    result = results[target.name] = NodeSync(node=target.name, wanted=len(wanted))
+    try:
+        with anyio.fail_after(options.check_timeout_s):
+            present, have = await _node_images(target, bool(layers))
+            free_gb = await _free_gb(target.podman) if layers else None
+    except TimeoutError:
+        result.error = f"listing its images took more than {options.check_timeout_s:g}s"
+    except InfraError as exc:
+        result.error = str(exc)
+    if result.error:
+        say(f"{target.name}: {result.error}")
+        result.seconds = time.monotonic() - start
+        return
+    result.present_before = [i for i in wanted if _is_present(i, present, layers)]
+    missing = [i for i in pullable if not _is_present(i, present, layers)]
+    stale = [i for i in missing if i in present]
+    if stale:
+        say(f"{target.name}: {len(stale)} image(s) differ from the registry's and are pulled again: {', '.join(stale)}")
+    say(f"{target.name}: {len(result.present_before)}/{len(wanted)} images present, {len(missing)} to pull")
+    state = _NodeState(have, free_gb)
+    node_slots = anyio.CapacityLimiter(options.per_node)
+    async with anyio.create_task_group() as tg:
+        for image in missing:
+            tg.start_soon(_pull_one, target, image, registry, layers.get(image), state, node_slots, fleet, options,
+                          say, result, len(missing), start, tg.cancel_scope, name=f"pull {image} on {target.name}")
+    if state.fault:
+        # one error for the node: its pulls that met the same fault, and those never started, say only that
+        result.error = state.fault
+        result.pulls = [p for p in result.pulls if p.ok or not _unreachable(p.error)]
+        tried = {p.image for p in result.pulls}
+        result.pulls += [Pull(image=i, ok=False, error=f"not pulled: {state.fault_note}") for i in missing
+                         if i not in tried]
+    result.seconds = time.monotonic() - start
+
+
+async def _pull_one(target: SyncTarget, image: str, registry: Registry, image_layers: ImageLayers | None,
+                    state: _NodeState, node_slots: anyio.CapacityLimiter, fleet: anyio.CapacityLimiter,
+                    options: SyncOptions, say: Say, result: NodeSync, count: int, node_start: float,
+                    node_scope: anyio.CancelScope) -> None:
+    async with node_slots, fleet:
+        lacking: dict[str, int] = {}
+        mine = anyio.Event()
+        try:
+            with anyio.fail_after(options.pull_timeout_s):
+                if image_layers is not None:
+                    lacking = await _claim_layers(image_layers, state, mine)
+                if state.fault:  # found while this pull waited: the node's pulls stop
+                    return
+                short = _short_of_disk(state, sum(lacking.values()), options.min_free_gb)
+                pull = (Pull(image=image, ok=False, error=short) if short
+                        else await _pull(target.podman, image, registry))
+        except NodeError as exc:
+            if state.stop(str(exc), "the node was lost", node_scope):
+                say(f"{target.name}: {exc}")
+            return
+        except TimeoutError:
+            pull = Pull(image=image, ok=False, error=f"pull took more than {options.pull_timeout_s:g}s")
+        finally:
+            for diff_id in lacking:
+                state.fetching.pop(diff_id, None)
+            mine.set()
+        seconds = pull.seconds
+        if pull.ok:
+            state.have.update(lacking)
+            pull = msgspec.structs.replace(pull, bytes=sum(lacking.values()) if image_layers is not None else None)
+        result.pulls.append(pull)
+        state.done += 1
+        if pull.ok:
+            elapsed = time.monotonic() - node_start
+            eta = elapsed / state.done * (count - state.done)
+            say(f"{target.name}: [{state.done}/{count}] pulled {image} in {seconds:.1f}s"
+                f"{'' if pull.bytes is None else ', ' + human_bytes(pull.bytes)}, eta {eta:.0f}s")
+        elif _unreachable(pull.error):
+            fault = f"registry {registry.url} is unreachable from the node: {pull.error}"
+            if state.stop(fault, "the registry is unreachable from the node", node_scope):
+                say(f"{target.name}: {fault}")
+        else:
+            say(f"{target.name}: [{state.done}/{count}] FAILED {image}: {pull.error}")
+
+
+def _short_of_disk(state: _NodeState, stored_bytes: int, min_free_gb: float) -> str:
+    """Why a pull of layers of ``stored_bytes`` must not start on the node ("": it may); books its disk when it may."""
+    if state.free_gb is None:
+        return ""
+    need_gb = stored_bytes * UNPACKED_PER_STORED / 1e9
+    if state.free_gb - need_gb < min_free_gb:
+        return (f"not enough disk on the node: about {need_gb:.1f} GB needed, {state.free_gb:.1f} GB free, "
+                f"{min_free_gb:g} GB to keep")
+    state.free_gb -= need_gb
+    return ""
+
+
+async def _claim_layers(image: ImageLayers, state: _NodeState, mine: anyio.Event) -> dict[str, int]:
+    """Wait until no other pull on the node fetches a layer this image lacks, then claim the lacking ones (all at
+    once, so two pulls never wait on each other); their diff ids -> stored sizes."""
+    while True:
+        lacking = {layer.diff_id: layer.size for layer in image.layers if layer.diff_id not in state.have}
+        busy = [state.fetching[d] for d in lacking if d in state.fetching]
+        if not busy:
+            break
+        await busy[0].wait()
+    for diff_id in lacking:
+        state.fetching[diff_id] = mine
+    return lacking
+
+
+async def _pull(cli: PodmanCli, image: str, registry: Registry) -> Pull:
+    ref = registry.ref(image)
+    start = time.monotonic()
+    try:
+        out = await cli.run("pull", *registry.tls_args(), ref, check=False)
+        if out.exit_code != 0:
+            error = _podman_error(out.stderr.decode(errors="replace"))
+            if any(s in error.lower() for s in _NOT_IN_REGISTRY):
+                error = f"not in {registry.url}: {error}"
+            return Pull(image=image, ok=False, seconds=time.monotonic() - start, error=error)
+        if normal_name(ref) != image:
+            await cli.run("tag", ref, image)
+            await cli.run("untag", image, ref)
+    except NodeError:
+        raise  # the node's fault, not this image's
+    except InfraError as exc:
+        return Pull(image=image, ok=False, seconds=time.monotonic() - start, error=str(exc))
+    return Pull(image=image, ok=True, seconds=time.monotonic() - start)
+
+
+def _podman_error(stderr: str) -> str:
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("Error:")]
+    return (errors or lines or ["podman pull failed with no message"])[-1]
+
+
+def _unreachable(error: str) -> bool:
+    return any(s in error.lower() for s in _UNREACHABLE)
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} GB"
+
+
+def format_report(report: SyncReport) -> str:
+    """The final table: one row per node (then its errors and failed images, one line each)."""
+    header = ("node", "present before", "pulled", "failed", "bytes", "seconds")
+    rows = [(n.node, f"{len(n.present_before)}/{n.wanted}", str(len(n.pulled)), str(len(n.failed)),
+             human_bytes(n.bytes) if n.pulled else "0 B", f"{n.seconds:.1f}") for n in report.nodes]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
+    for node in report.nodes:
+        if node.error:
+            lines.append(f"{node.node}: ERROR {node.error}")
+        for pull in node.failed:
+            if not node.error or not pull.error.startswith("not pulled:"):
+                lines.append(f"{node.node}: {pull.image}: {pull.error}")
+    for image, why in report.not_in_registry.items():
+        lines.append(f"{image}: {why}")
+    return "\n".join(lines)
