@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ import msgspec
 
 from swectl.config import TRUNCATED_ENDINGS
 from swectl.errors import ConfigError, SwectlError
+from swectl.train.checkpoint import latest_checkpoint
 
 SWECTL = [sys.executable, "-m", "swectl.cli.main"]
 RECIPE_FILE = "recipe.json"
@@ -195,8 +197,6 @@ def train(out_dir: Path, run_id: str, sets: dict[str, object], say: Say, *, extr
     """One `swectl up` run in ``out_dir/run_id``: a new run with ``sets`` (and ``extra`` arguments), or the run
     resumed from its last checkpoint when it has one (it goes on to ``train.steps``, or stops there), or
     (``continue_from``, a finished run folder) a copy of that run resumed with ``sets`` as overrides."""
-    import shutil
-
     folder = out_dir / run_id
     if continue_from is not None:
         if not folder.exists():
@@ -213,17 +213,16 @@ def train(out_dir: Path, run_id: str, sets: dict[str, object], say: Say, *, extr
 
 def final_weights(run_dir: Path) -> Path:
     """The weights folder of a `swectl up` run's latest checkpoint."""
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return Path(json.loads((run_dir / "checkpoints" / latest / "controller.json").read_text())["weights"])
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        raise SwectlError(f"{run_dir}: the run ended without a checkpoint")
+    return Path(latest[1].weights)
 
 
 def finished_steps(run_dir: Path) -> int:
     """The steps a `swectl up` run's latest checkpoint holds (0: none)."""
-    try:
-        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-        return int(json.loads((run_dir / "checkpoints" / latest / "controller.json").read_text())["step"])
-    except (OSError, ValueError, KeyError):
-        return 0
+    latest = latest_checkpoint(run_dir)
+    return 0 if latest is None else latest[1].step
 
 
 # ---------------------------------------------------------------- the run itself
