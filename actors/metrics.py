@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import anyio
 import anyio.abc
 
-from swectl.schema import MetricsStatistics
+from swectl.schema import EngineStatistics, MetricsStatistics, PoolStatistics
 
 if TYPE_CHECKING:
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -213,6 +213,50 @@ class Metrics:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
                  ) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------- the env pool's part of a step
+
+
+class EnvReadings:
+    """A step's ``env/`` metrics: what the env pool's counters (``statistics``, its PoolStatistics) moved since the
+    last step was logged. ``env/image_waits``: leases that waited for a pull of their image onto their node;
+    ``env/image_wait_s``: those waits' seconds, summed; ``env/image_pulls``, ``env/image_pull_failures``,
+    ``env/images_evicted``: pulls and removals under the nodes' disk budgets."""
+
+    def __init__(self, statistics: Callable[[], PoolStatistics]) -> None:
+        self._statistics = statistics
+        self._last = statistics()
+
+    def step_values(self) -> dict[str, float]:
+        now, last = self._statistics(), self._last
+        self._last = now
+        return {
+            "env/image_waits": float(now.image_waits - last.image_waits),
+            "env/image_wait_s": now.image_wait_s - last.image_wait_s,
+            "env/image_pulls": float(now.image_pulls - last.image_pulls),
+            "env/image_pull_failures": float(now.image_pull_failures - last.image_pull_failures),
+            "env/images_evicted": float(now.images_evicted - last.images_evicted),
+        }
+
+
+class EngineReadings:
+    """A step's ``engine/`` metrics: what an engine outage cost since the last step was logged.
+    ``engine/outage_waits``: episodes held back because no server was healthy; ``engine/outage_wait_s``: their
+    waits' seconds, summed; ``engine/restarts``: server restarts."""
+
+    def __init__(self, statistics: Callable[[], EngineStatistics]) -> None:
+        self._statistics = statistics
+        self._last = statistics()
+
+    def step_values(self) -> dict[str, float]:
+        now, last = self._statistics(), self._last
+        self._last = now
+        return {
+            "engine/outage_waits": float(now.outage_waits - last.outage_waits),
+            "engine/outage_wait_s": now.outage_wait_s - last.outage_wait_s,
+            "engine/restarts": float(sum(s.restarts for s in now.servers) - sum(s.restarts for s in last.servers)),
+        }
 
 
 # ---------------------------------------------------------------- the terminal line

@@ -10,7 +10,9 @@ logprobs, weight versions, steps and timings, exit status, format version, confi
 ``meta.json`` (status, grade, timings).
 
 Consumes: tasks (``collect(tasks)``, or ``episode(task, n)`` one at a time). Waits for: one of
-``concurrency`` episode slots, then an EnvPool lease, the engine and the Grader. Unblocked by: episodes
+``concurrency`` episode slots, then (with ``engine_ready``) a healthy engine, so that an engine outage holds episodes
+back instead of leasing sandboxes for episodes that would abort at their first turn (bounded; counted in
+``engine_waits`` / ``engine_wait_s``), then an EnvPool lease, the engine and the Grader. Unblocked by: episodes
 finishing, cancellation. Produces: ``EpisodeResult``s in completion order, per-episode artifacts,
 ``statistics()`` (a ``RolloutStatistics``). Runs between ``await tg.start(rollout.run)`` and the
 cancellation of that task. The engine of each episode is chosen by its type: an ``Engine`` (token-in,
@@ -68,6 +70,8 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 EngineFor = Callable[[Task, int], Engine | ChatEngine]
+# Waits until an engine can take requests (Engines.wait_routable); returns the seconds waited, raises InfraError
+EngineReady = Callable[[], Awaitable[float]]
 
 
 def _write_artifacts(out_dir: Path, ep: Episode, cfg: RolloutConfig, result: EpisodeResult) -> None:
@@ -87,7 +91,8 @@ class Rollout(ServingActor):
 
     def __init__(self, config: RolloutConfig, pool: EnvPool, grader: Grader, engine_for: EngineFor,
                  tokenizer: ChatTokenizer | None, out_dir: Path, *, resolver: ImageResolver | None = None,
-                 limiter: anyio.CapacityLimiter | None = None, judge: Judge | None = None) -> None:
+                 limiter: anyio.CapacityLimiter | None = None, judge: Judge | None = None,
+                 engine_ready: EngineReady | None = None) -> None:
         super().__init__()
         self._pool = pool
         self._grader = grader
@@ -99,14 +104,16 @@ class Rollout(ServingActor):
         # episodes at once; a limiter passed in is shared with other Rollouts (the async loop's one per group)
         self._limit = limiter or anyio.CapacityLimiter(config.concurrency)
         self._judge = judge  # [reward.prm]: judges each step while the episode goes on
-        self._counts = dict.fromkeys(("finished", "COMPLETED", "TRUNCATED", "ABORTED", "resolved"), 0)
+        self._engine_ready = engine_ready
+        self._counts = dict.fromkeys(("finished", "COMPLETED", "TRUNCATED", "ABORTED", "resolved", "engine_waits"), 0)
+        self._engine_wait_s = 0.0
 
     def statistics(self) -> RolloutStatistics:
         c = self._counts
         return RolloutStatistics(
             running=self._limit.borrowed_tokens, waiting=self._limit.statistics().tasks_waiting,
             finished=c["finished"], completed=c["COMPLETED"], truncated=c["TRUNCATED"], aborted=c["ABORTED"],
-            resolved=c["resolved"],
+            resolved=c["resolved"], engine_waits=c["engine_waits"], engine_wait_s=round(self._engine_wait_s, 3),
         )
 
     async def episode(self, task: Task, sample: int) -> EpisodeResult:
@@ -159,6 +166,11 @@ class Rollout(ServingActor):
 
     async def _run(self, task: Task, sample: int, on_step: OnStep | None = None) -> Episode:
         try:
+            if self._engine_ready is not None:  # an engine outage holds episodes back before they take a sandbox
+                waited = await self._engine_ready()
+                if waited > 0:
+                    self._counts["engine_waits"] += 1
+                    self._engine_wait_s += waited
             async with self._pool.lease(self._resolver.resolve(task)) as lease:
                 if not await prepare_task(lease, task):
                     raise InfraError("the task's setup patch did not apply in a fresh sandbox")

@@ -33,6 +33,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import Progress, host_meta, report, summarize  # noqa: E402
+from engine_kinds import VARIANTS, eval_rate, measure_kind  # noqa: E402
 
 from swectl.engine.client import SglangClient  # noqa: E402
-from swectl.engine.wire import GenerateRequest, SamplingParams  # noqa: E402
+from swectl.engine.wire import GenerateRequest, GenerateResult, SamplingParams  # noqa: E402
 from swectl.testing.cpu_engines import start_cpu_engine  # noqa: E402
 
 SUITE = "engine"
@@ -73,15 +75,18 @@ async def server_state(url: str) -> dict[str, Any]:
         return (await http.get(f"{url}/get_server_info")).json()["internal_states"][0]
 
 
-async def load(url: str, *, clients: int, episodes: int, turns: int, vocab: int, seed: int) -> dict[str, Any]:
-    """Run the agent-like load; the generated token count, the wall time and each request's latency."""
+async def load(generate_for: Callable[[int], Callable[[GenerateRequest], Awaitable[GenerateResult]]], *, clients: int,
+               episodes: int, turns: int, vocab: int, seed: int) -> dict[str, Any]:
+    """Run the agent-like load, client ``i`` sending through ``generate_for(i)``; the generated token count, the wall
+    time and each request's latency."""
     latencies: list[float] = []
     generated = 0
     task_rng = random.Random(seed)
     tasks = [[task_rng.randrange(3, vocab) for _ in range(task_rng.randint(900, 1300))] for _ in range(4)]
 
-    async def client_loop(client: SglangClient, index: int) -> None:
+    async def client_loop(index: int) -> None:
         nonlocal generated
+        generate = generate_for(index)
         rng = random.Random(seed * 1000 + index)
         for episode in range(episodes):
             context = list(tasks[(index + episode) % len(tasks)])
@@ -90,7 +95,7 @@ async def load(url: str, *, clients: int, episodes: int, turns: int, vocab: int,
                     max_new_tokens=rng.randint(48, 192), temperature=1.0, ignore_eos=True,
                     sampling_seed=rng.randrange(1 << 30)))
                 started = time.monotonic()
-                result = await client.generate(request)
+                result = await generate(request)
                 latencies.append(time.monotonic() - started)
                 generated += len(result.output_ids)
                 await anyio.sleep(rng.uniform(0.1, 1.0))
@@ -98,11 +103,16 @@ async def load(url: str, *, clients: int, episodes: int, turns: int, vocab: int,
                 context = [*context, *result.output_ids, *observation]
 
     started = time.monotonic()
-    async with SglangClient(url, timeout_s=600) as client:
-        async with anyio.create_task_group() as tg:
-            for index in range(clients):
-                tg.start_soon(client_loop, client, index)
+    async with anyio.create_task_group() as tg:
+        for index in range(clients):
+            tg.start_soon(client_loop, index)
     return {"generated": generated, "wall_s": time.monotonic() - started, "latencies": latencies}
+
+
+async def load_on(url: str, **kwargs: Any) -> dict[str, Any]:
+    """The load against one CPU engine at ``url``, every client through one SglangClient."""
+    async with SglangClient(url, timeout_s=600) as client:
+        return await load(lambda _: client.generate, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help=f"comma-separated, from {', '.join(CONFIGS)} (the speedup needs baseline and default)")
+                        help=f"comma-separated, from {', '.join(CONFIGS)} (the speedup needs baseline and default); "
+                        "'' skips this part")
+    parser.add_argument("--kinds", default=",".join(VARIANTS),
+                        help=f"engine kinds to compare side by side ({', '.join(VARIANTS)}); '' skips this part")
+    parser.add_argument("--loads", default="1,8,32", help="client counts of the kinds' comparison")
+    parser.add_argument("--eval-tasks", type=int, default=8,
+                        help="bundled tasks of the episodes-per-minute reading per kind (0 skips it)")
     args = parser.parse_args(argv)
     say = Progress(SUITE)
     work = REPO / "runs" / "bench-engine"
@@ -125,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     metrics: dict[str, Any] = {}
     details: dict[str, Any] = {}
     chosen = [name.strip() for name in args.configs.split(",") if name.strip()]
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if any(k not in VARIANTS for k in kinds):
+        parser.error(f"--kinds: choose from {', '.join(VARIANTS)} (got {args.kinds})")
     unknown = [name for name in chosen if name not in CONFIGS]
     if unknown:
         parser.error(f"--configs: unknown {', '.join(unknown)} (choose from {', '.join(CONFIGS)})")
@@ -135,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         server = start_cpu_engine(model, work / f"{name}.log", "--threads", "1", *flags, cwd=REPO,
                                   timeout_s=START_TIMEOUT_S)
         try:
-            run = anyio.run(partial(load, server.url, clients=args.clients, episodes=episodes, turns=args.turns,
-                                    vocab=vocab, seed=args.seed))
+            run = anyio.run(partial(load_on, server.url, clients=args.clients, episodes=episodes,
+                                    turns=args.turns, vocab=vocab, seed=args.seed))
             state = anyio.run(server_state, server.url)
         finally:
             server.stop()
@@ -152,10 +171,39 @@ def main(argv: list[str] | None = None) -> int:
     if {"baseline", "default"} <= set(chosen):
         metrics["engine_speedup_vs_baseline"] = round(
             metrics["engine_tokens_per_s_default"] / metrics["engine_tokens_per_s_baseline"], 2)
+    kinds_details = compare_kinds(args, model, work, vocab, episodes, metrics, say)
     meta = {**host_meta(), "quick": args.quick, "model": str(model), "clients": args.clients,
-            "episodes_per_client": episodes, "turns": args.turns, "seed": args.seed, "configs": details}
+            "episodes_per_client": episodes, "turns": args.turns, "seed": args.seed, "configs": details,
+            "kinds": kinds_details}
     report(SUITE, metrics, meta, [])
     return 0
+
+
+def compare_kinds(args: argparse.Namespace, model: Path, work: Path, vocab: int, episodes: int,
+                  metrics: dict[str, Any], say: Progress) -> dict[str, Any]:
+    """The engine kinds side by side (benchmarks/engine_kinds.py); keys ``<kind>_tokens_per_s_c<C>`` and so on."""
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    loads = [int(c) for c in args.loads.split(",") if c.strip()]
+    details: dict[str, Any] = {}
+    for kind in kinds:
+        say(f"kind {kind}: loads {loads} clients x {episodes} episodes x {args.turns} turns")
+        got = anyio.run(partial(measure_kind, kind, model, work / "kinds", loads=loads, vocab=vocab, seed=args.seed,
+                                turns=args.turns, episodes=episodes, load=load, say=say))
+        for clients, row in got["loads"].items():
+            metrics[f"{kind}_tokens_per_s_c{clients}"] = row["tokens_per_s"]
+            metrics[f"{kind}_request_p50_s_c{clients}"] = row["request_p50_s"]
+        for key in ("startup_s", "ttft_s", "weight_sync_s", "rss_mb"):
+            metrics[f"{kind}_{key}"] = got[key]
+        if args.eval_tasks:
+            got["eval"] = eval_rate(kind, model, work / "kinds", tasks=args.eval_tasks, startup_s=got["startup_s"],
+                                    say=say)
+            metrics[f"{kind}_episodes_per_min"] = got["eval"]["episodes_per_min"]
+        details[kind] = got
+    for clients in loads:
+        if f"vllm_tokens_per_s_c{clients}" in metrics and f"cpu_tokens_per_s_c{clients}" in metrics:
+            metrics[f"vllm_over_cpu_c{clients}"] = round(
+                metrics[f"vllm_tokens_per_s_c{clients}"] / metrics[f"cpu_tokens_per_s_c{clients}"], 2)
+    return details
 
 
 if __name__ == "__main__":

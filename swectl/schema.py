@@ -162,6 +162,9 @@ class NodeReport(msgspec.Struct, frozen=True):
     backend: str = "podman"  # the configured sandbox backend the check exercised
     namespace: str = ""  # whether the node can run namespace sandboxes: "yes", or "no: <why>"
     unenforced_limits: list[str] = []  # limits namespace sandboxes could not enforce there (no cgroup controller)
+    image_disk_gb: float | None = None  # what the node's images take on its disk (each shared layer once)
+    image_disk_budget_gb: float = 0.0  # nodes.N.image_disk_gb (0: no budget)
+    engine_kinds: dict[str, str] = {}  # engine kind -> "yes", or "no: <why>" (cpu, sglang, vllm; for [engine] python)
 
 
 class NodeStatistics(msgspec.Struct, frozen=True):
@@ -174,6 +177,11 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     max_running: int
     max_starting: int
     failures: int
+    images: int | None = None  # images the pool knows the node holds; None: not known (not listed, or no store)
+    pulls: int = 0  # image pulls in flight there
+    waiting: int = 0  # leases (and warm sandboxes) waiting for a pull there
+    image_disk_gb: float | None = None  # what its images take, as last measured (nodes with a budget)
+    image_disk_budget_gb: float = 0.0  # nodes.N.image_disk_gb (0: no budget)
 
 
 class PoolStatistics(msgspec.Struct, frozen=True):
@@ -189,6 +197,11 @@ class PoolStatistics(msgspec.Struct, frozen=True):
     leases_failed: int
     start_failures: int
     orphans_reaped: int
+    image_pulls: int = 0  # images pulled onto a node for a lease or a warm sandbox (one per node and image at a time)
+    image_pull_failures: int = 0
+    image_waits: int = 0  # leases that waited for a pull of their image first
+    image_wait_s: float = 0.0  # the seconds those leases waited, summed
+    images_evicted: int = 0  # images removed to keep a node within its disk budget
 
 
 # ---------------------------------------------------------------- engines, grader and rollout
@@ -220,6 +233,8 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     """Engines.statistics(): the servers and how many take requests."""
     servers: list[ServerStatistics]
     routable: int  # servers that take requests (healthy or failing)
+    outage_waits: int = 0  # episodes that waited for a server to come back (no server was healthy)
+    outage_wait_s: float = 0.0  # the seconds they waited, in all
 
 
 class GraderStatistics(msgspec.Struct, frozen=True):
@@ -243,6 +258,8 @@ class RolloutStatistics(msgspec.Struct, frozen=True):
     truncated: int
     aborted: int
     resolved: int
+    engine_waits: int = 0  # episodes that waited for an engine to come back before starting
+    engine_wait_s: float = 0.0  # the seconds they waited, in all
 
 
 class JudgeStatistics(msgspec.Struct, frozen=True):

@@ -104,7 +104,7 @@ def test_engine_section_defaults_and_checks():
         load_config(None, ["engine.port=30000", "engine.replicas=2"])
     assert "set engine.port = 0" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["engine.kind='vllm'"])
+        load_config(None, ["engine.kind='vlm'"])
     assert "engine.kind" in str(err.value)
 
 

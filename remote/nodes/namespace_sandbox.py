@@ -211,6 +211,11 @@ class NamespaceBackend:
     async def aclose(self) -> None:
         await self.node.aclose()
 
+    def forget_image(self, image: str) -> None:
+        """An image was removed from the node: every image's layers are looked up again at its next sandbox (one
+        ``podman image inspect`` each; names differ in spelling, and removals are rare)."""
+        self._roots = {n: root for n, root in self._roots.items() if n in self.config.ns_rootfs}
+
     # ------------------------------------------------------------------ internals
 
     async def _image_root(self, image: str) -> ImageRoot:

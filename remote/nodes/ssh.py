@@ -20,7 +20,7 @@ import os
 import shlex
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import asyncssh
@@ -129,6 +129,7 @@ class SshNode:
         self._forwards: dict[str, tuple[_Connection, asyncssh.SSHListener, str]] = {}
         self._forward_dir: str | None = None
         self._forwarding = anyio.Lock()
+        self._tcp_forwards: list[asyncssh.SSHListener] = []  # forward_tcp's listeners
 
     @property
     def alive(self) -> bool:
@@ -290,8 +291,25 @@ class SshNode:
             self._forwards[remote_path] = (slot, listener, local)
             return local
 
+    async def forward_tcp(self, remote_port: int) -> tuple[int, Callable[[], None]]:
+        """A port on this machine's loopback whose connections reach ``127.0.0.1:remote_port`` on the node, over the
+        SSH connection (asyncssh's ``forward_local_port``): for a server that must not listen on the node's network
+        (vLLM's weight routes take no API key). Returns the local port and the call that stops forwarding; ``aclose``
+        stops it too."""
+        await self.connect()
+        slot = next(c for c in self._connections if c.usable)
+        try:
+            listener = await slot.conn.forward_local_port("127.0.0.1", 0, "127.0.0.1", remote_port)
+        except (asyncssh.Error, OSError) as exc:
+            raise NodeLostError(self.name, f"cannot forward port {remote_port}: {exc}") from exc
+        self._tcp_forwards.append(listener)
+        return listener.get_port(), listener.close
+
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
+            for listener in self._tcp_forwards:
+                listener.close()
+            self._tcp_forwards = []
             for _, listener, _ in self._forwards.values():
                 listener.close()
             self._forwards = {}

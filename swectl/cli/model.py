@@ -46,6 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       "(default: this Python's standard library source)")
     init.add_argument("--corpus-max-bytes", type=int, default=None, metavar="N",
                       help=f"read at most this much corpus (default {defaults.corpus_max_bytes:,})")
+    init.add_argument("--untied", action="store_true",
+                      help="give the output head its own weights instead of tying it to the embeddings (for "
+                      "training under vLLM engines: vLLM's weight reload leaves a tied head stale)")
     init.add_argument("--overwrite", action="store_true",
                       help="replace an existing model folder made by swectl model init")
     init.add_argument("--json", action="store_true", help="print what was made as JSON")
@@ -62,6 +65,8 @@ def config_from_args(args: argparse.Namespace) -> ModelInitConfig:
         changes["intermediate_size"] = args.intermediate
     elif args.hidden is not None:
         changes["intermediate_size"] = 3 * args.hidden
+    if args.untied:
+        changes["tie_word_embeddings"] = False
     if args.corpus:
         changes["corpus_globs"] = tuple(os.path.abspath(os.path.expanduser(g)) for g in args.corpus)
     return ModelInitConfig(**changes)

@@ -8,11 +8,12 @@ import sys
 import anyio
 import msgspec
 
-from swectl.actors.engines import engine_hosts
+from swectl.actors.engines import engine_hosts, engine_python
 from swectl.actors.trainer import check_rendezvous, pick_port
 from swectl.cli.common import config_args
 from swectl.config import ClusterConfig, SshNodeConfig, load_config
 from swectl.errors import InfraError
+from swectl.images.store import store_for
 from swectl.remote.nodes.backends import close_backends, make_backends
 from swectl.remote.nodes.docker_sandbox import DockerBackend
 from swectl.remote.nodes.namespace_sandbox import NamespaceBackend
@@ -30,8 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     nodes = sub.add_parser("nodes", help="inspect and clean container nodes")
     nodes_sub = nodes.add_subparsers(dest="nodes_command", required=True, metavar="ACTION")
     check = nodes_sub.add_parser(
-        "check", help="connect to every node; report podman version, images, disk, swectl sandboxes, whether it "
-        "can run namespace sandboxes, whether the trainer's nodes reach each other, problems"
+        "check", help="connect to every node; report podman version, images, disk, the images' disk and budget, "
+        "swectl sandboxes, whether it can run namespace sandboxes, whether the trainer's nodes reach each other, "
+        "problems"
     )
     config_args(check)
     check.add_argument("--json", action="store_true", help="print the reports as JSON")
@@ -57,9 +59,48 @@ async def check_nodes(config: ClusterConfig, *, timeout_s: float = 60.0) -> list
     finally:
         await close_backends(backends)
     ordered = [reports[node.name] for node, _ in backends]
+    ordered = await _check_engine_kinds(config, ordered, timeout_s)
     if len(config.trainer_nodes()) > 1:
         ordered = await _check_trainer_reach(config, ordered, timeout_s)
     return ordered
+
+
+# exit 0 when every module named in argv can be found (nothing is imported: a check of a few milliseconds)
+_FIND_MODULES = ("import importlib.util, sys; "
+                 "sys.exit(0 if all(importlib.util.find_spec(m) for m in sys.argv[1:]) else 3)")
+_ENGINE_MODULES = {"cpu": ["swectl", "torch", "transformers", "uvicorn"], "sglang": ["sglang"], "vllm": ["vllm"]}
+
+
+async def _check_engine_kinds(config: ClusterConfig, reports: list[NodeReport], timeout_s: float
+                              ) -> list[NodeReport]:
+    """Whether each node can run each engine kind with the interpreter [engine] would start it with; a node of
+    engine.nodes that cannot run engine.kind gets a problem."""
+    engine_nodes = {n.name for n in config.engine_nodes()}
+    found: dict[str, dict[str, str]] = {}
+    try:
+        with anyio.fail_after(timeout_s):
+            async with engine_hosts(config.nodes) as hosts:
+                for host in hosts:
+                    kinds = found.setdefault(host.node.name, {})
+                    for kind, modules in _ENGINE_MODULES.items():
+                        python = engine_python(msgspec.structs.replace(config.engine, kind=kind))
+                        out = await host.node.run([python, "-c", _FIND_MODULES, *modules])
+                        kinds[kind] = ("yes" if out.exit_code == 0 else
+                                       f"no: {python} lacks {' or '.join(modules)}" if out.exit_code == 3 else
+                                       f"no: {python} does not run")
+    except (InfraError, TimeoutError):
+        return reports  # the sandbox checks already report an unreachable node
+    updated = []
+    for report in reports:
+        kinds = found.get(report.node, {})
+        problems = list(report.problems)
+        verdict = kinds.get(config.engine.kind, "yes")
+        if report.node in engine_nodes and verdict != "yes":
+            hint = "`bash scripts/setup_vllm.sh`" if config.engine.kind == "vllm" else "set engine.python"
+            problems.append(f"cannot run engine.kind = {config.engine.kind!r} ({verdict}) -- hint: {hint}")
+        updated.append(msgspec.structs.replace(report, engine_kinds=kinds, problems=problems,
+                                               ok=report.ok and not problems))
+    return updated
 
 
 async def _check_trainer_reach(config: ClusterConfig, reports: list[NodeReport], timeout_s: float
@@ -92,7 +133,8 @@ async def _check_one(
     out: dict[str, NodeReport],
     timeout_s: float,
 ) -> None:
-    report = dict(node=node_config.name, ok=False, problems=[], backend=config.sandbox.backend)
+    report = dict(node=node_config.name, ok=False, problems=[], backend=config.sandbox.backend,
+                  image_disk_budget_gb=node_config.image_disk_gb)
     problems: list[str] = report["problems"]
     with anyio.move_on_after(timeout_s) as scope:
         try:
@@ -114,6 +156,7 @@ async def _check_one(
             report["free_disk_gb"] = free = round(await backend.cli.free_disk_gb(), 1)
             if free < LOW_DISK_GB:
                 problems.append(f"only {free} GB free for containers -- hint: `podman system prune`")
+            report["image_disk_gb"] = await _image_disk_gb(backend)
             containers = await backend.list({LABEL_MANAGED: "1"})
             report["swectl_containers"] = len(containers)
             if config.sandbox.image in images:
@@ -156,6 +199,23 @@ async def _check_namespace_support(
         )
 
 
+async def _image_disk_gb(backend: SandboxBackends) -> float | None:
+    """What the node's images take (GB, each shared layer once); None when its store does not say."""
+    store = store_for(backend, None)
+    if store is None:
+        return None
+    try:
+        return round(await store.disk_bytes() / 1e9, 3)
+    except InfraError:
+        return None
+
+
+def _image_disk(report: NodeReport) -> str:
+    used = "?" if report.image_disk_gb is None else f"{report.image_disk_gb:g} GB"
+    budget = f"budget {report.image_disk_budget_gb:g} GB" if report.image_disk_budget_gb else "no budget"
+    return f"images take {used} ({budget})"
+
+
 def _connect_hint(node_config, message: str) -> str:
     if isinstance(node_config, SshNodeConfig):
         if "host key" in message or "known_hosts" in message:
@@ -168,6 +228,11 @@ def _connect_hint(node_config, message: str) -> str:
     return "run `bash scripts/setup.sh` (installs and configures podman)"
 
 
+def _engine_kinds(report: NodeReport) -> str:
+    """``cpu yes, sglang no, vllm yes``: which engine kinds the node can run (the reasons are in --json)."""
+    return ", ".join(f"{kind} {verdict.split(':')[0]}" for kind, verdict in report.engine_kinds.items()) or "?"
+
+
 def format_reports(reports: list[NodeReport]) -> str:
     lines = []
     for r in reports:
@@ -175,8 +240,9 @@ def format_reports(reports: list[NodeReport]) -> str:
         disk = f"{r.free_disk_gb} GB free" if r.free_disk_gb is not None else "disk ?"
         lines.append(
             f"{r.node:<12} {status:<8} podman {r.podman_version or '?':<8} {len(r.images)} images  {disk}  "
+            f"{_image_disk(r)}  "
             f"{r.swectl_containers} swectl sandboxes  exec on {r.backend} {'ok' if r.exec_ok else 'FAILED'}  "
-            f"namespace sandboxes: {r.namespace or '?'}"
+            f"namespace sandboxes: {r.namespace or '?'}  engines: {_engine_kinds(r)}"
         )
         lines += [f"    - {p}" for p in r.problems]
     return "\n".join(lines)

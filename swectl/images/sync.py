@@ -46,6 +46,7 @@ from swectl.images.registry import (
     image_layers,
     normal_name,
 )
+from swectl.images.store import list_images, pull_image
 from swectl.remote.nodes.podman import PodmanCli
 
 FORMAT_VERSION = 1
@@ -56,7 +57,6 @@ MANIFEST_READS = 8  # manifests the controller reads from the registry at once
 # podman's messages when it cannot talk to the registry at all (as opposed to a missing or broken image)
 _UNREACHABLE = ("pinging container registry", "connection refused", "no route to host", "i/o timeout",
                 "network is unreachable", "no such host", "connection reset", "server gave http response to https")
-_NOT_IN_REGISTRY = ("manifest unknown", "name unknown")
 Say = Callable[[str], None]
 
 
@@ -226,14 +226,7 @@ async def sync_images(targets: Sequence[SyncTarget], images: Sequence[str], regi
 async def _node_images(target: SyncTarget, with_layers: bool) -> tuple[dict[str, str], set[str]]:
     """The node's images (name -> id, ``sha256:...``) and, ``with_layers``, the diff ids of their layers."""
     cli = target.podman
-    if not cli.ready:
-        await cli.prepare()
-    out = await cli.run("images", "--no-trunc", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}")
-    names: dict[str, str] = {}
-    for line in out.stdout.decode().splitlines():
-        name, _, image_id = line.strip().partition(" ")
-        if name and "<none>" not in name:
-            names[normal_name(name)] = image_id if image_id.startswith("sha256:") else f"sha256:{image_id}"
+    names = await list_images(cli)
     if not with_layers or not names:
         return names, set()
     out = await cli.run("image", "inspect", "--format", "{{range .RootFS.Layers}}{{println .}}{{end}}",
@@ -369,29 +362,9 @@ async def _claim_layers(image: ImageLayers, state: _NodeState, mine: anyio.Event
 
 
 async def _pull(cli: PodmanCli, image: str, registry: Registry) -> Pull:
-    ref = registry.ref(image)
     start = time.monotonic()
-    try:
-        out = await cli.run("pull", *registry.tls_args(), ref, check=False)
-        if out.exit_code != 0:
-            error = _podman_error(out.stderr.decode(errors="replace"))
-            if any(s in error.lower() for s in _NOT_IN_REGISTRY):
-                error = f"not in {registry.url}: {error}"
-            return Pull(image=image, ok=False, seconds=time.monotonic() - start, error=error)
-        if normal_name(ref) != image:
-            await cli.run("tag", ref, image)
-            await cli.run("untag", image, ref)
-    except NodeError:
-        raise  # the node's fault, not this image's
-    except InfraError as exc:
-        return Pull(image=image, ok=False, seconds=time.monotonic() - start, error=str(exc))
-    return Pull(image=image, ok=True, seconds=time.monotonic() - start)
-
-
-def _podman_error(stderr: str) -> str:
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("Error:")]
-    return (errors or lines or ["podman pull failed with no message"])[-1]
+    error = await pull_image(cli, image, registry)
+    return Pull(image=image, ok=not error, seconds=time.monotonic() - start, error=error)
 
 
 def _unreachable(error: str) -> bool:

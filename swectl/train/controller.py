@@ -30,7 +30,7 @@ from swectl.actors.data_source import DataSource
 from swectl.actors.engines import Engines, engine_hosts
 from swectl.actors.env_pool import new_run_id, running_pool
 from swectl.actors.judge import Judge
-from swectl.actors.metrics import Metrics, StepProgress
+from swectl.actors.metrics import EngineReadings, EnvReadings, Metrics, StepProgress
 from swectl.actors.rollout import EpisodeResult
 from swectl.actors.trainer import Trainer, TrainerLostError
 from swectl.config import ClusterConfig, TrainConfig, ranks_per_node
@@ -88,6 +88,8 @@ class Controller:
         self._buckets: list[list[ParamSpec]] = []
         self._checkpoint_path = ""  # the trainer state to start the ranks from ("" = the model folder)
         self._tok: Any = None  # the policy's tokenizer, loaded at the first rollout
+        self._env: EnvReadings | None = None  # the env pool's part of each step's metrics (GRPO)
+        self._engine_readings: EngineReadings | None = None  # what engine outages cost, per step (GRPO)
 
     # ------------------------------------------------------------ the run, with restarts
 
@@ -155,6 +157,8 @@ class Controller:
                 await self._form_weight_group(trainer, engines, ready.device, run_id)
             judge = await self._start_judge(tg, ehosts) if rl and cfg.reward.prm.enabled else None
             rollouts = TrainRollouts(cfg, self.run_dir, pool, engines, self._tokenizer(), judge) if rl else None
+            self._env = EnvReadings(pool.statistics) if pool is not None else None
+            self._engine_readings = EngineReadings(engines.statistics) if engines is not None and rl else None
             grpo: SampleSource | None = None  # made at the first GRPO step
             sft: SampleSource | None = None  # made at the first SFT step
             with BatchWriter() as writer:
@@ -186,6 +190,10 @@ class Controller:
         t0 = time.monotonic()
         got = await source.next(step)
         values = {**got.values, "rollout_s": time.monotonic() - t0}
+        if self._env is not None:
+            values.update(self._env.step_values())
+        if self._engine_readings is not None:
+            values.update(self._engine_readings.step_values())
         reply = None
         if got.samples:
             reply = await self._train(step, got, trainer, writer, values, push=engines is not None)

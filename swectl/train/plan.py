@@ -4,6 +4,7 @@ SFT samples (train.data.sft_data, or gold trajectories of the train split made a
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -36,14 +37,23 @@ class TrainPlan(msgspec.Struct, frozen=True, kw_only=True):
 def build_plan(config: ClusterConfig, run_dir: Path, *, say: Say) -> TrainPlan:
     """Resolve the model folder (making the tiny default on first use) and the task splits or SFT samples."""
     t, data = config.train, config.train.data
-    model = t.model or str(Path(config.out_dir) / "models" / "tiny-qwen3")
+    vllm = config.engine.kind == "vllm"
+    # vLLM's weight reload leaves an output head tied to the embeddings stale (swectl/engine/vllm.py): its tiny
+    # default is untied
+    model = t.model or str(Path(config.out_dir) / "models" / ("tiny-qwen3-untied" if vllm else "tiny-qwen3"))
     if not t.model and not (Path(model) / "config.json").is_file():
-        from swectl.model.tiny import init_model
+        from swectl.model.tiny import ModelInitConfig, init_model
 
-        say(f"no model given (train.model): making the tiny default at {model} (`swectl model init`)")
-        init_model(Path(model), progress=say)
+        say(f"no model given (train.model): making the tiny default at {model} (`swectl model init"
+            f"{' --untied' if vllm else ''}`)")
+        init_model(Path(model), ModelInitConfig(tie_word_embeddings=not vllm), progress=say)
     if not (Path(model) / "config.json").is_file():
         raise ConfigError(f"train.model {model}: not a Hugging Face model folder (no config.json)")
+    if vllm and t.algorithm != "sft" and ties_embeddings(Path(model)):
+        raise ConfigError(f"train.model {model} ties its output head to its embeddings, and vLLM's weight reload "
+                          "leaves a tied head stale (the engines would sample from old weights); train an untied "
+                          "model (`swectl model init --untied`, or set tie_word_embeddings false and save lm_head), "
+                          "or use engine.kind = \"cpu\"")
     if t.algorithm == "sft":
         return TrainPlan(model=model, sft_samples=_sft_samples(config, model))
     source = data.tasks or str(BUNDLED_TASKS)
@@ -69,6 +79,15 @@ class SplitRecord(msgspec.Struct, frozen=True, kw_only=True):
     split_seed: int
     train: list[str]
     held_out: list[str]
+
+
+def ties_embeddings(model: Path) -> bool:
+    """Whether a Hugging Face model folder's config ties the output head to the input embeddings."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"train.model {model}: cannot read config.json: {exc}") from exc
+    return bool(config.get("tie_word_embeddings", False))
 
 
 def record_split(path: Path, split: SplitRecord) -> None:

@@ -93,7 +93,7 @@ class TrainRollouts:
                                episode=self._episode_config(f"train:{t.seed}:{tag}"))
         engines = self._engines
         return Rollout(config, self._pool, grader, lambda task, n: engines.route(f"{task.instance_id}#{tag}#{n}"),
-                       self._tokenizer, out, limiter=limiter, judge=self._judge)
+                       self._tokenizer, out, limiter=limiter, judge=self._judge, engine_ready=engines.wait_routable)
 
     def _episode_config(self, seed: str) -> EpisodeConfig:
         sampling = self._config.train.sampling
@@ -143,7 +143,7 @@ class TrainRollouts:
         rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.eval_samples,
                                         episode=self._episode_config(f"eval:{t.seed}")),
                           self._pool, grader, lambda task, n: engines.route(f"eval#{task.instance_id}#{step}#{n}"),
-                          self._tokenizer, out)
+                          self._tokenizer, out, engine_ready=engines.wait_routable)
         t0 = time.monotonic()
         async with anyio.create_task_group() as tg:
             await tg.start(grader.run, name="eval grader")

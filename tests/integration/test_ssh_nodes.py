@@ -464,7 +464,8 @@ def test_nodes_check_healthy(nodes: testnodes.TestNodes, tmp_path: Path) -> None
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     for node in nodes.nodes:
-        assert re.search(rf"^{node.name}\s+ok\s.*namespace sandboxes: yes$", done.stdout, re.MULTILINE), output
+        line = rf"^{node.name}\s+ok\s.*namespace sandboxes: yes  engines: cpu yes\b"
+        assert re.search(line, done.stdout, re.MULTILINE), output
     assert "PROBLEM" not in output
     assert "hint" not in output
 
