@@ -370,6 +370,8 @@ class Engines:
             argv = self._argv(bind, port, model_config)
             proc = await s.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-engine", *argv])
             s.starting(proc)
+            if cfg.kind != "cpu":  # its port is the one given on its command line (the CPU engine prints its own)
+                s.port = port
             await proc.send(f"{self._api_key or ''}\n".encode())
             tg.start_soon(self._read_output, s, proc)
             if await self._until_healthy(s, port):
@@ -519,15 +521,21 @@ class Engines:
                 if self._config.kind == "vllm":
                     await self._check_weights(s, path)
                 await s.client.pause_generation("in_place", timeout_s=bound)
+                failed: EngineRejectedError | None = None
                 try:
                     await s.client.update_weights_from_disk(path, weight_version=version, timeout_s=bound)
                 except EngineRejectedError as exc:
-                    if self._config.kind == "vllm" and not self._external:
-                        s.mark_broken(f"its weight reload failed, which leaves vLLM's model unusable: {exc}")
+                    failed = exc
                     raise
                 finally:
                     with anyio.CancelScope(shield=True):
-                        await s.client.continue_generation(timeout_s=bound)
+                        if failed is None:
+                            await s.client.continue_generation(timeout_s=bound)
+                        else:
+                            with contextlib.suppress(EngineError):  # the update's error is the one to report
+                                await s.client.continue_generation(timeout_s=bound)
+                            if self._config.kind == "vllm" and not self._external:  # restarted on the last weights
+                                s.mark_broken(f"its weight reload failed, which leaves vLLM's model unusable: {failed}")
             except EngineError as exc:
                 errors.append(exc)
 

@@ -20,7 +20,7 @@ Classes defined elsewhere are marked with their module (they live next to the co
     |   |   +-- NodeLostError        a node died while work was on it
     |   +-- CommandError             a host-side command (podman, ssh) failed; carries argv, exit code, stderr
     |   +-- RegistryError            an image registry could not be asked: down, refused, no such image, not a
-    |   |                            manifest (swectl.images.registry)
+    |   |                            manifest; or the controller's own registry cannot start (swectl.images.registry)
     |   |   +-- NotInRegistryError   the registry answered that it has no such image (swectl.images.registry)
     |   +-- ImagePullError           an image could not be made present on a node: its pull failed or ran out of
     |   |                            time (swectl.images.store)

@@ -1,14 +1,23 @@
-"""`swectl image sync` and `image push` logic against scripted nodes and a scripted registry (httpx MockTransport).
+"""`swectl image sync` and `image push` logic against scripted nodes and a scripted registry (httpx MockTransport),
+from a registry and from the controller (what is pushed, in which order, what the nodes lack, images the controller
+lacks, failed pushes, names left by a stopped sync); the controller's registry (its binary, its port kept, one sync
+per cache), the byte-counting relay and the sweep of stopped pulls' downloads, for real on this machine.
 
 The real thing (sshd test nodes with their own Podman stores, Debian's registry) is tests/integration/
-test_image_sync.py; here the rules are checked exactly: what is pulled where, how many at once, bytes, faults."""
+test_image_sync.py and test_image_sync_controller.py; here the rules are checked exactly: what is pulled where, how
+many at once, bytes, faults."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import signal
+import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import anyio
 import httpx
@@ -16,8 +25,13 @@ import msgspec
 import pytest
 
 from swectl.errors import ConfigError, NodeConnectError, NodeLostError
-from swectl.images.registry import Registry, image_path, normal_name, parse_registry
+from swectl.images import controller_registry as ctlreg
+from swectl.images.from_controller import leftovers, sync_from_controller
+from swectl.images.registry import Registry, RegistryError, image_path, normal_name, parse_registry
+from swectl.images.relay import ByteRelay
+from swectl.images.store import PULL_SCRIPT, SWEEP_SCRIPT
 from swectl.images.sync import SyncOptions, SyncTarget, format_report, human_bytes, sync_images
+from swectl.remote.nodes.node import LocalNode
 from swectl.remote.nodes.podman import PodmanCli
 from swectl.schema import CommandOutput
 
@@ -87,6 +101,8 @@ class FakeNode:
         self.pull_error = ""
         self.free_kb = 100 << 20
         self.lost_after: int | None = None  # pulls that work before the node is lost
+        self.sweeps = 0  # sweeps of stopped pulls' downloads
+        self.removed: list[str] = []  # rmi's names
 
     @property
     def alive(self) -> bool:
@@ -102,6 +118,11 @@ class FakeNode:
     async def run(self, argv: Sequence[str], *, input: bytes | None = None) -> CommandOutput:
         await self.connect()
         args = list(argv)
+        if args[:2] == ["sh", "-c"] and args[3:4] == ["swectl-pull"]:  # a pull in a temporary folder of its own
+            args = args[4:]
+        elif args[:2] == ["sh", "-c"] and args[3:4] == ["swectl-sweep"]:
+            self.sweeps += 1
+            return CommandOutput(exit_code=0, stdout=b"0 0\n", stderr=b"")
         if args[:2] == ["df", "-Pk"]:
             table = f"Filesystem 1024-blocks Used Available Capacity Mounted on\n/dev/x 1 1 {self.free_kb} 1% /\n"
             return CommandOutput(exit_code=0, stdout=table.encode(), stderr=b"")
@@ -123,6 +144,11 @@ class FakeNode:
                 return CommandOutput(exit_code=0, stdout=b"", stderr=b"")
             case ["untag", _name, ref]:
                 del self.store[ref]
+                return CommandOutput(exit_code=0, stdout=b"", stderr=b"")
+            case ["rmi", *names]:
+                self.removed += names
+                for name in names:
+                    del self.store[normal_name(name)]
                 return CommandOutput(exit_code=0, stdout=b"", stderr=b"")
         raise AssertionError(f"unexpected podman call {args}")
 
@@ -366,3 +392,244 @@ def test_a_node_lost_midway_is_one_error_and_the_others_finish() -> None:
     assert {p.error for p in lost.failed} == {"not pulled: the node was lost"} and len(lost.failed) == 3
     assert report.nodes[1].ok
     assert sum("connection lost" in line for line in lines) == 1
+
+
+# --- from the controller -------------------------------------------------------------------------------------------
+
+INSTANCE_IMAGES = [i for i in IMAGES if "inst" in i]
+
+
+class FakeController(FakeNode):
+    """The controller's podman: holds every image of IMAGES (instance images labelled with their environment image);
+    ``podman push`` puts an image into the FakeRegistry (or fails for the images of ``refuse``)."""
+
+    def __init__(self, registry: FakeRegistry, fleet: Fleet) -> None:
+        super().__init__("controller", registry, fleet)
+        self.catalog = dict(IMAGES)
+        for name, layers in self.catalog.items():
+            self.store[normal_name(name)] = [d for d, _ in layers]
+        self.pushed: list[str] = []
+        self.refuse: set[str] = set()
+
+    async def run(self, argv: Sequence[str], *, input: bytes | None = None) -> CommandOutput:
+        args = list(argv)
+        if args[:2] == ["sh", "-c"] and args[3:4] == ["swectl-pull"]:
+            args = args[4:]
+        match args[1:]:
+            case ["image", "inspect", "--format", fmt, *names] if "swectl.env" in fmt:
+                labels = ["localhost/env:1" if "inst" in n else "" for n in names]
+                return CommandOutput(exit_code=0, stdout="\n".join(labels).encode() + b"\n", stderr=b"")
+            case ["push", "--tls-verify=false", image, _ref]:
+                if image in self.refuse:
+                    return CommandOutput(exit_code=125, stdout=b"", stderr=b"Error: writing blob: disk quota exceeded")
+                self.pushed.append(image)
+                self.registry.images[normal_name(image)] = self.catalog[image]
+                return CommandOutput(exit_code=0, stdout=b"", stderr=b"")
+        return await super().run(argv, input=input)
+
+
+class FakeRunning:
+    """What the controller's registry gives a sync (controller_registry.RunningRegistry), without a process."""
+
+    registry = REG
+    port = 5000
+    pid = 4242
+    exit_code = None
+
+    def log_tail(self, limit: int = 2000) -> str:
+        return ""
+
+
+def _from_controller(registry: FakeRegistry, nodes: list[FakeNode], controller: FakeController,
+                     images: Sequence[str] = tuple(INSTANCE_IMAGES)):
+    lines: list[str] = []
+    starts: list[Path] = []
+
+    @contextlib.asynccontextmanager
+    async def start(folder: Path) -> AsyncIterator[FakeRunning]:
+        starts.append(folder)
+        yield FakeRunning()
+
+    async def main():
+        async with registry.client() as client:
+            return await sync_from_controller(
+                _targets(nodes), images, controller=PodmanCli(controller, "system"),  # type: ignore[arg-type]
+                cache=Path("/tmp"), say=lines.append, start_registry=start, client=client)  # type: ignore[arg-type]
+
+    return anyio.run(main), lines, starts
+
+
+def test_from_the_controller_only_what_the_nodes_lack_is_sent_environment_image_first() -> None:
+    registry, fleet = FakeRegistry({}), Fleet()
+    controller = FakeController(registry, fleet)
+    nodes = [FakeNode("n0", FakeRegistry(IMAGES), fleet, have=["localhost/env:1", "localhost/inst0:latest"]),
+             FakeNode("n1", registry, fleet)]
+    nodes[0].registry = registry
+    report, lines, starts = _from_controller(registry, nodes, controller)
+    assert report.ok, format_report(report)
+    assert starts == [Path("/tmp")]
+    assert controller.pushed[0] == "localhost/env:1" and sorted(controller.pushed[1:]) == sorted(INSTANCE_IMAGES)
+    first, second = report.nodes
+    assert first.present_before == ["localhost/inst0:latest"] and sorted(first.pulled) == sorted(INSTANCE_IMAGES[1:])
+    assert second.present_before == [] and sorted(second.pulled) == sorted(INSTANCE_IMAGES)
+    assert first.bytes == sum(100 + i for i in range(1, 4)) and second.bytes == 6000 + sum(100 + i for i in range(4))
+    assert any("controller: [1/5] pushed localhost/env:1" in line for line in lines)
+
+
+def test_from_the_controller_nothing_lacking_starts_no_registry() -> None:
+    registry, fleet = FakeRegistry({}), Fleet()
+    controller = FakeController(registry, fleet)
+    nodes = [FakeNode("n0", FakeRegistry(IMAGES), fleet, have=INSTANCE_IMAGES)]
+    report, lines, starts = _from_controller(registry, nodes, controller)
+    assert report.ok and starts == [] and controller.pushed == [] and nodes[0].pulls == []
+    assert report.nodes[0].present_before == INSTANCE_IMAGES and report.nodes[0].sent_bytes == 0
+    assert "nothing to send: every node holds every image of the set that the controller has" in lines
+
+
+def test_from_the_controller_an_image_already_in_its_registry_is_not_pushed_again() -> None:
+    registry, fleet = FakeRegistry({k: v for k, v in IMAGES.items() if k in ("localhost/env:1", INSTANCE_IMAGES[0])}),\
+        Fleet()
+    controller = FakeController(registry, fleet)
+    report, lines, _ = _from_controller(registry, [FakeNode("n0", registry, fleet)], controller)
+    assert report.ok and sorted(controller.pushed) == sorted(INSTANCE_IMAGES[1:])
+    assert sum("is in its registry already" in line for line in lines) == 2
+
+
+def test_from_the_controller_an_image_it_lacks_is_listed_where_a_node_lacks_it() -> None:
+    registry, fleet = FakeRegistry({}), Fleet()
+    controller = FakeController(registry, fleet)
+    elsewhere = {**IMAGES, "localhost/nowhere:1": [("d-nowhere", 10)]}
+    nodes = [FakeNode("n0", FakeRegistry(elsewhere), fleet, have=["localhost/nowhere:1"]),
+             FakeNode("n1", registry, fleet)]
+    nodes[0].registry = registry
+    report, _, _ = _from_controller(registry, nodes, controller, images=[*INSTANCE_IMAGES, "localhost/nowhere:1"])
+    assert not report.ok and list(report.not_in_registry) == ["localhost/nowhere:1"]
+    holder, lacker = report.nodes
+    assert holder.ok and "localhost/nowhere:1" in holder.present_before
+    (failed,) = lacker.failed
+    assert failed.image == "localhost/nowhere:1" and failed.error.startswith("not sent: not on the controller")
+    assert sorted(lacker.pulled) == sorted(INSTANCE_IMAGES)
+
+
+def test_from_the_controller_a_failed_push_fails_that_image_where_it_is_lacking() -> None:
+    registry, fleet = FakeRegistry({}), Fleet()
+    controller = FakeController(registry, fleet)
+    controller.refuse = {INSTANCE_IMAGES[2]}
+    nodes = [FakeNode("n0", registry, fleet)]
+    report, lines, _ = _from_controller(registry, nodes, controller)
+    (failed,) = report.nodes[0].failed
+    assert failed.image == INSTANCE_IMAGES[2] and "disk quota exceeded" in failed.error
+    assert REG.ref(INSTANCE_IMAGES[2]) not in nodes[0].pulls and len(report.nodes[0].pulled) == 3
+    assert any("FAILED to push" in line for line in lines)
+
+
+def test_from_the_controller_names_a_stopped_sync_pulled_by_are_removed() -> None:
+    registry, fleet = FakeRegistry({}), Fleet()
+    controller = FakeController(registry, fleet)
+    node = FakeNode("n0", registry, fleet)
+    node.store["127.0.0.1:4242/inst1:latest"] = [d for d, _ in IMAGES["localhost/inst1:latest"]]
+    node.store["127.0.0.1:4242/other:latest"] = ["d-other"]  # not of the set: left alone
+    assert leftovers(dict.fromkeys(node.store, "sha256:x"), INSTANCE_IMAGES) == ["127.0.0.1:4242/inst1:latest"]
+    report, lines, _ = _from_controller(registry, [node], controller)
+    assert report.ok and node.removed == ["127.0.0.1:4242/inst1:latest"]
+    assert "127.0.0.1:4242/other:latest" in node.store
+    assert any("removed 1 name(s) a stopped sync had pulled by" in line for line in lines)
+
+
+def test_the_controller_registry_needs_its_binary(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(ctlreg, "REGISTRY_BIN", str(tmp_path / "no-such-registry"))
+
+    async def main() -> None:
+        async with ctlreg.controller_registry(tmp_path / "cache"):
+            raise AssertionError("started without its binary")
+
+    with pytest.raises(RegistryError, match="apt-get install docker-registry"):
+        anyio.run(main)
+
+
+@pytest.mark.skipif(ctlreg.missing_registry() is not None, reason="no docker-registry (apt-get install it)")
+def test_the_controller_registry_keeps_its_port_and_serves_one_sync_per_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+
+    async def main() -> tuple[int, int, int]:
+        async with ctlreg.controller_registry(cache) as running:
+            async with httpx.AsyncClient() as client:
+                assert (await client.get(f"{running.registry.url}/v2/")).status_code == 200
+            with pytest.raises(RegistryError, match=f"pid {os.getpid()}"):
+                async with ctlreg.controller_registry(cache):
+                    raise AssertionError("a second registry on the same cache")
+            first, pid = running.port, running.pid
+        assert running.exit_code is not None  # stopped with the block
+        async with ctlreg.controller_registry(cache) as again:
+            return first, again.port, pid
+
+    first, second, pid = anyio.run(main)
+    assert first == second == int((cache / "port").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_the_relay_counts_the_bytes_each_way(tmp_path: Path) -> None:
+    async def upstream(stream) -> None:
+        async with stream:
+            request = await stream.receive()
+            await stream.send(b"x" * 200_000 + request[:1])
+
+    async def main() -> tuple[bytes, object]:
+        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
+                anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, upstream)
+            port = listener.extra(anyio.abc.SocketAttribute.local_port)
+            relay = ByteRelay(str(tmp_path / "r.sock"), "127.0.0.1", port)
+            await tg.start(relay.run)
+            got = b""
+            async with await anyio.connect_unix(relay.path) as client:
+                await client.send(b"GET")
+                with contextlib.suppress(anyio.EndOfStream):
+                    while len(got) < 200_001:
+                        got += await client.receive()
+            tg.cancel_scope.cancel()
+        return got, relay.statistics()
+
+    got, stats = anyio.run(main)
+    assert got == b"x" * 200_000 + b"G"
+    assert (stats.connections, stats.sent, stats.received, stats.refused) == (1, 200_001, 3, 0)
+
+
+def test_a_stopped_pull_leaves_a_download_that_the_next_sweep_removes(tmp_path: Path) -> None:
+    """The pull wrapper and the sweep in a real shell: a live pull's folder is kept, a killed one's removed."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    pull = subprocess.Popen(["sh", "-c", PULL_SCRIPT, "swectl-pull", "sh", "-c",
+                             'head -c 300000 /dev/zero > "$TMPDIR/blob"; exec sleep 30'], env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not list(tmp_path.glob("swectl-pull.*/blob")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        sweep = ["sh", "-c", SWEEP_SCRIPT, "swectl-sweep", str(tmp_path)]
+        assert subprocess.run(sweep, capture_output=True, text=True, timeout=30).stdout.split() == ["0", "0"]
+        os.kill(pull.pid, signal.SIGKILL)  # the wrapper first: its podman (here: sleep) still holds the lock
+        pull.wait(timeout=10)
+        assert subprocess.run(sweep, capture_output=True, text=True, timeout=30).stdout.split() == ["0", "0"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pull.pid, signal.SIGKILL)
+    time.sleep(0.1)
+    count, kb = subprocess.run(sweep, capture_output=True, text=True, timeout=30).stdout.split()
+    assert count == "1" and int(kb) >= 290 and list(tmp_path.glob("swectl-pull.*")) == []
+    done = anyio.run(_pull_in_local_shell, tmp_path)
+    assert done.exit_code == 3 and done.stdout.decode().startswith(str(tmp_path / "swectl-pull."))
+    assert list(tmp_path.glob("swectl-pull.*")) == []  # removed when the pull ends
+
+
+async def _pull_in_local_shell(tmp_path: Path) -> CommandOutput:
+    return await LocalNode().run(["env", f"TMPDIR={tmp_path}", "sh", "-c", PULL_SCRIPT, "swectl-pull",
+                                  "sh", "-c", 'echo "$TMPDIR"; exit 3'])
+
+
+def test_sync_cli_takes_a_registry_or_the_controller_not_both(capsys: pytest.CaptureFixture[str]) -> None:
+    from swectl.cli.main import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["image", "sync", "--tasks", "t.jsonl", "--registry", "http://r:5000", "--from-controller"])
+    assert stop.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

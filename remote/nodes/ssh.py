@@ -11,6 +11,8 @@ channels on it see end of stream. ``connect()`` reconnects. asyncssh errors are 
 
 ``forward_unix`` forwards a unix socket of the node (the Podman API service's) to a local one in a private
 temporary folder; forwarded connections are channels outside the per-connection cap (not sshd sessions).
+``forward_tcp`` forwards a port of the node's loopback to this machine's; ``forward_to_local_path`` the other way:
+a port of the node's loopback to a unix socket of this machine.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import anyio
 import asyncssh
 
 from swectl.config import SshNodeConfig
-from swectl.errors import NodeConnectError, NodeLostError
+from swectl.errors import InfraError, NodeConnectError, NodeLostError
 from swectl.schema import CommandOutput
 
 
@@ -302,6 +304,25 @@ class SshNode:
             listener = await slot.conn.forward_local_port("127.0.0.1", 0, "127.0.0.1", remote_port)
         except (asyncssh.Error, OSError) as exc:
             raise NodeLostError(self.name, f"cannot forward port {remote_port}: {exc}") from exc
+        self._tcp_forwards.append(listener)
+        return listener.get_port(), listener.close
+
+    async def forward_to_local_path(self, local_path: str) -> tuple[int, Callable[[], None]]:
+        """A port on the node's loopback (``127.0.0.1:PORT``, PORT chosen by its sshd) whose connections reach the
+        unix socket ``local_path`` on this machine, over the SSH connection (asyncssh's
+        ``forward_remote_port_to_path``): the node reaches a server of the controller that listens on no network
+        (`swectl image sync` from the controller). Returns the node's port and the call that stops forwarding;
+        ``aclose`` stops it too. InfraError when the node's sshd refuses (``AllowTcpForwarding no`` or ``local``)."""
+        await self.connect()
+        slot = next(c for c in self._connections if c.usable)
+        try:
+            listener = await slot.conn.forward_remote_port_to_path("127.0.0.1", 0, local_path)
+        except asyncssh.ChannelListenError as exc:
+            raise InfraError(f"node {self.name!r}: its sshd refused to listen on 127.0.0.1 for the controller "
+                             f"(remote port forwarding; sshd_config AllowTcpForwarding must be yes or remote): "
+                             f"{exc.reason}") from exc
+        except (asyncssh.Error, OSError) as exc:
+            raise NodeLostError(self.name, f"cannot forward a port to the controller: {exc}") from exc
         self._tcp_forwards.append(listener)
         return listener.get_port(), listener.close
 

@@ -4,9 +4,9 @@ Started through the node's ``spawn`` (a child process here, an SSH channel on an
 ``sh -c SUPERVISOR NAME ARGV...``. Its stdin: first line an API key (may be empty; exported as
 ``$SWECTL_ENGINE_API_KEY`` and substituted for API_KEY_PLACEHOLDER in argv, so it never appears on an SSH
 command line), then held open. It merges the program's stdout and stderr into the pipe the controller reads,
-prints ``swectl-engine pid N`` and ``swectl-engine exit N``, and kills the program (TERM, then KILL after
-STOP_GRACE_S) when its stdin closes: when the controller stops it, dies, or loses the SSH connection, nothing
-is left running on the node.
+prints ``swectl-engine pid N`` and ``swectl-engine exit N``, and kills the program and its process group (TERM,
+then KILL after STOP_GRACE_S) when its stdin closes, and whatever the group left behind when the program exits:
+when the controller stops it, dies, or loses the SSH connection, nothing is left running on the node.
 """
 
 from __future__ import annotations
@@ -34,15 +34,19 @@ for arg in "$@"; do
 done
 export PYTHONUNBUFFERED=1
 exec 3<&0
-"$@" </dev/null 3<&- &
+# The program leads a process group of its own (setsid execs it in place: same pid), so stopping it stops what it
+# started too (vLLM's engine core and workers, torchrun's ranks); without setsid only the program is signalled.
+if command -v setsid >/dev/null 2>&1; then group=-; setsid "$@" </dev/null 3<&- & else group=; "$@" </dev/null 3<&- & fi
 pid=$!
 echo "swectl-engine pid $pid"
-( cat <&3 >/dev/null; kill -TERM "$pid" 2>/dev/null; sleep GRACE; kill -KILL "$pid" 2>/dev/null ) >/dev/null 2>&1 &
+( cat <&3 >/dev/null; kill -TERM "$group$pid" 2>/dev/null; sleep GRACE; kill -KILL "$group$pid" 2>/dev/null ) >/dev/null 2>&1 &
 watcher=$!
 exec 3<&-
 wait "$pid"
 code=$?
 echo "swectl-engine exit $code"
+# what the program left running when it died (killed before it could stop its children)
+[ -n "$group" ] && kill -KILL "$group$pid" 2>/dev/null
 kill "$watcher" 2>/dev/null
 exit "$code"
 """.replace("GRACE", str(STOP_GRACE_S))

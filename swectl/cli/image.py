@@ -56,16 +56,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="push the images of these tasks (default: every environment and instance image built here)")
     _image_name_args(push)
     sync = isub.add_parser(
-        "sync", help="pull onto every node of the config (the env pool's) the images of a task set it lacks, from a "
-        "registry; a per-node table at the end (exit 1 when an image is missing anywhere)")
+        "sync", help="make the images of a task set present on every node of the config (the env pool's): each node "
+        "pulls what it lacks from a registry it reaches (--registry), or the controller sends it (the default); a "
+        "per-node table at the end (exit 1 when an image is missing anywhere); run again after a stop, it moves only "
+        "what is missing")
     sync.add_argument("--tasks", required=True, metavar="SOURCE", help="the task set whose images the nodes need")
-    sync.add_argument("--registry", required=True, metavar="URL", help=REGISTRY_HELP)
+    source = sync.add_mutually_exclusive_group()
+    source.add_argument("--registry", default=None, metavar="URL", help=REGISTRY_HELP)
+    source.add_argument("--from-controller", action="store_true",
+                        help="send the images from this machine, for nodes that reach no registry (the default when "
+                        "no --registry is given): a registry of its own on 127.0.0.1 (Debian's docker-registry), "
+                        "pushed to first, each SSH node pulling through a port forwarded over its SSH connection")
+    sync.add_argument("--cache", type=Path, default=Path("runs/image-cache"), metavar="DIR",
+                      help="from the controller: its registry keeps the pushed layers here, so a later sync pushes "
+                      "only what changed (default runs/image-cache; delete it to reclaim the disk)")
     config_args(sync)
     _image_name_args(sync)
     sync.add_argument("--per-node", type=int, default=2, metavar="N", help="pulls at once on one node (default 2)")
     sync.add_argument("--jobs", type=int, default=8, metavar="N", help="pulls at once across the nodes (default 8)")
     sync.add_argument("--pull-timeout", type=float, default=1800.0, metavar="S",
-                      help="seconds one pull may take (default 1800)")
+                      help="seconds one pull (or push to the controller's registry) may take (default 1800)")
     sync.add_argument("--json", action="store_true", help="print the report as JSON (stdout) instead of the table")
 
 
@@ -172,14 +182,16 @@ def _sync(args: argparse.Namespace) -> int:
 
     from swectl.cli.common import load_task_set
     from swectl.config import load_config
+    from swectl.images.from_controller import sync_from_controller
     from swectl.images.names import ImageResolver
     from swectl.images.push import task_images
     from swectl.images.registry import parse_registry
     from swectl.images.sync import SyncOptions, SyncReport, SyncTarget, format_report, sync_images
     from swectl.remote.nodes.backends import make_node
+    from swectl.remote.nodes.node import LocalNode
     from swectl.remote.nodes.podman import PodmanCli
 
-    registry = parse_registry(args.registry)
+    registry = parse_registry(args.registry) if args.registry is not None else None
     try:
         options = SyncOptions(per_node=args.per_node, total=args.jobs, pull_timeout_s=args.pull_timeout)
     except ValueError as exc:
@@ -196,12 +208,16 @@ def _sync(args: argparse.Namespace) -> int:
         targets = [SyncTarget(node.name, PodmanCli(node, cfg.containers_conf))
                    for node, cfg in zip(nodes, config.sandbox_nodes(), strict=True)]
         try:
+            if registry is None:
+                return await sync_from_controller(targets, images, controller=PodmanCli(LocalNode("controller")),
+                                                  cache=args.cache, options=options, say=say)
             return await sync_images(targets, images, registry, options=options, say=say)
         finally:
             for node in nodes:
                 await node.aclose()
 
-    say(f"{len(images)} image(s) onto {len(config.sandbox_nodes())} node(s) from {registry.url}")
+    source = registry.url if registry is not None else f"the controller (its registry's cache: {args.cache})"
+    say(f"{len(images)} image(s) onto {len(config.sandbox_nodes())} node(s) from {source}")
     report = anyio.run(main)
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(report)).decode() + "\n")

@@ -119,6 +119,9 @@ def interrupted_message(args: argparse.Namespace) -> str:
                     "episodes are kept)")
         case "up" | "tasks" | "eval" | "serve":
             return "interrupted; the containers of this run were removed"
+        case "image" if getattr(args, "image_command", "") == "sync":
+            return ("interrupted; no image is half there on any node (one counts only once its pull completed); run "
+                    "the same command again: it moves only what is still missing")
         case "model":
             return "interrupted; the model folder is moved into place only when complete, so it was not written"
         case _:

@@ -5,7 +5,8 @@ Which images: with a task set, each task's image (as ``swectl eval`` resolves it
 (``swectl image build --repo-cache``), the environment image under each (its ``swectl.env`` label), pushed first;
 without one, every environment and instance image built here. One ``podman push`` at a time, environment images
 first: the registry then has the shared layers when an instance image's turn comes, and podman sends only its own
-layer. An image that is not on this machine is reported and the rest goes on.
+layer. An image that is not on this machine is reported and the rest goes on. ``push_with`` is one push through a
+PodmanCli, asynchronously (`image sync` from the controller pushes to its own registry with it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from swectl.errors import CommandError
 from swectl.images.names import ImageResolver
 from swectl.images.project import image_label
 from swectl.images.registry import Registry
-from swectl.remote.nodes.podman import qualify_image, run_local_podman
+from swectl.remote.nodes.podman import PodmanCli, qualify_image, run_local_podman
 from swectl.tasks.record import Task
 
 PUSH_TIMEOUT_S = 3600.0
@@ -71,6 +72,19 @@ def push_image(image: str, registry: Registry, *, timeout: float = PUSH_TIMEOUT_
         return PushOutcome(image=image, ref=ref, ok=False, seconds=time.monotonic() - start,
                            error=_last_error(exc.stderr) or str(exc))
     return PushOutcome(image=image, ref=ref, ok=True, seconds=time.monotonic() - start)
+
+
+async def push_with(cli: PodmanCli, image: str, registry: Registry) -> PushOutcome:
+    """``podman push`` of ``image`` to ``registry`` through ``cli`` (the controller's podman, asynchronously:
+    cancelling it kills the push). The caller bounds the wait."""
+    ref = registry.ref(image)
+    start = time.monotonic()
+    if not cli.ready:
+        await cli.prepare()
+    out = await cli.run("push", *registry.tls_args(), image, f"docker://{ref}", check=False)
+    error = "" if out.exit_code == 0 else (_last_error(out.stderr.decode(errors="replace")) or
+                                           f"podman push exited {out.exit_code}")
+    return PushOutcome(image=image, ref=ref, ok=not error, seconds=time.monotonic() - start, error=error)
 
 
 def push_images(images: list[str], registry: Registry, *, say: Callable[[str], None] = print) -> list[PushOutcome]:

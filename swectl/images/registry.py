@@ -125,7 +125,8 @@ class _Config(msgspec.Struct):
 
 
 class RegistryError(InfraError):
-    """The registry could not be asked (down, refused, an answer that is not a manifest)."""
+    """The registry could not be asked (down, refused, an answer that is not a manifest), or the controller's own
+    registry cannot start (its binary missing, its cache in use)."""
 
 
 class NotInRegistryError(RegistryError):

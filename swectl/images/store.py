@@ -3,7 +3,16 @@ use), whether it holds one, a pull, a removal, and the disk its images take.
 
 A pull goes through the registry the fleet uses when one is given (``registry.ref(image)``, then tagged back with the
 name the tasks use and the registry's name dropped), else under the image's own name (Docker Hub's official images).
-An image counts as present only once its pull completed and was tagged. A removal is a plain ``rmi``: never forced,
+An image counts as present only once its pull completed and was tagged.
+
+A pull runs with a temporary folder of its own (``TMPDIR``, ``swectl-pull.*`` under the node's ``$TMPDIR`` or
+``/var/tmp``), removed when podman ends: measured with podman 4.3, a pull stopped by any signal (INT, TERM, HUP,
+KILL; or its SSH session gone) leaves the layers it was downloading in such a folder, never reused and never
+removed (the layers it had already committed stay in the store, without an image, and a later pull reuses them).
+The folder is locked (``flock``) while its pull runs; ``sweep_pull_leftovers`` removes the unlocked ones, the
+downloads of pulls that were stopped. Without ``flock`` on the node, pulls use podman's own folder.
+
+A removal is a plain ``rmi``: never forced,
 so an image a container still uses (the pool's or anyone's) stays and the removal says why. The disk is what the
 store's images take together, each shared layer once (``podman system df``).
 
@@ -71,12 +80,60 @@ async def list_images(cli: PodmanCli) -> dict[str, str]:
     return names
 
 
+# sh -c PULL_SCRIPT swectl-pull PODMAN-ARGV...: the pull in a locked temporary folder of its own, removed after.
+# The lock file is renamed into place only once locked, so a sweep never sees an unlocked one of a live pull.
+PULL_SCRIPT = r"""
+command -v flock >/dev/null 2>&1 || exec "$@"
+d=$(mktemp -d "${TMPDIR:-/var/tmp}/swectl-pull.XXXXXX") || exit 125
+exec 9>"$d/lock.new" && flock 9 && mv "$d/lock.new" "$d/lock" || { rm -rf "$d"; exit 125; }
+TMPDIR="$d" "$@"
+code=$?
+rm -rf "$d"
+exit "$code"
+"""
+# sh -c SWEEP_SCRIPT swectl-sweep [ROOT]: remove the folders of pulls that were stopped (unlocked; one without its lock
+# file only when an hour old); prints how many and their KB.
+SWEEP_SCRIPT = r"""
+command -v flock >/dev/null 2>&1 || { echo "0 0"; exit 0; }
+root="${1:-${TMPDIR:-/var/tmp}}"
+n=0
+kb=0
+for d in "$root"/swectl-pull.*; do
+  [ -d "$d" ] || continue
+  size=$(du -sk "$d" 2>/dev/null | cut -f1)
+  if [ -e "$d/lock" ]; then
+    flock -n "$d/lock" rm -rf "$d" || continue
+  elif [ -n "$(find "$d" -maxdepth 0 -mmin +60)" ]; then
+    rm -rf "$d"
+  else
+    continue
+  fi
+  n=$((n + 1))
+  kb=$((kb + ${size:-0}))
+done
+echo "$n $kb"
+"""
+
+
+async def sweep_pull_leftovers(cli: PodmanCli, root: str = "") -> tuple[int, int]:
+    """Remove what stopped pulls left on the node (see the module docstring): (folders removed, their KB). Folders
+    under ``root`` (default: the node's ``$TMPDIR`` or /var/tmp). (0, 0) when the node cannot say."""
+    out = await cli.node.run(["sh", "-c", SWEEP_SCRIPT, "swectl-sweep", *([root] if root else [])])
+    parts = out.stdout.decode(errors="replace").split()
+    if out.exit_code != 0 or len(parts) != 2 or not all(p.isdigit() for p in parts):
+        return 0, 0
+    return int(parts[0]), int(parts[1])
+
+
 async def pull_image(cli: PodmanCli, image: str, registry: Registry | None) -> str:
     """Pull ``image`` onto the node (see the module docstring): "" once it is there under its name, else what went
     wrong (``not in URL: ...`` when the registry lacks it). NodeError when the node is lost."""
     ref = registry.ref(image) if registry is not None else qualify_image(image)
     try:
-        out = await cli.run("pull", *(registry.tls_args() if registry is not None else []), ref, check=False)
+        if not cli.ready:
+            await cli.prepare()
+        argv = cli.argv("pull", *(registry.tls_args() if registry is not None else []), ref)
+        out = await cli.node.run(["sh", "-c", PULL_SCRIPT, "swectl-pull", *argv])
         if out.exit_code != 0:
             error = cli_error(out.stderr.decode(errors="replace"))
             if registry is not None and any(s in error.lower() for s in NOT_IN_REGISTRY):

@@ -1,4 +1,6 @@
-"""`swectl image sync`: make every image of a task set present on the nodes, each node pulling from a registry.
+"""`swectl image sync`: make every image of a task set present on the nodes, each node pulling from a registry (the
+fleet's, or the controller's own: from_controller.py, where each node reaches it at an address of its own,
+``SyncTarget.registry``).
 
 For each node (the env pool's nodes of the config): list its images (one ``podman images``), then pull each one
 it lacks from the registry (``podman pull REF``, ``podman tag REF NAME``, ``podman untag`` the registry name). An
@@ -18,6 +20,8 @@ slots others wait for, so those waits are bounded too).
 Disk: where the layers are known, the node's free disk (its store's file system) is read once, and a pull that
 would leave less than ``min_free_gb`` (its layers' stored sizes times ``UNPACKED_PER_STORED``, less what the node's
 earlier pulls are expected to take) fails without starting, naming the numbers.
+
+Before its pulls, a node's downloads left by stopped pulls are removed (store.py ``sweep_pull_leftovers``).
 
 Faults: a node that cannot be reached, or is lost during the sync, is one error for that node; a registry the node
 cannot reach (refused, no route, timed out, TLS spoken to a plain-HTTP registry) stops that node's pulls with one
@@ -46,7 +50,7 @@ from swectl.images.registry import (
     image_layers,
     normal_name,
 )
-from swectl.images.store import list_images, pull_image
+from swectl.images.store import list_images, pull_image, sweep_pull_leftovers
 from swectl.remote.nodes.podman import PodmanCli
 
 FORMAT_VERSION = 1
@@ -95,6 +99,8 @@ class NodeSync(msgspec.Struct, kw_only=True):
     pulls: list[Pull] = []
     error: str = ""  # the node's one error: node unreachable, registry unreachable from it
     seconds: float = 0.0
+    # The bytes the controller really sent the node (a sync from the controller; None otherwise)
+    sent_bytes: int | None = None
 
     @property
     def pulled(self) -> list[str]:
@@ -120,20 +126,23 @@ class SyncReport(msgspec.Struct, kw_only=True):
     format_version: int = FORMAT_VERSION
     registry: str
     images: list[str]
-    not_in_registry: dict[str, str] = {}  # image -> why, found before any pull
+    not_in_registry: dict[str, str] = {}  # image -> why, found before any pull (from the controller: not on it)
     nodes: list[NodeSync] = []
     seconds: float = 0.0
+    error: str = ""  # a fault of the sync as a whole (the controller's registry stopped during it)
 
     @property
     def ok(self) -> bool:
-        return not self.not_in_registry and all(n.ok for n in self.nodes)
+        return not self.error and not self.not_in_registry and all(n.ok for n in self.nodes)
 
 
 class SyncTarget(msgspec.Struct, frozen=True):
-    """A node to sync: its name and its podman (``prepare`` runs here if it has not)."""
+    """A node to sync: its name and its podman (``prepare`` runs here if it has not); ``registry``: the registry as
+    this node reaches it, when not at the sync's address (the controller's, through the node's SSH forward)."""
 
     name: str
     podman: PodmanCli
+    registry: Registry | None = None
 
 
 class _NodeState:
@@ -260,6 +269,7 @@ async def _sync_node(target: SyncTarget, wanted: list[str], pullable: list[str],
         with anyio.fail_after(options.check_timeout_s):
             present, have = await _node_images(target, bool(layers))
             free_gb = await _free_gb(target.podman) if layers else None
+            swept, swept_kb = await sweep_pull_leftovers(target.podman)
     except TimeoutError:
         result.error = f"listing its images took more than {options.check_timeout_s:g}s"
     except InfraError as exc:
@@ -268,6 +278,9 @@ async def _sync_node(target: SyncTarget, wanted: list[str], pullable: list[str],
         say(f"{target.name}: {result.error}")
         result.seconds = time.monotonic() - start
         return
+    if swept:
+        say(f"{target.name}: removed {swept} download(s) of stopped pulls ({human_bytes(swept_kb * 1024)})")
+    registry = target.registry or registry
     result.present_before = [i for i in wanted if _is_present(i, present, layers)]
     missing = [i for i in pullable if not _is_present(i, present, layers)]
     stale = [i for i in missing if i in present]
@@ -384,9 +397,11 @@ def human_bytes(n: int | None) -> str:
 
 def format_report(report: SyncReport) -> str:
     """The final table: one row per node (then its errors and failed images, one line each)."""
-    header = ("node", "present before", "pulled", "failed", "bytes", "seconds")
+    sent = any(n.sent_bytes is not None for n in report.nodes)
+    header = ("node", "present before", "pulled", "failed", "bytes", *(("sent",) if sent else ()), "seconds")
     rows = [(n.node, f"{len(n.present_before)}/{n.wanted}", str(len(n.pulled)), str(len(n.failed)),
-             human_bytes(n.bytes) if n.pulled else "0 B", f"{n.seconds:.1f}") for n in report.nodes]
+             human_bytes(n.bytes) if n.pulled else "0 B", *((human_bytes(n.sent_bytes or 0),) if sent else ()),
+             f"{n.seconds:.1f}") for n in report.nodes]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
     for node in report.nodes:
@@ -397,4 +412,6 @@ def format_report(report: SyncReport) -> str:
                 lines.append(f"{node.node}: {pull.image}: {pull.error}")
     for image, why in report.not_in_registry.items():
         lines.append(f"{image}: {why}")
+    if report.error:
+        lines.append(f"ERROR {report.error}")
     return "\n".join(lines)

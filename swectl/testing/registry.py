@@ -12,7 +12,6 @@ A registry that is down is simply one that was stopped (or a port nothing listen
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import shutil
 import signal
@@ -27,7 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-REGISTRY_BIN = "/usr/bin/docker-registry"
+from swectl.images.controller_registry import REGISTRY_BIN, registry_config
+
 _START_TIMEOUT = 20.0
 
 __all__ = ["LocalRegistry", "can_run_registry", "local_registry", "start_registry", "stop_registry"]
@@ -71,16 +71,6 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def _config(host: str, port: int, storage: Path) -> str:
-    # YAML: a JSON object is YAML too, and needs no quoting rules
-    return json.dumps({
-        "version": 0.1,
-        "log": {"level": "warn", "accesslog": {"disabled": True}},
-        "storage": {"filesystem": {"rootdirectory": str(storage)}, "delete": {"enabled": True}},
-        "http": {"addr": f"{host}:{port}"},
-    }, indent=1) + "\n"
-
-
 def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/v2/", timeout=1.0) as response:
@@ -100,7 +90,7 @@ def start_registry(host: str = "127.0.0.1", port: int = 0) -> LocalRegistry:
     workdir = Path(tempfile.mkdtemp(prefix="swectl-registry-"))
     (workdir / "storage").mkdir()
     config = workdir / "config.yml"
-    config.write_text(_config(host, port, workdir / "storage"))
+    config.write_text(registry_config(f"{host}:{port}", workdir / "storage", delete=True))
     log_path = workdir / "registry.log"
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
