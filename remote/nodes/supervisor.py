@@ -39,7 +39,8 @@ exec 3<&0
 if command -v setsid >/dev/null 2>&1; then group=-; setsid "$@" </dev/null 3<&- & else group=; "$@" </dev/null 3<&- & fi
 pid=$!
 echo "swectl-engine pid $pid"
-( cat <&3 >/dev/null; kill -TERM "$group$pid" 2>/dev/null; sleep GRACE; kill -KILL "$group$pid" 2>/dev/null ) >/dev/null 2>&1 &
+( cat <&3 >/dev/null; kill -TERM "$group$pid" 2>/dev/null; sleep GRACE
+  kill -KILL "$group$pid" 2>/dev/null ) >/dev/null 2>&1 &
 watcher=$!
 exec 3<&-
 wait "$pid"

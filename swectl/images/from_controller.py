@@ -71,8 +71,11 @@ async def sync_from_controller(targets: Sequence[SyncTarget], images: Sequence[s
     options = options or SyncOptions()
     start = time.monotonic()
     wanted = list(dict.fromkeys(normal_name(i) for i in images))
-    with anyio.fail_after(options.check_timeout_s):
-        here = await list_images(controller)
+    try:
+        with anyio.fail_after(options.check_timeout_s):
+            here = await list_images(controller)
+    except TimeoutError:
+        raise InfraError(f"listing the controller's own images took more than {options.check_timeout_s:g}s") from None
     census = await _census(targets, options)
     report = SyncReport(registry=f"the controller (cache {cache})", images=wanted)
     lacking: dict[str, list[str]] = {}
@@ -149,7 +152,7 @@ async def _remove_leftovers(targets: Sequence[SyncTarget], census: dict[str, dic
                             wanted: Sequence[str], options: SyncOptions, say: Say) -> None:
     """``rmi`` (never forced) each node's ``leftovers``: a name only, where the image has its task's name too."""
     async def one(target: SyncTarget, names: list[str]) -> None:
-        with anyio.move_on_after(options.check_timeout_s):
+        with anyio.move_on_after(options.check_timeout_s), contextlib.suppress(InfraError):  # the next sync then
             out = await target.podman.run("rmi", *names, check=False)
             if out.exit_code == 0:
                 say(f"{target.name}: removed {len(names)} name(s) a stopped sync had pulled by: {', '.join(names)}")
@@ -210,9 +213,27 @@ async def _push_one(controller: PodmanCli, client: httpx.AsyncClient, image: str
                            error=f"the push took more than {options.pull_timeout_s:g}s")
 
 
+RELAY_PREFIX = "swectl-relay-"
+
+
+def _remove_stale_relay_folders() -> None:
+    """The relay folders of syncs that were killed (their pid, in the name, is gone)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{RELAY_PREFIX}*-*"):
+        pid = folder.name.removeprefix(RELAY_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(folder, ignore_errors=True)
+            except PermissionError:  # another user's live process
+                pass
+
+
 @contextlib.asynccontextmanager
 async def _private_folder() -> AsyncIterator[str]:
-    folder = tempfile.mkdtemp(prefix="swectl-relay-")  # mode 0700: only this user reaches the relays' sockets
+    _remove_stale_relay_folders()
+    # mode 0700: only this user reaches the relays' sockets
+    folder = tempfile.mkdtemp(prefix=f"{RELAY_PREFIX}{os.getpid()}-")
     try:
         yield folder
     finally:

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -255,6 +256,7 @@ def test_a_sync_killed_while_pulling_then_run_again_sends_less_than_a_whole_tran
     sync.wait_for("[1/6] pulled")
     sync.proc.kill()
     sync.finish()
+    killed = sync.proc.pid
     deadline = time.monotonic() + 5  # the registry dies with the controller (parent-death signal)
     while registry_pids(cache) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -273,6 +275,7 @@ def test_a_sync_killed_while_pulling_then_run_again_sends_less_than_a_whole_tran
         assert node_images(node) == sorted(INSTANCES)
         assert sorted(again[node.name]["present_before"]) == held[node.name]
         assert again[node.name]["sent_bytes"] < first[node.name]["sent_bytes"]
+    assert list(Path(tempfile.gettempdir()).glob(f"swectl-relay-{killed}-*")) == []  # the killed sync's, removed
     print(f"\nrun again after SIGKILL while pulling: {seconds:.1f}s; held before {everything}, sent "
           + ", ".join(f"{again[n.name]['sent_bytes']} B (first sync {first[n.name]['sent_bytes']} B)"
                       for n in fleet.nodes))
@@ -301,7 +304,8 @@ def test_a_node_lost_during_the_sync_is_one_error_and_the_other_finishes(
     rc, _, stderr, _ = run_sync("--tasks", str(tasks), str(config), "--cache", str(cache))
     assert rc == 0, stderr
     assert node_images(doomed) == sorted(INSTANCES)
-    print(f"\nnode lost: {nodes[doomed.name]['error']}")
+    swept = [line for line in stderr.splitlines() if "download(s) of stopped pulls" in line]
+    print(f"\nnode lost: {nodes[doomed.name]['error']}; then {swept or 'no stopped download to remove'}")
 
 
 def test_the_controller_registry_killed_during_the_sync_is_one_clear_error(
