@@ -129,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(VARIANTS),
                         help=f"engine kinds to compare side by side ({', '.join(VARIANTS)}); '' skips this part")
     parser.add_argument("--loads", default="1,8,32", help="client counts of the kinds' comparison")
-    parser.add_argument("--eval-tasks", type=int, default=8,
-                        help="bundled tasks of the episodes-per-minute reading per kind (0 skips it)")
+    parser.add_argument("--eval-tasks", type=int, default=4,
+                        help="bundled tasks of the episodes-per-minute reading per kind, 2 episodes each, all at once "
+                        "(at most 4; 0 skips it)")
     args = parser.parse_args(argv)
     say = Progress(SUITE)
     work = REPO / "runs" / "bench-engine"
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     details: dict[str, Any] = {}
     chosen = [name.strip() for name in args.configs.split(",") if name.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not 0 <= args.eval_tasks <= 4:
+        parser.error("--eval-tasks: 0 to 4 (2 episodes a task, all at once at concurrency 8)")
     if any(k not in VARIANTS for k in kinds):
         parser.error(f"--kinds: choose from {', '.join(VARIANTS)} (got {args.kinds})")
     unknown = [name for name in chosen if name not in CONFIGS]
@@ -195,8 +198,7 @@ def compare_kinds(args: argparse.Namespace, model: Path, work: Path, vocab: int,
         for key in ("startup_s", "ttft_s", "weight_sync_s", "rss_mb"):
             metrics[f"{kind}_{key}"] = got[key]
         if args.eval_tasks:
-            got["eval"] = eval_rate(kind, model, work / "kinds", tasks=args.eval_tasks, startup_s=got["startup_s"],
-                                    say=say)
+            got["eval"] = eval_rate(kind, model, work / "kinds", tasks=args.eval_tasks, say=say)
             metrics[f"{kind}_episodes_per_min"] = got["eval"]["episodes_per_min"]
         details[kind] = got
     for clients in loads:
