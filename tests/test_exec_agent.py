@@ -26,11 +26,13 @@ AGENT_SOURCE = Path(exec_agent.__file__).read_bytes()
 
 
 class AgentClient:
-    """A minimal synchronous controller: frames out on the agent's stdin, frames in from its stdout."""
+    """A minimal synchronous controller: frames out on the agent's stdin, frames in from its stdout. ``path``: the
+    PATH the agent's ``python3`` is looked up in (default this process's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str | None = None) -> None:
         argv = ["sh", "-c", LAUNCH, exec_agent.BOOTSTRAP]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        env = {**os.environ, "PATH": path} if path is not None else None
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env)
         self._fd = self.proc.stdout.fileno()
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._fd, selectors.EVENT_READ)
@@ -127,6 +129,24 @@ def test_hello(agent):
         "protocol": exec_agent.PROTOCOL_VERSION,
     }
     assert agent.hello["python"].startswith("3.")
+
+
+OLD_PYTHONS = sorted(Path("/root/.pyenv/versions").glob("3.[89].*"))  # pyenv's, on the machines of this project
+
+
+@pytest.mark.skipif(not OLD_PYTHONS, reason="no Python 3.8 or 3.9 under /root/.pyenv/versions")
+@pytest.mark.parametrize("python", OLD_PYTHONS, ids=lambda p: p.name)
+def test_the_agent_runs_on_the_python_of_older_images(python: Path, tmp_path: Path) -> None:
+    """Instance images of SWE-bench rows have their environment's python3 (3.8, 3.9, ...), and the podman backend runs
+    the agent on it: no 3.10+ syntax or runtime features (a zip(strict=True) once killed it on 3.9)."""
+    (tmp_path / "python3").symlink_to(python / "bin" / "python3")
+    client = AgentClient(path=f"{tmp_path}:/usr/bin:/bin")
+    try:
+        assert client.hello["python"].startswith(python.name.rsplit(".", 1)[0])
+        reply = client.exec("echo hi; printf '%s' \"$(printf 'x%.0s' 1 2 3)\" >&2; exit 3")
+        assert (reply["output"], reply["exit_code"]) == (b"hi\nxxx", 3)
+    finally:
+        client.close()
 
 
 def test_echo(agent):

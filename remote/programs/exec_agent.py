@@ -26,6 +26,8 @@ escapes the group kill. Orphans are reaped by the container's init; where the ag
 a namespace sandbox), it reaps them between requests.
 """
 
+from __future__ import annotations  # the agent runs on the image's python3: 3.8 and later
+
 import contextlib
 import os
 import platform
@@ -110,7 +112,7 @@ _UINTS = ((0xCC, ">BB", 1 << 8), (0xCD, ">BH", 1 << 16), (0xCE, ">BI", 1 << 32),
 _SINTS = ((0xD0, ">Bb", 1 << 7), (0xD1, ">Bh", 1 << 15), (0xD2, ">Bi", 1 << 31), (0xD3, ">Bq", 1 << 63))
 _CONSTS = {0xC0: None, 0xC2: False, 0xC3: True}
 _SCALAR_FORMATS = ">f >d >B >H >I >Q >b >h >i >q".split()  # type bytes 0xca..0xd3 in order
-_SCALARS = {op: struct.Struct(fmt) for op, fmt in zip(range(0xCA, 0xD4), _SCALAR_FORMATS, strict=True)}
+_SCALARS = {op: struct.Struct(fmt) for op, fmt in zip(range(0xCA, 0xD4), _SCALAR_FORMATS)}  # noqa: B905 (the agent runs on Python 3.8+)
 _SIZED = {  # type byte -> (length field, kind)
     0xC4: (">B", "bin"), 0xC5: (">H", "bin"), 0xC6: (">I", "bin"),
     0xD9: (">B", "str"), 0xDA: (">H", "str"), 0xDB: (">I", "str"),
@@ -155,10 +157,10 @@ def _encode(obj: object, out: list[bytes]) -> None:
     elif isinstance(obj, str):
         raw = obj.encode("utf-8")
         out += (_header(len(raw), 0xA0, 32, 0xD9, 0xDA, 0xDB), raw)
-    elif isinstance(obj, bytes | bytearray | memoryview):
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
         raw = obj if isinstance(obj, bytes) else bytes(obj)
         out += (_header(len(raw), None, 0, 0xC4, 0xC5, 0xC6), raw)
-    elif isinstance(obj, list | tuple):
+    elif isinstance(obj, (list, tuple)):
         out.append(_header(len(obj), 0x90, 16, None, 0xDC, 0xDD))
         for item in obj:
             _encode(item, out)
@@ -214,9 +216,9 @@ def _decode(data: bytes, pos: int) -> tuple[object, int]:
         items.append(item)
     if kind == "array":
         return items, pos
-    if any(isinstance(key, list | dict) for key in items[::2]):
+    if any(isinstance(key, (list, dict)) for key in items[::2]):
         raise ValueError("msgpack: unhashable map key")
-    return dict(zip(items[::2], items[1::2], strict=True)), pos
+    return dict(zip(items[::2], items[1::2])), pos  # noqa: B905 (Python 3.8+: no strict=)
 
 
 def _field(req: dict, name: str, default):
