@@ -279,6 +279,13 @@ class NamespaceBackend:
     async def _call(self, request: dict) -> dict:
         path = self._require_socket()
         payload = json.dumps(request).encode() + b"\n"
+        try:
+            return await self._call_bounded(path, request, payload)
+        except TimeoutError:
+            raise SandboxError(f"node {self.name}: nsbox {request.get('op')}: no answer within "
+                               f"{CALL_TIMEOUT_S:.0f} s") from None
+
+    async def _call_bounded(self, path: str, request: dict, payload: bytes) -> dict:
         with anyio.fail_after(CALL_TIMEOUT_S):
             if self._local:
                 try:

@@ -26,8 +26,9 @@ escapes the group kill. Orphans are reaped by the container's init; where the ag
 a namespace sandbox), it reaps them between requests.
 """
 
-from __future__ import annotations  # the agent runs on the image's python3: 3.8 and later
-
+# Runs on Python 3.8 and later (the image's python3 under the podman backend), and in a namespace sandbox after its
+# pivot_root, where only modules the nsbox daemon had already imported can be imported: so no 3.9+ syntax at run time
+# (annotations in signatures are strings), and no `from __future__` (it imports the __future__ module).
 import contextlib
 import os
 import platform
@@ -126,7 +127,7 @@ def msgpack_encode(obj: object) -> bytes:
     return b"".join(out)
 
 
-def _header(n: int, fix: int | None, fix_limit: int, op8: int | None, op16: int, op32: int) -> bytes:
+def _header(n: int, fix: "int | None", fix_limit: int, op8: "int | None", op16: int, op32: int) -> bytes:
     if fix is not None and n < fix_limit:
         return bytes([fix | n])
     if op8 is not None and n < 1 << 8:
@@ -138,7 +139,7 @@ def _header(n: int, fix: int | None, fix_limit: int, op8: int | None, op16: int,
     raise ValueError(f"msgpack: object of length {n} is too large")
 
 
-def _encode(obj: object, out: list[bytes]) -> None:
+def _encode(obj: object, out: "list[bytes]") -> None:
     if obj is None:
         out.append(b"\xc0")
     elif obj is True or obj is False:
@@ -187,7 +188,7 @@ def _span(data: bytes, pos: int, n: int) -> int:
     return pos + n
 
 
-def _decode(data: bytes, pos: int) -> tuple[object, int]:
+def _decode(data: bytes, pos: int) -> "tuple[object, int]":
     pos = _span(data, pos, 1)
     op = data[pos - 1]
     if op <= 0x7F or op >= 0xE0:

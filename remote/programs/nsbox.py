@@ -797,8 +797,14 @@ class Daemon:
                 continue
             box.doomed = True
             if box.pid:
-                with contextlib.suppress(OSError):
+                try:
                     os.kill(box.pid, signal.SIGKILL)
+                except ProcessLookupError:  # gone and reaped already (not as our child): nothing will report it
+                    if self.by_pid.pop(box.pid, None) is box:
+                        box.state = "exited"
+                        self.cleanup(box)
+                except OSError:
+                    pass
         self.waiting.append((conn, set(ids)))
         self.answer_waiting()
 
