@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 import anyio
 import anyio.abc
@@ -218,45 +218,46 @@ class Metrics:
 # ---------------------------------------------------------------- the env pool's part of a step
 
 
-class EnvReadings:
-    """A step's ``env/`` metrics: what the env pool's counters (``statistics``, its PoolStatistics) moved since the
-    last step was logged. ``env/image_waits``: leases that waited for a pull of their image onto their node;
-    ``env/image_wait_s``: those waits' seconds, summed; ``env/image_pulls``, ``env/image_pull_failures``,
-    ``env/images_evicted``: pulls and removals under the nodes' disk budgets."""
+class _StepReadings:
+    """What some counters of a statistics snapshot (``statistics()``) moved since the last step was logged: each
+    metric of ``COUNTERS`` is its counter now less its counter at the last call."""
 
-    def __init__(self, statistics: Callable[[], PoolStatistics]) -> None:
+    COUNTERS: ClassVar[dict[str, Callable[[Any], float]]] = {}
+
+    def __init__(self, statistics: Callable[[], Any]) -> None:
         self._statistics = statistics
         self._last = statistics()
 
     def step_values(self) -> dict[str, float]:
         now, last = self._statistics(), self._last
         self._last = now
-        return {
-            "env/image_waits": float(now.image_waits - last.image_waits),
-            "env/image_wait_s": now.image_wait_s - last.image_wait_s,
-            "env/image_pulls": float(now.image_pulls - last.image_pulls),
-            "env/image_pull_failures": float(now.image_pull_failures - last.image_pull_failures),
-            "env/images_evicted": float(now.images_evicted - last.images_evicted),
-        }
+        return {name: counter(now) - counter(last) for name, counter in self.COUNTERS.items()}
 
 
-class EngineReadings:
-    """A step's ``engine/`` metrics: what an engine outage cost since the last step was logged.
+class EnvReadings(_StepReadings):
+    """A step's ``env/`` metrics from the env pool's PoolStatistics. ``env/image_waits``: leases that waited for a pull
+    of their image onto their node; ``env/image_wait_s``: those waits' seconds, summed; ``env/image_pulls``,
+    ``env/image_pull_failures``, ``env/images_evicted``: pulls and removals under the nodes' disk budgets."""
+
+    COUNTERS: ClassVar[dict[str, Callable[[PoolStatistics], float]]] = {
+        "env/image_waits": lambda s: float(s.image_waits),
+        "env/image_wait_s": lambda s: s.image_wait_s,
+        "env/image_pulls": lambda s: float(s.image_pulls),
+        "env/image_pull_failures": lambda s: float(s.image_pull_failures),
+        "env/images_evicted": lambda s: float(s.images_evicted),
+    }
+
+
+class EngineReadings(_StepReadings):
+    """A step's ``engine/`` metrics from the Engines' EngineStatistics: what an engine outage cost.
     ``engine/outage_waits``: episodes held back because no server was healthy; ``engine/outage_wait_s``: their
     waits' seconds, summed; ``engine/restarts``: server restarts."""
 
-    def __init__(self, statistics: Callable[[], EngineStatistics]) -> None:
-        self._statistics = statistics
-        self._last = statistics()
-
-    def step_values(self) -> dict[str, float]:
-        now, last = self._statistics(), self._last
-        self._last = now
-        return {
-            "engine/outage_waits": float(now.outage_waits - last.outage_waits),
-            "engine/outage_wait_s": now.outage_wait_s - last.outage_wait_s,
-            "engine/restarts": float(sum(s.restarts for s in now.servers) - sum(s.restarts for s in last.servers)),
-        }
+    COUNTERS: ClassVar[dict[str, Callable[[EngineStatistics], float]]] = {
+        "engine/outage_waits": lambda s: float(s.outage_waits),
+        "engine/outage_wait_s": lambda s: s.outage_wait_s,
+        "engine/restarts": lambda s: float(sum(server.restarts for server in s.servers)),
+    }
 
 
 # ---------------------------------------------------------------- the terminal line

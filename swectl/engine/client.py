@@ -200,6 +200,16 @@ class _Client:
         not ready (5xx, 429, no answer, not HTTP) and EngineRejectedError for a 4xx."""
         await self._http.call("GET", path, timeout_s=timeout_s)
 
+    async def _probe(self, path: str, timeout_s: float | None) -> bool:
+        """``GET path`` (retried, within HEALTH_TIMEOUT_S unless given): True when the engine answers below 500; False
+        when it is unreachable or not ready."""
+        bound = min(self._http.timeout_s, HEALTH_TIMEOUT_S) if timeout_s is None else timeout_s
+        try:
+            await self._http.call("GET", path, timeout_s=bound, retries=IDEMPOTENT_RETRIES)
+        except EngineUnavailableError:
+            return False
+        return True
+
 
 class SglangClient(_Client):
     """SGLang's native HTTP API (and the CPU engine's copy of it). Use as ``async with`` or call aclose()."""
@@ -241,14 +251,6 @@ class SglangClient(_Client):
     async def health_generate(self, *, timeout_s: float | None = None) -> bool:
         """``GET /health_generate``: like health, but the engine proves it by generating one token."""
         return await self._probe("/health_generate", timeout_s)
-
-    async def _probe(self, path: str, timeout_s: float | None) -> bool:
-        bound = min(self._http.timeout_s, HEALTH_TIMEOUT_S) if timeout_s is None else timeout_s
-        try:
-            await self._http.call("GET", path, timeout_s=bound, retries=IDEMPOTENT_RETRIES)
-        except EngineUnavailableError:
-            return False
-        return True
 
     async def flush_cache(self, *, timeout_s: float | None = None) -> bool:
         """``POST /flush_cache``. False when the engine declined (SGLang only flushes while idle: HTTP 400)."""

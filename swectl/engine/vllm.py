@@ -40,7 +40,7 @@ from pathlib import Path
 
 import msgspec
 
-from swectl.engine.client import HEALTH_TIMEOUT_S, IDEMPOTENT_RETRIES, _Client, _Http
+from swectl.engine.client import IDEMPOTENT_RETRIES, _Client, _Http
 from swectl.engine.wire import (
     FinishReason,
     GenerateRequest,
@@ -264,12 +264,7 @@ class VllmClient(_Client):
 
     async def health(self, *, timeout_s: float | None = None) -> bool:
         """``GET /health``: True when the server answers 200."""
-        bound = min(self._http.timeout_s, HEALTH_TIMEOUT_S) if timeout_s is None else timeout_s
-        try:
-            await self._http.call("GET", "/health", timeout_s=bound, retries=IDEMPOTENT_RETRIES)
-        except EngineUnavailableError:
-            return False
-        return True
+        return await self._probe("/health", timeout_s)
 
     async def flush_cache(self, *, timeout_s: float | None = None) -> bool:
         """``POST /reset_prefix_cache``."""
