@@ -10,7 +10,6 @@ sync moves nothing; a registry that is down is one clear error per node, nothing
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from swectl.testing import nodes as testnodes
 from swectl.testing.registry import LocalRegistry, can_run_registry, local_registry
 
 from .conftest import REPO_ROOT, podman
+from .images import build_env_and_instances
 
 pytestmark = pytest.mark.integration
 PREFIX = "swis"
@@ -48,22 +48,7 @@ def on_node(node: testnodes.TestNode, *args: str) -> subprocess.CompletedProcess
 
 
 def _build_images(work: Path) -> None:
-    env_dir = work / "env-root"
-    env_dir.mkdir()
-    (env_dir / "blob").write_bytes(os.urandom(ENV_BYTES))
-    tar = subprocess.run(["tar", "-C", str(env_dir), "-c", "."], capture_output=True, check=True, timeout=60).stdout
-    done = podman("import", "--change", "LABEL swectl.image=env", "-", ENV_IMAGE, input=tar)
-    assert done.returncode == 0, done.stderr
-    for i, image in enumerate(INSTANCES):
-        ctx = work / f"inst{i}"
-        ctx.mkdir()
-        (ctx / "own").write_text(f"instance {i}\n" * 100)
-        (ctx / "Containerfile").write_text(
-            f"FROM {ENV_IMAGE}\nCOPY own /own\n"
-            f'LABEL swectl.image=instance swectl.instance=o__r-{i} swectl.env="{ENV_IMAGE}"\n'
-        )
-        done = podman("build", "--network", "none", "-q", "-t", image, str(ctx), timeout=120)
-        assert done.returncode == 0, done.stderr
+    build_env_and_instances(work, ENV_IMAGE, INSTANCES, ENV_BYTES, lambda i: f"instance {i}\n".encode() * 100)
 
 
 def _tasks(path: Path, images: list[str]) -> Path:

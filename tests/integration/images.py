@@ -1,0 +1,32 @@
+"""The small two-layer images the image-sync tests move: one environment image of random bytes (so its compressed
+layer is about that big) and thin instance images on it, labelled the way swectl's builds label them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .conftest import podman
+
+
+def build_env_and_instances(work: Path, env_image: str, instances: Sequence[str], env_bytes: int,
+                            own: Callable[[int], bytes]) -> None:
+    """``env_image`` of ``env_bytes`` random bytes, and ``instances[i]`` on it adding a file of ``own(i)``."""
+    env_dir = work / "env-root"
+    env_dir.mkdir()
+    (env_dir / "blob").write_bytes(os.urandom(env_bytes))
+    tar = subprocess.run(["tar", "-C", str(env_dir), "-c", "."], capture_output=True, check=True, timeout=60).stdout
+    done = podman("import", "--change", "LABEL swectl.image=env", "-", env_image, input=tar)
+    assert done.returncode == 0, done.stderr
+    for i, image in enumerate(instances):
+        ctx = work / f"inst{i}"
+        ctx.mkdir()
+        (ctx / "own").write_bytes(own(i))
+        (ctx / "Containerfile").write_text(
+            f"FROM {env_image}\nCOPY own /own\n"
+            f'LABEL swectl.image=instance swectl.instance=o__r-{i} swectl.env="{env_image}"\n'
+        )
+        done = podman("build", "--network", "none", "-q", "-t", image, str(ctx), timeout=120)
+        assert done.returncode == 0, done.stderr
