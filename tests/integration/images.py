@@ -1,12 +1,19 @@
-"""The small two-layer images the image-sync tests move: one environment image of random bytes (so its compressed
-layer is about that big) and thin instance images on it, labelled the way swectl's builds label them."""
+"""The image tests' fleet: two sshd test nodes with Podman stores of their own, and the small two-layer images the
+image-sync tests move (one environment image of random bytes, so its compressed layer is about that big, and thin
+instance images on it, labelled the way swectl's builds label them)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+
+import pytest
+
+from swectl.testing import nodes as testnodes
+from swectl.testing.registry import can_run_registry
 
 from .conftest import podman
 
@@ -30,3 +37,19 @@ def build_env_and_instances(work: Path, env_image: str, instances: Sequence[str]
         )
         done = podman("build", "--network", "none", "-q", "-t", image, str(ctx), timeout=120)
         assert done.returncode == 0, done.stderr
+
+
+@contextlib.contextmanager
+def own_store_fleet(build: Callable[[], None], images: Sequence[str], *, prefix: str, base_index: int
+                    ) -> Iterator[testnodes.TestNodes]:
+    """Two test nodes with their own stores, after ``build()`` made ``images`` here (removed again at the end); skips
+    where test nodes or the registry cannot run."""
+    for reason in (testnodes.can_run_test_nodes(), can_run_registry()):
+        if reason is not None:
+            pytest.skip(reason)
+    try:
+        build()
+        with testnodes.test_nodes(2, prefix=prefix, base_index=base_index, own_store=True) as started:
+            yield started
+    finally:
+        podman("rmi", "--force", *images)

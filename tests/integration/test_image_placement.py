@@ -27,9 +27,10 @@ from swectl.config import ClusterConfig, decode_config
 from swectl.images.push import push_image
 from swectl.images.registry import parse_registry
 from swectl.testing import nodes as testnodes
-from swectl.testing.registry import LocalRegistry, can_run_registry, local_registry
+from swectl.testing.registry import LocalRegistry, local_registry
 
 from .conftest import podman
+from .images import own_store_fleet
 from .pools import running_pool
 from .test_image_sync import on_node
 
@@ -72,15 +73,9 @@ def _build_images(work: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[testnodes.TestNodes]:
-    for reason in (testnodes.can_run_test_nodes(), can_run_registry()):
-        if reason is not None:
-            pytest.skip(reason)
-    _build_images(tmp_path_factory.mktemp("images"))
-    try:
-        with testnodes.test_nodes(2, prefix=PREFIX, base_index=BASE_INDEX, own_store=True) as started:
-            yield started
-    finally:
-        podman("rmi", "--force", *IMAGES.values(), BASE)
+    with own_store_fleet(lambda: _build_images(tmp_path_factory.mktemp("images")), [*IMAGES.values(), BASE],
+                         prefix=PREFIX, base_index=BASE_INDEX) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from swectl.testing import nodes as testnodes
-from swectl.testing.registry import LocalRegistry, can_run_registry, local_registry
+from swectl.testing.registry import LocalRegistry, local_registry
 
 from .conftest import REPO_ROOT, podman
-from .images import build_env_and_instances
+from .images import build_env_and_instances, own_store_fleet
 
 pytestmark = pytest.mark.integration
 PREFIX = "swis"
@@ -61,15 +61,9 @@ def _tasks(path: Path, images: list[str]) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[testnodes.TestNodes]:
-    for reason in (testnodes.can_run_test_nodes(), can_run_registry()):
-        if reason is not None:
-            pytest.skip(reason)
-    _build_images(tmp_path_factory.mktemp("images"))
-    try:
-        with testnodes.test_nodes(2, prefix=PREFIX, base_index=BASE_INDEX, own_store=True) as started:
-            yield started
-    finally:
-        podman("rmi", "--force", *INSTANCES, ENV_IMAGE)
+    with own_store_fleet(lambda: _build_images(tmp_path_factory.mktemp("images")), [*INSTANCES, ENV_IMAGE],
+                         prefix=PREFIX, base_index=BASE_INDEX) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

@@ -27,10 +27,9 @@ from pathlib import Path
 import pytest
 
 from swectl.testing import nodes as testnodes
-from swectl.testing.registry import can_run_registry
 
 from .conftest import REPO_ROOT, podman
-from .images import build_env_and_instances
+from .images import build_env_and_instances, own_store_fleet
 
 pytestmark = pytest.mark.integration
 PREFIX = "swic"
@@ -125,15 +124,9 @@ def _build_images(work: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[testnodes.TestNodes]:
-    for reason in (testnodes.can_run_test_nodes(), can_run_registry()):
-        if reason is not None:
-            pytest.skip(reason)
-    try:
-        _build_images(tmp_path_factory.mktemp("images"))
-        with testnodes.test_nodes(2, prefix=PREFIX, base_index=BASE_INDEX, own_store=True) as started:
-            yield started
-    finally:
-        podman("rmi", "--force", *INSTANCES, ENV_IMAGE)
+    with own_store_fleet(lambda: _build_images(tmp_path_factory.mktemp("images")), [*INSTANCES, ENV_IMAGE],
+                         prefix=PREFIX, base_index=BASE_INDEX) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
