@@ -283,7 +283,6 @@ class Engines:
             api_key = secrets.token_urlsafe(24)
         self._api_key = api_key
         self._weight_group: _WeightGroup | None = None
-        self._vllm_cpu = False  # the node's vLLM is the CPU build (found when a server is launched)
         self._version = ""  # the weight version of self._model once update_weights replaced it
         self._outage_waits = 0
         self._outage_wait_s = 0.0
@@ -337,7 +336,7 @@ class Engines:
         kind = VllmClient if self._config.kind == "vllm" else SglangClient
         return kind(url, timeout_s=self._config.request_timeout_s, api_key=self._api_key)
 
-    def _argv(self, bind: str, port: int, model_config: dict[str, object]) -> list[str]:
+    def _argv(self, bind: str, port: int, model_config: dict[str, object], vllm_cpu: bool) -> list[str]:
         cfg = self._config
         python = self._python
         if cfg.kind == "cpu":
@@ -346,7 +345,7 @@ class Engines:
         elif cfg.kind == "vllm":
             argv = vllm_argv(python, self._model, bind, port, api_key=API_KEY_PLACEHOLDER if self._api_key else None,
                              dtype=vllm_dtype(model_config),
-                             whole_prefill_tokens=model_length(model_config) if self._vllm_cpu else None)
+                             whole_prefill_tokens=model_length(model_config) if vllm_cpu else None)
         else:
             argv = [python, "-m", "sglang.launch_server", "--model-path", self._model, "--host", bind,
                     "--port", str(port)]
@@ -366,10 +365,11 @@ class Engines:
             s.up()
             return
         bind = cfg.host or ("0.0.0.0" if s.host.remote and not self._tunneled else LOOPBACK)
+        vllm_cpu = await self._check_vllm(s) if cfg.kind == "vllm" else False
         model_config = await self._check_model(s)
         for attempt in range(1, START_TRIES + 1):
             port = cfg.port if cfg.port or cfg.kind == "cpu" else await self._free_port(s, bind)
-            argv = self._argv(bind, port, model_config)
+            argv = self._argv(bind, port, model_config, vllm_cpu)
             proc = await s.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-engine", *argv])
             s.starting(proc)
             if cfg.kind != "cpu":  # its port is the one given on its command line (the CPU engine prints its own)
@@ -390,10 +390,8 @@ class Engines:
         raise AssertionError("unreachable")
 
     async def _check_model(self, s: _Server) -> dict[str, object]:
-        """A model given as a path must be a model folder on the node (SGLang and vLLM also take hub names); vLLM
-        must be installed for the node's interpreter. Returns the folder's config.json ({} for a hub name)."""
-        if self._config.kind == "vllm":
-            await self._check_vllm(s)
+        """A model given as a path must be a model folder on the node (SGLang and vLLM also take hub names). Returns
+        the folder's config.json ({} for a hub name)."""
         if self._config.kind != "cpu" and not self._model.startswith(("/", ".", "~")):
             return {}
         with anyio.fail_after(60):
@@ -407,16 +405,16 @@ class Engines:
             return {}  # the server says what is wrong with it, and its output is quoted
         return config if isinstance(config, dict) else {}
 
-    async def _check_vllm(self, s: _Server) -> None:
-        """One clear line when the node's interpreter has no vLLM (instead of a server that dies at import); notes
-        whether it is vLLM's CPU build."""
+    async def _check_vllm(self, s: _Server) -> bool:
+        """One clear line when the node's interpreter has no vLLM (instead of a server that dies at import); returns
+        whether it is vLLM's CPU build (nodes may differ)."""
         with anyio.fail_after(60):
             out = await s.host.node.run([self._python, "-c", HAS_VLLM])
-        self._vllm_cpu = out.exit_code == 0 and out.stdout.decode(errors="replace").strip() == "cpu"
         if out.exit_code != 0:
             raise EngineUnavailableError(s.name, f"node {s.host.node.name} cannot run vLLM: {self._python} "
                                          f"{'has no vllm' if out.exit_code == 3 else 'does not run'} (make it with "
                                          "`bash scripts/setup_vllm.sh` there, or set engine.python)")
+        return out.stdout.decode(errors="replace").strip() == "cpu"
 
     async def _free_port(self, s: _Server, bind: str) -> int:
         with anyio.fail_after(60):
