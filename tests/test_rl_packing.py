@@ -65,6 +65,21 @@ def test_balance_spreads_tokens() -> None:
     assert max(loads) - min(loads) <= 2
 
 
+def test_max_rows_caps_samples_per_micro_batch() -> None:
+    lengths = [700, 1600, 950, 1200, 880, 1400, 1020, 760]
+    plan = plan_micro_batches(lengths, ranks=1, token_budget=8192, max_rows=1)
+    assert plan == [[[1], [5], [3], [6], [2], [4], [7], [0]]], "one sample per forward, longest first"
+    two = plan_micro_batches(lengths, ranks=2, token_budget=8192, max_rows=3)
+    check_plan(two, lengths, 2, 8192)
+    assert all(len(mb) <= 3 for micro in two for mb in micro)
+    assert plan_micro_batches(lengths, ranks=1, token_budget=8192) == [[[1, 2, 3, 5, 6], [0, 4, 7]]], "by budget"
+
+
+def test_max_rows_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_rows"):
+        plan_micro_batches([1, 2], ranks=1, token_budget=10, max_rows=0)
+
+
 @pytest.mark.parametrize(("ranks", "budget"), [(0, 10), (1, 0)])
 def test_bad_arguments(ranks: int, budget: int) -> None:
     with pytest.raises(ValueError):

@@ -235,6 +235,13 @@ class Trainer:
         return int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) == self.world
 
     @property
+    def max_rows(self) -> int | None:
+        """Samples per forward at most (None: as many as the token budget holds)."""
+        if self.s.micro_batch_rows == "auto":
+            return 1 if self.device.type == "cpu" else None
+        return self.s.micro_batch_rows
+
+    @property
     def parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
@@ -329,7 +336,7 @@ class Trainer:
         batch = decode_batch(req.frame, where="step frame") if req.frame is not None else self.batches.read(req.ref)
         t_read = time.perf_counter() - t0
         plan = plan_micro_batches([smp.length for smp in batch.samples], ranks=self.world,
-                                  token_budget=self.s.micro_batch_tokens)[self.rank]
+                                  token_budget=self.s.micro_batch_tokens, max_rows=self.max_rows)[self.rank]
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
         maxes: dict[str, torch.Tensor] = {}

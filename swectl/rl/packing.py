@@ -6,7 +6,8 @@ Two stages, both deterministic (every rank computes the same plan from the same 
    fewer samples, then the lower rank). The ranks' token totals then differ by at most the longest sample.
 2. Within a rank, pack micro-batches by *padded* size (longest sample x count, what a right-padded forward
    costs): the rank's samples longest first, cut into consecutive runs while ``first length x count`` stays
-   within the token budget. A sample longer than the budget goes alone.
+   within the token budget and the count within ``max_rows``. A sample longer than the budget goes alone.
+   (On a CPU a pad costs as much as a token, so the trainer there runs one sample per forward.)
 
 FSDP runs collectives in every forward, so every rank must run the same number of forwards: ranks with fewer
 micro-batches get empty ones (``[]``) at the end, which the trainer runs as a dummy forward with zero loss.
@@ -18,11 +19,16 @@ import heapq
 from collections.abc import Sequence
 
 
-def plan_micro_batches(lengths: Sequence[int], *, ranks: int, token_budget: int) -> list[list[list[int]]]:
-    """For each rank, its micro-batches, each a list of sample indices (ascending); every index appears once and
-    every rank gets the same number of micro-batches (padded with ``[]``)."""
+def plan_micro_batches(lengths: Sequence[int], *, ranks: int, token_budget: int,
+                       max_rows: int | None = None) -> list[list[list[int]]]:
+    """For each rank, its micro-batches, each a list of sample indices (ascending) of at most ``max_rows``
+    samples (None: no limit); every index appears once and every rank gets the same number of micro-batches
+    (padded with ``[]``)."""
     _check_arguments(lengths, ranks, token_budget)
-    per_rank = [_pack(rank_indices, lengths, token_budget) for rank_indices in balance_ranks(lengths, ranks)]
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be at least 1, not {max_rows}")
+    per_rank = [_pack(rank_indices, lengths, token_budget, max_rows)
+                for rank_indices in balance_ranks(lengths, ranks)]
     count = max((len(micro) for micro in per_rank), default=0)
     return [micro + [[] for _ in range(count - len(micro))] for micro in per_rank]
 
@@ -44,13 +50,16 @@ def padded_tokens(micro_batch: Sequence[int], lengths: Sequence[int]) -> int:
     return max((lengths[i] for i in micro_batch), default=0) * len(micro_batch)
 
 
-def _pack(indices: Sequence[int], lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+def _pack(indices: Sequence[int], lengths: Sequence[int], token_budget: int,
+          max_rows: int | None) -> list[list[int]]:
     """Consecutive runs of the longest-first order whose padded size stays within the budget. Sorted, the first
-    sample of a run is its longest, so a run grows while ``lengths[first] * (count + 1) <= token_budget``."""
+    sample of a run is its longest, so a run grows while ``lengths[first] * (count + 1) <= token_budget`` (and
+    ``count < max_rows``)."""
     micro_batches: list[list[int]] = []
     current: list[int] = []
     for index in _longest_first(indices, lengths):
-        if current and lengths[current[0]] * (len(current) + 1) > token_budget:
+        full = max_rows is not None and len(current) >= max_rows
+        if current and (full or lengths[current[0]] * (len(current) + 1) > token_budget):
             micro_batches.append(sorted(current))
             current = []
         current.append(index)

@@ -44,6 +44,7 @@ class TrainerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     kl_coef: float = 0.0
     prob_weight: float = 0.0
     micro_batch_tokens: int = 8192
+    micro_batch_rows: int | Literal["auto"] = "auto"  # samples per forward at most; auto: 1 on a CPU, else no limit
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile each decoder layer; auto: on a GPU only
     # A world of one keeps its parameters gathered and its gradients unreduced between the micro-batches of a step
     # (FSDP2 all-gathers and reduce-scatters each micro-batch otherwise); False: the old way (`just bench gpu` A/B)
@@ -59,7 +60,8 @@ class TrainerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         """The settings of a run's ranks: the [trainer], [train.optim] and [train.loss] sections whole, and the
         run's own fields (model, out_dir, algorithm, total_steps, seed, resume, ...) as keywords."""
         return cls(**msgspec.structs.asdict(optim), **msgspec.structs.asdict(loss),
-                   micro_batch_tokens=trainer.micro_batch_tokens, compile=trainer.compile,
+                   micro_batch_tokens=trainer.micro_batch_tokens,
+                   micro_batch_rows=trainer.micro_batch_rows, compile=trainer.compile,
                    threads=trainer.threads_per_rank,
                    backend=trainer.backend, sync_dtype=trainer.weight_sync_dtype, **run)
 

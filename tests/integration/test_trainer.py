@@ -58,7 +58,8 @@ async def _with_trainer(model: Path, out: Path, body, ranks: int = 2, **settings
     return await with_trainer(trainer, body)
 
 
-async def test_sft_and_grpo_losses_match_the_golden_file(model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("rows", ["auto", 64])  # auto: one sample per forward on the CPU; 64: right-padded batches
+async def test_sft_and_grpo_losses_match_the_golden_file(model: Path, tmp_path: Path, rows: str | int) -> None:
     vocab = _vocab(model)
     losses: dict[str, float] = {}
 
@@ -75,7 +76,7 @@ async def test_sft_and_grpo_losses_match_the_golden_file(model: Path, tmp_path: 
                 losses[f"grad_norm_{step}"] = reply.metrics["grad_norm"]
         assert trainer.statistics().steps == 4
 
-    await _with_trainer(model, tmp_path, body)
+    await _with_trainer(model, tmp_path, body, micro_batch_rows=rows)
     assert all(math.isfinite(v) for v in losses.values())
     if os.environ.get("SWECTL_UPDATE_GOLDEN") == "1" or not GOLDEN.exists():
         GOLDEN.parent.mkdir(exist_ok=True)
