@@ -271,15 +271,30 @@ def _truncate(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
+    """One token per row of ``probs`` (``[rows, vocab]``, unnormalised, each row with some mass), drawn with that
+    row's generator: the first token whose running sum passes a uniform draw times the row's total. One uniform per
+    row and one batched search (``torch.multinomial`` took 0.25 ms a row on an 8k vocabulary, a tenth of the
+    engine's time at 8 rows)."""
+    cdf = probs.double().cumsum(dim=-1)
+    uniform = torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in generators])
+    found = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)
+    last = probs.shape[1] - 1 - torch.argmax((probs.flip(1) > 0).int(), dim=1)  # the last token with mass per row
+    return torch.minimum(found, last).tolist()
+
+
 def choose_tokens(logits: torch.Tensor, seqs: Sequence[Seq]) -> tuple[list[int], list[float]]:
     """Next token of every row, and its logprob under SGLang's convention (see the module docstring)."""
     temperatures = torch.tensor([s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs])
     logp = torch.log_softmax(logits / temperatures[:, None], dim=-1)
     tokens = torch.argmax(logp, dim=-1).tolist()
-    for row, seq in enumerate(seqs):
-        if seq.params.temperature > 0:
-            probs = _truncate(logp[row].exp(), seq.params)
-            tokens[row] = int(torch.multinomial(probs, 1, generator=seq.generator))
+    sampled = [row for row, seq in enumerate(seqs) if seq.params.temperature > 0]
+    if sampled:
+        probs = logp[sampled].exp()
+        for i, row in enumerate(sampled):
+            probs[i] = _truncate(probs[i], seqs[row].params)
+        for row, token in zip(sampled, draw(probs, [seqs[row].generator for row in sampled]), strict=True):
+            tokens[row] = token
     picked = logp[torch.arange(len(seqs)), torch.tensor(tokens)].tolist()
     return tokens, [max(lp, LOGPROB_FLOOR) for lp in picked]
 
