@@ -29,7 +29,7 @@ from swectl.images import controller_registry as ctlreg
 from swectl.images.from_controller import leftovers, sync_from_controller
 from swectl.images.registry import Registry, RegistryError, image_path, normal_name, parse_registry
 from swectl.images.relay import ByteRelay
-from swectl.images.store import PULL_SCRIPT, SWEEP_SCRIPT
+from swectl.images.store import PULL_SCRIPT, SWEEP_SCRIPT, docker_bytes
 from swectl.images.sync import SyncOptions, SyncTarget, format_report, human_bytes, sync_images
 from swectl.remote.nodes.node import LocalNode
 from swectl.remote.nodes.podman import PodmanCli
@@ -633,3 +633,15 @@ def test_sync_cli_takes_a_registry_or_the_controller_not_both(capsys: pytest.Cap
     with pytest.raises(SystemExit) as stop:
         main(["image", "sync", "--tasks", "t.jsonl", "--registry", "http://r:5000", "--from-controller"])
     assert stop.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("size", "expected"), [("0B", 0), ("512kB", 512_000), ("1.234GB", 1_234_000_000),
+                                                ("12MB", 12_000_000), (" 2TB ", 2 * 10**12)])
+def test_docker_sizes_are_decimal_units(size: str, expected: int) -> None:
+    assert docker_bytes(size) == expected
+
+
+@pytest.mark.parametrize("size", ["", "12", "1.2 GiB", "N/A"])
+def test_what_is_not_a_docker_size_is_refused(size: str) -> None:
+    with pytest.raises(ValueError, match="not a docker size"):
+        docker_bytes(size)

@@ -16,21 +16,29 @@ A removal is a plain ``rmi``: never forced,
 so an image a container still uses (the pool's or anyone's) stays and the removal says why. The disk is what the
 store's images take together, each shared layer once (``podman system df``).
 
-Over a node's podman CLI (remote/nodes/podman.py; PodmanApi is one too). Every call may raise InfraError (NodeError
-when the node is lost); the caller bounds the wait.
+Over a node's podman CLI (remote/nodes/podman.py; PodmanApi is one too) or docker CLI (a Docker node: its daemon's
+image store). Docker differs in four places: whether an image is there is ``image inspect``; a pull has no TLS flag
+(the daemon reaches a plain-HTTP registry only when its ``insecure-registries`` name it, or on 127.0.0.0/8), and its
+registry name is dropped with ``rmi`` (docker has no ``untag``); the disk comes from ``system df`` in docker's
+decimal units (``1.234GB``). Every call may raise InfraError (NodeError when the node is lost); the caller bounds
+the wait.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
 from swectl.errors import InfraError, NodeError
 from swectl.images.registry import Registry, normal_name
-from swectl.remote.nodes.podman import PodmanCli, qualify_image
+from swectl.remote.nodes.podman import ContainerCli, PodmanCli, qualify_image
 
 # podman's messages when the registry answered that it has no such image
 NOT_IN_REGISTRY = ("manifest unknown", "name unknown")
 _GONE = ("image not known", "no such image")
+# docker's answer when its daemon speaks HTTPS to a plain-HTTP registry it was not told is insecure
+_INSECURE = "server gave http response to https client"
+_DOCKER_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15}
 
 
 class ImagePullError(InfraError):
@@ -61,13 +69,25 @@ class ImageStore(Protocol):
 
 
 def cli_error(stderr: str) -> str:
-    """The line of a podman error output that says what went wrong."""
+    """The line of a podman or docker error output that says what went wrong."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("Error:")]
     return (errors or lines or ["podman failed with no message"])[-1]
 
 
-async def list_images(cli: PodmanCli) -> dict[str, str]:
+def is_docker(cli: ContainerCli) -> bool:
+    return cli.binary == "docker"
+
+
+def docker_bytes(size: str) -> int:
+    """Bytes of a size as docker prints it (``1.234GB``, ``512kB``, ``0B``: decimal units)."""
+    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKMGTP]?B)\s*", size)
+    if not found:
+        raise ValueError(f"not a docker size: {size!r}")
+    return round(float(found.group(1)) * _DOCKER_UNITS[found.group(2).lower()])
+
+
+async def list_images(cli: ContainerCli) -> dict[str, str]:
     """The node's images: normal name -> id (``sha256:...``); untagged ones left out. Prepares ``cli`` if needed."""
     if not cli.ready:
         await cli.prepare()
@@ -125,23 +145,31 @@ async def sweep_pull_leftovers(cli: PodmanCli, root: str = "") -> tuple[int, int
     return int(parts[0]), int(parts[1])
 
 
-async def pull_image(cli: PodmanCli, image: str, registry: Registry | None) -> str:
+async def pull_image(cli: ContainerCli, image: str, registry: Registry | None) -> str:
     """Pull ``image`` onto the node (see the module docstring): "" once it is there under its name, else what went
     wrong (``not in URL: ...`` when the registry lacks it). NodeError when the node is lost."""
     ref = registry.ref(image) if registry is not None else qualify_image(image)
     try:
         if not cli.ready:
             await cli.prepare()
-        argv = cli.argv("pull", *(registry.tls_args() if registry is not None else []), ref)
+        docker = is_docker(cli)
+        tls = registry.tls_args() if registry is not None and not docker else []
+        argv = cli.argv("pull", *tls, ref)
         out = await cli.node.run(["sh", "-c", PULL_SCRIPT, "swectl-pull", *argv])
         if out.exit_code != 0:
             error = cli_error(out.stderr.decode(errors="replace"))
             if registry is not None and any(s in error.lower() for s in NOT_IN_REGISTRY):
                 error = f"not in {registry.url}: {error}"
+            if docker and registry is not None and _INSECURE in error.lower():
+                error += (f" -- hint: {registry.url} is plain HTTP: name {registry.host} in the node's dockerd "
+                          f"\"insecure-registries\" (/etc/docker/daemon.json) and restart it")
             return error
         if normal_name(ref) != normal_name(image):
             await cli.run("tag", ref, image)
-            await cli.run("untag", image, ref)
+            if docker:
+                await cli.run("rmi", ref)  # the image keeps the task's name; only the registry's goes
+            else:
+                await cli.run("untag", image, ref)
     except NodeError:
         raise  # the node's fault, not this image's
     except InfraError as exc:
@@ -150,9 +178,9 @@ async def pull_image(cli: PodmanCli, image: str, registry: Registry | None) -> s
 
 
 class NodeImageStore:
-    """A node's image store through its podman CLI; pulls from ``registry`` when given."""
+    """A node's image store through its podman or docker CLI; pulls from ``registry`` when given."""
 
-    def __init__(self, cli: PodmanCli, registry: Registry | None = None) -> None:
+    def __init__(self, cli: ContainerCli, registry: Registry | None = None) -> None:
         self.cli = cli
         self.registry = registry
 
@@ -166,11 +194,17 @@ class NodeImageStore:
     async def exists(self, image: str) -> bool:
         if not self.cli.ready:
             await self.cli.prepare()
-        out = await self.cli.run("image", "exists", qualify_image(image), check=False)
-        if out.exit_code not in (0, 1):
-            raise InfraError(f"node {self.node!r}: cannot tell whether {image} is there: "
-                             f"{cli_error(out.stderr.decode(errors='replace'))}")
-        return out.exit_code == 0
+        if is_docker(self.cli):  # no `image exists`: inspect exits 1 for a missing image and for a daemon it lost
+            out = await self.cli.run("image", "inspect", "--format", "{{.Id}}", qualify_image(image), check=False)
+            gone = out.exit_code != 0 and any(s in out.stderr.decode(errors="replace").lower() for s in _GONE)
+            if out.exit_code == 0 or gone:
+                return not gone
+        else:
+            out = await self.cli.run("image", "exists", qualify_image(image), check=False)
+            if out.exit_code in (0, 1):
+                return out.exit_code == 0
+        raise InfraError(f"node {self.node!r}: cannot tell whether {image} is there: "
+                         f"{cli_error(out.stderr.decode(errors='replace'))}")
 
     async def pull(self, image: str) -> None:
         error = await pull_image(self.cli, image, self.registry)
@@ -189,17 +223,26 @@ class NodeImageStore:
         return "" if any(s in error.lower() for s in _GONE) else error
 
     async def disk_bytes(self) -> int:
-        out = await self.cli.run("system", "df", "--format", "{{.Type}}|{{.RawSize}}")
+        docker = is_docker(self.cli)
+        out = await self.cli.run("system", "df", "--format", "{{.Type}}|{{.Size}}" if docker else
+                                 "{{.Type}}|{{.RawSize}}")
         for line in out.stdout.decode().splitlines():
             kind, _, size = line.partition("|")
-            if kind.strip() == "Images" and size.strip().isdigit():
+            if kind.strip() != "Images":
+                continue
+            if size.strip().isdigit():
                 return int(size)
-        raise InfraError(f"node {self.node!r}: `podman system df` did not say how much disk the images take: "
-                         f"{out.stdout.decode(errors='replace')[-300:]!r}")
+            if docker:
+                try:
+                    return docker_bytes(size)
+                except ValueError:
+                    break
+        raise InfraError(f"node {self.node!r}: `{self.cli.binary} system df` did not say how much disk the images "
+                         f"take: {out.stdout.decode(errors='replace')[-300:]!r}")
 
 
 def store_for(backend: object, registry: Registry | None) -> NodeImageStore | None:
-    """The image store of a sandbox backend whose images live in a podman store (the podman and namespace
-    backends); None for others (a Docker node's store is filled by hand: the pool then leaves images to it)."""
+    """The image store of a sandbox backend: its node's podman store (the podman and namespace backends) or its
+    dockerd's (the docker backend); None for a backend without a container CLI."""
     cli = getattr(backend, "cli", None)
-    return NodeImageStore(cli, registry) if isinstance(cli, PodmanCli) else None
+    return NodeImageStore(cli, registry) if isinstance(cli, ContainerCli) else None

@@ -1,0 +1,142 @@
+"""A Docker node's images through the env pool, for real: the session's private dockerd (``docker_daemon``, with the
+no-python image loaded), Debian's registry on 127.0.0.1 (dockerd reaches a loopback registry over plain HTTP without
+being told), and thin images built here on the no-python image, pushed to the registry and never loaded into the
+dockerd.
+
+Covered: a burst of leases for an image the dockerd lacks makes one pull from the registry, every lease reports its
+wait, and the image stays under its task name (the registry's name is dropped); an image the registry lacks is a
+pull error that names the registry, and the pool goes on; under a small disk budget (docker's ``system df`` units)
+an image not in use goes while the held lease's image stays and its sandbox keeps working."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import anyio
+import pytest
+
+from swectl.config import ClusterConfig, decode_config
+from swectl.images.push import push_image
+from swectl.images.registry import parse_registry
+from swectl.images.store import ImagePullError
+from swectl.testing.docker import DockerDaemon
+from swectl.testing.registry import LocalRegistry, local_registry
+
+from .conftest import BASE_IMAGE, NOPY_IMAGE, podman
+from .pools import running_pool
+from .test_image_placement import acquire_many, own_file, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+TAG = uuid.uuid4().hex[:10]
+IMAGES = {name: f"localhost/swectl-dockimg-{name}:{TAG}" for name in ("burst", "held", "kept", "gone")}
+LEASE_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def thin_images(tmp_path_factory: pytest.TempPathFactory, docker_daemon: DockerDaemon) -> Iterator[None]:
+    work = tmp_path_factory.mktemp("dockimg")
+    try:
+        for name, image in IMAGES.items():
+            ctx = work / name
+            ctx.mkdir()
+            (ctx / "own").write_text(f"image {name}\n")
+            (ctx / "Containerfile").write_text(f"FROM {NOPY_IMAGE}\nCOPY own /own\n")
+            done = podman("build", "--network", "none", "-q", "-t", image, str(ctx), timeout=120)
+            assert done.returncode == 0, done.stderr
+        yield
+    finally:
+        podman("rmi", "-f", *IMAGES.values())
+        docker_daemon.docker("rmi", "-f", *IMAGES.values())
+
+
+@pytest.fixture(scope="module")
+def registry(thin_images: None) -> Iterator[LocalRegistry]:
+    with local_registry("127.0.0.1") as started:
+        target = parse_registry(started.url)
+        for image in IMAGES.values():
+            pushed = push_image(image, target, timeout=120)
+            assert pushed.ok, pushed.error
+        yield started
+
+
+def config(daemon: DockerDaemon, registry: LocalRegistry, budget_gb: float = 0.0) -> ClusterConfig:
+    return decode_config({
+        "nodes": [{"kind": "local", "name": "local", "image_disk_gb": budget_gb}],
+        "sandbox": {"backend": "docker", "docker_host": daemon.host, "image": NOPY_IMAGE},
+        "env_pool": {"warm": 0, "health_interval_s": 1.0, "registry": registry.url, "image_pull_timeout_s": 60.0},
+    })
+
+
+def holds(daemon: DockerDaemon, image: str) -> bool:
+    return daemon.docker("image", "inspect", image).returncode == 0
+
+
+def pull_into(daemon: DockerDaemon, registry: LocalRegistry, image: str) -> None:
+    ref = parse_registry(registry.url).ref(image)
+    for args in (["pull", ref], ["tag", ref, image], ["rmi", ref]):
+        done = daemon.docker(*args)
+        assert done.returncode == 0, done.stderr
+
+
+async def test_a_burst_of_leases_for_an_image_the_dockerd_lacks_makes_one_pull(
+        docker_daemon: DockerDaemon, registry: LocalRegistry) -> None:
+    image = IMAGES["burst"]
+    assert not holds(docker_daemon, image)
+    async with running_pool(config(docker_daemon, registry), "t" + uuid.uuid4().hex[:12]) as pool:
+        start = anyio.current_time()
+        leases = await acquire_many(pool, image, 4)
+        seconds = anyio.current_time() - start
+        stats = pool.statistics()
+        assert (stats.image_pulls, stats.image_waits, stats.image_pull_failures) == (1, 4, 0), stats
+        assert all(0 < lease.image_wait_s <= seconds for lease in leases)
+        assert await own_file(leases[0]) == "image burst"
+        for lease in leases:
+            await pool.release(lease)
+        with anyio.fail_after(LEASE_TIMEOUT_S):  # present now: the next lease waits for nothing
+            again = await pool.acquire(image)
+        assert again.image_wait_s == 0 and pool.statistics().image_pulls == 1
+        await pool.release(again)
+    assert holds(docker_daemon, image)
+    ref = parse_registry(registry.url).ref(image)
+    assert not holds(docker_daemon, ref), "the registry's name of the image should be dropped after the pull"
+
+
+async def test_an_image_the_registry_lacks_is_a_pull_error_naming_it(docker_daemon: DockerDaemon,
+                                                                     registry: LocalRegistry) -> None:
+    missing = f"localhost/swectl-dockimg-nowhere:{TAG}"
+    async with running_pool(config(docker_daemon, registry), "t" + uuid.uuid4().hex[:12]) as pool:
+        with anyio.fail_after(LEASE_TIMEOUT_S), pytest.raises(ImagePullError) as caught:
+            await pool.acquire(missing)
+        assert f"not in {registry.url}" in str(caught.value), caught.value
+        assert not holds(docker_daemon, missing)
+        with anyio.fail_after(LEASE_TIMEOUT_S):  # the pool goes on
+            lease = await pool.acquire(NOPY_IMAGE)
+        await pool.release(lease)
+
+
+async def test_a_small_disk_budget_removes_images_not_in_use_and_never_the_held_one(
+        docker_daemon: DockerDaemon, registry: LocalRegistry) -> None:
+    pull_into(docker_daemon, registry, IMAGES["kept"])  # not leased by this pool: the first to go
+    cfg = config(docker_daemon, registry, budget_gb=0.001)  # 1 MB: the no-python image alone is over it
+    try:
+        await _budget_run(docker_daemon, cfg)
+    finally:  # the budget removes the session dockerd's base image too: the other docker tests need it
+        await anyio.to_thread.run_sync(docker_daemon.load_from_podman, [BASE_IMAGE, NOPY_IMAGE])
+
+
+async def _budget_run(docker_daemon: DockerDaemon, cfg: ClusterConfig) -> None:
+    async with running_pool(cfg, "t" + uuid.uuid4().hex[:12]) as pool:
+        await wait_for(lambda: not holds(docker_daemon, IMAGES["kept"]), "the image not leased to go at the start")
+        with anyio.fail_after(LEASE_TIMEOUT_S):
+            held = await pool.acquire(IMAGES["held"])
+            await pool.release(await pool.acquire(IMAGES["gone"]))
+            await pool.release(await pool.acquire(IMAGES["burst"]))  # present or pulled: a lease after "gone"
+        await wait_for(lambda: not holds(docker_daemon, IMAGES["gone"]), "the image leased and given back to go")
+        assert holds(docker_daemon, IMAGES["held"]) and holds(docker_daemon, NOPY_IMAGE)
+        assert await own_file(held) == "image held"
+        stats = pool.statistics()
+        assert stats.images_evicted >= 2, stats
+        (mine,) = stats.nodes
+        assert mine.image_disk_budget_gb == 0.001 and mine.image_disk_gb is not None and mine.image_disk_gb > 0.001
+        await pool.release(held)
