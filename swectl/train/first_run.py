@@ -253,9 +253,9 @@ class Summary(msgspec.Struct, kw_only=True):
 
 
 PHASES = ("model and split", "SFT data", "SFT", "SFT reading", "GRPO", "GRPO reading", "held-out reading")
-# Seconds each phase took in the run that set the recipe (2-core machine): the ETA scales them by how the phases
+# Seconds each phase took in a first run on seed 3 (2-core machine, 2026-11-28): the ETA scales them by how the phases
 # so far compare with them
-EXPECTED_S = (20.0, 170.0, 1300.0, 160.0, 1800.0, 180.0, 130.0)
+EXPECTED_S = (15.0, 100.0, 870.0, 100.0, 1090.0, 110.0, 80.0)
 
 
 def load_recipe(run_dir: Path, overrides: dict[str, Any]) -> Recipe:
