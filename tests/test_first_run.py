@@ -16,7 +16,7 @@ from swectl.config import load_config
 from swectl.errors import ConfigError
 from swectl.images.project import BUNDLED_TASKS
 from swectl.train import first_run
-from swectl.train.first_run import Recipe, Summary, load_recipe, set_flags, summary_table
+from swectl.train.first_run import EXPECTED_S, Recipe, Summary, expected_s, load_recipe, set_flags, summary_table
 
 
 def _overrides(sets: dict[str, object]) -> list[str]:
@@ -117,3 +117,10 @@ def test_a_recipe_naming_a_split_with_an_empty_side_is_refused(tmp_path: Path) -
     with pytest.raises(ConfigError, match="both splits need one"):
         first_run.write_split(tmp_path, Recipe(tasks=str(tasks)))
 
+
+
+def test_the_eta_scales_each_phase_by_the_recipes_work() -> None:
+    assert expected_s(Recipe()) == list(EXPECTED_S)
+    shorter = expected_s(Recipe(sft_steps=200, grpo_steps=15, eval_samples=8))
+    assert shorter[2] == EXPECTED_S[2] / 2 and shorter[4] == EXPECTED_S[4] / 2
+    assert shorter[3] == EXPECTED_S[3] * 2 and shorter[:2] == list(EXPECTED_S[:2])

@@ -253,9 +253,21 @@ class Summary(msgspec.Struct, kw_only=True):
 
 
 PHASES = ("model and split", "SFT data", "SFT", "SFT reading", "GRPO", "GRPO reading", "held-out reading")
-# Seconds each phase took in a first run on seed 3 (2-core machine, 2026-11-28): the ETA scales them by how the phases
-# so far compare with them
+# Seconds each phase took in a first run on seed 3 (2-core machine, 2026-11-28) with the default recipe: the ETA
+# scales them by the recipe's steps and samples (expected_s) and by how the phases so far compare with them
 EXPECTED_S = (15.0, 100.0, 870.0, 100.0, 1090.0, 110.0, 80.0)
+
+
+def expected_s(recipe: Recipe) -> list[float]:
+    """EXPECTED_S for ``recipe``: SFT by its steps x batch, GRPO by its steps x group, the readings by their
+    episodes, each against the default recipe's."""
+    base = Recipe()
+    ratios = (1.0, 1.0, recipe.sft_steps * recipe.sft_batch_size / (base.sft_steps * base.sft_batch_size),
+              recipe.eval_samples / base.eval_samples,
+              recipe.grpo_steps * recipe.tasks_per_step * recipe.n_samples
+              / (base.grpo_steps * base.tasks_per_step * base.n_samples),
+              recipe.eval_samples / base.eval_samples, recipe.test_samples / base.test_samples)
+    return [seconds * ratio for seconds, ratio in zip(EXPECTED_S, ratios, strict=True)]
 
 
 def load_recipe(run_dir: Path, overrides: dict[str, Any]) -> Recipe:
@@ -288,11 +300,13 @@ def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say)
     phases_s: dict[str, float] = {}
     log = _Log(run_dir / LOG_FILE, say)
 
+    expected = expected_s(recipe)
+
     def phase(index: int, detail: str) -> None:
-        done = sum(EXPECTED_S[:index])
+        done = sum(expected[:index])
         spent = time.monotonic() - started
         scale = spent / done if done and spent > 60 else 1.0
-        left = sum(EXPECTED_S[index:]) * scale
+        left = sum(expected[index:]) * scale
         log(f"[{index + 1}/{len(PHASES)}] {PHASES[index]}: {detail} (elapsed {spent / 60:.1f} min, about "
             f"{left / 60:.0f} min left)")
 
