@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -567,6 +568,29 @@ def test_the_controller_registry_keeps_its_port_and_serves_one_sync_per_cache(tm
     assert first == second == int((cache / "port").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+@pytest.mark.skipif(ctlreg.missing_registry() is not None, reason="no docker-registry (apt-get install it)")
+def test_a_saved_port_taken_before_the_registry_binds_it_is_given_up_for_a_free_one(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        (cache / "port").write_text(f"{port}\n")
+        monkeypatch.setattr(ctlreg, "_port_is_free", lambda _port: True)  # taken after the check, before the bind
+
+        async def main() -> int:
+            async with ctlreg.controller_registry(cache) as running:
+                async with httpx.AsyncClient() as client:
+                    assert (await client.get(f"{running.registry.url}/v2/")).status_code == 200
+                return running.port
+
+        served = anyio.run(main)
+    assert served != port and int((cache / "port").read_text()) == served
+    assert "address already in use" in (cache / "registry.log").read_text()
 
 
 def test_the_relay_counts_the_bytes_each_way(tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ pushes only the layers it lacks. Three files beside the storage:
 
 - ``port``: the port it listened on. A later sync listens there again while the port is free, because podman
   remembers which blobs a registry holds by its host and port (its blob info cache): pushed to the same storage on
-  another port, every layer is compressed and sent again (measured: 2.1 s against 0.24 s for an 80 MB image).
+  another port, every layer is compressed and sent again (measured: 2.1 s against 0.24 s for an 80 MB image). A port
+  taken between that check and the registry's bind ("address already in use") is given up for a new free one, up to
+  PORT_TRIES times.
 - ``lock``: one sync per folder at a time (``flock``; released when the process ends, even on SIGKILL); a second one
   is refused with the first's pid.
 - ``registry.log``: what the registry said (warnings and errors only).
@@ -37,6 +39,7 @@ from swectl.images.registry import Registry, RegistryError
 REGISTRY_BIN = "/usr/bin/docker-registry"
 APT_PACKAGE = "docker-registry"
 START_TIMEOUT_S = 20.0
+PORT_TRIES = 3  # registry starts whose port was taken under them, each on a new free port
 STOP_GRACE_S = 5.0
 STORAGE = "storage"
 
@@ -70,6 +73,10 @@ class RunningRegistry:
         self._process = process
 
     @property
+    def process(self) -> anyio.abc.Process:
+        return self._process
+
+    @property
     def pid(self) -> int:
         return self._process.pid
 
@@ -101,12 +108,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def choose_port(folder: Path) -> int:
-    """The port the folder's registry listened on last time when it is free now, else a free one (remembered)."""
+def choose_port(folder: Path, *, fresh: bool = False) -> int:
+    """The port the folder's registry listened on last time when it is free now (and not ``fresh``), else a free one
+    (remembered)."""
     saved = folder / "port"
     with contextlib.suppress(OSError, ValueError):
         port = int(saved.read_text().strip())
-        if 0 < port < 65536 and _port_is_free(port):
+        if not fresh and 0 < port < 65536 and _port_is_free(port):
             return port
     port = _free_port()
     saved.write_text(f"{port}\n")
@@ -147,10 +155,10 @@ async def _wait_ready(running: RunningRegistry) -> None:
             await anyio.sleep(0.05)
 
 
-def _prepare(folder: Path) -> tuple[int, Path]:
+def _prepare(folder: Path, *, fresh_port: bool = False) -> tuple[int, Path]:
     """The port and the config file of the folder's registry (written now)."""
     (folder / STORAGE).mkdir(exist_ok=True)
-    port = choose_port(folder)
+    port = choose_port(folder, fresh=fresh_port)
     config = folder / "config.yml"
     config.write_text(registry_config(f"127.0.0.1:{port}", (folder / STORAGE).resolve()))
     return port, config
@@ -165,29 +173,48 @@ async def controller_registry(folder: Path) -> AsyncIterator[RunningRegistry]:
         raise RegistryError(reason)
     folder.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (a folder, at once)
     with _locked(folder):
-        port, config = _prepare(folder)
-        setpriv = shutil.which("setpriv")
-        argv = [*([setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []), REGISTRY_BIN, "serve", str(config)]
-        with (folder / "registry.log").open("ab") as log:
-            process = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        running = RunningRegistry(folder, port, process)
-        try:
+        for attempt in range(1, PORT_TRIES + 1):
+            running = await _start(folder, fresh_port=attempt > 1)
             try:
                 with anyio.fail_after(START_TIMEOUT_S):
                     await _wait_ready(running)
+                break
+            except RegistryError as exc:
+                await _stop(running.process)
+                if "address already in use" not in str(exc) or attempt == PORT_TRIES:
+                    raise
             except TimeoutError:
+                await _stop(running.process)
                 raise RegistryError(f"the controller's registry did not answer on {running.registry.url} within "
                                     f"{START_TIMEOUT_S:g}s: {running.log_tail()}") from None
+            except BaseException:
+                await _stop(running.process)
+                raise
+        try:
             yield running
         finally:
-            with anyio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.terminate()
-                    with anyio.move_on_after(STOP_GRACE_S):
-                        await process.wait()
-                if process.returncode is None:
-                    process.kill()
-                    with anyio.move_on_after(STOP_GRACE_S):
-                        await process.wait()
-                with anyio.move_on_after(STOP_GRACE_S):
-                    await process.aclose()
+            await _stop(running.process)
+
+
+async def _start(folder: Path, *, fresh_port: bool) -> RunningRegistry:
+    port, config = _prepare(folder, fresh_port=fresh_port)
+    setpriv = shutil.which("setpriv")
+    argv = [*([setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []), REGISTRY_BIN, "serve", str(config)]
+    with (folder / "registry.log").open("ab") as log:
+        process = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    return RunningRegistry(folder, port, process)
+
+
+async def _stop(process: anyio.abc.Process) -> None:
+    """TERM, then KILL after STOP_GRACE_S; shielded, each wait bounded."""
+    with anyio.CancelScope(shield=True):
+        if process.returncode is None:
+            process.terminate()
+            with anyio.move_on_after(STOP_GRACE_S):
+                await process.wait()
+        if process.returncode is None:
+            process.kill()
+            with anyio.move_on_after(STOP_GRACE_S):
+                await process.wait()
+        with anyio.move_on_after(STOP_GRACE_S):
+            await process.aclose()
