@@ -18,6 +18,17 @@ from swectl.testing.registry import can_run_registry
 from .conftest import podman
 
 
+def build_thin_images(work: Path, base: str, images: dict[str, str]) -> None:
+    """For each ``name -> image`` of ``images``, a one-layer image on ``base`` holding ``/own`` ("image NAME")."""
+    for name, image in images.items():
+        ctx = work / name
+        ctx.mkdir()
+        (ctx / "own").write_text(f"image {name}\n")
+        (ctx / "Containerfile").write_text(f"FROM {base}\nCOPY own /own\n")
+        done = podman("build", "--network", "none", "-q", "-t", image, str(ctx), timeout=120)
+        assert done.returncode == 0, done.stderr
+
+
 def build_env_and_instances(work: Path, env_image: str, instances: Sequence[str], env_bytes: int,
                             own: Callable[[int], bytes]) -> None:
     """``env_image`` of ``env_bytes`` random bytes, and ``instances[i]`` on it adding a file of ``own(i)``."""

@@ -24,8 +24,9 @@ from swectl.testing.docker import DockerDaemon
 from swectl.testing.registry import LocalRegistry, local_registry
 
 from .conftest import BASE_IMAGE, NOPY_IMAGE, podman
+from .images import build_thin_images
 from .pools import running_pool
-from .test_image_placement import acquire_many, own_file, wait_for
+from .test_image_placement import burst_with_one_pull, own_file, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 TAG = uuid.uuid4().hex[:10]
@@ -37,13 +38,7 @@ LEASE_TIMEOUT_S = 60.0
 def thin_images(tmp_path_factory: pytest.TempPathFactory, docker_daemon: DockerDaemon) -> Iterator[None]:
     work = tmp_path_factory.mktemp("dockimg")
     try:
-        for name, image in IMAGES.items():
-            ctx = work / name
-            ctx.mkdir()
-            (ctx / "own").write_text(f"image {name}\n")
-            (ctx / "Containerfile").write_text(f"FROM {NOPY_IMAGE}\nCOPY own /own\n")
-            done = podman("build", "--network", "none", "-q", "-t", image, str(ctx), timeout=120)
-            assert done.returncode == 0, done.stderr
+        build_thin_images(work, NOPY_IMAGE, IMAGES)
         yield
     finally:
         podman("rmi", "-f", *IMAGES.values())
@@ -84,13 +79,7 @@ async def test_a_burst_of_leases_for_an_image_the_dockerd_lacks_makes_one_pull(
     image = IMAGES["burst"]
     assert not holds(docker_daemon, image)
     async with running_pool(config(docker_daemon, registry), "t" + uuid.uuid4().hex[:12]) as pool:
-        start = anyio.current_time()
-        leases = await acquire_many(pool, image, 4)
-        seconds = anyio.current_time() - start
-        stats = pool.statistics()
-        assert (stats.image_pulls, stats.image_waits, stats.image_pull_failures) == (1, 4, 0), stats
-        assert all(0 < lease.image_wait_s <= seconds for lease in leases)
-        assert await own_file(leases[0]) == "image burst"
+        leases, _ = await burst_with_one_pull(pool, image, 4)
         for lease in leases:
             await pool.release(lease)
         with anyio.fail_after(LEASE_TIMEOUT_S):  # present now: the next lease waits for nothing

@@ -30,7 +30,7 @@ from swectl.testing import nodes as testnodes
 from swectl.testing.registry import LocalRegistry, local_registry
 
 from .conftest import podman
-from .images import own_store_fleet
+from .images import build_thin_images, own_store_fleet
 from .pools import running_pool
 from .test_image_sync import on_node
 
@@ -62,13 +62,7 @@ def _build_images(work: Path) -> None:
                          timeout=60).stdout
     done = podman("import", "-", BASE, input=tar)
     assert done.returncode == 0, done.stderr
-    for name, image in IMAGES.items():
-        ctx = work / name
-        ctx.mkdir()
-        (ctx / "own").write_text(f"image {name}\n")
-        (ctx / "Containerfile").write_text(f"FROM {BASE}\nCOPY own /own\n")
-        done = podman("build", "--network", "none", "-q", "-t", image, str(ctx), timeout=120)
-        assert done.returncode == 0, done.stderr
+    build_thin_images(work, BASE, IMAGES)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +117,19 @@ async def acquire_many(pool: EnvPool, image: str, count: int) -> list[Lease]:
     return got
 
 
+async def burst_with_one_pull(pool: EnvPool, image: str, count: int) -> tuple[list[Lease], float]:
+    """``count`` leases at once of ``image``, which no node holds: they make one pull, each reports its wait, and the
+    first one's sandbox runs (``/own`` says "image burst"). The leases, and the seconds they took."""
+    start = anyio.current_time()
+    leases = await acquire_many(pool, image, count)
+    seconds = anyio.current_time() - start
+    stats = pool.statistics()
+    assert (stats.image_pulls, stats.image_waits, stats.image_pull_failures) == (1, count, 0), stats
+    assert all(0 < lease.image_wait_s <= seconds for lease in leases)
+    assert await own_file(leases[0]) == "image burst"
+    return leases, seconds
+
+
 async def own_file(lease: Lease) -> str:
     result = await lease.exec("cat /own", 30)
     assert result.exit_code == 0, result.output
@@ -151,14 +158,8 @@ async def test_a_burst_of_leases_for_a_missing_image_makes_one_pull(fleet: testn
     image = IMAGES["burst"]
     assert not any(holds(node, image) for node in fleet.nodes)
     async with running_pool(config(fleet, registry), "t" + uuid.uuid4().hex[:12]) as pool:
-        start = anyio.current_time()
-        leases = await acquire_many(pool, image, 6)
-        seconds = anyio.current_time() - start
-        stats = pool.statistics()
-        assert (stats.image_pulls, stats.image_waits, stats.image_pull_failures) == (1, 6, 0), stats
+        leases, seconds = await burst_with_one_pull(pool, image, 6)
         assert len({lease.node for lease in leases}) == 1
-        assert all(0 < lease.image_wait_s <= seconds for lease in leases)
-        assert await own_file(leases[0]) == "image burst"
         for lease in leases:
             await pool.release(lease)
     assert [holds(node, image) for node in fleet.nodes].count(True) == 1
