@@ -66,15 +66,12 @@ def missing_registry() -> str | None:
 class RunningRegistry:
     """The controller's registry while it runs: ``registry`` is how this machine reaches it."""
 
-    def __init__(self, folder: Path, port: int, process: anyio.abc.Process) -> None:
+    def __init__(self, folder: Path, port: int, process: anyio.abc.Process, log_start: int = 0) -> None:
         self.folder = folder
         self.port = port
         self.registry = Registry(host=f"127.0.0.1:{port}", plain_http=True)
         self._process = process
-
-    @property
-    def process(self) -> anyio.abc.Process:
-        return self._process
+        self._log_start = log_start  # where this start's lines begin in registry.log (it keeps earlier starts')
 
     @property
     def pid(self) -> int:
@@ -90,6 +87,30 @@ class RunningRegistry:
             return (self.folder / "registry.log").read_text(errors="replace")[-limit:].strip()
         except OSError:
             return ""
+
+    def port_was_taken(self) -> bool:
+        """Whether this start's log says its port was in use (another process bound it after choose_port)."""
+        try:
+            with (self.folder / "registry.log").open("rb") as log:
+                log.seek(self._log_start)
+                return b"address already in use" in log.read()
+        except OSError:
+            return False
+
+    async def stop(self) -> None:
+        """TERM, then KILL after STOP_GRACE_S; shielded, each wait bounded."""
+        process = self._process
+        with anyio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.terminate()
+                with anyio.move_on_after(STOP_GRACE_S):
+                    await process.wait()
+            if process.returncode is None:
+                process.kill()
+                with anyio.move_on_after(STOP_GRACE_S):
+                    await process.wait()
+            with anyio.move_on_after(STOP_GRACE_S):
+                await process.aclose()
 
 
 def _port_is_free(port: int) -> bool:
@@ -179,21 +200,17 @@ async def controller_registry(folder: Path) -> AsyncIterator[RunningRegistry]:
                 with anyio.fail_after(START_TIMEOUT_S):
                     await _wait_ready(running)
                 break
-            except RegistryError as exc:
-                await _stop(running.process)
-                if "address already in use" not in str(exc) or attempt == PORT_TRIES:
+            except BaseException as exc:
+                await running.stop()
+                if isinstance(exc, TimeoutError):
+                    raise RegistryError(f"the controller's registry did not answer on {running.registry.url} "
+                                        f"within {START_TIMEOUT_S:g}s: {running.log_tail()}") from None
+                if not (isinstance(exc, RegistryError) and running.port_was_taken()) or attempt == PORT_TRIES:
                     raise
-            except TimeoutError:
-                await _stop(running.process)
-                raise RegistryError(f"the controller's registry did not answer on {running.registry.url} within "
-                                    f"{START_TIMEOUT_S:g}s: {running.log_tail()}") from None
-            except BaseException:
-                await _stop(running.process)
-                raise
         try:
             yield running
         finally:
-            await _stop(running.process)
+            await running.stop()
 
 
 async def _start(folder: Path, *, fresh_port: bool) -> RunningRegistry:
@@ -201,20 +218,6 @@ async def _start(folder: Path, *, fresh_port: bool) -> RunningRegistry:
     setpriv = shutil.which("setpriv")
     argv = [*([setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []), REGISTRY_BIN, "serve", str(config)]
     with (folder / "registry.log").open("ab") as log:
+        start = log.tell()
         process = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    return RunningRegistry(folder, port, process)
-
-
-async def _stop(process: anyio.abc.Process) -> None:
-    """TERM, then KILL after STOP_GRACE_S; shielded, each wait bounded."""
-    with anyio.CancelScope(shield=True):
-        if process.returncode is None:
-            process.terminate()
-            with anyio.move_on_after(STOP_GRACE_S):
-                await process.wait()
-        if process.returncode is None:
-            process.kill()
-            with anyio.move_on_after(STOP_GRACE_S):
-                await process.wait()
-        with anyio.move_on_after(STOP_GRACE_S):
-            await process.aclose()
+    return RunningRegistry(folder, port, process, start)
