@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-format-errors", type=int, default=RECIPE.max_format_errors,
                         help="malformed replies in a row that end an episode (rollout.max_format_errors)")
     parser.add_argument("--concurrency", type=int, default=RECIPE.concurrency)
+    parser.add_argument("--agent-config", default=RECIPE.agent_config, metavar="NAME|PATH",
+                        help=f"the agent's prompts (rollout.agent_config; default {RECIPE.agent_config!r}, \"\": the "
+                             "built-in prompt)")
     parser.add_argument("--mask-truncated", action=argparse.BooleanOptionalAction, default=RECIPE.mask_truncated,
                         help="GRPO: truncated episodes (step limit, malformed replies) carry no gradient")
     parser.add_argument("--mask-truncated-endings", choices=("all", "overlong"),

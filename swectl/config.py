@@ -179,6 +179,11 @@ class RolloutOptions(_Section):
     # identical patches of one task are graded once per run (their verdict is shared). false: every episode's
     # patch runs the tests in its own sandbox (to see flaky tests, say).
     reuse_grades: bool = True
+    # The agent's prompts: "" = swectl's built-in (mini-swe-agent's protocol), a bundled config by name ("compact": the
+    # same protocol in 85 prompt tokens instead of 275, for small models trained from scratch) or a mini-swe-agent YAML
+    # config's path (1.x or 2.x; its templates and action regex; limits come from this section). Commands that run
+    # episodes read it as they load the config (swectl/cli/common.py load_agent_config)
+    agent_config: str = ""
 
 
 class PrmConfig(_Section):

@@ -103,3 +103,40 @@ def test_request_seeds_are_stable_and_distinct() -> None:
     others = {request_seed("eval:8", "t#0", 1), request_seed("eval:7", "t#1", 1), request_seed("eval:7", "t#0", 2)}
     assert seed not in others and len(others) == 3
     assert seed == 0x61063912d89bf551  # pinned: a change would silently change every seeded run
+
+
+MSWEA_2X_CONFIG = """\
+agent:
+  system_template: |
+    You work on {{ system }}. Reply with one ```mswea_bash_command block.
+  instance_template: |
+    Task: {{task}}
+model:
+  observation_template: |
+    {% if output.exception_info %}<exception>{{ output.exception_info }}</exception>{% endif -%}
+    rc={{output.returncode}}
+  format_error_template: |
+    {% if finish_reason is defined %}cut off{% else %}Format error: {{error}} ({{actions|length}} blocks){% endif %}
+"""
+
+
+def test_an_episode_runs_on_a_mini_swe_agent_2x_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """rollout.agent_config with a config in mini-swe-agent 2.x's layout: its model: section's templates render
+    (with the variables its templates use) and its text-based block is the action."""
+    from swectl.agent.loop import episode_config
+    from swectl.config import RolloutOptions
+
+    path = tmp_path / "mswea.yaml"
+    path.write_text(MSWEA_2X_CONFIG)
+    cfg = episode_config(RolloutOptions(agent_config=str(path), step_limit=5), temperature=1.0)
+    replies = ["THOUGHT: look\n```mswea_bash_command\nls\n```", LS,
+               "THOUGHT: done\n```mswea_bash_command\nsubmit\n```"]
+    box = ScriptedBox()
+    ep = anyio.run(run_chat_episode, TASK, box, ScriptedChat(replies), cfg)
+    assert ep.exit_status == "Submitted"
+    assert box.commands == ["ls", "submit"]  # the ```bash block of the second reply is no action here
+    texts = [m.content for m in ep.trajectory.messages]
+    assert texts[0].startswith("You work on ") and "{{" not in texts[0]
+    assert texts[1] == "Task: fix it\n"
+    assert texts[3] == "rc=0\n"
+    assert texts[5] == "Format error: expected exactly one bash block, found 0 (0 blocks)\n"

@@ -12,6 +12,8 @@ from swectl.agent.protocol import (
     AgentTemplates,
     FormatError,
     Renderer,
+    agent_config_path,
+    agent_templates,
     load_mini_swe_agent_config,
     parse_action,
     submission,
@@ -79,3 +81,56 @@ def test_loads_a_mini_swe_agent_yaml(tmp_path: Path) -> None:
     bad.write_text("model:\n  name: x\n")
     with pytest.raises(ConfigError, match="none of"):
         load_mini_swe_agent_config(bad)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_a_2x_config_takes_its_model_section_and_its_block(tmp_path: Path) -> None:
+    """mini-swe-agent 2.x keeps the observation and format-error templates under model:, and its text-based models
+    read ```mswea_bash_command blocks unless model.action_regex says otherwise."""
+    cfg = _write(tmp_path / "backticks.yaml", (
+        "agent:\n  system_template: |\n    Answer in a ```mswea_bash_command block.\n"
+        "  instance_template: '{{task}}'\n"
+        "model:\n  observation_template: 'rc={{output.returncode}}'\n  format_error_template: '{{error}}'\n"))
+    templates, _ = load_mini_swe_agent_config(cfg)
+    assert templates.action_observation_template == "rc={{output.returncode}}"
+    assert parse_action("x\n```mswea_bash_command\nls -la\n```", templates) == "ls -la"
+    with pytest.raises(FormatError):
+        parse_action("x\n```bash\nls -la\n```", templates)
+    xml = _write(tmp_path / "xml.yaml", "agent:\n  system_template: s\nmodel:\n  action_regex: '<cmd>(.*?)</cmd>'\n")
+    assert parse_action("<cmd>pwd</cmd>", load_mini_swe_agent_config(xml)[0]) == "pwd"
+    bad = _write(tmp_path / "bad.yaml", "agent:\n  system_template: s\nmodel:\n  action_regex: '(unclosed'\n")
+    with pytest.raises(ConfigError, match="does not compile"):
+        load_mini_swe_agent_config(bad)
+
+
+def test_a_tool_calling_config_is_refused_with_what_to_use(tmp_path: Path) -> None:
+    cfg = _write(tmp_path / "tools.yaml", (
+        "agent:\n  system_template: |\n    Make one bash tool call per reply.\n  instance_template: '{{task}}'\n"
+        "model:\n  observation_template: '{{output.output}}'\n"))
+    with pytest.raises(ConfigError, match=r"tool-calling models.*text-based config"):
+        load_mini_swe_agent_config(cfg)
+
+
+def test_bundled_configs_go_by_name_and_a_missing_one_says_what_exists(tmp_path: Path) -> None:
+    compact = agent_templates("compact")
+    system = Renderer(compact, AgentLimits()).system()
+    assert f"echo {SUBMIT_SENTINEL} && git add -A && git diff --cached" in system
+    assert compact.action_regex == AgentTemplates().action_regex  # the same protocol, fewer words
+    assert len(system) < len(Renderer(AgentTemplates(), AgentLimits()).system()) / 3
+    assert agent_templates("") == AgentTemplates()
+    mine = _write(tmp_path / "compact", "agent:\n  system_template: mine\n")  # a file of a bundled name's name
+    assert agent_config_path(str(mine)) == mine and agent_templates(str(mine)).system_template == "mine"
+    with pytest.raises(ConfigError, match=r"no such file.*bundled: compact"):
+        agent_templates("nope")
+
+
+def test_templates_can_name_the_machine_but_not_the_host() -> None:
+    """mini-swe-agent's prompts may show {{ system }}, {{ release }}, {{ machine }}; the host name is fixed, so a
+    prompt (and seeded episodes) do not change from one controller machine to the next."""
+    templates = AgentTemplates(system_template="{{ system }} {{ machine }} on {{ node }}")
+    text = Renderer(templates, AgentLimits()).system()
+    assert text.endswith(" on sandbox") and "{{" not in text and not text.startswith(" ")

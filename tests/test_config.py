@@ -163,3 +163,17 @@ def test_help_explains_commands():
     assert done.returncode == 0
     for word in ("up", "check-config", "nodes", "--set"):
         assert word in done.stdout
+
+
+def test_an_agent_config_that_does_not_load_stops_the_command(tmp_path):
+    """rollout.agent_config is read as a command loads its config, not when the first episode starts."""
+    done = run_cli("check-config", "--set", 'rollout.agent_config="compact"')
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["rollout"]["agent_config"] == "compact"
+    done = run_cli("check-config", "--set", 'rollout.agent_config="nope.yaml"')
+    assert done.returncode == 2
+    assert "rollout.agent_config 'nope.yaml': no such file" in done.stderr
+    broken = write(tmp_path, "agent:\n  system_template: [1, 2]\n")
+    done = run_cli("eval", "--model", str(tmp_path), "--set", f'rollout.agent_config="{broken}"')
+    assert done.returncode == 2
+    assert "agent.system_template must be a string" in done.stderr

@@ -28,6 +28,7 @@ from swectl.agent.protocol import (
     ExitStatus,
     FormatError,
     Renderer,
+    agent_templates,
     parse_action,
     submission,
 )
@@ -93,6 +94,7 @@ def episode_config(options: RolloutOptions, *, temperature: float, seed: str | N
     sampling), ``per_step_samples`` (training with train.sampling.sample_mode = "step")."""
     return EpisodeConfig(
         seed=seed, manage_context=options.manage_context, per_step_samples=per_step_samples,
+        templates=agent_templates(options.agent_config),
         limits=AgentLimits(step_limit=options.step_limit, max_context_tokens=options.context,
                            max_format_errors=options.max_format_errors),
         sampling=SamplingParams(max_new_tokens=options.max_tokens, temperature=temperature))

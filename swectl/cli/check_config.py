@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from swectl.cli.common import config_args
-from swectl.config import load_config, resolved_json
+from swectl.cli.common import config_args, load_run_config
+from swectl.config import resolved_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,6 +15,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides)
+    config = load_run_config(args.config, args.overrides)
     sys.stdout.write(resolved_json(config).decode() + "\n")
     return 0

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from swectl.errors import ConfigError, TaskDataError
 
 if TYPE_CHECKING:
+    from swectl.config import ClusterConfig
     from swectl.tasks.record import Task
 
 SHOWN_SKIPPED_ROWS = 10
@@ -73,6 +74,17 @@ def config_args(parser: argparse.ArgumentParser, *, required: bool = False) -> N
         help="override a config value, e.g. --set env_pool.warm=8 or --set nodes.0.max_running=64 "
         "(values parse as TOML; repeatable)",
     )
+
+
+def load_run_config(path: str | Path | None, overrides: list[str]) -> ClusterConfig:
+    """The config of a command that runs episodes: `load_config`, then the files it names that the config layer
+    does not read (rollout.agent_config's templates), so a wrong one stops the command before any work starts."""
+    from swectl.agent.protocol import agent_templates
+    from swectl.config import load_config
+
+    config = load_config(path, overrides)
+    agent_templates(config.rollout.agent_config)
+    return config
 
 
 def output_dir(path: str | Path, knob: str = "--out") -> Path:

@@ -9,7 +9,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from swectl.cli.common import config_args, output_dir, say
+from swectl.cli.common import config_args, load_run_config, output_dir, say
 from swectl.data.prepare import (
     SHOWN_PROBLEMS,
     PrepareSummary,
@@ -219,12 +219,11 @@ def _run_gold(args: argparse.Namespace) -> int:
     import msgspec
 
     from swectl.cli.eval import select_tasks
-    from swectl.config import load_config
     from swectl.eval.gold import check_out_dir, make_gold
     from swectl.logs import write_run_log
     from swectl.model.tokenizer import load_tokenizer
 
-    config = load_config(args.config, args.overrides)
+    config = load_run_config(args.config, args.overrides)
     tokenizer = load_tokenizer(args.model, "--model")
     loaded = load_tasks(args.tasks)
     for problem in loaded.problems[:SHOWN_PROBLEMS]:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
-from swectl.cli.common import config_args, load_task_set, output_dir, say
-from swectl.config import ClusterConfig, load_config
+from swectl.cli.common import config_args, load_run_config, load_task_set, output_dir, say
+from swectl.config import ClusterConfig
 from swectl.errors import ConfigError, TaskDataError
 from swectl.images.project import BUNDLED_TASKS
 from swectl.logs import write_run_log
@@ -99,7 +99,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, [*args.overrides, *rollout_overrides(args)])
+    config = load_run_config(args.config, [*args.overrides, *rollout_overrides(args)])
     agent = bool(args.model or args.endpoint or args.openai_url)
     settings = _agent_settings(args, config) if agent else None
     if settings is not None and settings.mode != "openai":

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import anyio
 
-from swectl.cli.common import config_args, say
+from swectl.agent.protocol import agent_templates
+from swectl.cli.common import config_args, load_run_config, say
 from swectl.config import ClusterConfig, apply_override, decode_config, load_config
 from swectl.errors import ConfigError
 
@@ -77,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
         run_dir = Path(args.resume)
         if not run_dir.is_dir():
             raise ConfigError(f"--resume {run_dir}: no such run folder")
-        config = load_config(args.config, overrides) if args.config else _recorded_config(run_dir, overrides)
+        config = load_run_config(args.config, overrides) if args.config else _recorded_config(run_dir, overrides)
     else:
-        config = load_config(args.config, overrides)
+        config = load_run_config(args.config, overrides)
         run_dir = new_run_dir(config)
     plan = build_plan(config, run_dir, say=say)
     t = config.train
@@ -120,6 +121,7 @@ def _first_run(args: argparse.Namespace) -> int:
     config = load_config(None, config_sets)  # a wrong key or value stops here, before any phase
     run_dir = Path(args.resume) if args.resume else new_run_dir(config)
     recipe = load_recipe(run_dir, recipe_doc.get("recipe", {}))
+    agent_templates(recipe.agent_config)  # a wrong recipe.agent_config stops here too
     phase_sets = [x for o in config_sets if o.split("=", 1)[0].strip() not in ("out_dir", "run_id")
                   for x in ("--set", o)]
     summary = run_first(run_dir, recipe, phase_sets, say)
