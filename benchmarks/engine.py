@@ -15,12 +15,14 @@ Configurations, each adding one thing to the one before:
   read in full: the engine before this benchmark existed;
 * ``in_place``: the in-place KV cache (remote/programs/kv_cache.py);
 * ``continuous``: continuous batching (requests join a running batch between steps);
-* ``default``: the prefix store (a next turn reuses the KV of the turn before; the samples of a task share the
-  first prompt's): the engine's defaults.
+* ``prefix``: the prefix store (a next turn reuses the KV of the turn before; the samples of a task share the
+  first prompt's);
+* ``default``: the lean decode forward (remote/programs/lean_decode.py): the engine's defaults.
 
 Metrics: generated tokens per second over the run (``engine_tokens_per_s_<config>``), request latency p50
-(``engine_request_p50_s_<config>``), the server's mean rows per decode step, and ``engine_speedup_vs_baseline``
-(default over baseline tokens per second). Writes benchmarks/results/engine.json.
+(``engine_request_p50_s_<config>``), the server's mean rows per decode step, ``engine_speedup_vs_baseline``
+(default over baseline tokens per second) and ``engine_speedup_lean_decode`` (default over prefix).
+Writes benchmarks/results/engine.json.
 
 Run: ``.venv/bin/python benchmarks/engine.py [--quick] [--model DIR]``.
 """
@@ -53,10 +55,13 @@ from swectl.testing.cpu_engines import start_cpu_engine  # noqa: E402
 
 SUITE = "engine"
 CONFIGS = {
-    "baseline": ["--batching", "static", "--kv-cache", "concat", "--prefix-cache-mb", "0"],
-    "in_place": ["--batching", "static", "--kv-cache", "in-place", "--prefix-cache-mb", "0"],
-    "continuous": ["--batching", "continuous", "--kv-cache", "in-place", "--prefix-cache-mb", "0"],
-    "default": [],  # continuous batching, the in-place cache and the prefix store
+    "baseline": ["--batching", "static", "--kv-cache", "concat", "--prefix-cache-mb", "0", "--decode", "transformers"],
+    "in_place": ["--batching", "static", "--kv-cache", "in-place", "--prefix-cache-mb", "0",
+                 "--decode", "transformers"],
+    "continuous": ["--batching", "continuous", "--kv-cache", "in-place", "--prefix-cache-mb", "0",
+                   "--decode", "transformers"],
+    "prefix": ["--decode", "transformers"],  # continuous batching, the in-place cache and the prefix store
+    "default": [],  # and the lean decode forward: the engine's defaults
 }
 START_TIMEOUT_S = 180.0
 
@@ -174,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     if {"baseline", "default"} <= set(chosen):
         metrics["engine_speedup_vs_baseline"] = round(
             metrics["engine_tokens_per_s_default"] / metrics["engine_tokens_per_s_baseline"], 2)
+    if {"prefix", "default"} <= set(chosen):  # the lean decode forward alone
+        metrics["engine_speedup_lean_decode"] = round(
+            metrics["engine_tokens_per_s_default"] / metrics["engine_tokens_per_s_prefix"], 2)
     kinds_details = compare_kinds(args, model, work, vocab, episodes, metrics, say)
     meta = {**host_meta(), "quick": args.quick, "model": str(model), "clients": args.clients,
             "episodes_per_client": episodes, "turns": args.turns, "seed": args.seed, "configs": details,

@@ -182,7 +182,7 @@ class RolloutOptions(_Section):
     # The agent's prompts: "" = swectl's built-in (mini-swe-agent's protocol), a bundled config by name ("compact": the
     # same protocol in 85 prompt tokens instead of 275, for small models trained from scratch) or a mini-swe-agent YAML
     # config's path (1.x or 2.x; its templates and action regex; limits come from this section). Commands that run
-    # episodes read it as they load the config (swectl/cli/common.py load_agent_config)
+    # episodes read it as they load the config (swectl/cli/common.py load_run_config)
     agent_config: str = ""
 
 

@@ -1,7 +1,7 @@
 """A CPU inference server that speaks the subset of SGLang's HTTP API swectl uses (docs/architecture.md 5.4).
 
     python -m swectl.remote.programs.cpu_engine --model DIR [--host 127.0.0.1] [--port 30000] [--max-batch 8]
-        [--device cpu] [--batch-wait-ms 5] [--threads 1] [--batching continuous] [--kv-cache in-place]
+        [--device cpu] [--batch-wait-ms 5] [--threads 1] [--batching continuous] [--kv-cache in-place] [--decode lean]
         [--weight-version default] [--api-key KEY]
 
 Loads any local Hugging Face causal-LM folder with transformers (torch, CPU, float32) and serves
@@ -83,6 +83,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache", default="in-place", choices=["in-place", "concat"],
                         help="in-place: decode steps write into a cache with spare room; concat: transformers' "
                         "DynamicCache, which copies the cache on every token (just bench engine's baseline)")
+    parser.add_argument("--decode", default="lean", choices=["lean", "transformers"],
+                        help="lean: decode steps through remote/programs/lean_decode.py where it fits the model "
+                        "(Qwen3; else transformers'); transformers: always transformers' forward")
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--api-key", default=os.environ.get("SWECTL_ENGINE_API_KEY") or None,
@@ -134,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     transformers.logging.disable_progress_bar()
     started = time.perf_counter()
     model = Model(args.model, attn_implementation=args.attn_implementation, device=args.device,
-                  kv_cache=args.kv_cache, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
+                  kv_cache=args.kv_cache, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20), decode=args.decode,
+                  log=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"loaded {args.model} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     sock = socket.create_server((args.host, args.port))
     # Accepted connections inherit it: without it a keep-alive client waits ~40 ms per response for the

@@ -6,8 +6,9 @@ a sequence that begins the way a finished one did reuses that one's KV from the 
 remote/programs/kv_cache.py). ``merge`` stacks the rows of several batches into one (their caches left-padded to
 the widest) and ``join`` prefills newcomers into a running batch that way; ``step`` picks every row's next token,
 retires finished rows (keeping their KV in the prefix store) and runs the others one position further;
-``trim_padding`` drops the leading padding that rows which left the batch leave behind. The per-token logprobs
-follow SGLang's convention: ``log_softmax(logits)`` when greedy (temperature 0), else
+``trim_padding`` drops the leading padding that rows which left the batch leave behind. Decode steps run through
+remote/programs/lean_decode.py where it fits the model (``Model.lean``), else through transformers' forward. The
+per-token logprobs follow SGLang's convention: ``log_softmax(logits)`` when greedy (temperature 0), else
 ``log_softmax(logits / temperature)`` before top-k/top-p/min-p truncation; sampling uses the request's own
 torch.Generator. The scheduler (remote/programs/engine_scheduler.py) runs the forwards here in its worker thread,
 one call at a time.
@@ -16,7 +17,7 @@ one call at a time.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from transformers.cache_utils import DynamicLayer
 
 from swectl.engine.wire import SamplingParams
 from swectl.remote.programs.kv_cache import PrefixStore, SpareRoomLayer, decode_cache
+from swectl.remote.programs.lean_decode import LeanDecode
 
 LOGPROB_FLOOR = -1e30  # JSON has no -inf; SGLang clamps to the dtype's minimum likewise
 
@@ -57,7 +59,7 @@ class Model:
     """The model and its tokenizer. Used by the scheduler's worker thread only, one call at a time."""
 
     def __init__(self, path: Path, *, attn_implementation: str, device: str = "cpu", kv_cache: str = "in-place",
-                 prefix_cache_bytes: int = 0) -> None:
+                 prefix_cache_bytes: int = 0, decode: str = "lean", log: Callable[[str], None] | None = None) -> None:
         self.path = path
         self.attn_implementation = attn_implementation
         self.kv_cache = kv_cache  # in-place (remote/programs/kv_cache.py) | concat (transformers' DynamicCache)
@@ -68,6 +70,8 @@ class Model:
         self.eos_ids = _eos_ids(self.net, self.tokenizer)
         self.vocab_size: int = self.net.get_input_embeddings().num_embeddings
         self.context_length: int = int(getattr(self.net.config, "max_position_embeddings", 0) or 1 << 30)
+        # decode steps: remote/programs/lean_decode.py where it fits the model (else None: transformers' forward)
+        self.lean = LeanDecode.build(self.net, log) if decode == "lean" and self.device.type == "cpu" else None
 
     def new_cache(self) -> DynamicCache:
         if self.kv_cache == "concat":
@@ -82,6 +86,8 @@ class Model:
         self.prefixes.clear()
         self.net.load_state_dict(fresh.state_dict(), strict=True)
         self.path = path
+        if self.lean is not None:
+            self.lean.refresh()
 
     def load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy received tensors into the parameters of those names (update_weights_from_distributed); checks every
@@ -98,6 +104,8 @@ class Model:
         with torch.no_grad():
             for name, tensor in named:
                 state[name].copy_(tensor)
+        if self.lean is not None:
+            self.lean.refresh()
 
 
 # ---------------------------------------------------------------- one request, one batch
@@ -338,15 +346,19 @@ def step(model: Model, batch: Batch) -> list[Seq]:
         batch.next_pos = batch.next_pos[index]
         trim_padding(batch)
     batch.mask = torch.cat([batch.mask, torch.ones((len(keep), 1), dtype=torch.long, device=model.device)], dim=1)
-    out = model.net(
-        input_ids=torch.tensor([[tokens[row]] for row in keep], dtype=torch.long, device=model.device),
-        attention_mask=batch.mask,
-        position_ids=batch.next_pos[:, None],
-        past_key_values=batch.cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    batch.cache = out.past_key_values
-    batch.logits = out.logits[:, -1, :].float().cpu()
+    chosen = torch.tensor([tokens[row] for row in keep], dtype=torch.long, device=model.device)
+    if model.lean is not None:
+        batch.logits = model.lean.forward(chosen, batch.mask, batch.next_pos, batch.cache).float().cpu()
+    else:
+        out = model.net(
+            input_ids=chosen[:, None],
+            attention_mask=batch.mask,
+            position_ids=batch.next_pos[:, None],
+            past_key_values=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        batch.cache = out.past_key_values
+        batch.logits = out.logits[:, -1, :].float().cpu()
     batch.next_pos = batch.next_pos + 1
     return finished
