@@ -100,8 +100,8 @@ async def test_sft_and_grpo_losses_match_the_golden_file(model: Path, tmp_path: 
 
 async def test_one_rank_syncing_gradients_once_per_step_matches_the_golden_file(model: Path, tmp_path: Path
                                                                                ) -> None:
-    """A world of one reduces its gradients and reshards only on a step's last micro-batch (FSDP2 no-sync
-    accumulation); the losses and gradient norms stay the golden ones of two ranks that sync every micro-batch."""
+    """A world of one on the CPU trains the plain module (no FSDP2: its gradients add up over the micro-batches);
+    the losses and gradient norms stay the golden ones of two sharded ranks that sync every micro-batch."""
     vocab = _vocab(model)
     golden = json.loads(GOLDEN.read_text())
 
@@ -152,6 +152,33 @@ async def test_a_checkpoint_resumes_to_the_same_next_step(model: Path, tmp_path:
     await _with_trainer(model, tmp_path / "c", resumed_with_a_new_lr, resume=str(ckpt), lr=5e-3)
     assert seen["new_lr"] == pytest.approx(5e-3)
     assert seen["new_lr_loss"] == pytest.approx(seen["straight"], rel=1e-5)  # same weights, same batch
+
+
+async def test_a_checkpoint_of_one_plain_rank_resumes_on_two_sharded_ranks(model: Path, tmp_path: Path) -> None:
+    """A world of one on the CPU trains the plain module (no FSDP2); its checkpoint is the same torch.distributed
+    checkpoint, so two sharded ranks resume it to the same next step (and one rank resumes theirs)."""
+    vocab = _vocab(model)
+    seen: dict[str, float] = {}
+
+    def steps(name: str, first: int, ckpt: Path | None = None):  # type: ignore[no-untyped-def]
+        async def body(trainer: Trainer, ready) -> None:
+            with BatchWriter() as writer:
+                if first == 1:
+                    await trainer.step(1, writer.write(_batch(1, "grpo", vocab, seed=11)))
+                    await trainer.checkpoint(1, ckpt)
+                reply = await trainer.step(2, writer.write(_batch(2, "grpo", vocab, seed=12)))
+                seen[name] = reply.metrics["loss"]
+                seen[f"{name}_norm"] = reply.metrics["grad_norm"]
+        return body
+
+    await _with_trainer(model, tmp_path / "one", steps("one", 1, tmp_path / "ckpt1"), ranks=1, threads=2)
+    await _with_trainer(model, tmp_path / "two", steps("two", 1, tmp_path / "ckpt2"))
+    await _with_trainer(model, tmp_path / "one_on_two", steps("one_on_two", 2), resume=str(tmp_path / "ckpt1"))
+    await _with_trainer(model, tmp_path / "two_on_one", steps("two_on_one", 2), ranks=1, threads=2,
+                        resume=str(tmp_path / "ckpt2"))
+    for name in ("two", "one_on_two", "two_on_one"):
+        assert seen[name] == pytest.approx(seen["one"], rel=1e-4), name
+        assert seen[f"{name}_norm"] == pytest.approx(seen["one_norm"], rel=1e-3), name
 
 
 async def test_a_non_finite_step_is_refused_and_nothing_is_written(model: Path, tmp_path: Path) -> None:
