@@ -60,7 +60,7 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     sft_batch_size: int = 8
     sft_lr: float = 2e-3
     sft_schedule: Literal["constant", "cosine"] = "constant"
-    grpo_steps: int = 30
+    grpo_steps: int = 20  # 30 took 7 minutes more for no more gain (seed 3: +29.2 points at 30, +36.1 at 20)
     grpo_lr: float = 2e-4
     grpo_schedule: Literal["constant", "cosine"] = "cosine"  # cosine: down to a tenth by the last step
     kl_coef: float = 0.5  # GRPO's KL penalty to the SFT weights (low_var_kl): keeps the SFT format
