@@ -121,6 +121,6 @@ def test_a_recipe_naming_a_split_with_an_empty_side_is_refused(tmp_path: Path) -
 
 def test_the_eta_scales_each_phase_by_the_recipes_work() -> None:
     assert expected_s(Recipe()) == list(EXPECTED_S)
-    shorter = expected_s(Recipe(sft_steps=200, grpo_steps=15, eval_samples=8))
+    shorter = expected_s(Recipe(sft_steps=200, grpo_steps=10, eval_samples=8))
     assert shorter[2] == EXPECTED_S[2] / 2 and shorter[4] == EXPECTED_S[4] / 2
     assert shorter[3] == EXPECTED_S[3] * 2 and shorter[:2] == list(EXPECTED_S[:2])

@@ -188,6 +188,7 @@ def _sync(args: argparse.Namespace) -> int:
     from swectl.images.registry import parse_registry
     from swectl.images.sync import SyncOptions, SyncReport, SyncTarget, format_report, sync_images
     from swectl.remote.nodes.backends import make_node
+    from swectl.remote.nodes.docker_sandbox import DockerCli
     from swectl.remote.nodes.node import LocalNode
     from swectl.remote.nodes.podman import PodmanCli
 
@@ -197,15 +198,14 @@ def _sync(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"--per-node / --jobs: {exc}") from exc
     config = load_config(args.config, args.overrides)
-    if config.sandbox.backend == "docker":
-        raise ConfigError("image sync fills the nodes' Podman stores; sandbox.backend = \"docker\" nodes are not "
-                          "synced yet (pull there with `docker pull`, or use the podman or namespace backend)")
     resolver = ImageResolver.from_options(args.image_template, args.image_map)
     images = task_images(load_task_set(args.tasks), resolver)
 
     async def main() -> SyncReport:
         nodes = [make_node(n) for n in config.sandbox_nodes()]
-        targets = [SyncTarget(node.name, PodmanCli(node, cfg.containers_conf))
+        docker = config.sandbox.backend == "docker"  # a Docker node's images: its daemon's store
+        targets = [SyncTarget(node.name, DockerCli(node, config.sandbox.docker_host) if docker
+                              else PodmanCli(node, cfg.containers_conf))
                    for node, cfg in zip(nodes, config.sandbox_nodes(), strict=True)]
         try:
             if registry is None:

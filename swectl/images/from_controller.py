@@ -124,7 +124,7 @@ async def _census(targets: Sequence[SyncTarget], options: SyncOptions) -> dict[s
         async with limiter:
             try:
                 with anyio.fail_after(options.check_timeout_s):
-                    found[target.name] = await list_images(target.podman)
+                    found[target.name] = await list_images(target.cli)
             except TimeoutError:
                 found[target.name] = f"listing its images took more than {options.check_timeout_s:g}s"
             except InfraError as exc:
@@ -153,7 +153,7 @@ async def _remove_leftovers(targets: Sequence[SyncTarget], census: dict[str, dic
     """``rmi`` (never forced) each node's ``leftovers``: a name only, where the image has its task's name too."""
     async def one(target: SyncTarget, names: list[str]) -> None:
         with anyio.move_on_after(options.check_timeout_s), contextlib.suppress(InfraError):  # the next sync then
-            out = await target.podman.run("rmi", *names, check=False)
+            out = await target.cli.run("rmi", *names, check=False)
             if out.exit_code == 0:
                 say(f"{target.name}: removed {len(names)} name(s) a stopped sync had pulled by: {', '.join(names)}")
 
@@ -250,7 +250,7 @@ async def _pull_through_forwards(busy: Sequence[SyncTarget], images: list[str], 
     async with _private_folder() as folder, anyio.create_task_group() as tg:
         try:
             for target in busy:
-                node = target.podman.node
+                node = target.cli.node
                 if not isinstance(node, ForwardsToController):  # this machine: the registry's own address
                     targets.append(target)
                     continue
@@ -268,7 +268,7 @@ async def _pull_through_forwards(busy: Sequence[SyncTarget], images: list[str], 
                     continue
                 stops.append(stop)
                 relays[target.name] = relay
-                targets.append(SyncTarget(target.name, target.podman,
+                targets.append(SyncTarget(target.name, target.cli,
                                           registry=Registry(host=f"127.0.0.1:{port}", plain_http=True)))
             for name, result in results.items():
                 say(f"{name}: {result.error}")

@@ -3,7 +3,10 @@ fleet's, or the controller's own: from_controller.py, where each node reaches it
 ``SyncTarget.registry``).
 
 For each node (the env pool's nodes of the config): list its images (one ``podman images``), then pull each one
-it lacks from the registry (``podman pull REF``, ``podman tag REF NAME``, ``podman untag`` the registry name). An
+it lacks from the registry (``podman pull REF``, ``podman tag REF NAME``, ``podman untag`` the registry name). A
+Docker node (``sandbox.backend = "docker"``) goes through its daemon the same way (``docker pull``, ``tag``, ``rmi``
+of the registry's name: store.py); its daemon reaches a plain-HTTP registry only on 127.0.0.0/8 or when its
+``insecure-registries`` lists it. An
 image counts as present under the name the tasks use only once its pull completed and it was tagged (and, where the
 registry's copy is known, only when its id is that copy's: an image rebuilt since is pulled again), so a pull
 that fails, times out or is interrupted leaves nothing that a later sync or an episode takes as present (podman
@@ -50,8 +53,8 @@ from swectl.images.registry import (
     image_layers,
     normal_name,
 )
-from swectl.images.store import list_images, pull_image, sweep_pull_leftovers
-from swectl.remote.nodes.podman import PodmanCli
+from swectl.images.store import is_docker, list_images, pull_image, sweep_pull_leftovers
+from swectl.remote.nodes.podman import ContainerCli
 
 FORMAT_VERSION = 1
 # A layer on disk against its stored (gzip) size, for the disk check: source trees, wheels and binaries compress
@@ -137,11 +140,12 @@ class SyncReport(msgspec.Struct, kw_only=True):
 
 
 class SyncTarget(msgspec.Struct, frozen=True):
-    """A node to sync: its name and its podman (``prepare`` runs here if it has not); ``registry``: the registry as
-    this node reaches it, when not at the sync's address (the controller's, through the node's SSH forward)."""
+    """A node to sync: its name and its image store's CLI (podman, or docker on a Docker node: its daemon's store;
+    ``prepare`` runs here if it has not); ``registry``: the registry as this node reaches it, when not at the sync's
+    address (the controller's, through the node's SSH forward)."""
 
     name: str
-    podman: PodmanCli
+    cli: ContainerCli
     registry: Registry | None = None
 
 
@@ -234,7 +238,7 @@ async def sync_images(targets: Sequence[SyncTarget], images: Sequence[str], regi
 
 async def _node_images(target: SyncTarget, with_layers: bool) -> tuple[dict[str, str], set[str]]:
     """The node's images (name -> id, ``sha256:...``) and, ``with_layers``, the diff ids of their layers."""
-    cli = target.podman
+    cli = target.cli
     names = await list_images(cli)
     if not with_layers or not names:
         return names, set()
@@ -243,11 +247,11 @@ async def _node_images(target: SyncTarget, with_layers: bool) -> tuple[dict[str,
     return names, set(out.stdout.decode().split())
 
 
-async def _free_gb(cli: PodmanCli) -> float | None:
+async def _free_gb(cli: ContainerCli) -> float | None:
     """The free disk of the node's image store (GB); None when the node does not say (no disk check then)."""
     try:
-        return await cli.free_disk_gb()
-    except (InfraError, ValueError, IndexError):
+        return await cli.free_disk_gb()  # type: ignore[attr-defined]  # PodmanCli and DockerCli have it
+    except (InfraError, ValueError, IndexError, AttributeError):
         return None
 
 
@@ -268,8 +272,9 @@ async def _sync_node(target: SyncTarget, wanted: list[str], pullable: list[str],
     try:
         with anyio.fail_after(options.check_timeout_s):
             present, have = await _node_images(target, bool(layers))
-            free_gb = await _free_gb(target.podman) if layers else None
-            swept, swept_kb = await sweep_pull_leftovers(target.podman)
+            free_gb = await _free_gb(target.cli) if layers else None
+            # a docker daemon's pulls keep their downloads in the daemon, which drops those of a stopped pull
+            swept, swept_kb = (0, 0) if is_docker(target.cli) else await sweep_pull_leftovers(target.cli)
     except TimeoutError:
         result.error = f"listing its images took more than {options.check_timeout_s:g}s"
     except InfraError as exc:
@@ -318,7 +323,7 @@ async def _pull_one(target: SyncTarget, image: str, registry: Registry, image_la
                     return
                 short = _short_of_disk(state, sum(lacking.values()), options.min_free_gb)
                 pull = (Pull(image=image, ok=False, error=short) if short
-                        else await _pull(target.podman, image, registry))
+                        else await _pull(target.cli, image, registry))
         except NodeError as exc:
             if state.stop(str(exc), "the node was lost", node_scope):
                 say(f"{target.name}: {exc}")
@@ -374,7 +379,7 @@ async def _claim_layers(image: ImageLayers, state: _NodeState, mine: anyio.Event
     return lacking
 
 
-async def _pull(cli: PodmanCli, image: str, registry: Registry) -> Pull:
+async def _pull(cli: ContainerCli, image: str, registry: Registry) -> Pull:
     start = time.monotonic()
     error = await pull_image(cli, image, registry)
     return Pull(image=image, ok=not error, seconds=time.monotonic() - start, error=error)

@@ -259,9 +259,9 @@ class Summary(msgspec.Struct, kw_only=True):
 
 
 PHASES = ("model and split", "SFT data", "SFT", "SFT reading", "GRPO", "GRPO reading", "held-out reading")
-# Seconds each phase took in a first run on seed 3 (2-core machine, 2026-11-28) with the default recipe: the ETA
+# Seconds each phase took in a first run on seed 1 (2-core machine, 2026-11-29) with the default recipe: the ETA
 # scales them by the recipe's steps and samples (expected_s) and by how the phases so far compare with them
-EXPECTED_S = (15.0, 100.0, 870.0, 100.0, 1090.0, 110.0, 80.0)
+EXPECTED_S = (14.0, 118.0, 665.0, 88.0, 584.0, 99.0, 64.0)
 
 
 def expected_s(recipe: Recipe) -> list[float]:

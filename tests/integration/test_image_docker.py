@@ -6,7 +6,8 @@ dockerd.
 Covered: a burst of leases for an image the dockerd lacks makes one pull from the registry, every lease reports its
 wait, and the image stays under its task name (the registry's name is dropped); an image the registry lacks is a
 pull error that names the registry, and the pool goes on; under a small disk budget (docker's ``system df`` units)
-an image not in use goes while the held lease's image stays and its sandbox keeps working."""
+an image not in use goes while the held lease's image stays and its sandbox keeps working; `swectl image sync`'s
+pulls fill the dockerd from the registry under the tasks' names, and a second sync moves nothing."""
 
 from __future__ import annotations
 
@@ -102,6 +103,30 @@ async def test_an_image_the_registry_lacks_is_a_pull_error_naming_it(docker_daem
         with anyio.fail_after(LEASE_TIMEOUT_S):  # the pool goes on
             lease = await pool.acquire(NOPY_IMAGE)
         await pool.release(lease)
+
+
+async def test_image_sync_fills_the_dockerd_from_the_registry_and_a_second_sync_moves_nothing(
+        docker_daemon: DockerDaemon, registry: LocalRegistry) -> None:
+    from swectl.images.sync import SyncTarget, sync_images
+    from swectl.remote.nodes.docker_sandbox import DockerCli
+    from swectl.remote.nodes.node import LocalNode
+
+    wanted = [IMAGES["kept"], IMAGES["gone"]]
+    assert not any(holds(docker_daemon, image) for image in wanted)
+    target = SyncTarget("local", DockerCli(LocalNode("local"), docker_daemon.host))
+    try:
+        first = await sync_images([target], wanted, parse_registry(registry.url), say=lambda _: None)
+        assert first.ok, first
+        (node,) = first.nodes
+        assert sorted(node.pulled) == sorted(wanted) and not node.present_before
+        assert all(holds(docker_daemon, image) for image in wanted)  # under the task's name
+        refs = [parse_registry(registry.url).ref(image) for image in wanted]
+        assert not any(holds(docker_daemon, ref) for ref in refs)  # the registry's name is dropped
+        second = await sync_images([target], wanted, parse_registry(registry.url), say=lambda _: None)
+        (node,) = second.nodes
+        assert second.ok and not node.pulled and sorted(node.present_before) == sorted(wanted)
+    finally:
+        docker_daemon.docker("rmi", "-f", *wanted)
 
 
 async def test_a_small_disk_budget_removes_images_not_in_use_and_never_the_held_one(
