@@ -67,7 +67,8 @@ def test_check_config_shows_the_rollout_section() -> None:
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["rollout"] == {"samples": 3, "step_limit": 30, "max_tokens": 512, "context": 8192,
                                                   "max_format_errors": 3, "temperature": 0.0,
-                                                  "manage_context": False, "seed": None, "reuse_grades": True}
+                                                  "manage_context": False, "seed": None, "reuse_grades": True,
+                                                  "agent_config": ""}
 
 
 # ------------------------------------------------------------------ selection
