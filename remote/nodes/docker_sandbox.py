@@ -58,11 +58,8 @@ class DockerCli(ContainerCli):
         out = await self.run("version", "--format", "{{.Server.Version}}")
         return out.stdout.decode().strip()
 
-    async def free_disk_gb(self) -> float:
-        root = (await self.run("info", "--format", "{{.DockerRootDir}}")).stdout.decode().strip()
-        out = await self.node.run(["df", "-Pk", root or "/"])
-        fields = out.stdout.decode().splitlines()[-1].split()
-        return int(fields[3]) / 1024 / 1024
+    async def store_root(self) -> str:
+        return (await self.run("info", "--format", "{{.DockerRootDir}}")).stdout.decode().strip()
 
     def security_args(self) -> list[str]:
         args = ["--cap-drop", "ALL"]

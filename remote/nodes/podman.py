@@ -105,6 +105,17 @@ class ContainerCli:
             raise CommandError(self.node.name, argv, out.exit_code, out.stderr.decode(errors="replace"))
         return out
 
+    async def store_root(self) -> str:
+        """The folder of the engine's image store ("" when it does not say)."""
+        raise NotImplementedError
+
+    async def free_disk_gb(self) -> float:
+        """The free disk (GB) of the file system that holds the engine's image store."""
+        root = await self.store_root()
+        out = await self.node.run(["df", "-Pk", root or "/"])
+        fields = out.stdout.decode().splitlines()[-1].split()
+        return int(fields[3]) / 1024 / 1024
+
     async def version(self) -> str:
         out = await self.run("version", "--format", "{{.Client.Version}}")
         return out.stdout.decode().strip()
@@ -191,11 +202,8 @@ class PodmanCli(ContainerCli):
             raise CommandError(self.node.name, argv, out.exit_code, out.stderr.decode(errors="replace"))
         self._prefix = ["env", f"CONTAINERS_CONF={out.stdout.decode()}"]
 
-    async def free_disk_gb(self) -> float:
-        root = (await self.run("info", "--format", "{{.Store.GraphRoot}}")).stdout.decode().strip()
-        out = await self.node.run(["df", "-Pk", root or "/"])
-        fields = out.stdout.decode().splitlines()[-1].split()
-        return int(fields[3]) / 1024 / 1024
+    async def store_root(self) -> str:
+        return (await self.run("info", "--format", "{{.Store.GraphRoot}}")).stdout.decode().strip()
 
     async def list_containers(self, labels: dict[str, str]) -> list[SandboxInfo]:
         args = ["ps", "-a", "--format", "json"]

@@ -274,11 +274,8 @@ class PodmanApi(PodmanCli):
         rows = await self._call("GET", "/images/json") or []
         return [name for row in rows for name in row.get("Names") or [] if "<none>" not in name]
 
-    async def free_disk_gb(self) -> float:
-        root = (await self._call("GET", "/info"))["store"]["graphRoot"]
-        out = await self.node.run(["df", "-Pk", root or "/"])
-        fields = out.stdout.decode().splitlines()[-1].split()
-        return int(fields[3]) / 1024 / 1024
+    async def store_root(self) -> str:
+        return str((await self._call("GET", "/info"))["store"]["graphRoot"] or "")
 
     async def create(self, spec: SandboxSpec, name: str) -> str:
         """Create and start a container that idles until removed (``podman run -d``); returns its id."""

@@ -250,8 +250,8 @@ async def _node_images(target: SyncTarget, with_layers: bool) -> tuple[dict[str,
 async def _free_gb(cli: ContainerCli) -> float | None:
     """The free disk of the node's image store (GB); None when the node does not say (no disk check then)."""
     try:
-        return await cli.free_disk_gb()  # type: ignore[attr-defined]  # PodmanCli and DockerCli have it
-    except (InfraError, ValueError, IndexError, AttributeError):
+        return await cli.free_disk_gb()
+    except (InfraError, ValueError, IndexError):
         return None
 
 
