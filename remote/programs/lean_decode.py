@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from swectl.model.logit_transforms import logit_transforms
+
 CHECK_TOLERANCE = 1e-4  # largest logit difference to transformers' forward accepted on the check input
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def _fits(net: Any) -> str:
@@ -38,8 +39,8 @@ def _fits(net: Any) -> str:
     rope = getattr(cfg, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         return f"rope_type {rope.get('rope_type')}"
-    if any(getattr(cfg, name, None) for name in LOGIT_TRANSFORMS):
-        return "a logit transform"
+    if transforms := logit_transforms(cfg):
+        return f"logit transform {', '.join(transforms)}"
     return ""
 
 

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from swectl.model.logit_transforms import logit_transforms
 from swectl.rl.batch import TrainBatch, TrainSample
 from swectl.rl.losses import (
     policy_loss,
@@ -162,11 +163,6 @@ def build_model(s: TrainerSettings, device: torch.device) -> torch.nn.Module:
     return model
 
 
-# Config fields by which a model's forward changes its logits after the output projection (Gemma's soft-capping,
-# Cohere's and Granite's scaling): the selected-logits path would skip that, so such models keep the full path.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
 def _add_selected_logits(model: torch.nn.Module, *, sharded: bool) -> None:
     """Give ``model`` a forward method ``selected_logits(input_ids, attention_mask, rows, cols)``: the decoder's
     hidden states at ``(rows, cols)`` only, through the output projection (``[N, V]``). The loss reads the logits
@@ -182,7 +178,7 @@ def _add_selected_logits(model: torch.nn.Module, *, sharded: bool) -> None:
 
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    transforms = [k for k in LOGIT_TRANSFORMS if getattr(model.config, k, None) not in (None, 1, 1.0)]
+    transforms = logit_transforms(model.config)
     if decoder is None or head is None or transforms:
         log(f"full logits: {'logit transform ' + ', '.join(transforms) if transforms else 'no decoder/output head'}")
         return

@@ -88,13 +88,14 @@ class EpisodeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def episode_config(options: RolloutOptions, *, temperature: float, seed: str | None = None,
-                   per_step_samples: bool = False) -> EpisodeConfig:
+                   per_step_samples: bool = False, templates: AgentTemplates | None = None) -> EpisodeConfig:
     """The one builder of an EpisodeConfig from the ``[rollout]`` section, for training and evaluation alike:
     ``temperature`` (training's is train.sampling.temperature), ``seed`` (a namespace that seeds every request's
-    sampling), ``per_step_samples`` (training with train.sampling.sample_mode = "step")."""
+    sampling), ``per_step_samples`` (training with train.sampling.sample_mode = "step"), ``templates`` (the
+    prompts of ``rollout.agent_config`` read once by a caller that builds many; default: read them now)."""
     return EpisodeConfig(
         seed=seed, manage_context=options.manage_context, per_step_samples=per_step_samples,
-        templates=agent_templates(options.agent_config),
+        templates=templates if templates is not None else agent_templates(options.agent_config),
         limits=AgentLimits(step_limit=options.step_limit, max_context_tokens=options.context,
                            max_format_errors=options.max_format_errors),
         sampling=SamplingParams(max_new_tokens=options.max_tokens, temperature=temperature))

@@ -25,6 +25,7 @@ from swectl.actors.judge import Judge
 from swectl.actors.metrics import Metrics
 from swectl.actors.rollout import EpisodeResult, Rollout, RolloutConfig
 from swectl.agent.loop import Episode, EpisodeConfig, episode_config
+from swectl.agent.protocol import agent_templates
 from swectl.config import ClusterConfig
 from swectl.errors import TaskDataError
 from swectl.rl.groups import REWARDS_FILE, EpisodeReward, GradedEpisode, Group, score_group
@@ -79,6 +80,8 @@ class TrainRollouts:
         self._engines = engines
         self._tokenizer = tokenizer
         self._judge = judge
+        # rollout.agent_config read once: a YAML file edited during the run does not change its prompts halfway
+        self._templates = agent_templates(config.rollout.agent_config)
 
     def grader(self, out: Path) -> Grader:
         """The Grader of one step's rollouts or an evaluation (its own verdicts to reuse, its logs under ``out``)."""
@@ -98,7 +101,7 @@ class TrainRollouts:
     def _episode_config(self, seed: str) -> EpisodeConfig:
         sampling = self._config.train.sampling
         return episode_config(self._config.rollout, temperature=sampling.temperature, seed=seed,
-                              per_step_samples=sampling.sample_mode == "step")
+                              per_step_samples=sampling.sample_mode == "step", templates=self._templates)
 
     async def group(self, rollout: Rollout, task: Task, results: list[EpisodeResult]) -> Group | None:
         """``n_samples`` finished episodes of ``task`` (every result is appended to ``results``); ABORTED ones are

@@ -27,6 +27,7 @@ from swectl.errors import ConfigError
 from swectl.rl.advantages import advantage_stats
 from swectl.rl.batch import TrainSample
 from swectl.rl.groups import Group, group_outcomes, group_samples
+from swectl.tasks.record import Task
 from swectl.train.checkpoint import RunState, step_name
 from swectl.train.feed import GroupFeed
 from swectl.train.rollouts import TrainRollouts, gather
@@ -92,10 +93,18 @@ class GroupSource:
         return _grpo_samples(groups, results, info, tasks_seen, self._sampling, self._experiment)
 
     async def _collect(self, step: int) -> tuple[list[Group], list[EpisodeResult], dict[str, float], list[str]]:
-        """``tasks_per_step`` groups with a signal; a group that cannot be completed is dropped."""
+        """``tasks_per_step`` groups with a signal; a group that cannot be completed is dropped.
+
+        Dynamic sampling per slot: each of the step's ``tasks_per_step`` slots runs a group and, while its group is
+        uninformative (or aborted) and it has had fewer than ``max_sampling_rounds`` tries, draws the next task at
+        once, while the other slots' groups still run. Rounds over the whole step drew the same tasks (one more per
+        unfilled slot), but only after the slowest group of the round: the engine idled through its tail. A group's
+        episodes are seeded by its task, not by when it runs, so the groups are the same; they are kept, scored and
+        trained in the order they were drawn."""
         s = self._sampling
-        kept: list[Group] = []
-        every: list[Group] = []
+        tries = s.max_sampling_rounds if s.dynamic_sampling else 1
+        scored: dict[int, Group] = {}  # draw index -> scored group
+        informative: set[int] = set()
         results: list[EpisodeResult] = []
         tasks_seen: list[str] = []
         dropped = {"uninformative": 0, "aborted": 0}
@@ -103,27 +112,38 @@ class GroupSource:
         out = self._rollouts.run_dir / "episodes" / step_name(step)
         grader = self._rollouts.grader(out)
         rollout = self._rollouts.rollout(grader, str(step), out)
+
+        def draw() -> tuple[int, Task]:
+            (task,) = self._tasks.next(1)
+            tasks_seen.append(task.instance_id)
+            return len(tasks_seen) - 1, task
+
+        async def slot(index: int, task: Task) -> None:
+            nonlocal rounds
+            for attempt in range(1, tries + 1):
+                rounds = max(rounds, attempt)
+                g = await self._rollouts.group(rollout, task, results)
+                if g is None:
+                    dropped["aborted"] += 1
+                else:
+                    # keyed by the draw index: the shuffled-reward control does not depend on which group ends first
+                    self._rollouts.score(g, f"{step}:{g.instance_id}:{index}", out)
+                    scored[index] = g
+                    if not s.dynamic_sampling or g.informative:
+                        informative.add(index)
+                        return
+                    dropped["uninformative"] += 1
+                if attempt < tries:
+                    index, task = draw()
+
+        first = [draw() for _ in range(s.tasks_per_step)]
         async with anyio.create_task_group() as tg:
             await tg.start(grader.run, name="grader")
             await tg.start(rollout.run, name="rollout")
-            while len(kept) < s.tasks_per_step and rounds < s.max_sampling_rounds:
-                rounds += 1
-                tasks = self._tasks.next(s.tasks_per_step - len(kept))
-                tasks_seen += [task.instance_id for task in tasks]
-                for g in await gather([lambda task=task: self._rollouts.group(rollout, task, results)
-                                       for task in tasks]):
-                    if g is None:
-                        dropped["aborted"] += 1
-                        continue
-                    self._rollouts.score(g, f"{step}:{g.instance_id}:{len(every)}", out)
-                    every.append(g)
-                    if s.dynamic_sampling and not g.informative:
-                        dropped["uninformative"] += 1
-                    else:
-                        kept.append(g)
-                if not s.dynamic_sampling:
-                    break
+            await gather([lambda i=i, t=t: slot(i, t) for i, t in first])
             tg.cancel_scope.cancel("step collected")
+        kept = [scored[i] for i in sorted(informative)]
+        every = [scored[i] for i in sorted(scored)]
         info = {"groups": float(len(kept)), "sampling_rounds": float(rounds),
                 "groups_dropped_uninformative": float(dropped["uninformative"]),
                 "groups_dropped_aborted": float(dropped["aborted"])}
