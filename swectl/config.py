@@ -288,7 +288,7 @@ class SamplingConfig(_Section):
     n_samples: Count = 4  # episodes per task (the group)
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # sampling temperature of training episodes
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal and draw more tasks
-    max_sampling_rounds: Count = 3  # rounds of drawing more tasks per step before training on what there is
+    max_sampling_rounds: Count = 3  # tries per group slot of a step (a dropped group's slot draws again at once)
     # asynchronous RL (docs/architecture.md 8.5): episodes keep running while the trainer trains; a group starts only
     # while at most (max_staleness + 1) x tasks_per_step x n_samples episodes are outstanding, and no episode is
     # trained more than max_staleness weight versions after it started (a step waits for it instead). 0 = synchronous,

@@ -161,7 +161,7 @@ def test_bundled_gold_edit_turns_the_pre_image_into_the_post_image(task: Task, t
 def test_the_test_command_takes_the_eval_scripts_environment() -> None:
     task = next(t for t in BUNDLED if t.instance_id.startswith("cachetools"))
     test = parse_action(gold_replies(task)[2])
-    assert test.startswith("PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=src python -m pytest -q -p no:cacheprovider ")
+    assert test.startswith("PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=src python -m pytest -qq -p no:cacheprovider ")
     assert test.split()[-3:] == task.FAIL_TO_PASS[:3]
 
 

@@ -476,7 +476,9 @@ def _literal(lines: list[str], open_end: bool) -> str:
 
 def _test_command(task: Task) -> str:
     """Run up to MAX_TESTS failing tests with pytest, with the environment the eval script sets (PYTHONPATH=...),
-    without writing bytecode or caches into the repository; empty when the task's tests are not pytest's."""
+    without writing bytecode or caches into the repository; empty when the task's tests are not pytest's.
+    ``-qq``: pytest prints no run time ("1 passed in 0.10s" under ``-q``), so a gold trajectory's observations are
+    the same run after run; with the time in them, two first runs of one seed trained on different SFT data."""
     tests = [t for t in task.FAIL_TO_PASS if "::" in t][:MAX_TESTS]
     if not tests or not task.eval_script:
         return ""
@@ -487,5 +489,5 @@ def _test_command(task: Task) -> str:
             env.append(words.pop(0))
         if words[:3] == ["python", "-m", "pytest"] or words[:1] == ["pytest"]:
             prefix = " ".join(["PYTHONDONTWRITEBYTECODE=1", *env])
-            return f"{prefix} python -m pytest -q -p no:cacheprovider {' '.join(shlex.quote(t) for t in tests)}"
+            return f"{prefix} python -m pytest -qq -p no:cacheprovider {' '.join(shlex.quote(t) for t in tests)}"
     return ""
