@@ -116,8 +116,12 @@ class TrainRollouts:
             index += want
             for result, episode in batch:
                 results.append(result)
-                if result.outcome == "ABORTED" or (result.grade is not None and result.grade.infra):
+                if result.outcome == "ABORTED":
                     _log.warning("episode %s#%d aborted: %s", result.instance_id, result.sample, result.reason)
+                    continue
+                if result.grade is not None and result.grade.infra:  # the episode ended; grading it failed
+                    _log.warning("episode %s#%d not graded (%s: %s); replaced", result.instance_id, result.sample,
+                                 result.grade.reason, result.grade.detail or result.grade.status)
                     continue
                 good.append(graded_episode(result, episode))
             if len(good) >= n:
