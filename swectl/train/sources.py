@@ -104,7 +104,6 @@ class GroupSource:
         s = self._sampling
         tries = s.max_sampling_rounds if s.dynamic_sampling else 1
         scored: dict[int, Group] = {}  # draw index -> scored group
-        informative: set[int] = set()
         results: list[EpisodeResult] = []
         tasks_seen: list[str] = []
         dropped = {"uninformative": 0, "aborted": 0}
@@ -130,7 +129,6 @@ class GroupSource:
                     self._rollouts.score(g, f"{step}:{g.instance_id}:{index}", out)
                     scored[index] = g
                     if not s.dynamic_sampling or g.informative:
-                        informative.add(index)
                         return
                     dropped["uninformative"] += 1
                 if attempt < tries:
@@ -142,8 +140,8 @@ class GroupSource:
             await tg.start(rollout.run, name="rollout")
             await gather([lambda i=i, t=t: slot(i, t) for i, t in first])
             tg.cancel_scope.cancel("step collected")
-        kept = [scored[i] for i in sorted(informative)]
         every = [scored[i] for i in sorted(scored)]
+        kept = [g for g in every if not s.dynamic_sampling or g.informative]
         info = {"groups": float(len(kept)), "sampling_rounds": float(rounds),
                 "groups_dropped_uninformative": float(dropped["uninformative"]),
                 "groups_dropped_aborted": float(dropped["aborted"])}
