@@ -16,7 +16,16 @@ from swectl.config import load_config
 from swectl.errors import ConfigError
 from swectl.images.project import BUNDLED_TASKS
 from swectl.train import first_run
-from swectl.train.first_run import EXPECTED_S, Recipe, Summary, expected_s, load_recipe, set_flags, summary_table
+from swectl.train.first_run import (
+    EXPECTED_S,
+    Recipe,
+    Summary,
+    expected_s,
+    load_recipe,
+    set_flags,
+    sft_speed,
+    summary_table,
+)
 
 
 def _overrides(sets: dict[str, object]) -> list[str]:
@@ -74,6 +83,22 @@ def test_the_table_gives_both_readings_the_gain_and_where_things_are(tmp_path: P
     assert "train split after GRPO        50.0%  (36/72 episodes)" in text
     assert "+25.0 points (one standard error 7.7)" in text and "24.5 min (seed 2)" in text
     assert f"swectl view {tmp_path / 'grpo'}" in text and "sft 5.0" in text
+    assert "machine speed" not in text  # not known: no line
+
+
+def test_the_machine_speed_comes_from_the_sft_steps_and_shows_in_the_table(tmp_path: Path) -> None:
+    assert sft_speed(tmp_path) == (0.0, 0.0)  # no SFT run yet
+    (tmp_path / "sft").mkdir()
+    rows = [{"step": n, "step_s": s, "train_tokens_per_s": t} for n, (s, t) in
+            enumerate([(9.0, 900.0), (1.5, 4000.0), (1.6, 4200.0), (1.7, 4100.0)], 1)]
+    (tmp_path / "sft" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert sft_speed(tmp_path) == (1.65, 4050.0)  # medians: the slow first step does not count much
+    reading = {"resolve_rate": 0.25, "resolved": 18, "episodes": 72}
+    summary = Summary(seed=2, sft_train_resolve_rate=0.25, grpo_train_resolve_rate=0.25, test_resolve_rate=0.0,
+                      gain_points=0.0, gain_noise_points=7.2, minutes=24.5, phases_s={}, run_dir=str(tmp_path),
+                      readings={"sft_train": reading, "grpo_train": reading, "test": reading}, recipe={},
+                      sft_step_s=1.65, sft_tokens_per_s=4120.0)
+    assert "machine speed: SFT took 1.65 s a step (4.1k tokens/s)" in "\n".join(summary_table(summary))
 
 
 def test_set_flags_pairs_each_key_with_its_value() -> None:

@@ -30,10 +30,11 @@ from swectl.images import controller_registry as ctlreg
 from swectl.images.from_controller import leftovers, sync_from_controller
 from swectl.images.registry import Registry, RegistryError, image_path, normal_name, parse_registry
 from swectl.images.relay import ByteRelay
-from swectl.images.store import PULL_SCRIPT, SWEEP_SCRIPT, docker_bytes
 from swectl.images.sync import SyncOptions, SyncTarget, format_report, human_bytes, sync_images
+from swectl.remote.nodes.docker_sandbox import docker_bytes
 from swectl.remote.nodes.node import LocalNode
 from swectl.remote.nodes.podman import PodmanCli
+from swectl.remote.nodes.pull_folders import PULL_SCRIPT, SWEEP_SCRIPT
 from swectl.schema import CommandOutput
 
 REG = Registry(host="10.9.0.1:5000", plain_http=True)
@@ -79,6 +80,7 @@ class Fleet:
     def __init__(self) -> None:
         self.pulling = 0
         self.max_pulling = 0
+        self.events: list[tuple[str, str]] = []  # ("pushed", image) and ("pull NODE", image), in order
 
 
 class FakeNode:
@@ -163,6 +165,7 @@ class FakeNode:
         name = "localhost/" + ref.split("/", 1)[1]
         if name not in self.registry.images:
             return CommandOutput(exit_code=125, stdout=b"", stderr=b"Error: reading manifest: manifest unknown")
+        self.fleet.events.append((f"pull {self.name}", name))
         lacking = {d for d, _ in self.registry.images[name]} - self._layers()
         if any(lacking & other for other in self.fetching):
             self.overlaps += 1
@@ -411,6 +414,7 @@ class FakeController(FakeNode):
             self.store[normal_name(name)] = [d for d, _ in layers]
         self.pushed: list[str] = []
         self.refuse: set[str] = set()
+        self.push_s = 0.0
 
     async def run(self, argv: Sequence[str], *, input: bytes | None = None) -> CommandOutput:
         args = list(argv)
@@ -423,8 +427,10 @@ class FakeController(FakeNode):
             case ["push", "--tls-verify=false", image, _ref]:
                 if image in self.refuse:
                     return CommandOutput(exit_code=125, stdout=b"", stderr=b"Error: writing blob: disk quota exceeded")
+                await anyio.sleep(self.push_s)
                 self.pushed.append(image)
                 self.registry.images[normal_name(image)] = self.catalog[image]
+                self.fleet.events.append(("pushed", normal_name(image)))
                 return CommandOutput(exit_code=0, stdout=b"", stderr=b"")
         return await super().run(argv, input=input)
 
@@ -475,6 +481,23 @@ def test_from_the_controller_only_what_the_nodes_lack_is_sent_environment_image_
     assert second.present_before == [] and sorted(second.pulled) == sorted(INSTANCE_IMAGES)
     assert first.bytes == sum(100 + i for i in range(1, 4)) and second.bytes == 6000 + sum(100 + i for i in range(4))
     assert any("controller: [1/5] pushed localhost/env:1" in line for line in lines)
+
+
+def test_from_the_controller_a_node_pulls_each_image_once_its_push_ended_not_after_every_push() -> None:
+    registry, fleet = FakeRegistry({}), Fleet()
+    controller = FakeController(registry, fleet)
+    controller.push_s = 0.05
+    nodes = [FakeNode(f"n{i}", registry, fleet, pull_s=0.01) for i in range(2)]
+    report, _, _ = _from_controller(registry, nodes, controller)
+    assert report.ok, format_report(report)
+    order = fleet.events
+    pushed_at = {image: order.index(("pushed", image)) for image in IMAGES}
+    for node in nodes:
+        pulls = [(i, image) for i, (what, image) in enumerate(order) if what == f"pull {node.name}"]
+        assert sorted(image for _, image in pulls) == sorted(INSTANCE_IMAGES)
+        assert all(i > pushed_at[image] for i, image in pulls)  # never before its push ended
+        assert pulls[0][0] < pushed_at[controller.pushed[-1]]  # the first began while pushes went on
+    assert report.nodes[0].bytes == report.nodes[1].bytes == 6000 + sum(100 + i for i in range(4))
 
 
 def test_from_the_controller_nothing_lacking_starts_no_registry() -> None:

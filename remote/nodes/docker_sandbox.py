@@ -18,12 +18,13 @@ image fails with a CommandError that names the image and says so.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 
 from swectl.config import SandboxConfig
-from swectl.errors import CommandError
+from swectl.errors import CommandError, InfraError
 from swectl.remote.nodes.node import Node
-from swectl.remote.nodes.podman import ContainerCli, bundled_containers_conf, qualify_image
+from swectl.remote.nodes.podman import ContainerCli, bundled_containers_conf, last_error_line, qualify_image
 from swectl.remote.nodes.podman_sandbox import ContainerBackend, ContainerSandbox
 from swectl.schema import SandboxInfo, SandboxSpec
 
@@ -35,6 +36,18 @@ def default_capabilities() -> list[str]:
 
 
 CAPABILITIES = default_capabilities()
+# docker's answers: a missing image; a daemon that speaks HTTPS to a plain-HTTP registry it was not told is insecure
+_NO_IMAGE = ("no such image", "no such object")
+_INSECURE = "server gave http response to https client"
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15}
+
+
+def docker_bytes(size: str) -> int:
+    """Bytes of a size as docker prints it (``1.234GB``, ``512kB``, ``0B``: decimal units)."""
+    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKMGTP]?B)\s*", size)
+    if not found:
+        raise ValueError(f"not a docker size: {size!r}")
+    return round(float(found.group(1)) * _UNITS[found.group(2).lower()])
 
 
 class DockerCli(ContainerCli):
@@ -76,7 +89,7 @@ class DockerCli(ContainerCli):
             return out.stdout.decode().split()[-1]
         stderr = out.stderr.decode(errors="replace")
         image = qualify_image(spec.image)
-        if out.exit_code == 125 and not await self.has_image(image):
+        if out.exit_code == 125 and not await self._image_known(image):
             stderr = (
                 f"image {image} is not in the Docker image store of node {self.node.name} and could not be "
                 f"pulled -- hint: load it there (`podman save {image} | docker load`) or push it to a "
@@ -84,9 +97,47 @@ class DockerCli(ContainerCli):
             )
         raise CommandError(self.node.name, self.argv(*args), out.exit_code, stderr)
 
-    async def has_image(self, image: str) -> bool:
-        out = await self.run("image", "inspect", "--format", "{{.Id}}", image, check=False)
-        return out.exit_code == 0
+    async def _image_known(self, image: str) -> bool:
+        try:
+            return await self.image_exists(image)
+        except InfraError:
+            return True  # the daemon cannot say: the error stays docker's own
+
+    # ------------------------------------------------------------ the image store: docker differs from podman here
+
+    async def image_exists(self, image: str) -> bool:
+        """No ``image exists``: ``inspect`` exits 1 both for a missing image and for a daemon it lost."""
+        out = await self.run("image", "inspect", "--format", "{{.Id}}", qualify_image(image), check=False)
+        if out.exit_code == 0:
+            return True
+        stderr = out.stderr.decode(errors="replace")
+        if any(s in stderr.lower() for s in _NO_IMAGE):
+            return False
+        raise InfraError(f"node {self.node.name!r}: cannot tell whether {image} is there: {last_error_line(stderr)}")
+
+    def pull_hint(self, error: str, *, registry_host: str, registry_url: str) -> str:
+        """No TLS flag on a pull: the daemon reaches a plain-HTTP registry only when its ``insecure-registries``
+        name it (or on 127.0.0.0/8)."""
+        if _INSECURE not in error.lower():
+            return ""
+        return (f"{registry_url} is plain HTTP: name {registry_host} in the node's dockerd \"insecure-registries\" "
+                f"(/etc/docker/daemon.json) and restart it")
+
+    async def drop_name(self, image: str, name: str) -> None:
+        """docker has no ``untag``: ``rmi`` of a name the image has another of removes only that name."""
+        await self.run("rmi", name)
+
+    async def images_disk_bytes(self) -> int:
+        """``system df`` in docker's decimal units (``1.234GB``)."""
+        out = await self.run("system", "df", "--format", "{{.Type}}|{{.Size}}")
+        for line in out.stdout.decode().splitlines():
+            kind, _, size = line.partition("|")
+            if kind.strip() == "Images":
+                try:
+                    return docker_bytes(size)
+                except ValueError:
+                    break
+        raise self._disk_error(out.stdout)
 
     async def list_containers(self, labels: dict[str, str]) -> list[SandboxInfo]:
         """``docker ps`` prints labels as one "k=v,k=v" string (ambiguous when a value has a comma): the ids

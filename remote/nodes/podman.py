@@ -22,7 +22,8 @@ from pathlib import Path
 
 import anyio
 
-from swectl.errors import CommandError
+from swectl.errors import CommandError, InfraError
+from swectl.remote.nodes import pull_folders
 from swectl.remote.nodes.node import Node
 from swectl.schema import CommandOutput, SandboxInfo, SandboxSpec
 
@@ -75,6 +76,13 @@ def run_local_podman(
     return CommandOutput(exit_code=done.returncode, stdout=done.stdout, stderr=done.stderr)
 
 
+def last_error_line(stderr: str) -> str:
+    """The line of a podman or docker error output that says what went wrong."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("Error:")]
+    return (errors or lines or ["podman failed with no message"])[-1]
+
+
 class ContainerCli:
     """A container engine's command line on one node: what ``podman`` and ``docker`` share (their ``run``
     flags, images, version). Subclasses say how to reach the engine (``prepare``), how to list and remove."""
@@ -123,6 +131,36 @@ class ContainerCli:
     async def images(self) -> list[str]:
         out = await self.run("images", "--format", "{{.Repository}}:{{.Tag}}")
         return [line for line in out.stdout.decode().split() if line and "<none>" not in line]
+
+    # ------------------------------------------------------------ the image store (swectl/images/store.py)
+
+    async def image_exists(self, image: str) -> bool:
+        """Whether the store holds ``image``; InfraError when the engine cannot tell."""
+        raise NotImplementedError
+
+    def pull_flags(self, *, plain_http: bool) -> list[str]:
+        """``pull`` flags for a registry (``plain_http``: one that speaks HTTP, not HTTPS)."""
+        return []
+
+    def pull_hint(self, error: str, *, registry_host: str, registry_url: str) -> str:
+        """What to do about a failed pull from a registry (appended to its error), "" when nothing to say."""
+        return ""
+
+    async def drop_name(self, image: str, name: str) -> None:
+        """Remove ``name``, a second name of ``image``; the image stays under ``image``."""
+        raise NotImplementedError
+
+    async def images_disk_bytes(self) -> int:
+        """The bytes the store's images take on the node's disk, each shared layer once (``system df``)."""
+        raise NotImplementedError
+
+    async def sweep_pull_leftovers(self, root: str = "") -> tuple[int, int]:
+        """Remove what stopped pulls left on the node (remote/nodes/pull_folders.py): (folders, KB)."""
+        return 0, 0
+
+    def _disk_error(self, stdout: bytes) -> InfraError:
+        return InfraError(f"node {self.node.name!r}: `{self.binary} system df` did not say how much disk the images "
+                          f"take: {stdout.decode(errors='replace')[-300:]!r}")
 
     def security_args(self) -> list[str]:
         """Extra `run` flags for capabilities and the like (podman's come from containers.conf)."""
@@ -204,6 +242,30 @@ class PodmanCli(ContainerCli):
 
     async def store_root(self) -> str:
         return (await self.run("info", "--format", "{{.Store.GraphRoot}}")).stdout.decode().strip()
+
+    async def image_exists(self, image: str) -> bool:
+        out = await self.run("image", "exists", qualify_image(image), check=False)
+        if out.exit_code in (0, 1):
+            return out.exit_code == 0
+        raise InfraError(f"node {self.node.name!r}: cannot tell whether {image} is there: "
+                         f"{last_error_line(out.stderr.decode(errors='replace'))}")
+
+    def pull_flags(self, *, plain_http: bool) -> list[str]:
+        return ["--tls-verify=false"] if plain_http else []
+
+    async def drop_name(self, image: str, name: str) -> None:
+        await self.run("untag", image, name)
+
+    async def images_disk_bytes(self) -> int:
+        out = await self.run("system", "df", "--format", "{{.Type}}|{{.RawSize}}")
+        for line in out.stdout.decode().splitlines():
+            kind, _, size = line.partition("|")
+            if kind.strip() == "Images" and size.strip().isdigit():
+                return int(size)
+        raise self._disk_error(out.stdout)
+
+    async def sweep_pull_leftovers(self, root: str = "") -> tuple[int, int]:
+        return await pull_folders.sweep(self.node, root)
 
     async def list_containers(self, labels: dict[str, str]) -> list[SandboxInfo]:
         args = ["ps", "-a", "--format", "json"]

@@ -10,10 +10,12 @@ holds its environment layers.
    ``pull_timeout_s``, unless the registry holds that very image already (its config digest is the image id); podman
    sends only the layers the registry lacks. A push does not start when the cache's disk has less than
    ``min_free_gb`` free.
-3. Each SSH node gets a port on its loopback forwarded over its SSH connection to a relay of its own (relay.py) in
-   front of the registry; a local node reaches the registry directly (and, sharing the controller's store, lacks
-   nothing). The pulls are sync.py's: bounded per node and across the fleet, a shared layer fetched once per node, a
-   disk check, faults per node, each node pulling from ``127.0.0.1:ITS_PORT`` over plain HTTP.
+3. While the pushes go on, each SSH node gets a port on its loopback forwarded over its SSH connection to a relay of
+   its own (relay.py) in front of the registry; a local node reaches the registry directly (and, sharing the
+   controller's store, lacks nothing). The pulls are sync.py's: bounded per node and across the fleet, a shared layer
+   fetched once per node, a disk check, faults per node, each node pulling from ``127.0.0.1:ITS_PORT`` over plain
+   HTTP. A node's pull of an image starts as soon as that image's push ended (sync.py's ``gate``), not after every
+   push; an image whose push failed is a failed pull that says why.
 4. The report is sync.py's, with the bytes the controller really sent each node (``sent_bytes``) and, when the
    registry stopped during the sync, ``error`` saying so.
 
@@ -96,12 +98,15 @@ async def sync_from_controller(targets: Sequence[SyncTarget], images: Sequence[s
             async with contextlib.AsyncExitStack() as stack:
                 if client is None:
                     client = await stack.enter_async_context(httpx.AsyncClient(timeout=10.0))
-                failed_pushes = await _push_all(controller, client, to_send, here, running.registry, cache, options,
-                                                say)
-                sendable = [i for i in to_send if i not in failed_pushes]
-                busy = [t for t in targets if t.name in lacking and set(lacking[t.name]) & set(sendable)]
-                if sendable and busy:
-                    synced = await _pull_through_forwards(busy, sendable, running, client, options, say)
+                gate = PushGate(to_send)
+                busy = [t for t in targets if t.name in lacking and set(lacking[t.name]) & set(to_send)]
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_push_all, controller, client, to_send, here, running.registry, cache, options, say,
+                                  gate, name="pushes to the controller's registry")
+                    if busy:
+                        synced = await _pull_through_forwards(busy, to_send, running, client, options, say, gate,
+                                                              {i: here[i] for i in to_send})
+                failed_pushes = {i: why for i, why in gate.failed.items() if i in to_send}
             if running.exit_code is not None:
                 report.error = (f"the controller's registry stopped during the sync (exit {running.exit_code}); "
                                 "nothing half-written is taken as present, run the sync again: "
@@ -175,22 +180,53 @@ async def _environments(controller: PodmanCli, images: Sequence[str]) -> dict[st
             if env.strip() and env.strip() != "<no value>"}
 
 
+class PushGate:
+    """Which images are in the controller's registry yet (sync.py's ImageGate): each push opens its image's gate,
+    with why when it failed; every gate still shut opens, failed, when the pushes stop."""
+
+    def __init__(self, images: Sequence[str]) -> None:
+        self._open = {i: anyio.Event() for i in images}
+        self.failed: dict[str, str] = {}
+
+    def done(self, image: str, why: str = "") -> None:
+        if why:
+            self.failed[image] = why
+        if image in self._open:
+            self._open[image].set()
+
+    def close(self, why: str) -> None:
+        for image, event in self._open.items():
+            if not event.is_set():
+                self.done(image, why)
+
+    async def wait(self, image: str) -> str:
+        event = self._open.get(image)
+        if event is not None:
+            await event.wait()
+        return self.failed.get(image, "")
+
+
 async def _push_all(controller: PodmanCli, client: httpx.AsyncClient, to_send: Sequence[str], here: dict[str, str],
-                    registry: Registry, cache: Path, options: SyncOptions, say: Say) -> dict[str, str]:
-    """Push ``to_send`` (each environment image first) to the controller's registry; the images not pushed -> why."""
-    envs = await _environments(controller, to_send)
-    order = list(dict.fromkeys(i for image in to_send for i in (envs.get(image), image) if i is not None and i in here))
-    failed: dict[str, str] = {}
-    for n, image in enumerate(order, 1):
-        outcome = await _push_one(controller, client, image, here[image], registry, cache, options)
-        if outcome is None:
-            say(f"controller: [{n}/{len(order)}] {image} is in its registry already")
-        elif outcome.ok:
-            say(f"controller: [{n}/{len(order)}] pushed {image} to its registry in {outcome.seconds:.1f}s")
-        else:
-            failed[image] = f"not sent: the push to the controller's registry failed: {outcome.error}"
-            say(f"controller: [{n}/{len(order)}] FAILED to push {image}: {outcome.error}")
-    return {i: why for i, why in failed.items() if i in to_send}
+                    registry: Registry, cache: Path, options: SyncOptions, say: Say, gate: PushGate) -> None:
+    """Push ``to_send`` (each environment image first) to the controller's registry, opening each image's gate as its
+    push ends (``gate.failed``: the images not pushed -> why)."""
+    try:
+        envs = await _environments(controller, to_send)
+        order = list(dict.fromkeys(i for image in to_send for i in (envs.get(image), image)
+                                   if i is not None and i in here))
+        for n, image in enumerate(order, 1):
+            outcome = await _push_one(controller, client, image, here[image], registry, cache, options)
+            if outcome is None:
+                say(f"controller: [{n}/{len(order)}] {image} is in its registry already")
+                gate.done(image)
+            elif outcome.ok:
+                say(f"controller: [{n}/{len(order)}] pushed {image} to its registry in {outcome.seconds:.1f}s")
+                gate.done(image)
+            else:
+                say(f"controller: [{n}/{len(order)}] FAILED to push {image}: {outcome.error}")
+                gate.done(image, f"not sent: the push to the controller's registry failed: {outcome.error}")
+    finally:
+        gate.close("not sent: the sync stopped before its push")
 
 
 async def _push_one(controller: PodmanCli, client: httpx.AsyncClient, image: str, image_id: str, registry: Registry,
@@ -241,8 +277,10 @@ async def _private_folder() -> AsyncIterator[str]:
 
 
 async def _pull_through_forwards(busy: Sequence[SyncTarget], images: list[str], running: RunningRegistry,
-                                 client: httpx.AsyncClient, options: SyncOptions, say: Say) -> dict[str, NodeSync]:
-    """sync.py's pulls onto ``busy``, each SSH node through a forward of its own to a relay; results by node."""
+                                 client: httpx.AsyncClient, options: SyncOptions, say: Say, gate: PushGate,
+                                 ids: dict[str, str]) -> dict[str, NodeSync]:
+    """sync.py's pulls onto ``busy``, each SSH node through a forward of its own to a relay, each image as soon as its
+    push ended (``gate``; ``ids``: the images' ids on the controller); results by node."""
     results: dict[str, NodeSync] = {}
     relays: dict[str, ByteRelay] = {}
     stops: list[Callable[[], None]] = []
@@ -272,7 +310,8 @@ async def _pull_through_forwards(busy: Sequence[SyncTarget], images: list[str], 
                                           registry=Registry(host=f"127.0.0.1:{port}", plain_http=True)))
             for name, result in results.items():
                 say(f"{name}: {result.error}")
-            report = await sync_images(targets, images, running.registry, options=options, say=say, client=client)
+            report = await sync_images(targets, images, running.registry, options=options, say=say, client=client,
+                                       gate=gate, ids=ids)
         finally:
             for stop in stops:
                 stop()
@@ -298,5 +337,6 @@ def _node_result(name: str, wanted: list[str], names: dict[str, str] | str, lack
         before = set(synced.present_before)  # became present since the census (another sync, a pool's pull)
         result.present_before = [i for i in wanted if i not in lacking or i in before]
     unsent = {**{i: f"not sent: {why}" for i, why in not_here.items()}, **failed_pushes}
-    result.pulls += [Pull(image=i, ok=False, error=unsent[i]) for i in lacking if i in unsent]
+    tried = {p.image for p in result.pulls}
+    result.pulls += [Pull(image=i, ok=False, error=unsent[i]) for i in lacking if i in unsent and i not in tried]
     return result

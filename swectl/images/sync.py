@@ -24,7 +24,8 @@ Disk: where the layers are known, the node's free disk (its store's file system)
 would leave less than ``min_free_gb`` (its layers' stored sizes times ``UNPACKED_PER_STORED``, less what the node's
 earlier pulls are expected to take) fails without starting, naming the numbers.
 
-Before its pulls, a node's downloads left by stopped pulls are removed (store.py ``sweep_pull_leftovers``).
+Before its pulls, a node's downloads left by stopped pulls are removed (``ContainerCli.sweep_pull_leftovers``; a
+docker daemon drops those of a stopped pull itself).
 
 Faults: a node that cannot be reached, or is lost during the sync, is one error for that node; a registry the node
 cannot reach (refused, no route, timed out, TLS spoken to a plain-HTTP registry) stops that node's pulls with one
@@ -33,12 +34,18 @@ listed once, before any pull, and the rest goes on. Other nodes are not affected
 
 Bytes: a pull's bytes are the stored (compressed) sizes of the layers of the image that the node lacked (by diff
 id, as podman reuses them); unknown (None) where the controller could not read the manifests.
+
+Images still on their way into the registry (a sync from the controller pushes while the nodes pull): with a
+``gate``, a node's pull of an image first waits until the gate says the image is in the registry (or why it will not
+be: the pull then fails with that reason, holding no slot while it waits), and its manifest is read then, once per
+sync; ``ids`` (each image's id, known before it is in the registry) tell a node's stale copy from the right one.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import anyio
 import httpx
@@ -53,7 +60,7 @@ from swectl.images.registry import (
     image_layers,
     normal_name,
 )
-from swectl.images.store import is_docker, list_images, pull_image, sweep_pull_leftovers
+from swectl.images.store import list_images, pull_image
 from swectl.remote.nodes.podman import ContainerCli
 
 FORMAT_VERSION = 1
@@ -149,6 +156,42 @@ class SyncTarget(msgspec.Struct, frozen=True):
     registry: Registry | None = None
 
 
+class ImageGate(Protocol):
+    """Images that reach the registry during the sync: ``wait(image)`` returns "" once ``image`` is there, else why it
+    will not be. Each wait ends by itself (the pusher bounds each push and opens every gate when it stops)."""
+
+    async def wait(self, image: str) -> str: ...
+
+
+class _Manifests:
+    """The registry's layers of each image, read when first asked for (once per sync, every node's pulls sharing the
+    read); None where they cannot be read (the pull then goes on with bytes unknown)."""
+
+    def __init__(self, registry: Registry, client: httpx.AsyncClient | None, timeout_s: float,
+                 known: dict[str, ImageLayers]) -> None:
+        self.registry = registry
+        self.client = client
+        self.timeout_s = timeout_s
+        self.known = known
+        self._reads: dict[str, anyio.Event] = {}
+
+    async def get(self, image: str) -> ImageLayers | None:
+        if image in self.known or self.client is None:
+            return self.known.get(image)
+        if image in self._reads:
+            await self._reads[image].wait()
+            return self.known.get(image)
+        done = self._reads[image] = anyio.Event()
+        try:
+            with anyio.move_on_after(self.timeout_s):
+                self.known[image] = await image_layers(self.client, self.registry, image)
+        except RegistryError:
+            pass
+        finally:
+            done.set()
+        return self.known.get(image)
+
+
 class _NodeState:
     """One node's pulls in flight: the layers it has (diff ids) and the layers being fetched, each with the event
     its pull sets when it ends."""
@@ -211,26 +254,41 @@ async def read_layers(registry: Registry, images: Sequence[str], *, timeout_s: f
 
 async def sync_images(targets: Sequence[SyncTarget], images: Sequence[str], registry: Registry, *,
                       options: SyncOptions | None = None, say: Say = print,
-                      client: httpx.AsyncClient | None = None) -> SyncReport:
+                      client: httpx.AsyncClient | None = None, gate: ImageGate | None = None,
+                      ids: Mapping[str, str] | None = None) -> SyncReport:
     """Pull onto every target the images of ``images`` it lacks, from ``registry``; the report says per node what was
-    there, what was pulled, what failed and why (see the module docstring)."""
+    there, what was pulled, what failed and why (see the module docstring). ``gate``: the images reach the registry
+    during the sync (their manifests are read as they do); ``ids``: each image's id (``sha256:...``) when known."""
     options = options or SyncOptions()
     start = time.monotonic()
     wanted = list(dict.fromkeys(normal_name(i) for i in images))
-    layers, not_in_registry, note = await read_layers(registry, wanted, timeout_s=options.manifest_timeout_s,
-                                                      client=client)
-    if note:
-        say(f"layer sizes unknown (bytes not counted): {note}")
-    for why in not_in_registry.values():
-        say(f"not pulled anywhere: {why}")
+    layers: dict[str, ImageLayers] = {}
+    not_in_registry: dict[str, str] = {}
+    own_client = None
+    if gate is None:
+        layers, not_in_registry, note = await read_layers(registry, wanted, timeout_s=options.manifest_timeout_s,
+                                                          client=client)
+        if note:
+            say(f"layer sizes unknown (bytes not counted): {note}")
+        for why in not_in_registry.values():
+            say(f"not pulled anywhere: {why}")
+    elif client is None:
+        client = own_client = httpx.AsyncClient(timeout=10.0, verify=not registry.plain_http)
+    manifests = _Manifests(registry, client if gate is not None else None, options.manifest_timeout_s, layers)
     report = SyncReport(registry=registry.url, images=wanted, not_in_registry=not_in_registry)
     fleet = anyio.CapacityLimiter(options.total)
     results: dict[str, NodeSync] = {}
     pullable = [i for i in wanted if i not in not_in_registry]
-    async with anyio.create_task_group() as tg:
-        for target in targets:
-            tg.start_soon(_sync_node, target, wanted, pullable, registry, layers, fleet, options, say, results,
-                          name=f"image sync {target.name}")
+    try:
+        async with anyio.create_task_group() as tg:
+            for target in targets:
+                node = _Node(target, wanted, pullable, registry, manifests, gate, dict(ids or {}), fleet, options,
+                             say, results)
+                tg.start_soon(node.sync, name=f"image sync {target.name}")
+    finally:
+        if own_client is not None:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await own_client.aclose()
     report.nodes = [results[t.name] for t in targets]
     report.seconds = time.monotonic() - start
     return report
@@ -255,102 +313,136 @@ async def _free_gb(cli: ContainerCli) -> float | None:
         return None
 
 
-def _is_present(image: str, names: dict[str, str], layers: dict[str, ImageLayers]) -> bool:
-    """Whether the node has ``image``: by name, and, where the registry's copy is known, the same image (its id is
-    the registry's config digest); a different image of that name (rebuilt since) is pulled again."""
+def _is_present(image: str, names: dict[str, str], layers: dict[str, ImageLayers], ids: dict[str, str]) -> bool:
+    """Whether the node has ``image``: by name, and, where the registry's copy is known (its config digest, or the id
+    the caller gave), the same image; a different image of that name (rebuilt since) is pulled again."""
     if image not in names:
         return False
     known = layers.get(image)
-    return known is None or not known.config_digest or names[image] == known.config_digest
+    expected = known.config_digest if known is not None else ids.get(image, "")
+    return not expected or names[image] == expected
 
 
-async def _sync_node(target: SyncTarget, wanted: list[str], pullable: list[str], registry: Registry,
-                     layers: dict[str, ImageLayers], fleet: anyio.CapacityLimiter, options: SyncOptions, say: Say,
-                     results: dict[str, NodeSync]) -> None:
-    start = time.monotonic()
-    result = results[target.name] = NodeSync(node=target.name, wanted=len(wanted))
-    try:
-        with anyio.fail_after(options.check_timeout_s):
-            present, have = await _node_images(target, bool(layers))
-            free_gb = await _free_gb(target.cli) if layers else None
-            # a docker daemon's pulls keep their downloads in the daemon, which drops those of a stopped pull
-            swept, swept_kb = (0, 0) if is_docker(target.cli) else await sweep_pull_leftovers(target.cli)
-    except TimeoutError:
-        result.error = f"listing its images took more than {options.check_timeout_s:g}s"
-    except InfraError as exc:
-        result.error = str(exc)
-    if result.error:
-        say(f"{target.name}: {result.error}")
-        result.seconds = time.monotonic() - start
-        return
-    if swept:
-        say(f"{target.name}: removed {swept} download(s) of stopped pulls ({human_bytes(swept_kb * 1024)})")
-    registry = target.registry or registry
-    result.present_before = [i for i in wanted if _is_present(i, present, layers)]
-    missing = [i for i in pullable if not _is_present(i, present, layers)]
-    stale = [i for i in missing if i in present]
-    if stale:
-        say(f"{target.name}: {len(stale)} image(s) differ from the registry's and are pulled again: {', '.join(stale)}")
-    say(f"{target.name}: {len(result.present_before)}/{len(wanted)} images present, {len(missing)} to pull")
-    state = _NodeState(have, free_gb)
-    node_slots = anyio.CapacityLimiter(options.per_node)
-    async with anyio.create_task_group() as tg:
-        for image in missing:
-            tg.start_soon(_pull_one, target, image, registry, layers.get(image), state, node_slots, fleet, options,
-                          say, result, len(missing), start, tg.cancel_scope, name=f"pull {image} on {target.name}")
-    if state.fault:
-        # one error for the node: its pulls that met the same fault, and those never started, say only that
-        result.error = state.fault
-        result.pulls = [p for p in result.pulls if p.ok or not _unreachable(p.error)]
-        tried = {p.image for p in result.pulls}
-        result.pulls += [Pull(image=i, ok=False, error=f"not pulled: {state.fault_note}") for i in missing
-                         if i not in tried]
-    result.seconds = time.monotonic() - start
+class _Node:
+    """One node's part of a sync: its census, then its pulls (bounded per node and across the fleet)."""
 
+    def __init__(self, target: SyncTarget, wanted: list[str], pullable: list[str], registry: Registry,
+                 manifests: _Manifests, gate: ImageGate | None, ids: dict[str, str], fleet: anyio.CapacityLimiter,
+                 options: SyncOptions, say: Say, results: dict[str, NodeSync]) -> None:
+        self.target = target
+        self.name = target.name
+        self.wanted = wanted
+        self.pullable = pullable
+        self.registry = target.registry or registry
+        self.manifests = manifests
+        self.gate = gate
+        self.ids = ids
+        self.fleet = fleet
+        self.options = options
+        self.say = say
+        self.result = results[target.name] = NodeSync(node=target.name, wanted=len(wanted))
+        self.start = time.monotonic()
+        self.slots = anyio.CapacityLimiter(options.per_node)
+        self.count = 0
 
-async def _pull_one(target: SyncTarget, image: str, registry: Registry, image_layers: ImageLayers | None,
-                    state: _NodeState, node_slots: anyio.CapacityLimiter, fleet: anyio.CapacityLimiter,
-                    options: SyncOptions, say: Say, result: NodeSync, count: int, node_start: float,
-                    node_scope: anyio.CancelScope) -> None:
-    async with node_slots, fleet:
-        lacking: dict[str, int] = {}
-        mine = anyio.Event()
+    async def sync(self) -> None:
+        result, options = self.result, self.options
+        with_layers = bool(self.manifests.known) or self.gate is not None
         try:
-            with anyio.fail_after(options.pull_timeout_s):
-                if image_layers is not None:
-                    lacking = await _claim_layers(image_layers, state, mine)
-                if state.fault:  # found while this pull waited: the node's pulls stop
-                    return
-                short = _short_of_disk(state, sum(lacking.values()), options.min_free_gb)
-                pull = (Pull(image=image, ok=False, error=short) if short
-                        else await _pull(target.cli, image, registry))
-        except NodeError as exc:
-            if state.stop(str(exc), "the node was lost", node_scope):
-                say(f"{target.name}: {exc}")
-            return
+            with anyio.fail_after(options.check_timeout_s):
+                present, have = await _node_images(self.target, with_layers)
+                free_gb = await _free_gb(self.target.cli) if with_layers else None
+                swept, swept_kb = await self.target.cli.sweep_pull_leftovers()
         except TimeoutError:
-            pull = Pull(image=image, ok=False, error=f"pull took more than {options.pull_timeout_s:g}s")
-        finally:
-            for diff_id in lacking:
-                state.fetching.pop(diff_id, None)
-            mine.set()
-        seconds = pull.seconds
-        if pull.ok:
-            state.have.update(lacking)
-            pull = msgspec.structs.replace(pull, bytes=sum(lacking.values()) if image_layers is not None else None)
-        result.pulls.append(pull)
+            result.error = f"listing its images took more than {options.check_timeout_s:g}s"
+        except InfraError as exc:
+            result.error = str(exc)
+        if result.error:
+            self.say(f"{self.name}: {result.error}")
+            result.seconds = time.monotonic() - self.start
+            return
+        if swept:
+            self.say(f"{self.name}: removed {swept} download(s) of stopped pulls ({human_bytes(swept_kb * 1024)})")
+        known = self.manifests.known
+        result.present_before = [i for i in self.wanted if _is_present(i, present, known, self.ids)]
+        missing = [i for i in self.pullable if not _is_present(i, present, known, self.ids)]
+        stale = [i for i in missing if i in present]
+        if stale:
+            self.say(f"{self.name}: {len(stale)} image(s) differ from the registry's and are pulled again: "
+                     f"{', '.join(stale)}")
+        self.say(f"{self.name}: {len(result.present_before)}/{len(self.wanted)} images present, {len(missing)} to pull")
+        self.count = len(missing)
+        state = _NodeState(have, free_gb)
+        async with anyio.create_task_group() as tg:
+            for image in missing:
+                tg.start_soon(self._pull_one, image, state, tg.cancel_scope, name=f"pull {image} on {self.name}")
+        if state.fault:
+            # one error for the node: its pulls that met the same fault, and those never started, say only that
+            result.error = state.fault
+            result.pulls = [p for p in result.pulls if p.ok or not _unreachable(p.error)]
+            tried = {p.image for p in result.pulls}
+            result.pulls += [Pull(image=i, ok=False, error=f"not pulled: {state.fault_note}") for i in missing
+                             if i not in tried]
+        result.seconds = time.monotonic() - self.start
+
+    async def _layers(self, image: str) -> tuple[ImageLayers | None, str]:
+        """The image's layers (None: unknown), once it is in the registry; else why it will not be there."""
+        if self.gate is not None:
+            why = await self.gate.wait(image)
+            if why:
+                return None, why
+        return await self.manifests.get(image), ""
+
+    async def _pull_one(self, image: str, state: _NodeState, node_scope: anyio.CancelScope) -> None:
+        options, say = self.options, self.say
+        image_layers, why = await self._layers(image)
+        if why:
+            self._done(Pull(image=image, ok=False, error=why), state)
+            return
+        async with self.slots, self.fleet:
+            lacking: dict[str, int] = {}
+            mine = anyio.Event()
+            try:
+                with anyio.fail_after(options.pull_timeout_s):
+                    if image_layers is not None:
+                        lacking = await _claim_layers(image_layers, state, mine)
+                    if state.fault:  # found while this pull waited: the node's pulls stop
+                        return
+                    short = _short_of_disk(state, sum(lacking.values()), options.min_free_gb)
+                    pull = (Pull(image=image, ok=False, error=short) if short
+                            else await _pull(self.target.cli, image, self.registry))
+            except NodeError as exc:
+                if state.stop(str(exc), "the node was lost", node_scope):
+                    say(f"{self.name}: {exc}")
+                return
+            except TimeoutError:
+                pull = Pull(image=image, ok=False, error=f"pull took more than {options.pull_timeout_s:g}s")
+            finally:
+                for diff_id in lacking:
+                    state.fetching.pop(diff_id, None)
+                mine.set()
+            if pull.ok:
+                state.have.update(lacking)
+                pull = msgspec.structs.replace(pull, bytes=sum(lacking.values()) if image_layers is not None else None)
+            if not pull.ok and _unreachable(pull.error):
+                self.result.pulls.append(pull)
+                state.done += 1
+                fault = f"registry {self.registry.url} is unreachable from the node: {pull.error}"
+                if state.stop(fault, "the registry is unreachable from the node", node_scope):
+                    say(f"{self.name}: {fault}")
+                return
+            self._done(pull, state)
+
+    def _done(self, pull: Pull, state: _NodeState) -> None:
+        self.result.pulls.append(pull)
         state.done += 1
         if pull.ok:
-            elapsed = time.monotonic() - node_start
-            eta = elapsed / state.done * (count - state.done)
-            say(f"{target.name}: [{state.done}/{count}] pulled {image} in {seconds:.1f}s"
-                f"{'' if pull.bytes is None else ', ' + human_bytes(pull.bytes)}, eta {eta:.0f}s")
-        elif _unreachable(pull.error):
-            fault = f"registry {registry.url} is unreachable from the node: {pull.error}"
-            if state.stop(fault, "the registry is unreachable from the node", node_scope):
-                say(f"{target.name}: {fault}")
+            elapsed = time.monotonic() - self.start
+            eta = elapsed / state.done * (self.count - state.done)
+            self.say(f"{self.name}: [{state.done}/{self.count}] pulled {pull.image} in {pull.seconds:.1f}s"
+                     f"{'' if pull.bytes is None else ', ' + human_bytes(pull.bytes)}, eta {eta:.0f}s")
         else:
-            say(f"{target.name}: [{state.done}/{count}] FAILED {image}: {pull.error}")
+            self.say(f"{self.name}: [{state.done}/{self.count}] FAILED {pull.image}: {pull.error}")
 
 
 def _short_of_disk(state: _NodeState, stored_bytes: int, min_free_gb: float) -> str:

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -256,6 +257,10 @@ class Summary(msgspec.Struct, kw_only=True):
     readings: dict[str, dict[str, Any]]
     run_dir: str
     recipe: dict[str, Any]
+    # The machine's speed during the run: SFT is a fixed workload per seed, and on a shared 2-core VM the same run
+    # has taken 1.26 and 1.82 s a step hours apart, so the minutes are read beside these (median over SFT's steps)
+    sft_step_s: float = 0.0
+    sft_tokens_per_s: float = 0.0
 
 
 PHASES = ("model and split", "SFT data", "SFT", "SFT reading", "GRPO", "GRPO reading", "held-out reading")
@@ -372,15 +377,32 @@ def _plot(run_dir: Path, say: Say) -> None:
         say(f"plot: {exc}")
 
 
+def sft_speed(run_dir: Path) -> tuple[float, float]:
+    """SFT's median seconds a step and training tokens a second (from ``sft/metrics.jsonl``); zeros when unknown."""
+    steps, rates = [], []
+    try:
+        for line in (run_dir / "sft" / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            steps.append(float(row["step_s"]))
+            rates.append(float(row["train_tokens_per_s"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0, 0.0
+    if not steps:
+        return 0.0, 0.0
+    return round(statistics.median(steps), 3), round(statistics.median(rates), 1)
+
+
 def _summary(run_dir: Path, recipe: Recipe, readings: dict[str, dict[str, Any]], phases_s: dict[str, float],
              seconds: float) -> Summary:
     sft, grpo = readings["sft_train"], readings["grpo_train"]
+    step_s, tokens_per_s = sft_speed(run_dir)
     noise = math.sqrt(sum(r["resolve_rate"] * (1 - r["resolve_rate"]) / max(r["episodes"], 1) for r in (sft, grpo)))
     return Summary(seed=recipe.seed, sft_train_resolve_rate=sft["resolve_rate"],
                    grpo_train_resolve_rate=grpo["resolve_rate"], test_resolve_rate=readings["test"]["resolve_rate"],
                    gain_points=round(100 * (grpo["resolve_rate"] - sft["resolve_rate"]), 1),
                    gain_noise_points=round(100 * noise, 1), minutes=round(seconds / 60, 1), phases_s=phases_s,
-                   readings=readings, run_dir=str(run_dir), recipe=msgspec.to_builtins(recipe))
+                   readings=readings, run_dir=str(run_dir), recipe=msgspec.to_builtins(recipe),
+                   sft_step_s=step_s, sft_tokens_per_s=tokens_per_s)
 
 
 def summary_table(s: Summary) -> list[str]:
@@ -401,6 +423,8 @@ def summary_table(s: Summary) -> list[str]:
             f"  GRPO gain on the train split: {s.gain_points:+.1f} points (one standard error "
             f"{s.gain_noise_points:.1f})",
             "  minutes per phase: " + ", ".join(f"{k} {v}" for k, v in minutes.items()),
+            *([f"  machine speed: SFT took {s.sft_step_s:.2f} s a step ({s.sft_tokens_per_s / 1000:.1f}k tokens/s); "
+               "the minutes scale with it"] if s.sft_step_s else []),
             f"  run folder {run}: summary.json, sft/ and grpo/ (metrics.jsonl, tensorboard/), grpo/plots/, eval-*/",
             f"  look at it: swectl view {run / 'grpo'}   curves: swectl plot {run / 'grpo'}", ""]
 

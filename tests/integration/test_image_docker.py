@@ -7,12 +7,15 @@ Covered: a burst of leases for an image the dockerd lacks makes one pull from th
 wait, and the image stays under its task name (the registry's name is dropped); an image the registry lacks is a
 pull error that names the registry, and the pool goes on; under a small disk budget (docker's ``system df`` units)
 an image not in use goes while the held lease's image stays and its sandbox keeps working; `swectl image sync`'s
-pulls fill the dockerd from the registry under the tasks' names, and a second sync moves nothing."""
+pulls fill the dockerd from the registry under the tasks' names, and a second sync moves nothing; a sync from the
+controller (no registry: the controller's own, pushed to as the dockerd pulls) fills the dockerd the same way, and a
+second one sends nothing."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -125,6 +128,41 @@ async def test_image_sync_fills_the_dockerd_from_the_registry_and_a_second_sync_
         second = await sync_images([target], wanted, parse_registry(registry.url), say=lambda _: None)
         (node,) = second.nodes
         assert second.ok and not node.pulled and sorted(node.present_before) == sorted(wanted)
+    finally:
+        docker_daemon.docker("rmi", "-f", *wanted)
+
+
+async def test_image_sync_from_the_controller_fills_the_dockerd_and_a_second_sync_sends_nothing(
+        docker_daemon: DockerDaemon, thin_images: None, tmp_path: Path) -> None:
+    from swectl.images.from_controller import sync_from_controller
+    from swectl.images.sync import SyncTarget
+    from swectl.remote.nodes.docker_sandbox import DockerCli
+    from swectl.remote.nodes.node import LocalNode
+    from swectl.remote.nodes.podman import PodmanCli
+
+    wanted = [IMAGES["kept"], IMAGES["gone"]]
+    docker_daemon.docker("rmi", "-f", *wanted)
+    assert not any(holds(docker_daemon, image) for image in wanted)
+    target = SyncTarget("docker", DockerCli(LocalNode("docker"), docker_daemon.host))
+    controller = PodmanCli(LocalNode("controller"))
+    lines: list[str] = []
+    try:
+        with anyio.fail_after(300):
+            first = await sync_from_controller([target], wanted, controller=controller, cache=tmp_path / "cache",
+                                               say=lines.append)
+        assert first.ok, "\n".join(lines)
+        (node,) = first.nodes
+        assert sorted(node.pulled) == sorted(wanted) and not node.present_before
+        assert all(holds(docker_daemon, image) for image in wanted)  # under the tasks' names
+        names = docker_daemon.docker("images", "--format", "{{.Repository}}:{{.Tag}}").stdout.decode().split()
+        assert not [n for n in names if n.startswith("127.0.0.1:")], names  # the controller registry's name dropped
+        assert sum("to its registry in" in line for line in lines) >= len(wanted), lines
+        with anyio.fail_after(120):
+            second = await sync_from_controller([target], wanted, controller=controller, cache=tmp_path / "cache",
+                                                say=lines.append)
+        (node,) = second.nodes
+        assert second.ok and not node.pulls and sorted(node.present_before) == sorted(wanted)
+        assert "nothing to send: every node holds every image of the set that the controller has" in lines
     finally:
         docker_daemon.docker("rmi", "-f", *wanted)
 
