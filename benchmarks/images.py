@@ -24,7 +24,12 @@ Verified rows (requests, flask and pytest; instance images built offline from th
 * ``synced_episodes``: one episode start per image on each synced node (no pull);
 * ``second_sync``: a sync that finds everything present (moves nothing);
 * ``sync_one_per_node`` (full runs): the stores wiped again and the same sync with one pull at a time per node
-  (``sync_one_per_node_s``): what sync's concurrency buys on this machine.
+  (``sync_one_per_node_s``): what sync's concurrency buys on this machine;
+* ``from_controller_serial`` and ``from_controller`` (full runs): the stores wiped, and `swectl image sync` without
+  a registry (``sync_from_controller``: the controller's own registry on a fresh, empty cache, each node pulling
+  through its SSH forward), first with every push before the pulls (the code before 2026-11-29), then with each
+  image's pulls starting once its push ended (now): ``from_controller_serial_s``, ``from_controller_s``,
+  ``from_controller_speedup``.
 
 Keys: ``sync_s`` (the sync, to every image present on both nodes), ``first_use_s`` (the slower node's pulls in the
 first-use phase, summed: the time its episodes waited on pulls; ``first_use_wall_s``: the phase's wall time, the
@@ -69,6 +74,7 @@ from common import Goal, Progress, host_meta, loadavg, ms_since, report, summari
 
 from swectl.config import ClusterConfig, decode_config
 from swectl.errors import InfraError
+from swectl.images.from_controller import sync_from_controller
 from swectl.images.instance import build_instance_images, instance_image_name, write_image_map
 from swectl.images.names import ImageResolver
 from swectl.images.push import push_images, task_images, with_environments
@@ -76,6 +82,7 @@ from swectl.images.registry import ImageLayers, Registry, normal_name, parse_reg
 from swectl.images.store import pull_image
 from swectl.images.sync import SyncOptions, SyncReport, SyncTarget, format_report, read_layers, sync_images
 from swectl.remote.nodes.backends import close_backends, make_backends, make_node
+from swectl.remote.nodes.node import LocalNode
 from swectl.remote.nodes.podman import PodmanCli, local_podman_env, run_local_podman
 from swectl.sandbox import SandboxBackend
 from swectl.schema import SandboxSpec
@@ -302,6 +309,39 @@ class Bench:
             self._phase_done("sync_one_per_node", t, f"{serial_s:.1f}s after a wipe")
         self.metrics["sync_one_per_node_s"] = round(serial_s, 2) if serial_s is not None else None
         self._results(ts, layers, first, first_use_s, sync, sync_s, synced, again, second_s)
+        if not self.quick:
+            await self._from_controller(ts, targets)
+
+    async def _from_controller(self, ts: TaskSet, targets: list[SyncTarget]) -> None:
+        """The sync from the controller onto the emptied nodes, from a cold cache: pushes before pulls, then overlapped
+        (each on the same, fresh cache state: a new cache folder each)."""
+        seconds: dict[str, float] = {}
+        controller = PodmanCli(LocalNode("controller"))  # as `swectl image sync` makes it
+        try:
+            for name, overlap in (("from_controller_serial", False), ("from_controller", True)):
+                for node in self.fleet.nodes:  # type: ignore[union-attr]
+                    _wipe(node)
+                self.details["settle_s"][name] = await anyio.to_thread.run_sync(_settle)
+                cache = Path(tempfile.mkdtemp(prefix=f"swectl-bench-cache-{name}-"))
+                try:
+                    t = time.monotonic()
+                    report = await sync_from_controller(
+                        targets, ts.images, controller=controller, cache=cache, say=lambda _m: None,
+                        options=SyncOptions(per_node=self.per_node, pull_timeout_s=PULL_TIMEOUT_S), overlap=overlap)
+                    seconds[name] = time.monotonic() - t
+                finally:
+                    shutil.rmtree(cache, ignore_errors=True)
+                if not report.ok:
+                    raise RuntimeError(f"image sync from the controller ({name}) failed:\n{format_report(report)}")
+                self.details[f"{name}_table"] = format_report(report).splitlines()
+                self._phase_done(name, t, f"{seconds[name]:.1f}s from a cold cache, sent "
+                                 + ", ".join(_gb(n.sent_bytes) for n in report.nodes))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await controller.node.aclose()
+        serial, overlapped = seconds["from_controller_serial"], seconds["from_controller"]
+        self.metrics.update(from_controller_serial_s=round(serial, 2), from_controller_s=round(overlapped, 2),
+                            from_controller_speedup=round(serial / overlapped, 2) if overlapped else None)
 
     async def _first_use_node(self, ts: TaskSet, layers: dict[str, ImageLayers], registry: Registry, cli: PodmanCli,
                               backend: SandboxBackend, rows: list[dict[str, Any]]) -> None:

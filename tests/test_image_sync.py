@@ -448,7 +448,7 @@ class FakeRunning:
 
 
 def _from_controller(registry: FakeRegistry, nodes: list[FakeNode], controller: FakeController,
-                     images: Sequence[str] = tuple(INSTANCE_IMAGES)):
+                     images: Sequence[str] = tuple(INSTANCE_IMAGES), overlap: bool = True):
     lines: list[str] = []
     starts: list[Path] = []
 
@@ -461,7 +461,8 @@ def _from_controller(registry: FakeRegistry, nodes: list[FakeNode], controller: 
         async with registry.client() as client:
             return await sync_from_controller(
                 _targets(nodes), images, controller=PodmanCli(controller, "system"),  # type: ignore[arg-type]
-                cache=Path("/tmp"), say=lines.append, start_registry=start, client=client)  # type: ignore[arg-type]
+                cache=Path("/tmp"), say=lines.append, start_registry=start, client=client,  # type: ignore[arg-type]
+                overlap=overlap)
 
     return anyio.run(main), lines, starts
 
@@ -498,6 +499,16 @@ def test_from_the_controller_a_node_pulls_each_image_once_its_push_ended_not_aft
         assert all(i > pushed_at[image] for i, image in pulls)  # never before its push ended
         assert pulls[0][0] < pushed_at[controller.pushed[-1]]  # the first began while pushes went on
     assert report.nodes[0].bytes == report.nodes[1].bytes == 6000 + sum(100 + i for i in range(4))
+
+
+def test_from_the_controller_without_overlap_every_push_comes_before_the_pulls() -> None:
+    registry, fleet = FakeRegistry({}), Fleet()
+    controller = FakeController(registry, fleet)
+    controller.push_s = 0.02
+    report, _, _ = _from_controller(registry, [FakeNode("n0", registry, fleet)], controller, overlap=False)
+    assert report.ok, format_report(report)
+    kinds = [what for what, _ in fleet.events]
+    assert kinds == ["pushed"] * 5 + ["pull n0"] * 4
 
 
 def test_from_the_controller_nothing_lacking_starts_no_registry() -> None:

@@ -66,10 +66,11 @@ class ForwardsToController(Protocol):
 async def sync_from_controller(targets: Sequence[SyncTarget], images: Sequence[str], *, controller: PodmanCli,
                                cache: Path, options: SyncOptions | None = None, say: Say = print,
                                start_registry: RegistryStarter = controller_registry,
-                               client: httpx.AsyncClient | None = None) -> SyncReport:
+                               client: httpx.AsyncClient | None = None, overlap: bool = True) -> SyncReport:
     """Make every image of ``images`` present on every target, sent from the controller (see the module docstring).
     RegistryError when the controller's registry cannot start (its binary missing: the message names the package).
-    ``client``: how the controller reads the registry's manifests (tests give a scripted one)."""
+    ``client``: how the controller reads the registry's manifests (tests give a scripted one). ``overlap=False``:
+    every push first, then the pulls (as before 2026-11-29: the bench's baseline)."""
     options = options or SyncOptions()
     start = time.monotonic()
     wanted = list(dict.fromkeys(normal_name(i) for i in images))
@@ -100,9 +101,12 @@ async def sync_from_controller(targets: Sequence[SyncTarget], images: Sequence[s
                     client = await stack.enter_async_context(httpx.AsyncClient(timeout=10.0))
                 gate = PushGate(to_send)
                 busy = [t for t in targets if t.name in lacking and set(lacking[t.name]) & set(to_send)]
+                if not overlap:
+                    await _push_all(controller, client, to_send, here, running.registry, cache, options, say, gate)
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(_push_all, controller, client, to_send, here, running.registry, cache, options, say,
-                                  gate, name="pushes to the controller's registry")
+                    if overlap:
+                        tg.start_soon(_push_all, controller, client, to_send, here, running.registry, cache, options,
+                                      say, gate, name="pushes to the controller's registry")
                     if busy:
                         synced = await _pull_through_forwards(busy, to_send, running, client, options, say, gate,
                                                               {i: here[i] for i in to_send})
