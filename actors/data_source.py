@@ -4,6 +4,10 @@ that a resumed run neither repeats nor skips a task (docs/architecture.md 8.7).
 The order depends only on (seed, epoch) and the task ids, so the cursor (epoch, index) is all a checkpoint
 needs; the ids handed out are also kept (``consumed``) so a run's records can be checked against it.
 
+A task can be marked to be passed over (``pass_over``, by GRPO when its group's rewards were all equal, with
+``train.sampling.pass_over_uninformative``): the next time the order reaches it, it is not handed out (once; the
+mark goes), and the task after it is. The marks are part of the cursor, so a resumed run passes over the same tasks.
+
 Consumes: ``next(n)`` calls. Produces: tasks, ``cursor`` (a DataCursor to checkpoint), ``statistics()``.
 """
 
@@ -28,6 +32,7 @@ class DataCursor(msgspec.Struct, kw_only=True):
     index: int = 0
     consumed: list[str] = []
     pending: list[str] = []
+    pass_over: list[str] = []  # ids not handed out the next time the order reaches them (once)
 
 
 def split_tasks(tasks: Sequence[Task], test_fraction: float, seed: int) -> tuple[list[Task], list[Task]]:
@@ -74,9 +79,17 @@ class DataSource:
                 self._order = self._epoch_order(self.cursor.epoch)
             task = self._order[self.cursor.index]
             self.cursor.index += 1
+            if task.instance_id in self.cursor.pass_over:
+                self.cursor.pass_over.remove(task.instance_id)
+                continue
             self.cursor.consumed.append(task.instance_id)
             out.append(task)
         return out
+
+    def pass_over(self, instance_id: str) -> None:
+        """Do not hand out ``instance_id`` the next time the order reaches it (see the module docstring)."""
+        if instance_id not in self.cursor.pass_over:
+            self.cursor.pass_over.append(instance_id)
 
     def statistics(self) -> DataSourceStatistics:
         return DataSourceStatistics(tasks=len(self._tasks), epoch=self.cursor.epoch, index=self.cursor.index,

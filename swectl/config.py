@@ -289,6 +289,9 @@ class SamplingConfig(_Section):
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # sampling temperature of training episodes
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal and draw more tasks
     max_sampling_rounds: Count = 3  # tries per group slot of a step (a dropped group's slot draws again at once)
+    # synchronous GRPO: a task whose group had equal rewards (no signal) is passed over once, the next time the
+    # epoch order reaches it, so fewer groups are run only to be dropped
+    pass_over_uninformative: bool = False
     # asynchronous RL (docs/architecture.md 8.5): episodes keep running while the trainer trains; a group starts only
     # while at most (max_staleness + 1) x tasks_per_step x n_samples episodes are outstanding, and no episode is
     # trained more than max_staleness weight versions after it started (a step waits for it instead). 0 = synchronous,
@@ -577,6 +580,9 @@ def check_config(config: ClusterConfig) -> list[str]:
     if sampling.max_staleness and train.algorithm != "grpo":
         problems.append(f"train.sampling.max_staleness = {sampling.max_staleness}: asynchronous training is for grpo "
                         "(sft has no rollouts to overlap); set it to 0")
+    if sampling.pass_over_uninformative and sampling.max_staleness:
+        problems.append("train.sampling.pass_over_uninformative is for synchronous grpo (train.sampling.max_staleness "
+                        "= 0): the asynchronous feed draws its tasks ahead of the groups that would mark them")
     if config.train.optim.warmup_steps >= train.steps and config.train.optim.warmup_steps:
         problems.append(f"train.optim.warmup_steps ({config.train.optim.warmup_steps}) must be below train.steps "
                         f"({train.steps})")

@@ -38,6 +38,19 @@ def test_a_cursor_restored_from_json_continues_exactly() -> None:
     assert resumed.statistics().epoch == 2
 
 
+def test_a_task_marked_to_pass_over_is_skipped_once_and_the_mark_survives_a_resume() -> None:
+    plain = [t.instance_id for t in DataSource(_tasks(5), seed=0).next(10)]
+    source = DataSource(_tasks(5), seed=0)
+    got = [t.instance_id for t in source.next(2)]
+    source.pass_over(plain[3])
+    source.pass_over(plain[3])  # marked twice: still passed over once
+    saved = msgspec.json.encode(source.cursor)
+    resumed = DataSource(_tasks(5), seed=0, cursor=msgspec.json.decode(saved, type=DataCursor))
+    got += [t.instance_id for t in resumed.next(7)]
+    assert got == [*plain[:3], plain[4], *plain[5:10]]  # the mark went with its one pass; epoch 2 has it again
+    assert resumed.cursor.pass_over == [] and plain[3] not in resumed.cursor.consumed[:4]
+
+
 def test_task_file_order_does_not_change_the_order() -> None:
     tasks = _tasks(6)
     a = [t.instance_id for t in DataSource(tasks, seed=1).next(6)]

@@ -135,3 +135,16 @@ def test_without_dynamic_sampling_every_completed_group_is_kept_once(tmp_path: P
     assert step.record["groups"] == [order[0], order[1], order[3]]
     assert step.values["sampling_rounds"] == 1.0
     assert step.values["groups_dropped_aborted"] == 1.0
+
+
+def test_a_task_without_signal_is_passed_over_at_its_next_turn_when_asked(tmp_path: Path) -> None:
+    order = [t.instance_id for t in DataSource(TASKS, seed=0).next(24)]  # two epochs of 12
+    plan = {t.instance_id: ([1.0, 0.0], 0.01) for t in TASKS}
+    solved = order[1]
+    plan[solved] = ([1.0, 1.0], 0.01)
+    for passing in (False, True):
+        source, _, tasks = _source(tmp_path, plan, tasks_per_step=4, n_samples=2, max_sampling_rounds=2,
+                                   pass_over_uninformative=passing)
+        drawn = [t for step in range(1, 7) for t in anyio.run(source.next, step).record["tasks"]]
+        assert drawn.count(solved) == (1 if passing else 2), drawn  # epoch 2 passes it over
+        assert tasks.cursor.pass_over == []

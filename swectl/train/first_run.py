@@ -65,6 +65,8 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     grpo_lr: float = 2e-4
     grpo_schedule: Literal["constant", "cosine"] = "cosine"  # cosine: down to a tenth by the last step
     kl_coef: float = 0.5  # GRPO's KL penalty to the SFT weights (low_var_kl): keeps the SFT format
+    # GRPO: a task whose group had equal rewards is passed over once (train.sampling.pass_over_uninformative)
+    pass_over: bool = False
     tasks_per_step: int = 4
     n_samples: int = 4  # GRPO group size
     step_limit: int = 6  # agent turns per episode, in training and in the readings
@@ -115,6 +117,7 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 "train.data.test_fraction": self.test_fraction, "train.save_every": 5,
                 **({"train.data.tasks": repr(self.tasks)} if self.tasks else {}),
                 "train.concurrency": self.concurrency, "train.sampling.max_sampling_rounds": 2,
+                "train.sampling.pass_over_uninformative": str(self.pass_over).lower(),
                 "experiment.mask_truncated": str(self.mask_truncated).lower(),
                 "experiment.mask_truncated_endings": json.dumps(endings),
                 "experiment.mask_format_errors": str(self.mask_format_errors).lower(),

@@ -128,6 +128,8 @@ class GroupSource:
                     # keyed by the draw index: the shuffled-reward control does not depend on which group ends first
                     self._rollouts.score(g, f"{step}:{g.instance_id}:{index}", out)
                     scored[index] = g
+                    if not g.informative and s.pass_over_uninformative:
+                        self._tasks.pass_over(g.instance_id)
                     if not s.dynamic_sampling or g.informative:
                         return
                     dropped["uninformative"] += 1
@@ -173,7 +175,7 @@ class FeedSource:
 
 def _cursor(tasks: DataSource, pending: list[str]) -> DataCursor:
     return msgspec.structs.replace(tasks.cursor, consumed=list(tasks.cursor.consumed),
-                                   pending=[*pending, *tasks.cursor.pending])
+                                   pending=[*pending, *tasks.cursor.pending], pass_over=list(tasks.cursor.pass_over))
 
 
 def _grpo_samples(groups: list[Group], results: list[EpisodeResult], info: dict[str, float], tasks_seen: list[str],
