@@ -25,7 +25,7 @@ Verified rows (requests, flask and pytest; instance images built offline from th
 * ``second_sync``: a sync that finds everything present (moves nothing);
 * ``sync_one_per_node`` (full runs): the stores wiped again and the same sync with one pull at a time per node
   (``sync_one_per_node_s``): what sync's concurrency buys on this machine;
-* ``from_controller_serial`` and ``from_controller`` (full runs): the stores wiped, and `swectl image sync` without
+* ``from_controller_serial`` and ``from_controller``: the stores wiped, and `swectl image sync` without
   a registry (``sync_from_controller``: the controller's own registry on a fresh, empty cache, each node pulling
   through its SSH forward), first with every push before the pulls (the code before 2026-11-29), then with each
   image's pulls starting once its push ended (now): ``from_controller_serial_s``, ``from_controller_s``,
@@ -309,8 +309,7 @@ class Bench:
             self._phase_done("sync_one_per_node", t, f"{serial_s:.1f}s after a wipe")
         self.metrics["sync_one_per_node_s"] = round(serial_s, 2) if serial_s is not None else None
         self._results(ts, layers, first, first_use_s, sync, sync_s, synced, again, second_s)
-        if not self.quick:
-            await self._from_controller(ts, targets)
+        await self._from_controller(ts, targets)
 
     async def _from_controller(self, ts: TaskSet, targets: list[SyncTarget]) -> None:
         """The sync from the controller onto the emptied nodes, from a cold cache: pushes before pulls, then overlapped
