@@ -115,6 +115,10 @@ class DockerCli(ContainerCli):
             return False
         raise InfraError(f"node {self.node.name!r}: cannot tell whether {image} is there: {last_error_line(stderr)}")
 
+    def pull_flags(self, registry_flags: list[str]) -> list[str]:
+        """No TLS flag on a docker pull: the daemon decides (see ``pull_hint``)."""
+        return []
+
     def pull_hint(self, error: str, *, registry_host: str, registry_url: str) -> str:
         """No TLS flag on a pull: the daemon reaches a plain-HTTP registry only when its ``insecure-registries``
         name it (or on 127.0.0.0/8)."""

@@ -138,9 +138,9 @@ class ContainerCli:
         """Whether the store holds ``image``; InfraError when the engine cannot tell."""
         raise NotImplementedError
 
-    def pull_flags(self, *, plain_http: bool) -> list[str]:
-        """``pull`` flags for a registry (``plain_http``: one that speaks HTTP, not HTTPS)."""
-        return []
+    def pull_flags(self, registry_flags: list[str]) -> list[str]:
+        """``pull`` flags for a registry, from its podman flags (``Registry.tls_args``): podman takes them as is."""
+        return registry_flags
 
     def pull_hint(self, error: str, *, registry_host: str, registry_url: str) -> str:
         """What to do about a failed pull from a registry (appended to its error), "" when nothing to say."""
@@ -249,9 +249,6 @@ class PodmanCli(ContainerCli):
             return out.exit_code == 0
         raise InfraError(f"node {self.node.name!r}: cannot tell whether {image} is there: "
                          f"{last_error_line(out.stderr.decode(errors='replace'))}")
-
-    def pull_flags(self, *, plain_http: bool) -> list[str]:
-        return ["--tls-verify=false"] if plain_http else []
 
     async def drop_name(self, image: str, name: str) -> None:
         await self.run("untag", image, name)

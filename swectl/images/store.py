@@ -80,7 +80,7 @@ async def pull_image(cli: ContainerCli, image: str, registry: Registry | None) -
     try:
         if not cli.ready:
             await cli.prepare()
-        flags = cli.pull_flags(plain_http=registry.plain_http) if registry is not None else []
+        flags = cli.pull_flags(registry.tls_args()) if registry is not None else []
         out = await cli.node.run(in_own_folder(cli.argv("pull", *flags, ref)))
         if out.exit_code != 0:
             error = last_error_line(out.stderr.decode(errors="replace"))

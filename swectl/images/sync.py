@@ -279,11 +279,12 @@ async def sync_images(targets: Sequence[SyncTarget], images: Sequence[str], regi
     fleet = anyio.CapacityLimiter(options.total)
     results: dict[str, NodeSync] = {}
     pullable = [i for i in wanted if i not in not_in_registry]
+    known_ids = dict(ids or {})
     try:
         async with anyio.create_task_group() as tg:
             for target in targets:
-                node = _Node(target, wanted, pullable, registry, manifests, gate, dict(ids or {}), fleet, options,
-                             say, results)
+                node = _Node(target, wanted, pullable, registry, manifests, gate, known_ids, fleet, options, say,
+                             results)
                 tg.start_soon(node.sync, name=f"image sync {target.name}")
     finally:
         if own_client is not None:
