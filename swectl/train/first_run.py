@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from swectl.actors.metrics import METRICS_FILE, read_metrics
 from swectl.config import TRUNCATED_ENDINGS
 from swectl.errors import ConfigError, SwectlError
 from swectl.train.checkpoint import latest_checkpoint
@@ -382,16 +383,16 @@ def _plot(run_dir: Path, say: Say) -> None:
 
 def sft_speed(run_dir: Path) -> tuple[float, float]:
     """SFT's median seconds a step and training tokens a second (from ``sft/metrics.jsonl``); zeros when unknown."""
-    steps, rates = [], []
     try:
-        for line in (run_dir / "sft" / "metrics.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            steps.append(float(row["step_s"]))
-            rates.append(float(row["train_tokens_per_s"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        records, _ = read_metrics(run_dir / "sft" / METRICS_FILE)
+    except OSError:
         return 0.0, 0.0
-    if not steps:
+    timed = [r for r in records if isinstance(r.get("step_s"), float | int) and
+             isinstance(r.get("train_tokens_per_s"), float | int)]
+    if not timed:
         return 0.0, 0.0
+    steps = [float(r["step_s"]) for r in timed]
+    rates = [float(r["train_tokens_per_s"]) for r in timed]
     return round(statistics.median(steps), 3), round(statistics.median(rates), 1)
 
 
