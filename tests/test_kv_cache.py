@@ -55,6 +55,29 @@ def test_spare_room_layer_matches_the_concatenating_layer() -> None:
     assert ours.get_seq_length() == 0 and not ours.is_initialized
 
 
+def test_filled_rows_are_the_parts_left_padded_and_stacked_with_room_to_grow() -> None:
+    """A join builds the batch's cache from its parts in one copy; it must hold what stacking the zero-padded parts
+    holds (the engine's merge did that before), and decode on from there like a layer that was updated."""
+    gen = torch.Generator().manual_seed(1)
+    parts = [(torch.randn(rows, 2, length, 8, generator=gen), torch.randn(rows, 2, length, 8, generator=gen))
+             for rows, length in ((3, 50), (1, 64), (2, 9))]
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.new_zeros((*t.shape[:2], 64 - t.shape[2], t.shape[3])), t], dim=2)
+
+    ours, theirs = SpareRoomLayer(), DynamicLayer()
+    ours.fill_rows(parts, 64)
+    theirs.update(torch.cat([padded(k) for k, _ in parts]), torch.cat([padded(v) for _, v in parts]))
+    _same(ours, theirs)
+    assert ours.is_initialized and ours.keys.shape == (6, 2, 64, 8)
+    assert ours._key_room.shape[-2] == 64 + MIN_SPARE, "the room update gives"
+    for _ in range(3):
+        kv = torch.randn(6, 2, 1, 8, generator=gen), torch.randn(6, 2, 1, 8, generator=gen)
+        assert all(torch.equal(a, b) for a, b in zip(ours.update(*kv), theirs.update(*kv), strict=True))
+    with pytest.raises(ValueError, match="wider than"):
+        SpareRoomLayer().fill_rows(parts, 32)
+
+
 def test_decode_cache_uses_the_layer_for_full_attention_only() -> None:
     transformers = pytest.importorskip("transformers")
     full = transformers.Qwen3Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,

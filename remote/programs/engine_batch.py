@@ -257,6 +257,9 @@ def merge(model: Model, parts: Sequence[Batch]) -> Batch:
     cache = model.new_cache()
     for index, merged in enumerate(cache.layers):
         layers = [part.cache.layers[index] for part in parts]
+        if isinstance(merged, SpareRoomLayer):
+            merged.fill_rows([(layer.keys, layer.values) for layer in layers], width)
+            continue
         merged.update(torch.cat([_left_pad(layer.keys, width, -2) for layer in layers]),
                       torch.cat([_left_pad(layer.values, width, -2) for layer in layers]))
     return Batch([seq for part in parts for seq in part.seqs], cache,

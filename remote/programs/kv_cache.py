@@ -52,6 +52,31 @@ class SpareRoomLayer(DynamicLayer):
             values[..., : self.length, :] = self.values
         self._key_room, self._value_room = keys, values
 
+    def fill_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> None:
+        """Become the rows of ``parts`` (keys and values ``[rows, heads, length, head_dim]`` each), stacked in order
+        and each left-padded with zeros to ``width`` positions, with the room ``update`` would give: one copy of
+        each part into the new buffers (stacking the padded parts first and then growing copied all of them twice
+        more, which was most of the time of a newcomer's join into a running batch)."""
+        first_keys, first_values = parts[0]
+        self.lazy_initialization(first_keys, first_values)
+        rows = sum(keys.shape[0] for keys, _ in parts)
+        room = width + max(MIN_SPARE, width // 2)
+        keys_room = first_keys.new_empty((rows, first_keys.shape[1], room, first_keys.shape[-1]))
+        values_room = first_values.new_empty((rows, first_values.shape[1], room, first_values.shape[-1]))
+        row = 0
+        for keys, values in parts:
+            count, pad = keys.shape[0], width - keys.shape[-2]
+            if pad < 0:
+                raise ValueError(f"a part of {keys.shape[-2]} positions is wider than {width}")
+            if pad:  # masked out, but must hold no NaN: a zero attention weight times NaN is NaN
+                keys_room[row : row + count, :, :pad].zero_()
+                values_room[row : row + count, :, :pad].zero_()
+            keys_room[row : row + count, :, pad:width] = keys
+            values_room[row : row + count, :, pad:width] = values
+            row += count
+        self._key_room, self._value_room, self.length = keys_room, values_room, width
+        self._expose()
+
     def _expose(self) -> None:
         assert self._key_room is not None and self._value_room is not None
         self.keys = self._key_room[..., : self.length, :]
