@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from swectl.rl.batch import make_batch
 from swectl.rl.groups import Group
 from swectl.rl.shm import BatchWriter
 from swectl.rl.weight_sync import ParamSpec, plan_buckets
-from swectl.rl.wire import StepReply, TrainerSettings
+from swectl.rl.wire import Ready, StepReply, TrainerSettings
 from swectl.tasks.record import Task
 from swectl.train.checkpoint import (
     RunState,
@@ -144,11 +145,10 @@ class Controller:
                                   log_dir=self.run_dir / "engine-logs")
                 self.say(f"starting {len(ehosts) * cfg.engine.replicas} {cfg.engine.kind} engine server(s) and the "
                          f"trainer ({_ranks(cfg, thosts)})")
-                await tg.start(engines.run, name="engines")
             else:
                 self.say(f"starting the trainer ({_ranks(cfg, thosts)})")
             self._trainer_was_ready = False
-            ready = await tg.start(trainer.run, name="trainer")
+            ready = await self._start_services(tg, trainer, engines)
             self._trainer_was_ready = True
             self.say(f"trainer ready: {ready.world_size} ranks on {ready.device}, {ready.parameters:,} parameters")
             self._weight_group = ""
@@ -348,6 +348,22 @@ class Controller:
         self.say(f"async training: up to {s.max_staleness + 1} steps of groups outstanding "
                  f"(max_staleness {s.max_staleness}), {t.concurrency} episodes at once")
         return feed
+
+    async def _start_services(self, tg: anyio.abc.TaskGroup, trainer: Trainer, engines: Engines | None) -> Ready:
+        """The engines, the trainer and (with engines) the tokenizer made ready at the same time, each owned by
+        ``tg`` once up: they wait on nothing of each other's, and one after another a GRPO run on 2 cores waited 11 s
+        for its engine, then 13 s for its trainer, then 5 s for its tokenizer."""
+        ready: list[Ready] = []
+
+        async def trainer_up() -> None:
+            ready.append(await tg.start(trainer.run, name="trainer"))
+
+        async with anyio.create_task_group() as starting:
+            if engines is not None:
+                starting.start_soon(partial(tg.start, engines.run, name="engines"))
+                starting.start_soon(anyio.to_thread.run_sync, self._tokenizer)
+            starting.start_soon(trainer_up)
+        return ready[0]
 
     def _tokenizer(self) -> Any:
         if self._tok is None:

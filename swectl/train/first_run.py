@@ -347,9 +347,10 @@ PHASES = ("model and split", "SFT data", "SFT", "SFT reading", "GRPO", "GRPO rea
 # Phases that run at the same time (the SFT reading beside GRPO, the held-out reading beside the GRPO reading): the
 # run's minutes are the sum over these groups of their longest phase
 OVERLAPPED = ((0,), (1,), (2,), (3, 4), (5, 6))
-# Seconds each phase took in a first run on seed 1 (2-core machine, 2026-11-29) with the default recipe: the ETA
-# scales them by the recipe's steps and samples (expected_s) and by how the phases so far compare with them
-EXPECTED_S = (14.0, 118.0, 665.0, 88.0, 584.0, 99.0, 64.0)
+# Seconds each phase took in first runs on seeds 1 and 2 (2-core machine at 1.9 s an SFT step, 2026-11-29) with the
+# default recipe, the overlapped ones beside their partner: the ETA scales them by the recipe's steps and samples
+# (expected_s) and by how the phases so far compare with them
+EXPECTED_S = (13.0, 110.0, 790.0, 110.0, 770.0, 160.0, 140.0)
 
 
 def _wall(expected: list[float], group: tuple[int, ...]) -> float:
