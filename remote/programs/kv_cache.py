@@ -19,6 +19,11 @@ from transformers.cache_utils import DynamicLayer
 MIN_SPARE = 256  # positions of room a layer keeps at least when it (re)allocates
 
 
+def _room(needed: int) -> int:
+    """Positions a layer allocates when it must hold ``needed``: half again, and at least MIN_SPARE more."""
+    return needed + max(MIN_SPARE, needed // 2)
+
+
 class SpareRoomLayer(DynamicLayer):
     """A full-attention cache layer whose keys and values are views of larger buffers (``[batch, heads, room,
     head_dim]``); ``length`` positions are filled."""
@@ -44,7 +49,7 @@ class SpareRoomLayer(DynamicLayer):
         return self.keys, self.values
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
-        room = needed + max(MIN_SPARE, needed // 2)
+        room = _room(needed)
         keys = key_states.new_empty((*key_states.shape[:-2], room, key_states.shape[-1]))
         values = value_states.new_empty((*value_states.shape[:-2], room, value_states.shape[-1]))
         if self.length:
@@ -60,7 +65,7 @@ class SpareRoomLayer(DynamicLayer):
         first_keys, first_values = parts[0]
         self.lazy_initialization(first_keys, first_values)
         rows = sum(keys.shape[0] for keys, _ in parts)
-        room = width + max(MIN_SPARE, width // 2)
+        room = _room(width)
         keys_room = first_keys.new_empty((rows, first_keys.shape[1], room, first_keys.shape[-1]))
         values_room = first_values.new_empty((rows, first_values.shape[1], room, first_values.shape[-1]))
         row = 0

@@ -159,16 +159,19 @@ class Beside:
     """One swectl command run beside the caller's work (``with Beside(...) as job:``), its output into ``log``
     rather than this terminal (one terminal holds one progress bar). Leaving the block waits for the command and
     raises SwectlError, with the log's tail, when it failed; an exception inside the block (Ctrl-C included) stops
-    the command first. ``seconds``: how long the command itself took. Two CPU-bound phases overlap well on this
-    2-core machine because each leaves about a quarter of it idle (an engine waits on its episodes' commands)."""
+    the command first. ``seconds``: how long the command itself took. ``argv`` None (the phase is already done)
+    runs nothing. Two CPU-bound phases overlap well on this 2-core machine because each leaves about a quarter of it
+    idle (an engine waits on its episodes' commands)."""
 
-    def __init__(self, argv: list[str], what: str, log: Path, say: Say) -> None:
+    def __init__(self, argv: list[str] | None, what: str, log: Path, say: Say) -> None:
         self.argv, self.what, self.log, self.say = argv, what, log, say
         self.seconds = 0.0
         self._proc: subprocess.Popen[bytes] | None = None
         self._waiter: threading.Thread | None = None
 
     def __enter__(self) -> Beside:
+        if self.argv is None:
+            return self
         self.say(f"{self.what} (beside; output in {self.log}): swectl {' '.join(self.argv)}")
         started = time.monotonic()
         with self.log.open("wb") as out:
@@ -185,7 +188,8 @@ class Beside:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        assert self._proc is not None and self._waiter is not None
+        if self._proc is None or self._waiter is None:  # nothing was run
+            return
         if exc_type is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -243,13 +247,13 @@ def sft_data(work: Path, model: Path, recipe: Recipe, say: Say, extra: Sequence[
     """The SFT data folders: gold, then the noisy teacher's copies (a folder listed K times is read K times). The
     scripts run at once: gold here, the others beside it (93.6 s for all three against 128 s one after another)."""
     scripts = {"gold": 1, "give-up": recipe.give_up, "recover": recipe.recover}
-    todo = {s: argv for s in scripts if scripts[s] and (argv := scripted_data_argv(work, model, recipe, s, extra))}
     with ExitStack() as beside:
-        for script, argv in todo.items():
-            if script != "gold":
-                beside.enter_context(Beside(argv, script, work / f"{script}.log", say))
-        if "gold" in todo:
-            swectl(todo["gold"], "gold", say)
+        for script in ("give-up", "recover"):
+            if scripts[script]:
+                beside.enter_context(Beside(scripted_data_argv(work, model, recipe, script, extra), script,
+                                            work / f"{script}.log", say))
+        if argv := scripted_data_argv(work, model, recipe, "gold", extra):
+            swectl(argv, "gold", say)
     return [path for script, copies in scripts.items() for path in [str(work / script)] * copies]
 
 
@@ -434,22 +438,18 @@ def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say)
     phase(4, f"{recipe.grpo_steps} steps x {recipe.tasks_per_step} tasks x {recipe.n_samples} samples from the SFT "
              f"weights, lr {recipe.grpo_lr:g} {recipe.grpo_schedule}, KL {recipe.kl_coef:g}" +
           _resumed_at(run_dir / "grpo"))
-    with ExitStack() as beside:
-        argv = eval_argv(recipe, sft_weights, train_file, run_dir / "eval-sft", recipe.eval_samples, extra=config_sets)
-        sft_reading = (beside.enter_context(Beside(argv, "eval eval-sft", run_dir / "eval-sft.log", log))
-                       if argv else None)
+    sft_argv = eval_argv(recipe, sft_weights, train_file, run_dir / "eval-sft", recipe.eval_samples, extra=config_sets)
+    with Beside(sft_argv, "eval eval-sft", run_dir / "eval-sft.log", log) as sft_reading:
         grpo_weights = timed("grpo", lambda: train(run_dir, "grpo", recipe.grpo_sets(sft_weights), log, extra=extra))
-    phases_s["sft_reading"] = round(sft_reading.seconds, 1) if sft_reading else 0.0
+    phases_s["sft_reading"] = round(sft_reading.seconds, 1)
     phase(5, f"{recipe.eval_samples} episodes per train task")
     phase(6, f"{recipe.test_samples} episodes per held-out task, beside the GRPO reading")
-    with ExitStack() as beside:
-        argv = eval_argv(recipe, grpo_weights, test_file, run_dir / "eval-test", recipe.test_samples,
-                         extra=config_sets)
-        test_reading = (beside.enter_context(Beside(argv, "eval eval-test", run_dir / "eval-test.log", log))
-                        if argv else None)
+    test_argv = eval_argv(recipe, grpo_weights, test_file, run_dir / "eval-test", recipe.test_samples,
+                          extra=config_sets)
+    with Beside(test_argv, "eval eval-test", run_dir / "eval-test.log", log) as test_reading:
         readings_grpo = timed("grpo_reading", lambda: evaluate(
             recipe, grpo_weights, train_file, run_dir / "eval-grpo", recipe.eval_samples, log, extra=config_sets))
-    phases_s["test_reading"] = round(test_reading.seconds, 1) if test_reading else 0.0
+    phases_s["test_reading"] = round(test_reading.seconds, 1)
     readings: dict[str, dict[str, Any]] = {
         "sft_train": reading(run_dir / "eval-sft", sft_weights), "grpo_train": readings_grpo,
         "test": reading(run_dir / "eval-test", grpo_weights)}
