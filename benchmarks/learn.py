@@ -149,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
                              "(default) "
                              "decays --grpo-lr to a tenth by the last step; with a constant rate, weak seeds lost by "
                              "step 30 what they had at step 10 (benchmarks/results/learn.json)")
+    parser.add_argument("--max-staleness", type=int, default=RECIPE.max_staleness,
+                        help="GRPO: steps a group's weights may lag the trainer's (train.sampling.max_staleness); "
+                             "0 = synchronous, 1 (default) = the next step's rollouts run while the trainer trains")
+    parser.add_argument("--grpo-trainer-threads", type=int, default=RECIPE.grpo_trainer_threads,
+                        help="GRPO trainer threads (0: the machine's cores); asynchronous GRPO trains beside its "
+                             "rollouts, so 1 by default")
     parser.add_argument("--grpo-start", choices=("checkpoint", "weights"), default="weights",
                         help="weights (default): a new run from the SFT weights with a fresh optimizer; checkpoint: "
                              "GRPO goes on from the SFT run's last checkpoint (its optimizer state and learning rate)")

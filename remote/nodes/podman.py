@@ -102,6 +102,11 @@ class ContainerCli:
     def ready(self) -> bool:
         return self._prefix is not None
 
+    async def ensure_ready(self) -> None:
+        """``prepare`` unless it already ran."""
+        if not self.ready:
+            await self.prepare()
+
     def argv(self, *args: str) -> list[str]:
         assert self._prefix is not None, f"{type(self).__name__}.prepare() must run first"
         return [*self._prefix, self.binary, *args]

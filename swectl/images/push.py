@@ -79,8 +79,7 @@ async def push_with(cli: PodmanCli, image: str, registry: Registry) -> PushOutco
     cancelling it kills the push). The caller bounds the wait."""
     ref = registry.ref(image)
     start = time.monotonic()
-    if not cli.ready:
-        await cli.prepare()
+    await cli.ensure_ready()
     out = await cli.run("push", *registry.tls_args(), image, f"docker://{ref}", check=False)
     error = "" if out.exit_code == 0 else (_last_error(out.stderr.decode(errors="replace")) or
                                            f"podman push exited {out.exit_code}")

@@ -62,8 +62,7 @@ class ImageStore(Protocol):
 
 async def list_images(cli: ContainerCli) -> dict[str, str]:
     """The node's images: normal name -> id (``sha256:...``); untagged ones left out. Prepares ``cli`` if needed."""
-    if not cli.ready:
-        await cli.prepare()
+    await cli.ensure_ready()
     out = await cli.run("images", "--no-trunc", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}")
     names: dict[str, str] = {}
     for line in out.stdout.decode().splitlines():
@@ -78,8 +77,7 @@ async def pull_image(cli: ContainerCli, image: str, registry: Registry | None) -
     wrong (``not in URL: ...`` when the registry lacks it). NodeError when the node is lost."""
     ref = registry.ref(image) if registry is not None else qualify_image(image)
     try:
-        if not cli.ready:
-            await cli.prepare()
+        await cli.ensure_ready()
         flags = cli.pull_flags(registry.tls_args()) if registry is not None else []
         out = await cli.node.run(in_own_folder(cli.argv("pull", *flags, ref)))
         if out.exit_code != 0:
@@ -115,8 +113,7 @@ class NodeImageStore:
         return await list_images(self.cli)
 
     async def exists(self, image: str) -> bool:
-        if not self.cli.ready:
-            await self.cli.prepare()
+        await self.cli.ensure_ready()
         return await self.cli.image_exists(image)
 
     async def pull(self, image: str) -> None:
@@ -136,8 +133,7 @@ class NodeImageStore:
         return "" if any(s in error.lower() for s in _GONE) else error
 
     async def disk_bytes(self) -> int:
-        if not self.cli.ready:
-            await self.cli.prepare()
+        await self.cli.ensure_ready()
         return await self.cli.images_disk_bytes()
 
 

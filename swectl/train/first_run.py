@@ -87,9 +87,17 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # episodes at a time, in training and in the readings; the engine decodes that many rows together (a decode step
     # of 16 rows took 15 ms against 13 ms for 8, and an SFT reading 75 s against 84 s at 8)
     concurrency: int = 16
-    # torch threads of the trainer, one rank (0: this machine's cores). The first run trains while nothing else runs
-    # (SFT; synchronous GRPO), and on 2 cores one rank of 2 threads took an SFT step in 2.1 s, two ranks of 1 in 2.4 s
+    # GRPO: how many steps a group's weights may lag the trainer's (train.sampling.max_staleness; 0: synchronous).
+    # At 1 the next step's rollouts run while the trainer trains, instead of the engine idling through each training
+    # step and the trainer through each step's rollouts: seed 3's GRPO took 593 s against 751 s and read +22.2
+    # against +26.4 (one s.e. 8)
+    max_staleness: int = 1
+    # torch threads of the SFT trainer, one rank (0: this machine's cores). SFT trains while nothing else runs, and on
+    # 2 cores one rank of 2 threads took an SFT step in 2.1 s, two ranks of 1 in 2.4 s
     trainer_threads: int = 0
+    # torch threads of the GRPO trainer (0: this machine's cores). Asynchronous GRPO trains beside its rollouts: with
+    # 2 threads its steps took 11-34 s and fought the engine for the cores, with 1 thread 9-16 s
+    grpo_trainer_threads: int = 1
     eval_samples: int = 4  # episodes per train task in each reading
     test_samples: int = 2  # episodes per held-out task
     eval_seed: int | None = None  # sampling seed of the readings (default: seed)
@@ -103,11 +111,12 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def engine_sets(self) -> dict[str, object]:
         return {"engine.max_batch": self.concurrency}
 
-    def trainer_sets(self) -> dict[str, object]:
-        return {"trainer.nproc_per_node": 1, "trainer.threads_per_rank": self.trainer_threads or os.cpu_count() or 1}
+    @staticmethod
+    def trainer_sets(threads: int) -> dict[str, object]:
+        return {"trainer.nproc_per_node": 1, "trainer.threads_per_rank": threads or os.cpu_count() or 1}
 
     def sft_sets(self, model: Path, sft_data: list[str]) -> dict[str, object]:
-        return {**self.trainer_sets(), "train.model": repr(str(model)), "train.algorithm": '"sft"',
+        return {**self.trainer_sets(self.trainer_threads), "train.model": repr(str(model)), "train.algorithm": '"sft"',
                 "train.data.sft_data": json.dumps(sft_data),
                 "experiment.sft_resolved_only": str(not self.give_up).lower(), "train.steps": self.sft_steps,
                 "train.data.sft_batch_size": self.sft_batch_size, "train.optim.lr": self.sft_lr,
@@ -117,7 +126,8 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     def grpo_sets(self, sft_weights: Path) -> dict[str, object]:
         endings = OVERLONG_ENDINGS if self.mask_truncated_endings == "overlong" else [*OVERLONG_ENDINGS, "FormatError"]
-        return {**self.trainer_sets(), **self.engine_sets(), "train.model": repr(str(sft_weights)),
+        return {**self.trainer_sets(self.grpo_trainer_threads), **self.engine_sets(),
+                "train.model": repr(str(sft_weights)),
                 "train.algorithm": '"grpo"',
                 "train.steps": self.grpo_steps,
                 "train.optim.lr": self.grpo_lr, "train.optim.schedule": f'"{self.grpo_schedule}"',
@@ -126,6 +136,7 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 "train.data.test_fraction": self.test_fraction, "train.save_every": 5,
                 **({"train.data.tasks": repr(self.tasks)} if self.tasks else {}),
                 "train.concurrency": self.concurrency, "train.sampling.max_sampling_rounds": 2,
+                "train.sampling.max_staleness": self.max_staleness,
                 "train.sampling.pass_over_uninformative": str(self.pass_over).lower(),
                 "experiment.mask_truncated": str(self.mask_truncated).lower(),
                 "experiment.mask_truncated_endings": json.dumps(endings),
@@ -352,9 +363,9 @@ PHASES = ("model and split", "SFT data", "SFT", "SFT reading", "GRPO", "GRPO rea
 # run's minutes are the sum over these groups of their longest phase
 OVERLAPPED = ((0,), (1,), (2,), (3, 4), (5, 6))
 # Seconds each phase took in first runs on seeds 1 and 2 (2-core machine at 1.9 s an SFT step, 2026-11-29) with the
-# default recipe, the overlapped ones beside their partner: the ETA scales them by the recipe's steps and samples
-# (expected_s) and by how the phases so far compare with them
-EXPECTED_S = (13.0, 110.0, 790.0, 110.0, 770.0, 160.0, 140.0)
+# default recipe, the overlapped ones beside their partner (GRPO: seed 3's asynchronous GRPO at 1.74 s an SFT step):
+# the ETA scales them by the recipe's steps and samples (expected_s) and by how the phases so far compare with them
+EXPECTED_S = (13.0, 110.0, 790.0, 110.0, 640.0, 160.0, 140.0)
 
 
 def _wall(expected: list[float], group: tuple[int, ...]) -> float:
@@ -436,7 +447,8 @@ def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say)
     train_file, test_file = run_dir / "train.jsonl", run_dir / "test.jsonl"
     phase(3, f"{recipe.eval_samples} episodes per train task at temperature 1, beside GRPO")
     phase(4, f"{recipe.grpo_steps} steps x {recipe.tasks_per_step} tasks x {recipe.n_samples} samples from the SFT "
-             f"weights, lr {recipe.grpo_lr:g} {recipe.grpo_schedule}, KL {recipe.kl_coef:g}" +
+             f"weights, lr {recipe.grpo_lr:g} {recipe.grpo_schedule}, KL {recipe.kl_coef:g}, " +
+             (f"asynchronous (max staleness {recipe.max_staleness})" if recipe.max_staleness else "synchronous") +
           _resumed_at(run_dir / "grpo"))
     sft_argv = eval_argv(recipe, sft_weights, train_file, run_dir / "eval-sft", recipe.eval_samples, extra=config_sets)
     with Beside(sft_argv, "eval eval-sft", run_dir / "eval-sft.log", log) as sft_reading:
