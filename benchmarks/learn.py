@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="GRPO: steps a group's weights may lag the trainer's (train.sampling.max_staleness); "
                              "0 = synchronous, 1 (default) = the next step's rollouts run while the trainer trains")
     parser.add_argument("--grpo-trainer-threads", type=int, default=RECIPE.grpo_trainer_threads,
-                        help="GRPO trainer threads (0: the machine's cores); asynchronous GRPO trains beside its "
-                             "rollouts, so 1 by default")
+                        help="GRPO trainer threads (0, the default: 1 when asynchronous, whose rollouts run "
+                             "beside the training, else the machine's cores)")
     parser.add_argument("--grpo-start", choices=("checkpoint", "weights"), default="weights",
                         help="weights (default): a new run from the SFT weights with a fresh optimizer; checkpoint: "
                              "GRPO goes on from the SFT run's last checkpoint (its optimizer state and learning rate)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,16 @@ def test_a_short_sft_warms_up_for_fewer_steps_than_it_has(tmp_path: Path) -> Non
     for steps in (1, 2, 3, 400):
         config = load_config(None, _overrides(Recipe(sft_steps=steps).sft_sets(tmp_path, ["gold"])))
         assert config.train.optim.warmup_steps < max(steps, 2)
+
+
+def test_grpo_is_asynchronous_on_a_one_thread_trainer_unless_the_recipe_says_synchronous(tmp_path: Path) -> None:
+    cores = os.cpu_count() or 1
+    for recipe, staleness, threads in ((Recipe(), 1, 1), (Recipe(max_staleness=0), 0, cores),
+                                       (Recipe(grpo_trainer_threads=3), 1, 3)):
+        config = load_config(None, _overrides(recipe.grpo_sets(tmp_path / "w")))
+        assert config.train.sampling.max_staleness == staleness and config.trainer.threads_per_rank == threads
+    sft = load_config(None, _overrides(Recipe().sft_sets(tmp_path / "m", ["gold"])))
+    assert sft.trainer.threads_per_rank == cores  # SFT trains alone: every core
 
 
 def test_the_noisy_teacher_off_trains_on_resolved_gold_only(tmp_path: Path) -> None:

@@ -89,15 +89,16 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     concurrency: int = 16
     # GRPO: how many steps a group's weights may lag the trainer's (train.sampling.max_staleness; 0: synchronous).
     # At 1 the next step's rollouts run while the trainer trains, instead of the engine idling through each training
-    # step and the trainer through each step's rollouts: seed 3's GRPO took 593 s against 751 s and read +22.2
-    # against +26.4 (one s.e. 8)
+    # step and the trainer through each step's rollouts. Seeds 1-3: GRPO (the SFT reading beside it) took 8.4-9.7
+    # minutes against 12.5-13.2 and read +25.0, +26.4, +25.0 points against +20.8, +33.3, +26.4 (one s.e. 8)
     max_staleness: int = 1
     # torch threads of the SFT trainer, one rank (0: this machine's cores). SFT trains while nothing else runs, and on
     # 2 cores one rank of 2 threads took an SFT step in 2.1 s, two ranks of 1 in 2.4 s
     trainer_threads: int = 0
-    # torch threads of the GRPO trainer (0: this machine's cores). Asynchronous GRPO trains beside its rollouts: with
-    # 2 threads its steps took 11-34 s and fought the engine for the cores, with 1 thread 9-16 s
-    grpo_trainer_threads: int = 1
+    # torch threads of the GRPO trainer (0: 1 when asynchronous, else this machine's cores). Asynchronous GRPO trains
+    # beside its rollouts: with 2 threads its steps took 11-34 s and fought the engine for the cores, with 1 thread
+    # 9-16 s; synchronous GRPO trains alone (5-7 s a step with 2 threads)
+    grpo_trainer_threads: int = 0
     eval_samples: int = 4  # episodes per train task in each reading
     test_samples: int = 2  # episodes per held-out task
     eval_seed: int | None = None  # sampling seed of the readings (default: seed)
@@ -126,7 +127,8 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     def grpo_sets(self, sft_weights: Path) -> dict[str, object]:
         endings = OVERLONG_ENDINGS if self.mask_truncated_endings == "overlong" else [*OVERLONG_ENDINGS, "FormatError"]
-        return {**self.trainer_sets(self.grpo_trainer_threads), **self.engine_sets(),
+        threads = self.grpo_trainer_threads or (1 if self.max_staleness else 0)
+        return {**self.trainer_sets(threads), **self.engine_sets(),
                 "train.model": repr(str(sft_weights)),
                 "train.algorithm": '"grpo"',
                 "train.steps": self.grpo_steps,
@@ -362,10 +364,10 @@ PHASES = ("model and split", "SFT data", "SFT", "SFT reading", "GRPO", "GRPO rea
 # Phases that run at the same time (the SFT reading beside GRPO, the held-out reading beside the GRPO reading): the
 # run's minutes are the sum over these groups of their longest phase
 OVERLAPPED = ((0,), (1,), (2,), (3, 4), (5, 6))
-# Seconds each phase took in first runs on seeds 1 and 2 (2-core machine at 1.9 s an SFT step, 2026-11-29) with the
-# default recipe, the overlapped ones beside their partner (GRPO: seed 3's asynchronous GRPO at 1.74 s an SFT step):
-# the ETA scales them by the recipe's steps and samples (expected_s) and by how the phases so far compare with them
-EXPECTED_S = (13.0, 110.0, 790.0, 110.0, 640.0, 160.0, 140.0)
+# Seconds each phase took in first runs on seeds 1-3 (2-core machine at 1.67-1.79 s an SFT step, 2026-11-29) with
+# the default recipe, the overlapped ones beside their partner: the ETA scales them by the recipe's steps and samples
+# (expected_s) and by how the phases so far compare with them
+EXPECTED_S = (12.0, 91.0, 712.0, 161.0, 537.0, 144.0, 120.0)
 
 
 def _wall(expected: list[float], group: tuple[int, ...]) -> float:
