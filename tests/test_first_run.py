@@ -147,6 +147,14 @@ def test_a_bad_config_key_stops_the_first_run_before_any_phase(tmp_path: Path,
     assert not (tmp_path / "r").exists()
 
 
+def test_a_recipe_its_grpo_run_would_refuse_stops_before_any_phase(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["up", "--set", f"out_dir={str(tmp_path)!r}", "--set", "run_id='r'", "--set", "recipe.pass_over=true"]
+    assert main(argv) == 2
+    assert "pass_over_uninformative is for synchronous grpo" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_recipe_naming_a_split_with_an_empty_side_is_refused(tmp_path: Path) -> None:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(BUNDLED_TASKS.read_text().splitlines()[0] + "\n")

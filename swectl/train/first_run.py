@@ -68,7 +68,8 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     grpo_lr: float = 2e-4
     grpo_schedule: Literal["constant", "cosine"] = "cosine"  # cosine: down to a tenth by the last step
     kl_coef: float = 0.5  # GRPO's KL penalty to the SFT weights (low_var_kl): keeps the SFT format
-    # GRPO: a task whose group had equal rewards is passed over once (train.sampling.pass_over_uninformative)
+    # GRPO: a task whose group had equal rewards is passed over once (train.sampling.pass_over_uninformative;
+    # synchronous GRPO only: with recipe.max_staleness=0)
     pass_over: bool = False
     tasks_per_step: int = 4
     n_samples: int = 4  # GRPO group size
