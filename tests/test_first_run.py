@@ -23,23 +23,20 @@ from swectl.train.first_run import (
     Summary,
     expected_s,
     load_recipe,
+    overrides,
     set_flags,
     sft_speed,
     summary_table,
 )
 
 
-def _overrides(sets: dict[str, object]) -> list[str]:
-    return [f"{k}={v}" for k, v in sets.items()]
-
-
 def test_the_recipe_sets_only_keys_the_config_has_and_they_decode(tmp_path: Path) -> None:
     recipe = Recipe(tasks=str(tmp_path / "tasks.jsonl"))
-    sft = load_config(None, _overrides({**recipe.rollout_sets(), **recipe.sft_sets(tmp_path / "m", ["a", "b"])}))
+    sft = load_config(None, overrides({**recipe.rollout_sets(), **recipe.sft_sets(tmp_path / "m", ["a", "b"])}))
     assert sft.train.algorithm == "sft" and sft.train.steps == recipe.sft_steps
     assert sft.train.data.sft_data == ["a", "b"] and sft.experiment.sft_resolved_only is False
     assert sft.rollout.step_limit == recipe.step_limit and sft.rollout.max_tokens == recipe.max_tokens
-    grpo = load_config(None, _overrides({**recipe.rollout_sets(), **recipe.grpo_sets(tmp_path / "w")}))
+    grpo = load_config(None, overrides({**recipe.rollout_sets(), **recipe.grpo_sets(tmp_path / "w")}))
     assert grpo.train.algorithm == "grpo" and grpo.train.steps == recipe.grpo_steps
     assert grpo.train.model == str(tmp_path / "w") and grpo.train.loss.kl_coef == recipe.kl_coef
     assert grpo.train.data.split_seed == recipe.seed and grpo.train.data.test_fraction == recipe.test_fraction
@@ -49,7 +46,7 @@ def test_the_recipe_sets_only_keys_the_config_has_and_they_decode(tmp_path: Path
 
 def test_a_short_sft_warms_up_for_fewer_steps_than_it_has(tmp_path: Path) -> None:
     for steps in (1, 2, 3, 400):
-        config = load_config(None, _overrides(Recipe(sft_steps=steps).sft_sets(tmp_path, ["gold"])))
+        config = load_config(None, overrides(Recipe(sft_steps=steps).sft_sets(tmp_path, ["gold"])))
         assert config.train.optim.warmup_steps < max(steps, 2)
 
 
@@ -57,15 +54,15 @@ def test_grpo_is_asynchronous_on_a_one_thread_trainer_unless_the_recipe_says_syn
     cores = os.cpu_count() or 1
     for recipe, staleness, threads in ((Recipe(), 1, 1), (Recipe(max_staleness=0), 0, cores),
                                        (Recipe(grpo_trainer_threads=3), 1, 3)):
-        config = load_config(None, _overrides(recipe.grpo_sets(tmp_path / "w")))
+        config = load_config(None, overrides(recipe.grpo_sets(tmp_path / "w")))
         assert config.train.sampling.max_staleness == staleness and config.trainer.threads_per_rank == threads
-    sft = load_config(None, _overrides(Recipe().sft_sets(tmp_path / "m", ["gold"])))
+    sft = load_config(None, overrides(Recipe().sft_sets(tmp_path / "m", ["gold"])))
     assert sft.trainer.threads_per_rank == cores  # SFT trains alone: every core
 
 
 def test_the_noisy_teacher_off_trains_on_resolved_gold_only(tmp_path: Path) -> None:
     sets = Recipe(give_up=0).sft_sets(tmp_path, ["gold"])
-    assert load_config(None, _overrides(sets)).experiment.sft_resolved_only is True
+    assert load_config(None, overrides(sets)).experiment.sft_resolved_only is True
 
 
 def test_recipe_overrides_and_a_resumed_runs_recipe(tmp_path: Path) -> None:

@@ -104,7 +104,7 @@ def _first_run_asked(args: argparse.Namespace) -> bool:
 def _first_run(args: argparse.Namespace) -> int:
     """No FILE: the first run (swectl/train/first_run.py), new or resumed."""
     from swectl.train.controller import new_run_dir
-    from swectl.train.first_run import load_recipe, run_first
+    from swectl.train.first_run import load_recipe, overrides, run_first
 
     if args.steps is not None:
         raise ConfigError("--steps: the first run has SFT and GRPO steps: --set recipe.sft_steps=N or "
@@ -123,8 +123,7 @@ def _first_run(args: argparse.Namespace) -> int:
     recipe = load_recipe(run_dir, recipe_doc.get("recipe", {}))
     agent_templates(recipe.agent_config)  # a wrong recipe.agent_config stops here too
     # and a recipe whose GRPO run the config refuses (recipe.pass_over with asynchronous GRPO), not after SFT
-    grpo_sets = {**recipe.rollout_sets(), **recipe.grpo_sets(run_dir / "sft")}
-    load_config(None, [*config_sets, *(f"{key}={value}" for key, value in grpo_sets.items())])
+    load_config(None, [*config_sets, *overrides({**recipe.rollout_sets(), **recipe.grpo_sets(run_dir / "sft")})])
     phase_sets = [x for o in config_sets if o.split("=", 1)[0].strip() not in ("out_dir", "run_id")
                   for x in ("--set", o)]
     summary = run_first(run_dir, recipe, phase_sets, say)

@@ -151,9 +151,14 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         return self.seed if self.eval_seed is None else self.eval_seed
 
 
+def overrides(sets: dict[str, object]) -> list[str]:
+    """``KEY=VALUE`` config overrides, one per entry (what ``load_config`` and ``--set`` take)."""
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
 def set_flags(sets: dict[str, object]) -> list[str]:
     """``--set KEY=VALUE`` arguments, one pair per entry."""
-    return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+    return [x for override in overrides(sets) for x in ("--set", override)]
 
 
 def swectl(argv: list[str], what: str, say: Say) -> float:
