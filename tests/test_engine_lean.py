@@ -90,3 +90,35 @@ def test_a_model_it_is_not_written_for_keeps_transformers_forward() -> None:
                                        use_sliding_window=True, sliding_window=16, **SHAPE)
     assert LeanDecode.build(transformers.Qwen3ForCausalLM(sliding), said.append) is None
     assert said[-1] == "decode: transformers' forward (sliding-window layers)"
+
+
+def _generate_with_joins(model: Model) -> tuple[list[tuple[list[int], list[float]]], list[bool]]:
+    """Rows leaving from the middle of the batch and three joins: the first merges (the first batch has no spare
+    rows), the later ones (a newcomer wider than the batch, then a narrower one) can go in place. Every row's tokens
+    and logprobs, and whether each join kept the batch (in place)."""
+    first = [_seq(i, [(5 * i + j) % 150 + 3 for j in range(6 + 7 * i)], max_new=30 - 7 * i) for i in range(4)]
+    late = {4: _seq(10, [9, 8, 7], max_new=12), 7: _seq(11, [(3 * j) % 90 + 5 for j in range(45)], max_new=15),
+            9: _seq(12, [21, 22, 23, 24], max_new=9)}
+    batch = prefill(model, first)
+    in_place: list[bool] = []
+    for n in range(60):
+        if n in late:
+            joined = join(model, batch, [late[n]])
+            in_place.append(joined is batch)
+            batch = joined
+        step(model, batch)
+        if not batch.seqs:
+            break
+    return [(s.output, s.logprobs) for s in [*first, *late.values()]], in_place
+
+
+def test_in_place_joins_and_leaves_give_what_the_concatenating_cache_gives(qwen3_folder: Path) -> None:
+    """The in-place cache (newcomers written into spare rows and left room, leavers' slots taken by the last rows)
+    against transformers' concatenating cache, whose joins and leaves stack and select every row."""
+    ours, in_place = _generate_with_joins(Model(qwen3_folder, attn_implementation="sdpa", decode="lean"))
+    theirs, _ = _generate_with_joins(Model(qwen3_folder, attn_implementation="sdpa", kv_cache="concat",
+                                           decode="transformers"))
+    assert in_place == [False, True, True]
+    for (tokens, logprobs), (their_tokens, their_logprobs) in zip(ours, theirs, strict=True):
+        assert tokens == their_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, their_logprobs, strict=True)) < 1e-4

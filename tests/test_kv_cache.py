@@ -116,3 +116,27 @@ def test_prefix_store_finds_the_longest_common_beginning_within_its_byte_budget(
     assert len(store) == 2
     store.clear()
     assert len(store) == 0 and store.bytes == 0 and store.longest([*turn, 1]) is None
+
+
+def test_keep_rows_moves_only_the_rows_that_fill_the_leavers_slots() -> None:
+    """A row leaving the batch: the kept rows, in the order ``row_moves`` gives, hold what selecting them holds, and
+    the layer decodes on from there like the concatenating one."""
+    from swectl.remote.programs.engine_batch import row_moves
+
+    gen = torch.Generator().manual_seed(2)
+    ours, theirs = SpareRoomLayer(), DynamicLayer()
+    prompt = torch.randn(6, 2, 30, 8, generator=gen), torch.randn(6, 2, 30, 8, generator=gen)
+    for layer in (ours, theirs):
+        layer.update(*prompt)
+    keep = [0, 2, 4, 5]  # rows 1 and 3 leave: row 1's slot takes row 4, row 3's takes row 5; rows 0 and 2 stay put
+    order, moves = row_moves(keep)
+    assert order == [0, 4, 2, 5] and moves == [(1, 4), (3, 5)]
+    ours.keep_rows(moves, len(order))
+    theirs.batch_select_indices(torch.tensor(order))
+    _same(ours, theirs)
+    assert ours._key_room.shape[0] == 4
+    for _ in range(3):
+        kv = torch.randn(4, 2, 1, 8, generator=gen), torch.randn(4, 2, 1, 8, generator=gen)
+        assert all(torch.equal(a, b) for a, b in zip(ours.update(*kv), theirs.update(*kv), strict=True))
+    assert row_moves([0, 1, 2]) == ([0, 1, 2], [])  # the last rows left: nothing moves
+    assert row_moves([3]) == ([3], [(0, 3)])

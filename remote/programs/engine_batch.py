@@ -4,7 +4,8 @@ being decoded (``Seq``) and the rows decoded together (``Batch``), and the forwa
 ``prefill`` runs new sequences through the model, left-padded with an attention mask and explicit position ids;
 a sequence that begins the way a finished one did reuses that one's KV from the prefix store (``extend``;
 remote/programs/kv_cache.py). ``merge`` stacks the rows of several batches into one (their caches left-padded to
-the widest) and ``join`` prefills newcomers into a running batch that way; ``step`` picks every row's next token,
+the widest) and ``join`` prefills newcomers into a running batch, in place where its cache has room (``take``), else
+by a merge; ``step`` picks every row's next token,
 retires finished rows (keeping their KV in the prefix store) and runs the others one position further;
 ``trim_padding`` drops the leading padding that rows which left the batch leave behind. Decode steps run through
 remote/programs/lean_decode.py where it fits the model (``Model.lean``), else through transformers' forward. The
@@ -28,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from transformers.cache_utils import DynamicLayer
 
 from swectl.engine.wire import SamplingParams
-from swectl.remote.programs.kv_cache import PrefixStore, SpareRoomLayer, decode_cache
+from swectl.remote.programs.kv_cache import ROW_SPARE, PrefixStore, SpareRoomLayer, decode_cache
 from swectl.remote.programs.lean_decode import LeanDecode
 
 LOGPROB_FLOOR = -1e30  # JSON has no -inf; SGLang clamps to the dtype's minimum likewise
@@ -240,14 +241,64 @@ def trim_padding(batch: Batch) -> None:
     batch.mask = batch.mask[:, first:]
 
 
+def row_moves(keep: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Where the kept rows (``keep``, ascending) go when the others leave: the rows already among the first
+    ``len(keep)`` stay, and each slot there that a leaving row held takes a kept row from beyond them. Returns the new
+    row order (new row ``i`` is old row ``order[i]``) and the ``(slot, old row)`` moves."""
+    count = len(keep)
+    kept = set(keep)
+    holes = [row for row in range(count) if row not in kept]
+    movers = [row for row in keep if row >= count]
+    order = list(range(count))
+    for hole, row in zip(holes, movers, strict=True):
+        order[hole] = row
+    return order, list(zip(holes, movers, strict=True))
+
+
+def drop_rows(model: Model, batch: Batch, keep: Sequence[int]) -> list[int]:
+    """Keep only the rows ``keep`` (ascending) of ``batch``, copying into the leavers' slots only the kept rows that
+    move there (``row_moves``); returns the new row order as old row indices."""
+    order, moves = row_moves(keep)
+    index = torch.tensor(order, dtype=torch.long, device=model.device)
+    for layer in batch.cache.layers:
+        if isinstance(layer, SpareRoomLayer):
+            layer.keep_rows(moves, len(order))
+        else:
+            layer.batch_select_indices(index)
+    batch.seqs = [batch.seqs[row] for row in order]
+    batch.mask = batch.mask[index]
+    batch.next_pos = batch.next_pos[index]
+    return order
+
+
 def can_join(batch: Batch) -> bool:
     """Whether new rows can be merged into this batch's cache (full-attention layers only)."""
     return all(type(layer) in (DynamicLayer, SpareRoomLayer) for layer in batch.cache.layers)
 
 
 def join(model: Model, batch: Batch, seqs: Sequence[Seq]) -> Batch:
-    """Prefill ``seqs`` and merge them into the running ``batch``."""
-    return merge(model, [batch, prefill(model, seqs)])
+    """Prefill ``seqs`` and add them to the running ``batch``: in place where its cache has the room (``take``),
+    else by merging the two into a new one."""
+    fresh = prefill(model, seqs)
+    return batch if take(batch, fresh) else merge(model, [batch, fresh])
+
+
+def take(batch: Batch, fresh: Batch) -> bool:
+    """Add the rows of ``fresh`` to ``batch`` in place when every cache layer of ``batch`` has room for them (spare
+    rows, and room on the left for a wider newcomer's positions): copies the newcomers' KV only. False, and nothing
+    changed, otherwise."""
+    layers = batch.cache.layers
+    width = max(batch.mask.shape[1], fresh.mask.shape[1])
+    rows = len(fresh.seqs)
+    if not all(isinstance(layer, SpareRoomLayer) and layer.can_take(rows, width) for layer in layers):
+        return False
+    for layer, theirs in zip(layers, fresh.cache.layers, strict=True):
+        layer.take_rows(theirs.keys, theirs.values, width)
+    batch.seqs = [*batch.seqs, *fresh.seqs]
+    batch.mask = torch.cat([_left_pad(batch.mask, width, 1), _left_pad(fresh.mask, width, 1)])
+    batch.next_pos = torch.cat([batch.next_pos, fresh.next_pos])
+    batch.logits = torch.cat([batch.logits, fresh.logits])
+    return True
 
 
 def merge(model: Model, parts: Sequence[Batch]) -> Batch:
@@ -258,7 +309,7 @@ def merge(model: Model, parts: Sequence[Batch]) -> Batch:
     for index, merged in enumerate(cache.layers):
         layers = [part.cache.layers[index] for part in parts]
         if isinstance(merged, SpareRoomLayer):
-            merged.fill_rows([(layer.keys, layer.values) for layer in layers], width)
+            merged.fill_rows([(layer.keys, layer.values) for layer in layers], width, row_spare=ROW_SPARE)
             continue
         merged.update(torch.cat([_left_pad(layer.keys, width, -2) for layer in layers]),
                       torch.cat([_left_pad(layer.values, width, -2) for layer in layers]))
@@ -340,13 +391,10 @@ def step(model: Model, batch: Batch) -> list[Seq]:
             if model.prefixes.enabled and can_join(batch):
                 keep_prefix(model, batch, row)
     if len(keep) < len(batch.seqs):
-        index = torch.tensor(keep, dtype=torch.long, device=model.device)
-        batch.seqs = [batch.seqs[row] for row in keep]
         if not keep:
+            batch.seqs = []
             return finished
-        batch.cache.batch_select_indices(index)
-        batch.mask = batch.mask[index]
-        batch.next_pos = batch.next_pos[index]
+        keep = drop_rows(model, batch, keep)
         trim_padding(batch)
     batch.mask = torch.cat([batch.mask, torch.ones((len(keep), 1), dtype=torch.long, device=model.device)], dim=1)
     chosen = torch.tensor([tokens[row] for row in keep], dtype=torch.long, device=model.device)

@@ -117,8 +117,11 @@ def _gold_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must not hold a run)")
     parser.add_argument("--concurrency", type=int, default=4, help="episodes at once (default 4)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="grading timeout per task, seconds")
-    parser.add_argument("--script", choices=("gold", "give-up", "recover"), default="gold",
-                        help="gold (default): act out the gold patch, keep what resolves; give-up: a wrong teacher "
+    parser.add_argument("--script", choices=("gold", "give-up", "recover"), action="append", default=None,
+                        help="repeat it to run several scripts at once in one process, each into --out/SCRIPT, "
+                        "sharing sandboxes and a grader that grades a patch once (recover ends with the gold patch; "
+                        "give-up's empty patch is unresolved without a run, as the SWE-bench harness scores it). "
+                        "gold (default): act out the gold patch, keep what resolves; give-up: a wrong teacher "
                         "that looks at the same code and submits no change, keep what does not resolve (SFT data "
                         "mixing right and wrong attempts, for experiment.sft_resolved_only = false; the learning "
                         "demo); "
@@ -219,7 +222,7 @@ def _run_gold(args: argparse.Namespace) -> int:
     import msgspec
 
     from swectl.cli.eval import select_tasks
-    from swectl.eval.gold import check_out_dir, make_gold
+    from swectl.eval.gold import check_out_dir, make_scripted
     from swectl.logs import write_run_log
     from swectl.model.tokenizer import load_tokenizer
 
@@ -232,20 +235,24 @@ def _run_gold(args: argparse.Namespace) -> int:
         raise TaskDataError(f"--tasks {args.tasks}: no usable task in it ({loaded.rows_read} rows, "
                             f"{len(loaded.problems)} malformed)")
     tasks = select_tasks(loaded.tasks, args.instances, args.slice)
+    scripts = list(dict.fromkeys(args.script or ["gold"]))
     out = output_dir(args.out)
-    check_out_dir(out)
-    write_run_log(out)
+    outs = {script: out for script in scripts} if len(scripts) == 1 else {s: output_dir(str(out / s)) for s in scripts}
+    for folder in outs.values():
+        check_out_dir(folder)
+        write_run_log(folder)
     # every sandbox is for one task image: warm base-image sandboxes would be wasted
     config = msgspec.structs.replace(config, env_pool=msgspec.structs.replace(config.env_pool, warm=0))
-    summary = anyio.run(lambda: make_gold(config, tasks, out, tokenizer, tokenizer_path=args.model,
-                                          concurrency=args.concurrency, grade_timeout_s=args.timeout,
-                                          tasks_source=str(args.tasks), status=say, script=args.script))
-    print(msgspec.json.format(msgspec.json.encode(summary)).decode())
-    say(f"{summary.kept} of {summary.total} {args.script} trajectories kept, {len(summary.excluded)} excluded; "
-        f"wrote {out / 'summary.json'}")
-    for e in summary.excluded:
-        say(f"excluded {e.instance_id} ({e.stage}): {e.reason}")
-    return 0 if summary.kept else 1
+    summaries = anyio.run(lambda: make_scripted(config, tasks, outs, tokenizer, tokenizer_path=args.model,
+                                                concurrency=args.concurrency, grade_timeout_s=args.timeout,
+                                                tasks_source=str(args.tasks), status=say))
+    for script, summary in summaries.items():
+        print(msgspec.json.format(msgspec.json.encode(summary)).decode())
+        say(f"{summary.kept} of {summary.total} {script} trajectories kept, {len(summary.excluded)} excluded; "
+            f"wrote {outs[script] / 'summary.json'}")
+        for e in summary.excluded:
+            say(f"excluded {e.instance_id} ({e.stage}): {e.reason}")
+    return 0 if all(summary.kept for summary in summaries.values()) else 1
 
 
 def _run_prepare(args: argparse.Namespace) -> int:

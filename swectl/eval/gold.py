@@ -15,6 +15,9 @@ and did not resolve (one that resolves means the task's tests pass with no chang
 the edit before each, which the loop rejects as malformed): kept like gold trajectories when they resolve; SFT
 trains on the recoveries, not on the slips.
 
+``make_scripted`` runs several scripts at once in one process (the first run's SFT data), each into its own folder,
+sharing one sandbox pool and one grader that grades a patch once (see there).
+
 Outputs in ``--out``: ``<instance_id>__0/`` per resolved task (``traj.json``, ``patch.diff``, ``meta.json``),
 ``excluded/`` (the ones that failed, for a look), ``results.jsonl`` (one EpisodeResult per episode),
 ``summary.json`` (a GoldSummary), ``grade-logs/`` and ``swectl.log``.
@@ -27,6 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,7 +38,7 @@ import anyio
 import msgspec
 
 from swectl.actors.env_pool import running_pool
-from swectl.actors.grader import Grader, GraderConfig
+from swectl.actors.grader import Grader, GraderConfig, GradeResult
 from swectl.actors.rollout import EpisodeResult, Rollout
 from swectl.agent.gold import GoldScriptError, give_up_replies, gold_replies, recover_replies
 from swectl.agent.scripted import ScriptedEngine, end_of_turn_id
@@ -111,63 +115,119 @@ async def make_gold(config: ClusterConfig, tasks: list[Task], out: Path, tokeniz
     """Run every task's ``script`` (gold: the gold patch; give-up: look, then submit no change) through the Rollout
     actor (sandboxes per ``config``, episode limits from its ``[rollout]`` section, one sample per task), grade it,
     keep what resolves (give-up: what does not); writes summary.json."""
-    if script not in SCRIPTS:
-        raise ConfigError(f"unknown gold script {script!r} (choose from {', '.join(SCRIPTS)})")
-    check_out_dir(out)
+    summaries = await make_scripted(config, tasks, {script: out}, tokenizer, tokenizer_path=tokenizer_path,
+                                    concurrency=concurrency, grade_timeout_s=grade_timeout_s, resolver=resolver,
+                                    tasks_source=tasks_source, status=status, progress=progress)
+    return summaries[script]
+
+
+class _ScriptGrades:
+    """The grader one script's rollout sees when several scripts share it: its grade logs are named after the script
+    (``<instance>.<script>.rollout0.log``), so two scripts' gradings of one task keep a log each."""
+
+    def __init__(self, grader: Grader, script: str) -> None:
+        self._grader, self._script = grader, script
+
+    async def grade(self, task: Task, patch: str, *, label: str = "", timeout_s: float | None = None) -> GradeResult:
+        return await self._grader.grade(task, patch, label=f"{self._script}.{label}", timeout_s=timeout_s)
+
+
+class _ScriptRun:
+    """One script's episodes in its own ``out`` folder: the replies per task, the engines acting them out, the
+    trajectories kept and the tasks excluded."""
+
+    def __init__(self, script: Script, out: Path, tasks: list[Task], tokenizer: Any, max_tokens: int,
+                 status: Status) -> None:
+        if script not in SCRIPTS:
+            raise ConfigError(f"unknown gold script {script!r} (choose from {', '.join(SCRIPTS)})")
+        check_out_dir(out)
+        self.script, self.out, self.tokenizer = script, out, tokenizer
+        self.eot = end_of_turn_id(tokenizer)
+        self.excluded: list[GoldExclusion] = []
+        self.replies: dict[str, list[str]] = {}
+        self.engines: dict[str, ScriptedEngine] = {}
+        self.kept: list[Path] = []
+        for task in tasks:
+            try:
+                self.replies[task.instance_id] = _fitting(SCRIPTS[script](task), tokenizer, max_tokens)
+            except GoldScriptError as exc:
+                why = str(exc).removeprefix(f"{task.instance_id}: ")
+                self.excluded.append(GoldExclusion(task.instance_id, "script", why))
+                status(f"no {script} script for {task.instance_id}: {why}")
+        self.scripted = [t for t in tasks if t.instance_id in self.replies]
+
+    def engine_for(self, task: Task, sample: int) -> ScriptedEngine:
+        self.engines[task.instance_id] = ScriptedEngine(self.replies[task.instance_id], self.tokenizer,
+                                                        eot_id=self.eot)
+        return self.engines[task.instance_id]
+
+    def record(self, r: EpisodeResult, results: Any, bar: Progress | None) -> None:
+        why = _exclusion(r, self.engines[r.instance_id], want_resolved=self.script != "give-up")
+        if why is None:
+            self.kept.append(Path(r.artifacts) / TRAJ_FILE)
+        else:
+            self.excluded.append(why)
+            _move_to_excluded(r, self.out)
+        results.write(msgspec.json.encode(r) + b"\n")
+        results.flush()
+        if bar:
+            bar.advance("kept" if why is None else f"excluded ({why.stage})")
+
+    async def collect(self, pool: Any, grader: Grader, rollout: Any, resolver: ImageResolver | None,
+                      progress: bool, *, shared: bool) -> None:
+        bar = Progress(len(self.scripted), self.script) if progress and self.scripted else None
+        grades = _ScriptGrades(grader, self.script) if shared else grader
+        with (self.out / "results.jsonl").open("ab") as results:
+            async with anyio.create_task_group() as tg:
+                ro = Rollout(rollout, pool, grades, self.engine_for, self.tokenizer, self.out,  # type: ignore[arg-type]
+                             resolver=resolver)
+                await tg.start(ro.run, name=f"rollout {self.script}")
+                await ro.collect(self.scripted, lambda r: self.record(r, results, bar))
+                tg.cancel_scope.cancel(f"{self.script} episodes done")
+
+    def summary(self, tasks: list[Task], tasks_source: str, tokenizer_path: str, elapsed_s: float) -> GoldSummary:
+        order = {t.instance_id: n for n, t in enumerate(tasks)}
+        summary = GoldSummary(
+            tasks=tasks_source, tokenizer=tokenizer_path, total=len(tasks), scripted=len(self.scripted),
+            resolved=len(self.kept) if self.script != "give-up" else 0, script=self.script, kept=len(self.kept),
+            excluded=sorted(self.excluded, key=lambda e: order.get(e.instance_id, 0)),
+            tokens=_token_stats(sorted(self.kept)), elapsed_s=round(elapsed_s, 2))
+        (self.out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
+        return summary
+
+
+async def make_scripted(config: ClusterConfig, tasks: list[Task], outs: dict[Script, Path], tokenizer: Any, *,
+                        tokenizer_path: str, concurrency: int = 4, grade_timeout_s: float = 1800.0,
+                        resolver: ImageResolver | None = None, tasks_source: str = "", status: Status = _stderr,
+                        progress: bool = True) -> dict[Script, GoldSummary]:
+    """``make_gold`` for several scripts at once, each into its own folder (``outs``), ``concurrency`` episodes of
+    each at a time, on one sandbox pool with one grader. With several scripts the grader reuses verdicts as the agent
+    runs do (``reuse_grades``): a patch identical to one already graded for the task gets that verdict (the recover
+    script ends with the gold patch: graded once for both), and an empty patch (give-up) is unresolved without a run,
+    as the SWE-bench harness scores it; their grade logs go to ``grade-logs/`` beside the folders, named after the
+    script. One script alone grades every patch (give-up's check that the tests fail with no change runs). Writes
+    each folder's summary.json; returns the summaries by script."""
     started = time.monotonic()
-    excluded: list[GoldExclusion] = []
-    scripts: dict[str, list[str]] = {}
     rollout = msgspec.structs.replace(rollout_config(config.rollout, concurrency), samples_per_task=1)
-    eot = end_of_turn_id(tokenizer)
-    for task in tasks:
-        try:
-            scripts[task.instance_id] = _fitting(SCRIPTS[script](task), tokenizer,
-                                                 rollout.episode.sampling.max_new_tokens)
-        except GoldScriptError as exc:
-            why = str(exc).removeprefix(f"{task.instance_id}: ")
-            excluded.append(GoldExclusion(task.instance_id, "script", why))
-            status(f"no gold script for {task.instance_id}: {why}")
-    scripted = [t for t in tasks if t.instance_id in scripts]
-    engines: dict[str, ScriptedEngine] = {}
-    kept: list[Path] = []
-
-    def engine_for(task: Task, sample: int) -> ScriptedEngine:
-        engines[task.instance_id] = ScriptedEngine(scripts[task.instance_id], tokenizer, eot_id=eot)
-        return engines[task.instance_id]
-
-    bar = Progress(len(scripted), script) if progress and scripted else None
-    with (out / "results.jsonl").open("ab") as results:
-
-        def record(r: EpisodeResult) -> None:
-            why = _exclusion(r, engines[r.instance_id], want_resolved=script != "give-up")
-            if why is None:
-                kept.append(Path(r.artifacts) / TRAJ_FILE)
-            else:
-                excluded.append(why)
-                _move_to_excluded(r, out)
-            results.write(msgspec.json.encode(r) + b"\n")
-            results.flush()
-            if bar:
-                bar.advance("kept" if why is None else f"excluded ({why.stage})")
-
-        if scripted:
-            status(f"{len(scripted)} {script} scripts, concurrency {concurrency}, output {out}")
-            async with running_pool(config) as pool, anyio.create_task_group() as tg:
-                grader = Grader(GraderConfig(timeout_s=grade_timeout_s, concurrency=rollout.concurrency), pool,
-                                resolver=resolver, log_dir=out / "grade-logs")
-                await tg.start(grader.run, name="grader")
-                ro = Rollout(rollout, pool, grader, engine_for, tokenizer, out, resolver=resolver)
-                await tg.start(ro.run, name="rollout")
-                await ro.collect(scripted, record)
-                tg.cancel_scope.cancel("gold episodes done")
-    stats = _token_stats(sorted(kept))
-    order = {t.instance_id: n for n, t in enumerate(tasks)}
-    summary = GoldSummary(tasks=tasks_source, tokenizer=tokenizer_path, total=len(tasks), scripted=len(scripted),
-                          resolved=len(kept) if script != "give-up" else 0, script=script, kept=len(kept),
-                          excluded=sorted(excluded, key=lambda e: order.get(e.instance_id, 0)),
-                          tokens=stats, elapsed_s=round(time.monotonic() - started, 2))
-    (out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
-    return summary
+    runs = [_ScriptRun(script, out, tasks, tokenizer, rollout.episode.sampling.max_new_tokens, status)
+            for script, out in outs.items()]
+    busy = [run for run in runs if run.scripted]
+    if busy:
+        status(f"{' + '.join(f'{len(run.scripted)} {run.script}' for run in busy)} scripts, concurrency "
+               f"{concurrency} each, output {', '.join(str(run.out) for run in busy)}")
+        log_dir = runs[0].out / "grade-logs" if len(runs) == 1 else runs[0].out.parent / "grade-logs"
+        async with running_pool(config) as pool, anyio.create_task_group() as tg:
+            grader = Grader(GraderConfig(timeout_s=grade_timeout_s, concurrency=concurrency * len(busy),
+                                         reuse=len(runs) > 1),
+                            pool, resolver=resolver, log_dir=log_dir)
+            await tg.start(grader.run, name="grader")
+            async with anyio.create_task_group() as scripts:
+                for run in busy:
+                    scripts.start_soon(partial(run.collect, pool, grader, rollout, resolver, progress,
+                                               shared=len(runs) > 1))
+            tg.cancel_scope.cancel("scripted episodes done")
+    elapsed = time.monotonic() - started
+    return {run.script: run.summary(tasks, tasks_source, tokenizer_path, elapsed) for run in runs}
 
 
 def _fitting(replies: list[str], tokenizer: Any, max_tokens: int) -> list[str]:

@@ -33,7 +33,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Literal
 
@@ -251,28 +250,29 @@ def write_split(work: Path, recipe: Recipe) -> tuple[list[Any], list[Any]]:
     return train, test
 
 
-def scripted_data_argv(work: Path, model: Path, recipe: Recipe, script: str, extra: Sequence[str] = ()
+def scripted_data_argv(work: Path, model: Path, recipe: Recipe, scripts: Sequence[str], extra: Sequence[str] = ()
                        ) -> list[str] | None:
-    """`swectl data gold --script SCRIPT` on the train split into ``work/SCRIPT`` (``extra``: more arguments, the
-    user's ``--set``s); None when that folder is already made."""
-    out = work / script
-    if (out / "summary.json").exists():
+    """`swectl data gold` with a ``--script`` each for ``scripts`` on the train split, each into ``work/SCRIPT``
+    (``extra``: more arguments, the user's ``--set``s); None when those folders are all made."""
+    missing = [script for script in scripts if not (work / script / "summary.json").exists()]
+    if not missing:
         return None
-    return ["data", "gold", "--script", script, "--tasks", str(work / "train.jsonl"), "--model", str(model),
+    for script in missing:  # an interrupted run's partial results would be refused: made anew
+        shutil.rmtree(work / script, ignore_errors=True)
+    chosen = [flag for script in missing for flag in ("--script", script)]
+    out = work / missing[0] if len(missing) == 1 else work
+    return ["data", "gold", *chosen, "--tasks", str(work / "train.jsonl"), "--model", str(model),
             "--out", str(out), "--concurrency", "4", *set_flags(recipe.rollout_sets()), *extra]
 
 
 def sft_data(work: Path, model: Path, recipe: Recipe, say: Say, extra: Sequence[str] = ()) -> list[str]:
     """The SFT data folders: gold, then the noisy teacher's copies (a folder listed K times is read K times). The
-    scripts run at once: gold here, the others beside it (93.6 s for all three against 128 s one after another)."""
+    scripts run at once in one process (one interpreter, one sandbox pool, and the gold patch that recover ends with
+    graded once: 83-104 s for three processes side by side, 128 s one after another)."""
     scripts = {"gold": 1, "give-up": recipe.give_up, "recover": recipe.recover}
-    with ExitStack() as beside:
-        for script in ("give-up", "recover"):
-            if scripts[script]:
-                beside.enter_context(Beside(scripted_data_argv(work, model, recipe, script, extra), script,
-                                            work / f"{script}.log", say))
-        if argv := scripted_data_argv(work, model, recipe, "gold", extra):
-            swectl(argv, "gold", say)
+    if argv := scripted_data_argv(work, model, recipe, [script for script, copies in scripts.items() if copies],
+                                  extra):
+        swectl(argv, "SFT data", say)
     return [path for script, copies in scripts.items() for path in [str(work / script)] * copies]
 
 
@@ -467,13 +467,14 @@ def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say)
     test_argv = eval_argv(recipe, grpo_weights, test_file, run_dir / "eval-test", recipe.test_samples,
                           extra=config_sets)
     with Beside(test_argv, "eval eval-test", run_dir / "eval-test.log", log) as test_reading:
-        readings_grpo = timed("grpo_reading", lambda: evaluate(
-            recipe, grpo_weights, train_file, run_dir / "eval-grpo", recipe.eval_samples, log, extra=config_sets))
+        with Plot(run_dir / "grpo", log):  # the curves, beside the readings
+            readings_grpo = timed("grpo_reading", lambda: evaluate(
+                recipe, grpo_weights, train_file, run_dir / "eval-grpo", recipe.eval_samples, log,
+                extra=config_sets))
     phases_s["test_reading"] = round(test_reading.seconds, 1)
     readings: dict[str, dict[str, Any]] = {
         "sft_train": reading(run_dir / "eval-sft", sft_weights), "grpo_train": readings_grpo,
         "test": reading(run_dir / "eval-test", grpo_weights)}
-    _plot(run_dir / "grpo", log)
     summary = _summary(run_dir, recipe, readings, phases_s, time.monotonic() - started)
     (run_dir / SUMMARY_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
     for line in summary_table(summary):
@@ -486,11 +487,18 @@ def _resumed_at(folder: Path) -> str:
     return f" (resuming after step {steps})" if steps else ""
 
 
-def _plot(run_dir: Path, say: Say) -> None:
-    try:
-        swectl(["plot", str(run_dir)], "plot", say)
-    except SwectlError as exc:  # the curves are a convenience: the readings stand without them
-        say(f"plot: {exc}")
+class Plot(Beside):
+    """`swectl plot` of a run folder beside the caller's work, its output in ``plot.log`` beside the folder. A
+    failure is said, not raised: the curves are a convenience, the readings stand without them."""
+
+    def __init__(self, run_dir: Path, say: Say) -> None:
+        super().__init__(["plot", str(run_dir)], "plot", run_dir.parent / "plot.log", say)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            super().__exit__(exc_type, exc, tb)
+        except SwectlError as failed:
+            self.say(f"plot: {failed}")
 
 
 def sft_speed(run_dir: Path) -> tuple[float, float]:

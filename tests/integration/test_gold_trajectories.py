@@ -135,6 +135,36 @@ def test_recover_trajectories_slip_twice_recover_and_train_on_the_recoveries(
     assert len(tokens) > len(expected) + 100
 
 
+def test_several_scripts_at_once_share_one_grader_that_grades_the_gold_patch_once(
+        model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first run's SFT data: gold, give-up and recover in one process, each into --out/SCRIPT. recover ends with
+    the gold patch: one of the two gradings runs, the other reuses its verdict; give-up's empty patch is unresolved
+    without a run. Each folder holds what a run of its script alone holds."""
+    task_id = "inflection__inflection-0.5.1.0af49555"
+    assert main(["data", "gold", "--script", "gold", "--script", "give-up", "--script", "recover", "--model",
+                 str(model), "--instances", task_id, "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    grades = {}
+    for script, resolved in (("gold", 1), ("give-up", 0), ("recover", 1)):
+        summary = json.loads((tmp_path / script / "summary.json").read_text())
+        assert summary["script"] == script and summary["kept"] == 1 and summary["resolved"] == resolved
+        assert f"1 of 1 {script} trajectories kept" in err
+        [result] = [json.loads(line) for line in (tmp_path / script / "results.jsonl").read_text().splitlines()]
+        grades[script] = result["grade"]
+        assert (tmp_path / script / f"{task_id}__0" / "traj.json").is_file()
+        assert (tmp_path / script / "swectl.log").is_file()
+    assert grades["give-up"]["status"] == "unresolved" and grades["give-up"]["shortcut"] == "empty patch"
+    shortcuts = sorted(grades[script]["shortcut"] for script in ("gold", "recover"))
+    assert shortcuts[0] == "" and shortcuts[1].startswith("same patch as"), shortcuts
+    ran = grades["gold"] if not grades["gold"]["shortcut"] else grades["recover"]
+    assert ran["status"] == "resolved" and Path(ran["log_path"]).parent == tmp_path / "grade-logs"
+    assert len(samples_from_runs([tmp_path / "gold", tmp_path / "give-up", tmp_path / "recover"])) == 3
+    # one of them already made: a rerun is refused rather than mixed in
+    assert main(["data", "gold", "--script", "gold", "--script", "recover", "--model", str(model), "--instances",
+                 task_id, "--out", str(tmp_path)]) == 2
+    assert "holds an earlier run" in capsys.readouterr().err
+
+
 def test_gold_under_managed_context_trains_each_step_on_the_prompt_the_engine_saw(
         model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """With rollout.manage_context the gold episode records each step's prompt (head + tail once the history
