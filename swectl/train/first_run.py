@@ -370,10 +370,10 @@ PHASES = ("model and split", "SFT data", "SFT", "SFT reading", "GRPO", "GRPO rea
 # Phases that run at the same time (the SFT reading beside GRPO, the held-out reading beside the GRPO reading): the
 # run's minutes are the sum over these groups of their longest phase
 OVERLAPPED = ((0,), (1,), (2,), (3, 4), (5, 6))
-# Seconds each phase took in first runs on seeds 1-3 (2-core machine at 1.67-1.79 s an SFT step, 2026-11-29) with
-# the default recipe, the overlapped ones beside their partner: the ETA scales them by the recipe's steps and samples
-# (expected_s) and by how the phases so far compare with them
-EXPECTED_S = (12.0, 91.0, 712.0, 161.0, 537.0, 144.0, 120.0)
+# Seconds each phase took in first runs on seeds 1-3 (2-core machine at 1.67-1.74 s an SFT step, 2026-11-29, late)
+# with the default recipe, the overlapped ones beside their partner: the ETA scales them by the recipe's steps and
+# samples (expected_s) and by how the phases so far compare with them
+EXPECTED_S = (13.0, 48.0, 705.0, 157.0, 509.0, 120.0, 87.0)
 
 
 def _wall(expected: list[float], group: tuple[int, ...]) -> float:
