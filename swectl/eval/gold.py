@@ -212,19 +212,20 @@ async def make_scripted(config: ClusterConfig, tasks: list[Task], outs: dict[Scr
     runs = [_ScriptRun(script, out, tasks, tokenizer, rollout.episode.sampling.max_new_tokens, status)
             for script, out in outs.items()]
     busy = [run for run in runs if run.scripted]
+    shared = len(runs) > 1  # one grader for several scripts: verdicts reused, logs beside the folders
     if busy:
         status(f"{' + '.join(f'{len(run.scripted)} {run.script}' for run in busy)} scripts, concurrency "
                f"{concurrency} each, output {', '.join(str(run.out) for run in busy)}")
-        log_dir = runs[0].out / "grade-logs" if len(runs) == 1 else runs[0].out.parent / "grade-logs"
+        log_dir = (runs[0].out.parent if shared else runs[0].out) / "grade-logs"
         async with running_pool(config) as pool, anyio.create_task_group() as tg:
             grader = Grader(GraderConfig(timeout_s=grade_timeout_s, concurrency=concurrency * len(busy),
-                                         reuse=len(runs) > 1),
+                                         reuse=shared),
                             pool, resolver=resolver, log_dir=log_dir)
             await tg.start(grader.run, name="grader")
             async with anyio.create_task_group() as scripts:
                 for run in busy:
                     scripts.start_soon(partial(run.collect, pool, grader, rollout, resolver, progress,
-                                               shared=len(runs) > 1))
+                                               shared=shared))
             tg.cancel_scope.cancel("scripted episodes done")
     elapsed = time.monotonic() - started
     return {run.script: run.summary(tasks, tasks_source, tokenizer_path, elapsed) for run in runs}
