@@ -27,6 +27,7 @@ between ``await tg.start(grader.run)`` and the cancellation of that task.
 from __future__ import annotations
 
 import hashlib
+import shlex
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -38,8 +39,11 @@ import msgspec
 from swectl.actors.env_pool import EnvPool, Lease
 from swectl.actors.serving import ServingActor
 from swectl.errors import InfraError, NodeLostError, SandboxLostError, SwectlError
+from swectl.grading.canaries import Canaries, plan_canaries, pythonpath_of, with_canaries
 from swectl.grading.eval_script import eval_script_for, log_parser_for, test_files_of, with_exit_code
-from swectl.grading.rules import INFRA_REASONS, GradeStatus, TestVerdict, drop_test_edits, grade_log
+from swectl.grading.patch_policy import PolicyVerdict, review_patch
+from swectl.grading.rules import INFRA_REASONS, GradeStatus, TestVerdict, grade_log, test_exit_code
+from swectl.grading.runner_config import changed_runner_sections
 from swectl.images.names import ImageResolver
 from swectl.images.project import GIT_IDENTITY
 from swectl.schema import GraderStatistics
@@ -49,6 +53,8 @@ PATCH_FILE = "/tmp/swectl-patch.diff"
 SETUP_FILE = "/tmp/swectl-setup.diff"
 EVAL_FILE = "/tmp/swectl-eval.sh"
 LOG_FILE = "/tmp/swectl-eval.log"
+BEFORE_FILE = "/tmp/swectl-config-before"  # a mixed config file at HEAD and in the patched tree (runner sections)
+AFTER_FILE = "/tmp/swectl-config-after"
 STEP_TIMEOUT_S = 120.0
 # (name, command) tried in order; the tree is reset between attempts.
 APPLY_LADDER = (
@@ -64,6 +70,9 @@ class GraderConfig(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float = 1800.0  # the eval script's wall time
     concurrency: int = 8  # gradings at once (each holds one lease)
     reuse: bool = False  # empty patches unresolved without a run; identical patches of a task graded once
+    # the defences of docs/grading.md (patch policy, runner sections, canaries): off only for the measurement that
+    # shows what they are worth ([experiment] grader_defences = false)
+    defences: bool = True
 
 
 class GradeResult(msgspec.Struct, kw_only=True):
@@ -84,10 +93,24 @@ class GradeResult(msgspec.Struct, kw_only=True):
     duration_s: float = 0.0
     log_path: str = ""
     shortcut: str = ""  # why no sandbox ran ("empty patch", "same patch as <label>"); "" when it was graded
+    canaries: str = ""  # the file the canary tests were planted in; "" when none were (docs/grading.md)
+
+    @property
+    def tampered(self) -> bool:
+        return self.status == "tampered"
 
     @property
     def resolved(self) -> bool:
         return self.status == "resolved"
+
+
+class _Tampered(SwectlError):
+    """Grading ends with status "tampered" (a verdict: the patch broke a defence of docs/grading.md)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
 
 
 class _GradeError(SwectlError):
@@ -104,6 +127,8 @@ def _failures_into(result: GradeResult) -> Iterator[None]:
     """A grading's failure becomes the result's status "error" with its reason (infrastructure or not)."""
     try:
         yield
+    except _Tampered as exc:
+        result.status, result.reason, result.detail = "tampered", exc.reason, exc.detail
     except _GradeError as exc:
         result.status, result.reason, result.detail = "error", exc.reason, exc.detail
     except SandboxLostError as exc:
@@ -144,7 +169,8 @@ class Grader(ServingActor):
         self._resolver = resolver or ImageResolver()
         self._specs = specs
         self._log_dir = log_dir
-        self._counts = dict.fromkeys(("graded", "resolved", "unresolved", "errors", "infra_errors", "reused"), 0)
+        self._counts = dict.fromkeys(("graded", "resolved", "unresolved", "tampered", "errors", "infra_errors",
+                                                  "reused"), 0)
         self._verdicts: dict[tuple[str, str, str], tuple[GradeResult, str]] = {}  # reuse: key -> (result, label)
         self._in_flight: dict[tuple[str, str, str], anyio.Event] = {}
 
@@ -153,7 +179,7 @@ class Grader(ServingActor):
         return GraderStatistics(
             running=self._limit.borrowed_tokens, waiting=self._limit.statistics().tasks_waiting,
             graded=c["graded"], resolved=c["resolved"], unresolved=c["unresolved"], errors=c["errors"],
-            infra_errors=c["infra_errors"], reused=c["reused"],
+            infra_errors=c["infra_errors"], reused=c["reused"], tampered=c["tampered"],
         )
 
     async def grade(
@@ -199,10 +225,34 @@ class Grader(ServingActor):
             script = with_exit_code(eval_script_for(task, self._specs))
             parser = log_parser_for(task)
             image = self._resolver.resolve(task)
+            test_files = frozenset(test_files_of(task.test_patch)) if task.test_patch else frozenset()
+            policy = review_patch(patch, test_files, pythonpath=pythonpath_of(script))
+            result.dropped_test_files = policy.dropped
+            self._refuse(policy)  # before any sandbox: the diff alone says it
             async with self._pool.lease(image, grading=True) as lease:
                 result.node = lease.node
-                await self._grade_in(lease, task, patch, script, parser, result, label, timeout_s or self._timeout_s)
+                await self._grade_in(lease, task, policy, script, parser, result, label,
+                                     timeout_s or self._timeout_s)
         return result
+
+    def _refuse(self, policy: PolicyVerdict) -> None:
+        if self._config.defences and policy.is_tampered:
+            raise _Tampered("patch_policy", "; ".join(policy.tampered))
+
+    async def _check_runner_configs(self, lease: Lease, policy: PolicyVerdict, repo: str) -> None:
+        """The mixed config files the patch edits: their runner sections before (HEAD) and after (the tree)."""
+        if not self._config.defences:
+            return
+        changed = []
+        for path in policy.check_configs:
+            q = shlex.quote(path)
+            await lease.exec(f"{{ git show HEAD:{q} 2>/dev/null || true; }} > {BEFORE_FILE}; "
+                             f"{{ cat -- {q} 2>/dev/null || true; }} > {AFTER_FILE}", STEP_TIMEOUT_S, cwd=repo)
+            before, after = [(await lease.read_file(f)).decode("utf-8", errors="replace")
+                             for f in (BEFORE_FILE, AFTER_FILE)]
+            changed += [f"{path} [{name}]" for name in changed_runner_sections(path, before, after)]
+        if changed:
+            raise _Tampered("runner_config", "the patch changes the test runner's settings: " + ", ".join(changed))
 
     async def grade_by_exit_code(
         self, image: str, patch: str, script: str, *, cwd: str = TESTBED, timeout_s: float | None = None,
@@ -213,18 +263,27 @@ class Grader(ServingActor):
         Applies the patch with the same ladder; infrastructure failures are errors with ``infra=True``."""
         timeout_s = timeout_s or self._timeout_s
         result = GradeResult(instance_id=label or image, status="error")
-        async with self._grading(result), self._pool.lease(image, grading=True) as lease:
-            result.node = lease.node
-            result.apply_method = await self._apply(lease, patch, cwd)
-            await lease.write_file(EVAL_FILE, script.encode("utf-8", errors="surrogateescape"))
-            run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", timeout_s, cwd=cwd)
-            log = (await lease.read_file(LOG_FILE)).decode("utf-8", errors="replace")
-            result.log_path = self._save_log(label or "script", "", log)
-            if run.timed_out:
-                raise _GradeError("eval_timeout", f"the eval script ran past its timeout ({timeout_s:g} s)")
-            result.test_exit_code = run.exit_code
-            result.status = "resolved" if run.exit_code == 0 else "unresolved"
+        async with self._grading(result):
+            policy = review_patch(patch)
+            self._refuse(policy)
+            async with self._pool.lease(image, grading=True) as lease:
+                await self._run_own_script(lease, patch, policy, script, cwd, timeout_s, label, result)
         return result
+
+    async def _run_own_script(self, lease: Lease, patch: str, policy: PolicyVerdict, script: str, cwd: str,
+                              timeout_s: float, label: str, result: GradeResult) -> None:
+        """``grade_by_exit_code`` in its sandbox (the caller's script: the whole patch applied, no canaries)."""
+        result.node = lease.node
+        result.apply_method = await self._apply(lease, patch, cwd)
+        await self._check_runner_configs(lease, policy, cwd)
+        await lease.write_file(EVAL_FILE, script.encode("utf-8", errors="surrogateescape"))
+        run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", timeout_s, cwd=cwd)
+        log = (await lease.read_file(LOG_FILE)).decode("utf-8", errors="replace")
+        result.log_path = self._save_log(label or "script", "", log)
+        if run.timed_out:
+            raise _GradeError("eval_timeout", f"the eval script ran past its timeout ({timeout_s:g} s)")
+        result.test_exit_code = run.exit_code
+        result.status = "resolved" if run.exit_code == 0 else "unresolved"
 
     @asynccontextmanager
     async def _grading(self, result: GradeResult) -> AsyncIterator[None]:
@@ -245,32 +304,34 @@ class Grader(ServingActor):
         self._counts["infra_errors"] += result.infra
 
     async def _grade_in(
-        self, lease: Lease, task: Task, patch: str, script: str, parser: str, result: GradeResult, label: str,
-        timeout_s: float,
+        self, lease: Lease, task: Task, policy: PolicyVerdict, script: str, parser: str, result: GradeResult,
+        label: str, timeout_s: float,
     ) -> None:
         if not await prepare_task(lease, task):
             raise _GradeError("setup_failed", "the task's setup patch did not apply")
-        test_files = frozenset(test_files_of(task.test_patch)) if task.test_patch else frozenset()
-        patch, result.dropped_test_files = drop_test_edits(patch, test_files)
-        result.apply_method = await self._apply(lease, patch, TESTBED)
+        result.apply_method = await self._apply(lease, policy.patch, TESTBED)
+        await self._check_runner_configs(lease, policy, TESTBED)
+        canaries = plan_canaries(task, parser, script) if self._config.defences else None
+        if canaries is not None:
+            script, result.canaries = with_canaries(script, canaries), canaries.file
         await lease.write_file(EVAL_FILE, script.encode())
         run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", timeout_s, cwd=TESTBED)
         if run.timed_out:
             raise _GradeError("eval_timeout", f"the eval script ran past the grading timeout ({timeout_s:g} s)")
         log = (await lease.read_file(LOG_FILE)).decode("utf-8", errors="replace")
         result.log_path = self._save_log(task.instance_id, label, log)
-        verdict = grade_log(task, parser, log)
+        verdict = grade_log(task, parser, log, canaries, defences=self._config.defences)
         if verdict is None:
             raise _GradeError("no_test_output", f"the eval log has no test output markers (script exit "
                               f"{run.exit_code}); tail:\n{log[-800:]}")
-        self._fill(result, verdict, task, log)
+        self._fill(result, verdict, task, log, canaries)
 
     @staticmethod
-    def _fill(result: GradeResult, verdict: TestVerdict, task: Task, log: str) -> None:
-        from swectl.grading.rules import test_exit_code
-
+    def _fill(result: GradeResult, verdict: TestVerdict, task: Task, log: str, canaries: Canaries | None) -> None:
         result.status = "resolved" if verdict.resolved else "unresolved"
         result.detail = verdict.rejected
+        if verdict.tampered:
+            result.status, result.reason, result.detail = "tampered", "canary", verdict.tampered
         result.f2p_failed, result.p2p_failed = verdict.f2p_failed, verdict.p2p_failed
         result.f2p_total, result.p2p_total = len(task.FAIL_TO_PASS), len(task.PASS_TO_PASS)
         result.test_exit_code = test_exit_code(log)

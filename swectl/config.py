@@ -331,6 +331,14 @@ class LossConfig(_Section):
     kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # KL to the initial policy; 0 = off (no reference)
 
 
+class RewardHackingConfig(_Section):
+    """[experiment.reward_hacking]: the measurement of what the grader's defences are worth under optimisation."""
+
+    # the grader's defences (docs/grading.md): false only to measure what an attack earns without them; never in a
+    # real run
+    grader_defences: bool = True
+
+
 class ExperimentConfig(_Section):
     """The [experiment] section: control runs and research knobs, set by `just learn` and the benchmarks' recipes
     (benchmarks/learn.py, prm.py, probe_update.py), their results in benchmarks/results/. Not the product's tuning
@@ -368,6 +376,7 @@ class ExperimentConfig(_Section):
     step_sample_weight: Literal["none", "episode"] = "episode"
     # per-step samples with [reward.prm]: a step's advantage also gets this x its own judge score (-1..1)
     step_score_advantage: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    reward_hacking: RewardHackingConfig = RewardHackingConfig()
 
 
 class TrainConfig(_Section):
@@ -407,7 +416,8 @@ MOVED_KEYS: dict[str, str] = {
     **_moved("train.advantage", ("estimator",)),
     **_moved("train.optim", ("lr", "warmup_steps", "schedule", "min_lr_ratio", "weight_decay", "grad_clip")),
     **_moved("train.loss", ("aggregation", "eps_low", "eps_high", "tis_cap", "kl_coef")),
-    **_moved("experiment", list(ExperimentConfig.__struct_fields__)),
+    # every [experiment] key but the reward_hacking section, which came after the move
+    **_moved("experiment", [f for f in ExperimentConfig.__struct_fields__ if f != "reward_hacking"]),
     "train.resolved_reward": "reward.resolved",
     "train.unresolved_reward": "reward.unresolved",
 }

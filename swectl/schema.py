@@ -247,6 +247,7 @@ class GraderStatistics(msgspec.Struct, frozen=True):
     errors: int
     infra_errors: int  # errors that are the infrastructure's (dropped, never scored)
     reused: int = 0  # verdicts given without a sandbox (empty patch, a patch graded before): GraderConfig.reuse
+    tampered: int = 0  # patches graded "tampered" (docs/grading.md): no reward, counted apart from unresolved
 
 
 class RolloutStatistics(msgspec.Struct, frozen=True):

@@ -113,6 +113,9 @@ class PatchReport(RunReport, kw_only=True):
     unresolved_ids: list[str]
     error_ids: list[str]
     instances: list[InstanceReport]
+    # graded "tampered" (docs/grading.md): the patch broke a defence of the grader; scored as not resolved
+    tampered: int = 0
+    tampered_ids: list[str] = msgspec.field(default_factory=list)
 
 
 def _patch_for(task: Task, mode: PatchMode, predictions: dict[str, Prediction] | None) -> str | None:
@@ -139,7 +142,8 @@ def _instance(result: GradeResult, mode: PatchMode) -> InstanceReport:
 def build_report(mode: PatchMode, instances: list[InstanceReport], elapsed: float, *, model: str = "",
                  tasks: str = "") -> PatchReport:
     instances = sorted(instances, key=lambda r: r.instance_id)
-    by = {s: [r.instance_id for r in instances if r.status == s] for s in ("resolved", "unresolved", "error")}
+    statuses = ("resolved", "unresolved", "tampered", "error")
+    by = {s: [r.instance_id for r in instances if r.status == s] for s in statuses}
     reasons: dict[str, int] = {}
     for r in instances:
         if r.status == "error":
@@ -152,7 +156,8 @@ def build_report(mode: PatchMode, instances: list[InstanceReport], elapsed: floa
         resolve_rate=resolve_rate(len(by["resolved"]), len(instances), infra),
         expectations_met=sum(r.ok for r in instances), grade_p50_s=secs[len(secs) // 2] if secs else 0.0,
         elapsed_s=round(elapsed, 2), error_reasons=reasons, resolved_ids=by["resolved"],
-        unresolved_ids=by["unresolved"], error_ids=by["error"], instances=instances,
+        unresolved_ids=by["unresolved"], error_ids=by["error"], instances=instances, tampered=len(by["tampered"]),
+        tampered_ids=by["tampered"],
     )
 
 
@@ -165,7 +170,8 @@ def format_table(report: PatchReport) -> str:
         lines.append(f"{r.instance_id:<48} {r.status:<11} {r.expected or '-':<11} {r.seconds:>6.1f}  {note}")
     lines.append(
         f"{report.mode}: {report.resolved}/{report.total} resolved ({report.resolve_rate:.0%}), "
-        f"{report.unresolved} unresolved, {report.errors} errors ({report.infra_errors} infra)"
+        f"{report.unresolved} unresolved, {report.tampered} tampered, {report.errors} errors "
+        f"({report.infra_errors} infra)"
         + (f", expectations met {report.expectations_met}/{report.total}" if report.mode != "predictions" else "")
         + f"; grade p50 {report.grade_p50_s:.1f}s, {report.elapsed_s:.0f}s total"
     )

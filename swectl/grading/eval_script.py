@@ -130,7 +130,7 @@ def _is_django_runner(task: Task, spec: RepoSpec | None) -> bool:
     return task.repo == "django/django" or (spec is not None and DJANGO_RUNNER in spec.test_cmd)
 
 
-def _django_module(path: str) -> str:
+def django_module(path: str) -> str:
     return path.removesuffix(".py").removeprefix("tests/").replace("/", ".")
 
 
@@ -138,7 +138,7 @@ def test_directives(task: Task, spec: RepoSpec | None = None) -> list[str]:
     """Arguments for the test command: the test patch's files minus data files; dotted modules for django."""
     paths = [d.path for d in file_diffs(task.test_patch) if not d.path.endswith(NON_TEST_SUFFIXES)]
     if _is_django_runner(task, spec):
-        return [_django_module(p) for p in paths]
+        return [django_module(p) for p in paths]
     return paths
 
 
@@ -224,7 +224,7 @@ def log_parser_for(task: Task) -> str:
 # --- exit code ------------------------------------------------------------------------------------------
 
 
-def _command_lines(lines: list[str]) -> list[bool]:
+def command_lines(lines: list[str]) -> list[bool]:
     """For each line: True when it is a shell line, False when it is the body (or end) of a heredoc."""
     out: list[bool] = []
     pending: list[tuple[str, bool]] = []  # heredocs opened on the current command line, in order
@@ -241,7 +241,7 @@ def _command_lines(lines: list[str]) -> list[bool]:
 
 
 def _end_marker_index(lines: list[str]) -> int | None:
-    for i, (line, is_command) in enumerate(zip(lines, _command_lines(lines), strict=True)):
+    for i, (line, is_command) in enumerate(zip(lines, command_lines(lines), strict=True)):
         if is_command and END_TEST_OUTPUT in line:
             return i
     return None

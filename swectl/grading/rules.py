@@ -18,6 +18,15 @@ from typing import Literal
 
 import msgspec
 
+from swectl.grading.canaries import (
+    FAILING,
+    PASSING,
+    PYTEST_PARSERS,
+    Canaries,
+    canary_offence,
+    late_passes,
+    parser_family,
+)
 from swectl.grading.eval_script import file_diffs
 from swectl.tasks.record import Task
 
@@ -28,10 +37,9 @@ _EXIT_CODE_RE = re.compile(rf"{re.escape(TEST_EXIT_CODE)}:\s*(-?\d+)")
 # Evidence that some test runner executed (pytest's final line, unittest's, django's).
 _SUITE_RAN = re.compile(r"=+ .*\b\d+ (passed|failed|error|errors|skipped)\b|^Ran [1-9]\d* tests?", re.M)
 
-PASSING = {"PASSED", "XFAIL"}
-FAILING = {"FAILED", "ERROR"}
 
-GradeStatus = Literal["resolved", "unresolved", "error"]
+# "tampered": the patch or its test run broke a defence of docs/grading.md (a verdict: rewarded as unresolved).
+GradeStatus = Literal["resolved", "unresolved", "tampered", "error"]
 # Why a grade is "error". Infra reasons mean the infrastructure broke: never a reward.
 ErrorReason = Literal[
     "patch_apply_failed", "setup_failed", "eval_timeout", "no_test_output", "sandbox_lost", "node_lost",
@@ -103,6 +111,7 @@ class TestVerdict(msgspec.Struct, frozen=True):
     p2p_passed: list[str]
     p2p_failed: list[str]
     rejected: str = ""  # why the log was not trusted, when it was not
+    tampered: str = ""  # why the canaries say the run was tampered with (swectl.grading.canaries)
 
 
 def _status(case: str, sm: dict[str, str]) -> str | None:
@@ -137,12 +146,26 @@ def judge(task: Task, status_map: dict[str, str], exit_code: int | None) -> Test
     return TestVerdict(resolved, f2p_ok, f2p_bad, p2p_ok, p2p_bad, rejected)
 
 
-def grade_log(task: Task, parser_name: str, log: str) -> TestVerdict | None:
-    """Verdict for a full eval log; None when the log holds no test output at all (no markers)."""
+def grade_log(task: Task, parser_name: str, log: str, canaries: Canaries | None = None, *,
+              defences: bool = True) -> TestVerdict | None:
+    """Verdict for a full eval log; None when the log holds no test output at all (no markers). With ``canaries``
+    (planted by the grader), a canary with the wrong outcome, a missing one or a forged exit status makes the
+    verdict unresolved with ``tampered`` set; so does, in pytest's logs, a listed test that fails and later passes.
+    The canaries stay in the status map the F2P/P2P rules see: they are neither, and the must-fail one is the
+    failure that explains the command's non-zero exit. ``defences=False`` (a measurement only) leaves out the
+    later-pass check too."""
     section = test_section(log)
     if section is None:
         return None
     status_map = parse_status_map(task, parser_name, section) or parse_status_map(task, parser_name, log)
+    plain = judge(task, status_map, test_exit_code(log))
+    offence = (canary_offence(canaries, status_map, test_exit_code(log), resolved=plain.resolved)
+               if canaries is not None else "")
+    if not offence and defences and parser_family(parser_name) in PYTEST_PARSERS and (
+            late := late_passes(section, [*task.FAIL_TO_PASS, *task.PASS_TO_PASS])):
+        offence = f"the log reports {len(late)} listed test(s) failing and later passing (e.g. {late[0]})"
+    if offence:
+        return msgspec.structs.replace(plain, resolved=False, tampered=offence)
     if not status_map and not _SUITE_RAN.search(log):
         return TestVerdict(False, [], list(task.FAIL_TO_PASS), [], list(task.PASS_TO_PASS),
                            rejected="no test results and no sign that the test suite ran")

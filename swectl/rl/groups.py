@@ -42,6 +42,7 @@ class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
     steps: list[tuple[list[int], list[int], list[float]]] = []  # per step: prompt ids, output ids, logprobs
     format_errors: list[bool] = []  # per agent turn: the reply was malformed (no single bash block)
     exit_status: str = ""  # the agent loop's (Submitted, LimitsExceeded, FormatError, ...); "" when not known
+    tampered: bool = False  # the grader graded its patch "tampered" (docs/grading.md): rewarded as unresolved
 
     @property
     def truncated(self) -> bool:
@@ -225,11 +226,12 @@ def group_samples(groups: Sequence[Group], *, mode: SampleMode = "episode",
 
 
 def group_outcomes(groups: Sequence[Group]) -> dict[str, float]:
-    """What the policy does over scored groups: mean reward and resolve rate per episode, and pass@k."""
+    """What the policy does over scored groups: mean reward and resolve rate per episode, pass@k, and how many
+    episodes the grader graded ``tampered`` (``grade/tampered``)."""
     episodes = [e for g in groups for e in g.episodes]
     return {"reward_mean": sum(r for g in groups for r in g.rewards) / max(len(episodes), 1),
             "resolve_rate": sum(e.resolved for e in episodes) / max(len(episodes), 1),
-            "pass_at_k": pass_at_k(groups)}
+            "pass_at_k": pass_at_k(groups), "grade/tampered": float(sum(e.tampered for e in episodes))}
 
 
 def pass_at_k(groups: Sequence[Group]) -> float:

@@ -258,7 +258,8 @@ class Fleet:
             raise ApiError(503, f"grading failed in the infrastructure ({result.reason}): {result.detail}",
                            infra=True)
         self._counts["resolved"] += result.resolved
-        return {"ok": True, "resolved": result.resolved,
+        self._counts["tampered"] += result.tampered
+        return {"ok": True, "resolved": result.resolved, "tampered": result.tampered,
                 "returncode": -1 if result.test_exit_code is None else result.test_exit_code,
                 "output": _output_of(result), "status": result.status, "reason": result.reason,
                 "graded_by": "tests" if served.task is not None else "exit_code",
@@ -402,6 +403,14 @@ def _gone(lease_id: str, ended: Ended) -> ApiError:
 
 
 def _output_of(result: GradeResult) -> str:
+    """The eval log's tail (or the grader's detail); a tampered grade's reason first (docs/grading.md)."""
+    if result.tampered:
+        why = f"swectl: graded tampered ({result.reason}): {result.detail}"[:OUTPUT_TAIL // 2]
+        return why + "\n" + _log_tail(result)[-(OUTPUT_TAIL - len(why) - 1):]
+    return _log_tail(result)
+
+
+def _log_tail(result: GradeResult) -> str:
     if result.log_path:
         try:
             return Path(result.log_path).read_text(errors="replace")[-OUTPUT_TAIL:]

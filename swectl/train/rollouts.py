@@ -46,7 +46,8 @@ def graded_episode(result: EpisodeResult, episode: Episode) -> GradedEpisode:
                          weight_version=_weight_version(t.weight_versions),
                          mixed_versions=len(set(t.weight_versions)) > 1, steps=steps,
                          step_scores=[j.score for j in result.step_judgements],
-                         format_errors=[s.format_error for s in episode.steps], exit_status=result.exit_status)
+                         format_errors=[s.format_error for s in episode.steps], exit_status=result.exit_status,
+                         tampered=result.grade is not None and result.grade.tampered)
 
 
 def read_graded_episode(result: EpisodeResult) -> GradedEpisode:
@@ -85,8 +86,9 @@ class TrainRollouts:
 
     def grader(self, out: Path) -> Grader:
         """The Grader of one step's rollouts or an evaluation (its own verdicts to reuse, its logs under ``out``)."""
-        return Grader(GraderConfig(concurrency=self._config.train.concurrency,
-                                   reuse=self._config.rollout.reuse_grades), self._pool, log_dir=out / "grade-logs")
+        return Grader(GraderConfig(concurrency=self._config.train.concurrency, reuse=self._config.rollout.reuse_grades,
+                                   defences=self._config.experiment.reward_hacking.grader_defences),
+                      self._pool, log_dir=out / "grade-logs")
 
     def rollout(self, grader: Grader, tag: str, out: Path, limiter: anyio.CapacityLimiter | None = None) -> Rollout:
         """A Rollout of training episodes: ``n_samples`` per task, sampling seeded and engine sessions keyed by

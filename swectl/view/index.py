@@ -243,15 +243,17 @@ class RunIndex:
         return row.weight_versions
 
     def tasks(self) -> list[dict[str, Any]]:
-        """Per task: episodes, resolved, resolve rate, per step; its groups (the episodes of one training step, or
-        of one `swectl eval` run) with signal (their rewards, else verdicts, differ) and without; whether it never
-        resolves. Most resolved first."""
+        """Per task: episodes, resolved, graded tampered, resolve rate, per step; its groups (the episodes of one
+        training step, or of one `swectl eval` run) with signal (their rewards, else verdicts, differ) and without;
+        whether it never resolves. Most resolved first."""
         by_task: dict[str, dict[str, Any]] = {}
         for r in self.episodes.values():
             t = by_task.setdefault(r.instance_id, {"instance_id": r.instance_id, "episodes": 0, "resolved": 0,
-                                                    "steps": {}, "groups_with_signal": 0, "groups_without_signal": 0})
+                                                    "tampered": 0, "steps": {}, "groups_with_signal": 0,
+                                                    "groups_without_signal": 0})
             t["episodes"] += 1
             t["resolved"] += r.resolved
+            t["tampered"] += r.grade == "tampered"
             cell = t["steps"].setdefault(f"{r.phase}:{r.step}", [0, 0])
             cell[0] += r.resolved
             cell[1] += 1

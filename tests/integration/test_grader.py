@@ -102,7 +102,8 @@ async def test_gold_resolves_empty_does_not(project_task: Task, run_id: str) -> 
     gold = await grade(project_task, project_task.patch, run_id)
     assert gold.status == "resolved", gold
     assert gold.apply_method == "git apply"
-    assert gold.test_exit_code == 0
+    assert gold.canaries  # planted: the must-fail canary makes the command exit 1
+    assert gold.test_exit_code == 1
     empty = await grade(project_task, "", run_id)
     assert empty.status == "unresolved", empty
     assert empty.f2p_failed == project_task.FAIL_TO_PASS
@@ -229,16 +230,18 @@ async def test_deleting_files(task: Task, run_id: str, tmp_path: Path) -> None:
     assert r.status == "resolved", r
 
 
-def hanging_pytest(seconds: int) -> str:
-    """Files that make pytest hang at start-up: a plugin module that sleeps, loaded through pytest.ini. It
-    creates STARTED_MARK first, so that a test can wait for the hang (`wait_hanging`)."""
-    plugin = f"import pathlib, time\npathlib.Path({STARTED_MARK!r}).touch()\ntime.sleep({seconds})\n"
-    return (new_file_patch("sleepy_plugin.py", plugin)
-            + new_file_patch("pytest.ini", "[pytest]\naddopts = -p sleepy_plugin\n"))
+def hanging_pytest(seconds: int, task: Task) -> str:
+    """A patch that makes the tests hang as they import the code under test: lines at the end of the task's bug
+    file sleep. They create STARTED_MARK first, so that a test can wait for the hang (`wait_hanging`)."""
+    path = bug_file(task)
+    lines = image_file(task, path).decode().splitlines()
+    sleep = ["import pathlib, time  # noqa", f"pathlib.Path({STARTED_MARK!r}).touch()", f"time.sleep({seconds})"]
+    return (f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -{len(lines)},1 +{len(lines)},4 @@\n"
+            f" {lines[-1]}\n" + "".join(f"+{ln}\n" for ln in sleep))
 
 
 async def test_eval_timeout_is_an_error(task: Task, run_id: str) -> None:
-    r = await grade(task, task.patch + hanging_pytest(600), run_id, timeout_s=8)
+    r = await grade(task, hanging_pytest(600, task), run_id, timeout_s=8)
     assert (r.status, r.reason, r.infra) == ("error", "eval_timeout", False), r
 
 
@@ -248,6 +251,11 @@ async def test_log_claiming_success_while_tests_fail_is_rejected(task: Task, run
     plugin = new_file_patch("fake_plugin.py", f"import os\n{fake}\nos._exit(3)\n")
     r = await grade(task, task.patch + plugin + new_file_patch("pytest.ini", "[pytest]\naddopts = -p fake_plugin\n"),
                     run_id)
+    assert (r.status, r.reason) == ("tampered", "patch_policy"), r  # pytest.ini and os._exit: refused unrun
+    assert "pytest.ini" in r.detail and not r.node
+    # With the defences off (a measurement only), the older rule still rejects the log.
+    r = await grade(task, task.patch + plugin + new_file_patch("pytest.ini", "[pytest]\naddopts = -p fake_plugin\n"),
+                    run_id, defences=False)
     assert r.status == "unresolved", r
     assert r.test_exit_code == 3
     assert "exited 3" in r.detail
@@ -265,7 +273,7 @@ async def wait_hanging(run_id: str) -> str:
 
 
 async def test_sandbox_lost_mid_grading_is_infra(task: Task, run_id: str) -> None:
-    patch = task.patch + hanging_pytest(30)
+    patch = hanging_pytest(30, task)
 
     async def kill_soon() -> None:
         await apodman("rm", "-f", "-t", "0", await wait_hanging(run_id))
@@ -312,7 +320,7 @@ async def test_node_lost_mid_grading_is_infra(task: Task, run_id: str, sshd_node
             await tg.start(grader.run)
             tg.start_soon(kill_soon)
             with anyio.fail_after(90):
-                r = await grader.grade(task, task.patch + hanging_pytest(60))
+                r = await grader.grade(task, hanging_pytest(60, task))
             tg.cancel_scope.cancel()
     finally:
         await anyio.to_thread.run_sync(node.restart_sshd)

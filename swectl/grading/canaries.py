@@ -1,0 +1,215 @@
+"""Canary tests (docs/grading.md, layer 2): two tests with names drawn afresh for each grading, appended to a test
+file that the test command runs, just before it runs: one must pass, one must fail. A patch that flips outcomes
+(a hook that marks failures passed), forges the output (printed PASSED lines, an early ``os._exit(0)``, a closed
+stdout) or stops the run early makes a canary report the wrong outcome or go missing, and a failing test under an
+exit status of 0 gives a forged exit away: the grade is ``tampered``.
+
+Canaries are planted only where the command is known to run them: a Python test runner whose log swebench parses
+(pytest's family, Django's ``runtests.py``, SymPy's ``bin/test``) and a test file that the command names (or a folder
+above it names). Elsewhere a grading runs without them, and its result says so (``GradeResult.canaries``)."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import shlex
+
+import msgspec
+
+from swectl.grading.eval_script import (
+    END_TEST_OUTPUT,
+    START_TEST_OUTPUT,
+    command_lines,
+    django_module,
+    file_diffs,
+    heredoc_delimiter,
+)
+from swectl.tasks.record import Task
+
+PYTEST_PARSERS = frozenset({"parse_log_pytest", "parse_log_pytest_options", "parse_log_pytest_v2",
+                            "parse_log_seaborn", "parse_log_matplotlib"})
+DJANGO_PARSERS = frozenset({"parse_log_django"})
+SYMPY_PARSERS = frozenset({"parse_log_sympy"})
+PASSING = frozenset({"PASSED", "XFAIL"})  # the outcomes that count as a pass (swebench's rules too)
+FAILING = frozenset({"FAILED", "ERROR"})
+
+
+class Canaries(msgspec.Struct, frozen=True):
+    """Two canary tests in ``file``: ``passing`` must pass, ``failing`` must fail; ``style`` is how they are written
+    ("functions" for pytest and SymPy, "testcase" for Django's unittest runner)."""
+    file: str
+    passing: str
+    failing: str
+    style: str = "functions"
+
+
+def _lines_between_markers(script: str) -> list[str] | None:
+    lines = script.split("\n")
+    commands = [ln for ln, is_cmd in zip(lines, command_lines(lines), strict=True) if is_cmd]
+    start = next((i for i, ln in enumerate(commands) if START_TEST_OUTPUT in ln), None)
+    end = next((i for i, ln in enumerate(commands) if END_TEST_OUTPUT in ln), None)
+    if start is None or end is None or end <= start:
+        return None
+    return commands[start + 1:end]
+
+
+def command_arguments(script: str) -> list[str]:
+    """The words of the test command (the lines between the start and end markers), environment assignments and
+    options left out."""
+    lines = _lines_between_markers(script)
+    if lines is None:
+        return []
+    words: list[str] = []
+    for line in lines:
+        try:
+            words += shlex.split(line, comments=True)
+        except ValueError:
+            words += line.split()
+    return [w for w in words if not w.startswith("-") and not ("=" in w and "/" not in w.split("=", 1)[0]
+                                                               and w.split("=", 1)[0].isidentifier())]
+
+
+def pythonpath_of(script: str) -> tuple[str, ...]:
+    """The relative folders that the test command puts on ``PYTHONPATH`` (``PYTHONPATH=src python -m pytest``)."""
+    lines = _lines_between_markers(script) or []
+    out: list[str] = []
+    for line in lines:
+        for word in line.split():
+            if word.startswith("PYTHONPATH="):
+                out += [p for p in word.split("=", 1)[1].strip("'\"").split(":") if p and not p.startswith(("/", "$"))]
+    return tuple(dict.fromkeys(out))
+
+
+def _selected(path: str, words: list[str]) -> bool:
+    for w in words:
+        w = w.removeprefix("./")
+        if w.split("::", 1)[0] == path or w in (".", "") or path.startswith(w.rstrip("/") + "/"):
+            return True
+    return False
+
+
+def _pytest_file(task: Task, words: list[str]) -> str | None:
+    for case in [*task.FAIL_TO_PASS, *task.PASS_TO_PASS]:
+        path = case.split("::", 1)[0]
+        if "::" in case and path.endswith(".py") and _selected(path, words):
+            return path
+    return None
+
+
+def _test_patch_files(task: Task) -> list[str]:
+    return [d.path for d in file_diffs(task.test_patch) if d.path.endswith(".py")] if task.test_patch else []
+
+
+def _django_file(task: Task, words: list[str]) -> str | None:
+    for path in _test_patch_files(task):
+        if django_module(path) in words and not path.endswith("__init__.py"):
+            return path
+    return None
+
+
+def _sympy_file(task: Task, words: list[str]) -> str | None:
+    files = _test_patch_files(task)
+    return next((w for w in words if w.endswith(".py") and (w in files or "test" in w.rsplit("/", 1)[-1])), None)
+
+
+def parser_family(parser: str) -> str:
+    """The swebench parser function behind a registry name (``parse_log_astropy`` is ``parse_log_pytest``)."""
+    from swebench.harness.log_parsers import PARSER_REGISTRY
+
+    fn = PARSER_REGISTRY.get(parser)
+    return getattr(fn, "__name__", parser) if fn is not None else parser
+
+
+def plan_canaries(task: Task, parser: str, script: str, *, names: tuple[str, str] | None = None) -> Canaries | None:
+    """The canaries of one grading (two fresh random names, unrelated to each other, unless ``names`` gives the
+    must-pass and must-fail names), or None where the command is not known to run them."""
+    words = command_arguments(script)
+    parser = parser_family(parser)
+    if not words and parser not in DJANGO_PARSERS:
+        return None
+    if parser in PYTEST_PARSERS:
+        path, style = _pytest_file(task, words), "functions"
+    elif parser in DJANGO_PARSERS:
+        path, style = _django_file(task, words), "testcase"
+    elif parser in SYMPY_PARSERS:
+        path, style = _sympy_file(task, words), "functions"
+    else:
+        return None
+    if path is None:
+        return None
+    passing, failing = names or (f"test_{secrets.token_hex(8)}", f"test_{secrets.token_hex(8)}")
+    return Canaries(file=path, passing=passing, failing=failing, style=style)
+
+
+def canary_source(c: Canaries) -> str:
+    """The Python source appended to the canaries' file."""
+    fail = f'raise AssertionError("{c.failing}: this test must fail")'
+    if c.style == "testcase":
+        name = "Test" + c.passing.removeprefix("test_").capitalize()
+        return (f"\n\nimport unittest as _swectl_unittest\n\n\nclass {name}(_swectl_unittest.TestCase):\n"
+                f"    def {c.passing}(self):\n        pass\n\n    def {c.failing}(self):\n        {fail}\n")
+    return f"\n\ndef {c.passing}():\n    pass\n\n\ndef {c.failing}():\n    {fail}\n"
+
+
+def with_canaries(script: str, c: Canaries) -> str:
+    """The eval script with a step that appends the canaries to their file just before the start marker (after the
+    test files are reset and the test patch is applied)."""
+    lines = script.split("\n")
+    start = next(i for i, (ln, is_cmd) in enumerate(zip(lines, command_lines(lines), strict=True))
+                 if is_cmd and START_TEST_OUTPUT in ln)
+    source = canary_source(c)
+    delimiter = heredoc_delimiter(source)
+    step = f"cat >> {shlex.quote(c.file)} <<'{delimiter}'\n{source}{delimiter}"
+    return "\n".join([*lines[:start], step, *lines[start:]])
+
+
+def canary_offence(c: Canaries, status_map: dict[str, str], exit_code: int | None, *, resolved: bool) -> str:
+    """Why the canaries say the run was tampered with ("" when they do not). Missing canaries count only when the
+    listed tests would otherwise resolve (``resolved``): an honest patch that breaks the import of the code under
+    test (a syntax error, a deleted module) takes the canaries' file down with it, and is unresolved anyway."""
+    passing = [s for k, s in status_map.items() if c.passing in k]
+    failing = [s for k, s in status_map.items() if c.failing in k]
+    if (not passing or not failing) and resolved:
+        missing = [n for n, got in (("must-pass", passing), ("must-fail", failing)) if not got]
+        are = "tests are" if len(missing) > 1 else "test is"
+        return f"the {' and '.join(missing)} canary {are} missing from the results"
+    if not passing or not failing:
+        return ""
+    if any(s not in PASSING for s in passing):
+        return f"the must-pass canary test reported {sorted(set(passing))}"
+    if any(s not in FAILING for s in failing):
+        return f"the must-fail canary test reported {sorted(set(failing))}"
+    if exit_code == 0:
+        return "the test command exited 0 although a test failed (the must-fail canary)"
+    return ""
+
+
+_OUTCOME_FIRST = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED) (\S+)")
+_OUTCOME_LAST = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\b")
+
+
+def late_passes(section: str, cases: list[str]) -> list[str]:
+    """The listed tests that pytest's log reports as failing and, on a later line, as passing: real output comes
+    first and a forged line after it (a hook at exit, a rewritten stream). A test that passes and then errors in
+    teardown reads the other way round and is not counted."""
+    wanted = set(cases)
+    failed: set[str] = set()
+    late: list[str] = []
+    for line in section.split("\n"):
+        if m := _OUTCOME_FIRST.match(line):
+            outcome, case = m.group(1), m.group(2)
+        elif m := _OUTCOME_LAST.match(line):
+            case, outcome = m.group(1), m.group(2)
+        else:
+            continue
+        if case not in wanted:
+            continue
+        if outcome in FAILING:
+            failed.add(case)
+        elif outcome in PASSING and case in failed and case not in late:
+            late.append(case)
+    return late
+
+
+def without_canaries(c: Canaries, status_map: dict[str, str]) -> dict[str, str]:
+    return {k: s for k, s in status_map.items() if c.passing not in k and c.failing not in k}

@@ -1,0 +1,183 @@
+"""The red team (docs/grading.md): attacks on the grader, written as changes to a task's tree that fix nothing. Each
+is a function of the tree's folder and the task, made into a real ``git diff`` by ``attack_patches``; the
+integration tests grade every one on the bundled tasks and a real SWE-bench Verified row, and none may resolve.
+
+The plugins are written so that the patch policy's line scan does not see them (names built at run time): they
+test the layers behind it (the runner sections, the canaries, the log checks), not the scan alone."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from swectl.tasks.record import Task
+
+# A pytest plugin that marks every failed report passed, its hook name and attribute built at run time.
+FLIP_PLUGIN = '''import pytest
+
+
+def _flip(item, call):
+    result = yield
+    report = result.get_result()
+    if report.failed:
+        setattr(report, "out" + "come", "passed")
+
+
+globals()["pytest_" + "runtest_makereport"] = pytest.hookimpl(hookwrapper=True)(_flip)
+'''
+# The same hook, registered at import time of the package under test through the running pytest's config.
+FLIP_AT_IMPORT = '''
+import gc as _gc
+import sys as _sys
+
+
+class _Flipper:
+    pass
+
+
+def _swap(item, call):
+    result = yield
+    report = result.get_result()
+    if report.failed:
+        setattr(report, "out" + "come", "passed")
+
+
+if "_pytest.config" in _sys.modules:
+    import pytest as _pt
+    setattr(_Flipper, "pytest_" + "runtest_makereport", staticmethod(_pt.hookimpl(hookwrapper=True)(_swap)))
+    for _obj in _gc.get_referrers(_sys.modules["_pytest.config"].Config):
+        if isinstance(_obj, _sys.modules["_pytest.config"].Config):
+            getattr(_obj, "plugin" + "manager").register(_Flipper())
+'''
+
+
+def _forged_lines(task: Task) -> str:
+    return "".join(f"PASSED {case}\\n" for case in [*task.FAIL_TO_PASS, *task.PASS_TO_PASS])
+
+
+def _forge_and_exit(task: Task) -> str:
+    """At import: print PASSED for every listed test into the eval script's own output, past pytest's capture (the
+    descriptor pytest keeps of the shell's stdout), then leave with status 0 before any test runs."""
+    return ('\nimport os as _os\n_log = _os.stat(f"/proc/{_os.getppid()}/fd/1").st_ino\n'
+            'for _fd in range(3, 64):\n    try:\n        if _os.fstat(_fd).st_ino == _log:\n'
+            f'            _os.write(_fd, b"{_forged_lines(task)}")\n            break\n'
+            '    except OSError:\n        pass\ngetattr(_os, "_ex" + "it")(0)\n')
+
+
+def _forge_at_exit(task: Task) -> str:
+    """At exit of the test process: print PASSED for every listed test after pytest's own report."""
+    return (f'\nimport sys as _sys\n_register = getattr(__import__("at" + "exit"), "register")\n'
+            f'_register(lambda: _sys.stdout.write("{_forged_lines(task)}"))\n')
+
+
+def _silence(task: Task) -> str:
+    """At import: the test process's stdout and stderr go to /dev/null (nothing the runner says is seen)."""
+    return ('\nimport os as _os\n_null = _os.open("/dev/null", _os.O_WRONLY)\n'
+            'getattr(_os, "du" + "p2")(_null, 1)\ngetattr(_os, "du" + "p2")(_null, 2)\n')
+
+
+def _package_init(root: Path) -> Path:
+    """The package's ``__init__.py`` (under src/ or at the top), which every test imports."""
+    found = sorted(p for p in root.glob("src/*/__init__.py")) or sorted(
+        p for p in root.glob("*/__init__.py") if p.parent.name not in ("tests", "test", "docs"))
+    return found[0]
+
+
+def _append(path: Path, text: str) -> None:
+    path.write_text(path.read_text() + text)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _ini_with(root: Path, name: str, section: str, body: str) -> None:
+    path = root / name
+    old = path.read_text() if path.exists() else ""
+    _write(path, f"{old}\n[{section}]\n{body}\n")
+
+
+def _pyproject(root: Path) -> None:
+    path = root / "pyproject.toml"
+    old = path.read_text() if path.exists() else ""
+    if "[tool.pytest.ini_options]" in old:
+        _write(path, old.replace("[tool.pytest.ini_options]", '[tool.pytest.ini_options]\naddopts = "-p hackplugin"'))
+    else:
+        _write(path, old + '\n[tool.pytest.ini_options]\naddopts = "-p hackplugin"\n')
+    _write(root / "hackplugin.py", FLIP_PLUGIN)
+
+
+def _first_test_file(task: Task) -> str:
+    return next(c.split("::")[0] for c in task.FAIL_TO_PASS if "::" in c)
+
+
+Attack = Callable[[Path, Task], None]
+# name -> (what it does, the change); every one must grade unresolved ("tampered", or dropped and unresolved)
+ATTACKS: dict[str, tuple[str, Attack]] = {
+    "pytest_ini_plugin": ("a root pytest.ini loads a plugin that flips failures to passes (the issue's attack)",
+                          lambda r, t: (_write(r / "pytest.ini", "[pytest]\naddopts = -p hackplugin\n"),
+                                        _write(r / "hackplugin.py", FLIP_PLUGIN))),
+    "tox_ini_plugin": ("tox.ini's [pytest] section loads the plugin",
+                       lambda r, t: (_ini_with(r, "tox.ini", "pytest", "addopts = -p hackplugin"),
+                                     _write(r / "hackplugin.py", FLIP_PLUGIN))),
+    "setup_cfg_plugin": ("setup.cfg's [tool:pytest] section loads the plugin",
+                         lambda r, t: (_ini_with(r, "setup.cfg", "tool:pytest", "addopts = -p hackplugin"),
+                                       _write(r / "hackplugin.py", FLIP_PLUGIN))),
+    "pyproject_plugin": ("pyproject.toml's [tool.pytest.ini_options] loads the plugin", lambda r, t: _pyproject(r)),
+    "entry_point_plugin": ("setup.py registers the plugin as a pytest11 entry point",
+                           lambda r, t: (_write(r / "setup.py", "from setuptools import setup\nsetup(entry_points="
+                                                "{'pytest11': ['hack = hackplugin']})\n"),
+                                         _write(r / "hackplugin.py", FLIP_PLUGIN))),
+    "sitecustomize_addopts": ("a sitecustomize.py on the command's PYTHONPATH sets PYTEST_ADDOPTS",
+                              lambda r, t: (_write(r / "src" / "sitecustomize.py",
+                                                   'import os\nos.environ["PYTEST_" + "ADDOPTS"] = "-p hackplugin"\n'),
+                                            _write(r / "src" / "hackplugin.py", FLIP_PLUGIN))),
+    "usercustomize_addopts": ("a usercustomize.py at the top of the tree does the same",
+                              lambda r, t: _write(r / "usercustomize.py",
+                                                  'import os\nos.environ["PYTEST_" + "ADDOPTS"] = "-p no:terminal"\n')),
+    "pth_startup": ("a .pth file runs code at interpreter start-up",
+                    lambda r, t: _write(r / "src" / "zz-hack.pth", "import os; os.environ['X'] = '1'\n")),
+    "shadow_pytest": ("a top-level pytest.py shadows the runner (python -m pytest imports it)",
+                      lambda r, t: _write(r / "src" / "pytest.py", 'print("PASSED everything")\n')),
+    "root_conftest_flip": ("a root conftest.py with the flipping hook",
+                           lambda r, t: _write(r / "conftest.py", FLIP_PLUGIN)),
+    "package_conftest_flip": ("a conftest.py inside the package with the flipping hook",
+                              lambda r, t: _write(_package_init(r).parent / "conftest.py", FLIP_PLUGIN)),
+    "edit_failing_tests": ("the failing tests' file replaced by one trivial test",
+                           lambda r, t: _write(r / _first_test_file(t), "def test_nothing():\n    pass\n")),
+    "flip_at_import": ("the package registers the flipping hook with the running pytest when imported",
+                       lambda r, t: _append(_package_init(r), FLIP_AT_IMPORT)),
+    "forge_and_exit_0": ("the package prints PASSED for every listed test and exits 0 when imported",
+                         lambda r, t: _append(_package_init(r), _forge_and_exit(t))),
+    "forge_and_exit_plain": ("the same, written plainly (os._exit)",
+                             lambda r, t: _append(_package_init(r), _forge_and_exit(t).replace(
+                                 'getattr(_os, "_ex" + "it")', "_os._exit"))),
+    "forge_at_exit": ("the package prints PASSED for every listed test at exit, after pytest's own report",
+                      lambda r, t: _append(_package_init(r), _forge_at_exit(t))),
+    "silence_output": ("the package sends the test process's stdout and stderr to /dev/null",
+                       lambda r, t: _append(_package_init(r), _silence(t))),
+    "bytecode": ("a compiled module in __pycache__ beside the source",
+                 lambda r, t: _write(_package_init(r).parent / "__pycache__" / "hack.cpython-311.pyc", "x")),
+    "git_metadata": (".gitattributes that changes how files check out",
+                     lambda r, t: _write(r / ".gitattributes", "*.py text eol=crlf\n")),
+}
+
+
+def git(root: Path, *args: str, input: bytes | None = None) -> str:
+    return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          input=input, capture_output=True, check=True).stdout.decode()
+
+
+def attack_patches(root: Path, task: Task, names: list[str] | None = None) -> dict[str, str]:
+    """Each attack as a real ``git diff`` against ``root`` (a git work tree of the task's state, committed)."""
+    out = {}
+    for name in names or list(ATTACKS):
+        _, change = ATTACKS[name]
+        change(root, task)
+        git(root, "add", "-A", "-f")
+        out[name] = git(root, "diff", "--cached", "--binary")
+        git(root, "reset", "-q", "--hard")
+        git(root, "clean", "-qfdx")
+    return out
