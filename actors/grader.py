@@ -1,11 +1,14 @@
 """The Grader actor (docs/architecture.md 7.2 and 12.1): grade one patch for one task in a fresh sandbox.
 
-Steps: lease a fresh sandbox from the task image; apply and commit the task's setup patch (factory tasks
-carry their bug there); drop the patch's edits to test files; apply the patch from a file with the ladder
+Steps: review the patch (swectl.grading.patch_policy: test edits dropped; what configures the runner or the
+interpreter's start-up is ``tampered`` before any sandbox); lease a fresh sandbox from the task image; apply and
+commit the task's setup patch (factory tasks carry their bug there); apply the patch from a file with the ladder
 ``git apply`` -> ``git apply --3way`` -> ``patch --fuzz`` (a patch whose reverse applies counts as already
 applied, like the official harness); run the eval script (exit code recorded) under
 the grading timeout, its log written to a file inside the sandbox and read back whole; parse with swebench's
-parser and judge by F2P/P2P (swectl.grading.rules).
+parser and judge by F2P/P2P (swectl.grading.rules). Around the run: the runner sections of setup.cfg / tox.ini /
+pyproject.toml compared after applying, and canary tests planted before the test command and checked after it
+(docs/grading.md); ``GraderConfig.defences`` switches these off for a measurement only.
 
 With ``reuse`` (the agent runs: ``[rollout] reuse_grades``, on by default) two gradings are skipped: an empty patch
 for a task with FAIL_TO_PASS tests is unresolved without a run, as the SWE-bench harness scores it (those tests
@@ -104,15 +107,6 @@ class GradeResult(msgspec.Struct, kw_only=True):
         return self.status == "resolved"
 
 
-class _Tampered(SwectlError):
-    """Grading ends with status "tampered" (a verdict: the patch broke a defence of docs/grading.md)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-
-
 class _GradeError(SwectlError):
     """Grading ends with status "error" for a reason that is not infrastructure (caught in this module)."""
 
@@ -120,6 +114,10 @@ class _GradeError(SwectlError):
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+
+
+class _Tampered(_GradeError):
+    """Grading ends with status "tampered" (a verdict: the patch broke a defence of docs/grading.md)."""
 
 
 @contextmanager

@@ -6,6 +6,10 @@ podman, then namespace), then the same tasks with the official swebench 5.x harn
 Podman's Docker-compatible API, sequentially. Writes benchmarks/results/grade.json with grade_p50_s,
 grades_per_min_c1/c4/c8 (podman), the same with an ``ns_`` prefix (namespace: ns_grade_p50_s, ...),
 ns_grade_speedup (grade_p50_s / ns_grade_p50_s) and swebench_grade_p50_s.
+
+The grader's defences (docs/grading.md: patch policy, runner sections, canaries) are measured on the first backend
+at concurrency 1, rounds with and without them alternated: defended_grade_p50_s, undefended_grade_p50_s and
+defences_overhead (their ratio minus 1; goal <= 0.10). ``--only-defences`` measures that alone.
 """
 
 from __future__ import annotations
@@ -48,13 +52,13 @@ def pick(tasks: list[Task], n: int) -> list[Task]:
 
 
 async def grade_all(
-    tasks: list[Task], concurrency: int, backend: str = "podman"
+    tasks: list[Task], concurrency: int, backend: str = "podman", defences: bool = True
 ) -> tuple[float, list[float], list[str]]:
     config = load_config(None, ["env_pool.warm=0", f"sandbox.backend={backend}"])
     durations: list[float] = []
     statuses: list[str] = []
     async with running_pool(config) as pool, anyio.create_task_group() as actors:
-        grader = Grader(GraderConfig(concurrency=concurrency), pool)
+        grader = Grader(GraderConfig(concurrency=concurrency, defences=defences), pool)
         await actors.start(grader.run)
         started = time.monotonic()
 
@@ -71,12 +75,30 @@ async def grade_all(
     return elapsed, durations, statuses
 
 
+def measure_defences(tasks: list[Task], backend: str, rounds: int, metrics: dict[str, float], meta: dict) -> None:
+    """Seconds per grade with the defences and without, rounds alternated (so the host's drift hits both)."""
+    secs: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for defences in (True, False):
+            _, durations, statuses = anyio.run(grade_all, tasks, 1, backend, defences)
+            assert statuses.count("resolved") == len(tasks), statuses  # gold resolves either way
+            secs[defences] += durations
+    on, off = (round(percentile(sorted(secs[d]), 50), 3) for d in (True, False))
+    metrics.update(defended_grade_p50_s=on, undefended_grade_p50_s=off, defences_overhead=round(on / off - 1, 3))
+    meta["defences"] = {"backend": backend, "rounds": rounds, "with": summarize(secs[True]),
+                        "without": summarize(secs[False])}
+    print(f"  defences on {backend}: {on:.3f} s a grade against {off:.3f} s without", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default=str(BUNDLED_TASKS), help="task set (default: bundled)")
     parser.add_argument("-n", type=int, default=16, help="tasks per measurement (default 16)")
     parser.add_argument("--quick", action="store_true", help="8 tasks, skip concurrency 4")
     parser.add_argument("--no-swebench", action="store_true", help="skip the swebench harness baseline")
+    parser.add_argument("--only-defences", action="store_true",
+                        help="measure only the defences' cost (with and without, alternated)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each for the defences' cost (default 3)")
     parser.add_argument("--backends", default=",".join(BACKENDS),
                         help=f"sandbox backends to grade on, comma-separated (default: {','.join(BACKENDS)})")
     args = parser.parse_args(argv)
@@ -88,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     host = host_meta()
     print(f"grading {len(tasks)} gold patches; load {host['loadavg_start']}", file=sys.stderr)
     metrics: dict[str, float] = {}
-    meta: dict = {"tasks": [t.instance_id for t in tasks], "host": host, "backends": backends, "quick": args.quick}
-    for backend in backends:
+    meta: dict = {"tasks": [t.instance_id for t in tasks], "host": host, "backends": backends,
+                  "quick": args.quick or args.only_defences}
+    measure_defences(tasks, backends[0], args.rounds, metrics, meta)
+    for backend in backends if not args.only_defences else []:
         p = BACKENDS[backend]
         for c in (1, 4, 8):
             if args.quick and c == 4:
@@ -103,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {backend}, concurrency {c}: {metrics[f'{p}grades_per_min_c{c}']}/min", file=sys.stderr)
     if metrics.get("grade_p50_s") and metrics.get("ns_grade_p50_s"):
         metrics["ns_grade_speedup"] = round(metrics["grade_p50_s"] / metrics["ns_grade_p50_s"], 2)
-    if not args.no_swebench:
+    if not args.no_swebench and not args.only_defences:
         for t in tasks:
             task_image(t)  # made once, outside the timing
         verdicts = grade_official([(t, t.patch) for t in tasks])
@@ -114,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         meta["swebench"] = {"per_task_s": summarize(secs),
                             "resolved": sum(v.resolved for v in verdicts), "n": len(verdicts)}
     goals = [Goal(f"{BACKENDS[b]}grades_per_min_c8", ">=", metrics.get(f"{BACKENDS[b]}grades_per_min_c1", 0.0),
-                  text=f">= {BACKENDS[b]}grades_per_min_c1 (concurrency helps)") for b in backends]
+                  text=f">= {BACKENDS[b]}grades_per_min_c1 (concurrency helps)")
+             for b in (backends if not args.only_defences else [])]
+    goals.append(Goal("defences_overhead", "<=", 0.10, text="<= 0.10 (the defences cost at most 10% a grade)"))
     report(SUITE, metrics, meta, goals)
     return 0
 

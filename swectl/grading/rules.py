@@ -27,7 +27,6 @@ from swectl.grading.canaries import (
     late_passes,
     parser_family,
 )
-from swectl.grading.eval_script import file_diffs
 from swectl.tasks.record import Task
 
 START_TEST_OUTPUT = ">>>>> Start Test Output"
@@ -55,19 +54,6 @@ _TEST_PATH = re.compile(
 def is_test_path(path: str) -> bool:
     """Whether a repository path is part of the test suite (the grader reverts edits to these)."""
     return bool(_TEST_PATH.search(path))
-
-
-def drop_test_edits(patch: str, extra_test_files: frozenset[str] = frozenset()) -> tuple[str, list[str]]:
-    """The patch without its edits to test files, and the paths dropped. A patch with no git headers
-    (plain ``diff -u`` output) is returned unchanged: ``patch`` applies it and the eval script's own reset
-    of the test files still holds."""
-    files = file_diffs(patch)
-    if not files:
-        return patch, []
-    kept, dropped = [], []
-    for f in files:
-        (dropped if is_test_path(f.path) or f.path in extra_test_files else kept).append(f)
-    return "".join(f.text for f in kept), [f.path for f in dropped]
 
 
 def test_section(log: str) -> str | None:

@@ -29,10 +29,11 @@ pytestmark = [pytest.mark.integration]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def export_tree(task: Task, root: Path) -> Path:
+def export_tree(task: Task, root: Path, image: str = "") -> Path:
     """The task's tree as the grader starts from it (the image's /testbed, the setup patch committed)."""
     root.mkdir(parents=True)
-    tar = podman("run", "--rm", "--network", "none", task.image, "tar", "-C", "/testbed", "-c", ".", timeout=300)
+    tar = podman("run", "--rm", "--network", "none", image or task.image, "tar", "-C", "/testbed", "-c", ".",
+                 timeout=300)
     assert tar.returncode == 0, tar.stderr
     subprocess.run(["tar", "-x", "-C", str(root)], input=tar.stdout, check=True)
     if task.setup_patch:

@@ -16,9 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from swectl.tasks.sources import load_tasks
 from tests.conftest import REPO_ROOT, shared_data
 from tests.integration.serving import Client, Service
+from tests.integration.test_red_team import export_tree
 from tests.integration.test_serve_clients import SUBMIT, official_name
+from tests.red_team import attack_patches
 
 pytestmark = [pytest.mark.integration]
 INSTANCE = "pallets__flask-5014"
@@ -77,3 +80,31 @@ def test_a_real_row_through_the_eval_lease_gold_resolves_and_nothing_else(
         assert wrong["resolved"] is False and wrong["f2p_failed"] == row["FAIL_TO_PASS"], wrong
     finally:
         assert svc.stop() == 130
+
+
+def test_no_attack_resolves_on_the_real_row_through_swectl_serve(
+        real_row: tuple[dict, Path, Path], tmp_path: Path) -> None:
+    """The red team (tests/red_team.py) on the real row, each attack graded through `swectl serve`'s eval lease as
+    OpenClaw-RL's reward asks for it: none resolves; the answer says tampered and why."""
+    _, tasks, image_map = real_row
+    task = load_tasks(tasks, strict=True).tasks[0]
+    image = json.loads(image_map.read_text())[INSTANCE]
+    patches = attack_patches(export_tree(task, tmp_path / "testbed", image), task)
+    svc = Service(tmp_path / "svc", "--tasks", str(tasks), "--image-map", str(image_map))
+    client = Client(svc.url)
+    verdicts = {}
+    try:
+        for name, patch in patches.items():
+            lease = client.allocate(image=official_name(INSTANCE), instance_id=f"{INSTANCE}__eval")
+            verdicts[name] = client.ok("/evaluate", {"lease_id": lease, "patch": patch, "eval_script": ""})
+            client.ok("/close", {"lease_id": lease})
+    finally:
+        assert svc.stop() == 130
+    report = "\n".join(f"{n:<24} {v['status']:<10} {v['reason']:<14} {v['output'][:100]!r}"
+                       for n, v in verdicts.items())
+    assert not [n for n, v in verdicts.items() if v["resolved"]], report
+    assert {v["status"] for v in verdicts.values()} <= {"tampered", "unresolved"}, report
+    tampered = {n for n, v in verdicts.items() if v["tampered"]}
+    assert len(tampered) >= len(patches) - 4, report
+    assert all(verdicts[n]["output"].startswith("swectl: graded tampered (") for n in tampered), report
+    assert {"pytest_ini_plugin", "flip_at_import", "forge_and_exit_0"} <= tampered, report
