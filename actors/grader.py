@@ -329,7 +329,7 @@ class Grader(ServingActor):
         result.status = "resolved" if verdict.resolved else "unresolved"
         result.detail = verdict.rejected
         if verdict.tampered:
-            result.status, result.reason, result.detail = "tampered", "canary", verdict.tampered
+            result.status, result.reason, result.detail = "tampered", verdict.tampered_by, verdict.tampered
         result.f2p_failed, result.p2p_failed = verdict.f2p_failed, verdict.p2p_failed
         result.f2p_total, result.p2p_total = len(task.FAIL_TO_PASS), len(task.PASS_TO_PASS)
         result.test_exit_code = test_exit_code(log)

@@ -97,7 +97,8 @@ class TestVerdict(msgspec.Struct, frozen=True):
     p2p_passed: list[str]
     p2p_failed: list[str]
     rejected: str = ""  # why the log was not trusted, when it was not
-    tampered: str = ""  # why the canaries say the run was tampered with (swectl.grading.canaries)
+    tampered: str = ""  # why the run was tampered with: the canaries or the late-pass check say so
+    tampered_by: str = ""  # which: "canary" or "late_pass"
 
 
 def _status(case: str, sm: dict[str, str]) -> str | None:
@@ -147,11 +148,12 @@ def grade_log(task: Task, parser_name: str, log: str, canaries: Canaries | None 
     plain = judge(task, status_map, test_exit_code(log))
     offence = (canary_offence(canaries, status_map, test_exit_code(log), resolved=plain.resolved)
                if canaries is not None else "")
-    if not offence and defences and parser_family(parser_name) in PYTEST_PARSERS and (
+    if offence:
+        return msgspec.structs.replace(plain, resolved=False, tampered=offence, tampered_by="canary")
+    if defences and parser_family(parser_name) in PYTEST_PARSERS and (
             late := late_passes(section, [*task.FAIL_TO_PASS, *task.PASS_TO_PASS])):
         offence = f"the log reports {len(late)} listed test(s) failing and later passing (e.g. {late[0]})"
-    if offence:
-        return msgspec.structs.replace(plain, resolved=False, tampered=offence)
+        return msgspec.structs.replace(plain, resolved=False, tampered=offence, tampered_by="late_pass")
     if not status_map and not _SUITE_RAN.search(log):
         return TestVerdict(False, [], list(task.FAIL_TO_PASS), [], list(task.PASS_TO_PASS),
                            rejected="no test results and no sign that the test suite ran")

@@ -403,14 +403,11 @@ def _gone(lease_id: str, ended: Ended) -> ApiError:
 
 
 def _output_of(result: GradeResult) -> str:
-    """The eval log's tail (or the grader's detail); a tampered grade's reason first (docs/grading.md)."""
+    """The eval log's tail (or the grader's detail). A tampered grade's answer is its reason alone, never the log:
+    a client that grades the output again (OpenClaw-RL's trajectory mode runs swebench's get_eval_report on it)
+    must not find the forged lines there (docs/grading.md)."""
     if result.tampered:
-        why = f"swectl: graded tampered ({result.reason}): {result.detail}"[:OUTPUT_TAIL // 2]
-        return why + "\n" + _log_tail(result)[-(OUTPUT_TAIL - len(why) - 1):]
-    return _log_tail(result)
-
-
-def _log_tail(result: GradeResult) -> str:
+        return f"swectl: graded tampered ({result.reason}): {result.detail}"[:OUTPUT_TAIL]
     if result.log_path:
         try:
             return Path(result.log_path).read_text(errors="replace")[-OUTPUT_TAIL:]

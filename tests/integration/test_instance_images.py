@@ -327,7 +327,7 @@ async def test_gold_resolves_and_empty_does_not(fake: Fake) -> None:
         empty = await grader.grade(fake.task, "")
         tg.cancel_scope.cancel()
     assert gold.status == "resolved", gold
-    assert gold.test_exit_code == 0
+    assert gold.canaries and gold.test_exit_code == 1  # the must-fail canary (docs/grading.md)
     assert empty.status == "unresolved", empty
     assert empty.f2p_failed == fake.task.FAIL_TO_PASS
     assert not empty.p2p_failed

@@ -60,7 +60,8 @@ def test_the_swe_rl_flow_grades_gold_resolved_and_empty_unresolved(client: Clien
         # grading: a fresh lease for the instance, then evaluate the gold patch and the empty one
         lease = client.allocate(instance_id=iid)
         gold = client.ok("/evaluate", {"lease_id": lease, "patch": task["patch"], "eval_script": "exit 1"})
-        assert gold["resolved"] is True and gold["status"] == "resolved" and gold["returncode"] == 0, gold
+        # returncode is the test command's: the grader's must-fail canary (docs/grading.md) makes it 1
+        assert gold["resolved"] is True and gold["status"] == "resolved" and gold["returncode"] == 1, gold
         assert len(gold["output"]) <= 2000 and "PASSED" in gold["output"]
         empty = client.ok("/evaluate", {"lease_id": lease, "patch": "", "eval_script": "exit 0"})
         assert empty["resolved"] is False and empty["reason"] == "patch_apply_failed", empty

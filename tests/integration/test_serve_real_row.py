@@ -90,6 +90,7 @@ def test_no_attack_resolves_on_the_real_row_through_swectl_serve(
     task = load_tasks(tasks, strict=True).tasks[0]
     image = json.loads(image_map.read_text())[INSTANCE]
     patches = attack_patches(export_tree(task, tmp_path / "testbed", image), task)
+    (tmp_path / "svc").mkdir()
     svc = Service(tmp_path / "svc", "--tasks", str(tasks), "--image-map", str(image_map))
     client = Client(svc.url)
     verdicts = {}
@@ -102,6 +103,7 @@ def test_no_attack_resolves_on_the_real_row_through_swectl_serve(
         assert svc.stop() == 130
     report = "\n".join(f"{n:<24} {v['status']:<10} {v['reason']:<14} {v['output'][:100]!r}"
                        for n, v in verdicts.items())
+    print(report)  # shown with -s (and on failure)
     assert not [n for n, v in verdicts.items() if v["resolved"]], report
     assert {v["status"] for v in verdicts.values()} <= {"tampered", "unresolved"}, report
     tampered = {n for n, v in verdicts.items() if v["tampered"]}
