@@ -74,7 +74,7 @@ class GraderConfig(msgspec.Struct, frozen=True, kw_only=True):
     concurrency: int = 8  # gradings at once (each holds one lease)
     reuse: bool = False  # empty patches unresolved without a run; identical patches of a task graded once
     # the defences of docs/grading.md (patch policy, runner sections, canaries): off only for the measurement that
-    # shows what they are worth ([experiment] grader_defences = false)
+    # shows what they are worth ([experiment.reward_hacking] grader_defences = false)
     defences: bool = True
 
 
@@ -91,7 +91,7 @@ class GradeResult(msgspec.Struct, kw_only=True):
     p2p_failed: list[str] = []
     f2p_total: int = 0
     p2p_total: int = 0
-    test_exit_code: int | None = None
+    test_exit_code: int | None = None  # the test command's; the must-fail canary makes it non-zero when planted
     node: str = ""
     duration_s: float = 0.0
     log_path: str = ""
@@ -167,8 +167,8 @@ class Grader(ServingActor):
         self._resolver = resolver or ImageResolver()
         self._specs = specs
         self._log_dir = log_dir
-        self._counts = dict.fromkeys(("graded", "resolved", "unresolved", "tampered", "errors", "infra_errors",
-                                                  "reused"), 0)
+        self._counts = dict.fromkeys(
+            ("graded", "resolved", "unresolved", "tampered", "errors", "infra_errors", "reused"), 0)
         self._verdicts: dict[tuple[str, str, str], tuple[GradeResult, str]] = {}  # reuse: key -> (result, label)
         self._in_flight: dict[tuple[str, str, str], anyio.Event] = {}
 
