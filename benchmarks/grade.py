@@ -76,10 +76,11 @@ async def grade_all(
 
 
 def measure_defences(tasks: list[Task], backend: str, rounds: int, metrics: dict[str, float], meta: dict) -> None:
-    """Seconds per grade with the defences and without, rounds alternated (so the host's drift hits both)."""
+    """Seconds per grade with the defences and without, rounds alternated and their order swapped each round (so the
+    host's drift and a first round's warm-up hit both)."""
     secs: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(rounds):
-        for defences in (True, False):
+    for r in range(rounds):
+        for defences in ((True, False) if r % 2 == 0 else (False, True)):  # neither always goes first
             _, durations, statuses = anyio.run(grade_all, tasks, 1, backend, defences)
             assert statuses.count("resolved") == len(tasks), statuses  # gold resolves either way
             secs[defences] += durations
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-swebench", action="store_true", help="skip the swebench harness baseline")
     parser.add_argument("--only-defences", action="store_true",
                         help="measure only the defences' cost (with and without, alternated)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of each for the defences' cost (default 3)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of each for the defences' cost (default 4)")
     parser.add_argument("--backends", default=",".join(BACKENDS),
                         help=f"sandbox backends to grade on, comma-separated (default: {','.join(BACKENDS)})")
     args = parser.parse_args(argv)
