@@ -237,6 +237,20 @@ class Grader(ServingActor):
         if self._config.defences and policy.is_tampered:
             raise _Tampered("patch_policy", "; ".join(policy.tampered))
 
+    async def _check_shadows(self, lease: Lease, policy: PolicyVerdict, repo: str) -> None:
+        """Created files that would shadow a module: tampered unless the repository had that module's top at HEAD
+        (one git call for all of them)."""
+        if not self._config.defences or not policy.shadows:
+            return
+        tops = " ".join(shlex.quote(top) for top, _ in policy.shadows)
+        r = await lease.exec(f"for p in {tops}; do git cat-file -e HEAD:\"$p\" 2>/dev/null || echo \"$p\"; done",
+                             STEP_TIMEOUT_S, cwd=repo)
+        if r.exit_code != 0 or r.timed_out:
+            raise InfraError(f"git cat-file in the grading sandbox failed: {r.output[-300:]}")
+        missing = set(r.output.split())
+        if found := [why for top, why in policy.shadows if top in missing]:
+            raise _Tampered("patch_policy", "; ".join(found))
+
     async def _check_runner_configs(self, lease: Lease, policy: PolicyVerdict, repo: str) -> None:
         """The mixed config files the patch edits: their runner sections before (HEAD) and after (the tree)."""
         if not self._config.defences:
@@ -272,6 +286,7 @@ class Grader(ServingActor):
                               timeout_s: float, label: str, result: GradeResult) -> None:
         """``grade_by_exit_code`` in its sandbox (the caller's script: the whole patch applied, no canaries)."""
         result.node = lease.node
+        await self._check_shadows(lease, policy, cwd)
         result.apply_method = await self._apply(lease, patch, cwd)
         await self._check_runner_configs(lease, policy, cwd)
         await lease.write_file(EVAL_FILE, script.encode("utf-8", errors="surrogateescape"))
@@ -307,6 +322,7 @@ class Grader(ServingActor):
     ) -> None:
         if not await prepare_task(lease, task):
             raise _GradeError("setup_failed", "the task's setup patch did not apply")
+        await self._check_shadows(lease, policy, TESTBED)
         result.apply_method = await self._apply(lease, policy.patch, TESTBED)
         await self._check_runner_configs(lease, policy, TESTBED)
         canaries = plan_canaries(task, parser, script) if self._config.defences else None

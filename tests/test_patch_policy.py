@@ -64,11 +64,6 @@ def test_no_gold_patch_of_the_500_verified_rows_is_touched_by_the_policy(verifie
     (new_file("pkg/_speedups.so", "x"), "compiled module"),
     (new_file(".git/hooks/post-checkout", "echo"), "git metadata"),
     (new_file(".gitattributes", "* text"), "git metadata"),
-    (new_file("pytest.py", "x = 1"), "shadows 'pytest'"),
-    (new_file("_pytest/__init__.py", "x = 1"), "shadows '_pytest'"),
-    (new_file("src/unittest.py", "x = 1"), "shadows 'unittest'"),
-    (new_file("vendor/pluggy/__init__.py", "x = 1"), ""),  # not on sys.path: allowed
-    (new_file("pytest_hack.py", "x = 1"), "shadows 'pytest_hack'"),
     (new_file("pkg/link", "target", mode="120000"), "symbolic link"),
     (edit("pkg/core.py", "x = 1", "import os; os._exit(0)"), "os._exit"),
     (edit("pkg/core.py", "x = 1", "os.environ['PYTEST_ADDOPTS'] = '-p x'"), "PYTEST_ADDOPTS"),
@@ -84,6 +79,23 @@ def test_the_policy_refuses_what_configures_or_reaches_into_the_run(patch: str, 
         assert len(policy.tampered) >= 1 and why in "; ".join(policy.tampered), policy
 
 
+@pytest.mark.parametrize(("patch", "top", "name"), [
+    (new_file("pytest.py", "x = 1"), "pytest.py", "pytest"),
+    (new_file("_pytest/__init__.py", "x = 1"), "_pytest", "_pytest"),
+    (new_file("src/unittest.py", "x = 1"), "src/unittest.py", "unittest"),
+    (new_file("src/_pytest/newmodule.py", "x = 1"), "src/_pytest", "_pytest"),  # pytest's own repo: it has src/_pytest
+    (new_file("pytest_hack.py", "x = 1"), "pytest_hack.py", "pytest_hack"),
+    (new_file("vendor/pluggy/__init__.py", "x = 1"), "", ""),  # not on sys.path
+    (new_file("django/db/newmodule.py", "x = 1"), "django", "django"),  # Django's own repo has django/
+])
+def test_created_modules_that_may_shadow_are_checked_against_the_tree(patch: str, top: str, name: str) -> None:
+    """The policy names the module's top; the grader asks git whether the repository had it (tests/integration)."""
+    policy = review_patch(patch)
+    assert not policy.tampered
+    assert [t for t, _ in policy.shadows] == ([top] if top else [])
+    assert all(f"shadows {name!r}" in why for _, why in policy.shadows)
+
+
 def test_test_edits_are_dropped_and_a_plain_diff_is_reviewed_too() -> None:
     fix = edit("pkg/core.py", "x = 1", "x = 2")
     policy = review_patch(fix + new_file("tests/conftest.py", "import os\nos._exit(0)") + new_file("conftest.py", "y"))
@@ -92,7 +104,8 @@ def test_test_edits_are_dropped_and_a_plain_diff_is_reviewed_too() -> None:
     assert "pytest.ini" in review_patch(plain).tampered[0]
     assert review_patch("--- a/setup.cfg\n+++ b/setup.cfg\n@@ -1 +1 @@\n-a\n+b\n").check_configs == ["setup.cfg"]
     # A module on the test command's PYTHONPATH that shadows the standard library.
-    assert review_patch(new_file("code/json.py", "x"), pythonpath=("code",)).tampered
+    assert review_patch(new_file("mysrc/json.py", "x"), pythonpath=("mysrc",)).shadows == [
+        ("mysrc/json.py", "mysrc/json.py: creates a module that shadows 'json'")]
 
 
 def test_runner_sections_of_mixed_config_files() -> None:

@@ -57,16 +57,21 @@ class PolicyVerdict(msgspec.Struct, frozen=True):
     dropped: list[str] = []
     tampered: list[str] = []  # "path: why" per offending file or line
     check_configs: list[str] = []
+    # (the module's top in the repository, "path: why"): created files that shadow a module unless the repository
+    # had that top before (the grader asks git in the sandbox)
+    shadows: list[tuple[str, str]] = []
 
     @property
     def is_tampered(self) -> bool:
         return bool(self.tampered)
 
 
-def _module_shadows(path: str, pythonpath: tuple[str, ...]) -> str | None:
-    """The module a created file would shadow, when it sits at the top of the repository or of a source root
-    (``src``, ``lib``, a ``PYTHONPATH`` folder of the test command)."""
-    for root in {"", *SOURCE_ROOTS, *(p.strip("/") for p in pythonpath)}:
+def module_shadows(path: str, pythonpath: tuple[str, ...] = ()) -> tuple[str, str] | None:
+    """The module a created file would shadow, and the repository path of that module's top (its file or package
+    folder), when the file sits at the top of the repository or of a source root (``src``, ``lib``, a
+    ``PYTHONPATH`` folder of the test command). It shadows only if the repository did not have that top before:
+    pytest's own repository creating ``src/_pytest/new.py`` adds to its package (the grader checks in the sandbox)."""
+    for root in sorted({"", *SOURCE_ROOTS, *(p.strip("/") for p in pythonpath)}):
         if root and not path.startswith(root + "/"):
             continue
         rest = path[len(root) + 1:] if root else path
@@ -75,12 +80,12 @@ def _module_shadows(path: str, pythonpath: tuple[str, ...]) -> str | None:
             continue
         name = head.removesuffix(".py") if not below else head
         if name in RUNNER_MODULES or name in sys.stdlib_module_names or name.startswith("pytest_"):
-            return name
+            return name, f"{root}/{head}" if root else head
     return None
 
 
-def path_offence(path: str, *, created: bool, pythonpath: tuple[str, ...] = ()) -> str:
-    """Why a path may not be in a fix ("" when it may). ``created``: the patch creates the file."""
+def path_offence(path: str) -> str:
+    """Why a path may not be in a fix ("" when it may); shadowing modules are ``module_shadows``'s."""
     parts = path.split("/")
     name = parts[-1]
     if ".git" in parts or name in GIT_METADATA:
@@ -91,8 +96,6 @@ def path_offence(path: str, *, created: bool, pythonpath: tuple[str, ...] = ()) 
         return "adds or edits an interpreter start-up hook"
     if name in RUNNER_FILES or path in RUNNER_SCRIPTS:
         return "edits the test runner's configuration or scripts"
-    if created and (shadowed := _module_shadows(path, pythonpath)):
-        return f"creates a module that shadows {shadowed!r}"
     return ""
 
 
@@ -109,10 +112,10 @@ def content_offence(text: str) -> str:
     return ""
 
 
-def _section_offences(f: FileDiff, pythonpath: tuple[str, ...]) -> list[str]:
+def _section_offences(f: FileDiff) -> list[str]:
     found = []
     for path in dict.fromkeys(p for p in (f.old, f.new, f.path) if p):
-        if why := path_offence(path, created=f.old is None, pythonpath=pythonpath):
+        if why := path_offence(path):
             found.append(f"{path}: {why}")
     if _SYMLINK_MODE.search(f.text):
         found.append(f"{f.path}: creates a symbolic link")
@@ -132,8 +135,7 @@ def review_patch(patch: str, extra_test_files: frozenset[str] = frozenset(), *,
     files = file_diffs(patch)
     if not files:
         names = _PLAIN_NEW_NAME.findall(patch)
-        tampered = [f"{n}: {why}" for n in names if n != "/dev/null"
-                    and (why := path_offence(n, created=False, pythonpath=pythonpath))]
+        tampered = [f"{n}: {why}" for n in names if n != "/dev/null" and (why := path_offence(n))]
         if why := content_offence(patch):
             tampered.append(f"(plain diff): {why}")
         mixed = [n for n in names if n.rsplit("/", 1)[-1] in MIXED_CONFIG_FILES]
@@ -141,11 +143,15 @@ def review_patch(patch: str, extra_test_files: frozenset[str] = frozenset(), *,
     kept: list[FileDiff] = []
     dropped: list[str] = []
     tampered = []
+    shadows: list[tuple[str, str]] = []
     for f in files:
         if is_test_path(f.path) or (f.old is not None and is_test_path(f.old)) or f.path in extra_test_files:
             dropped.append(f.path)
             continue
         kept.append(f)
-        tampered += _section_offences(f, pythonpath)
+        tampered += _section_offences(f)
+        if f.old is None and (shadowed := module_shadows(f.path, pythonpath)):
+            shadows.append((shadowed[1], f"{f.path}: creates a module that shadows {shadowed[0]!r}"))
     mixed = [f.path for f in kept if f.path.rsplit("/", 1)[-1] in MIXED_CONFIG_FILES]
-    return PolicyVerdict("".join(f.text for f in kept), dropped=dropped, tampered=tampered, check_configs=mixed)
+    return PolicyVerdict("".join(f.text for f in kept), dropped=dropped, tampered=tampered, check_configs=mixed,
+                         shadows=list(dict.fromkeys(shadows)))
