@@ -11,14 +11,13 @@ from swectl.grading.canaries import (
     canary_offence,
     canary_source,
     command_arguments,
-    late_passes,
     plan_canaries,
     pythonpath_of,
     with_canaries,
 )
 from swectl.grading.eval_script import command_lines, eval_script_for, log_parser_for, with_exit_code
 from swectl.grading.patch_policy import review_patch
-from swectl.grading.rules import grade_log
+from swectl.grading.rules import grade_log, late_passes
 from swectl.grading.runner_config import UNREADABLE, changed_runner_sections
 from swectl.tasks.record import Task
 from swectl.tasks.sources import load_tasks

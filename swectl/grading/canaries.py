@@ -10,7 +10,6 @@ above it names). Elsewhere a grading runs without them, and its result says so (
 
 from __future__ import annotations
 
-import re
 import secrets
 import shlex
 
@@ -23,6 +22,7 @@ from swectl.grading.eval_script import (
     django_module,
     file_diffs,
     heredoc_delimiter,
+    marker_index,
 )
 from swectl.tasks.record import Task
 
@@ -44,13 +44,13 @@ class Canaries(msgspec.Struct, frozen=True):
 
 
 def _lines_between_markers(script: str) -> list[str] | None:
+    """The shell lines of the test command (between the start and end markers, heredoc bodies left out)."""
     lines = script.split("\n")
-    commands = [ln for ln, is_cmd in zip(lines, command_lines(lines), strict=True) if is_cmd]
-    start = next((i for i, ln in enumerate(commands) if START_TEST_OUTPUT in ln), None)
-    end = next((i for i, ln in enumerate(commands) if END_TEST_OUTPUT in ln), None)
+    start, end = marker_index(lines, START_TEST_OUTPUT), marker_index(lines, END_TEST_OUTPUT)
     if start is None or end is None or end <= start:
         return None
-    return commands[start + 1:end]
+    between = zip(lines[start + 1:end], command_lines(lines)[start + 1:end], strict=True)
+    return [ln for ln, is_cmd in between if is_cmd]
 
 
 def command_arguments(script: str) -> list[str]:
@@ -155,8 +155,9 @@ def with_canaries(script: str, c: Canaries) -> str:
     """The eval script with a step that appends the canaries to their file just before the start marker (after the
     test files are reset and the test patch is applied)."""
     lines = script.split("\n")
-    start = next(i for i, (ln, is_cmd) in enumerate(zip(lines, command_lines(lines), strict=True))
-                 if is_cmd and START_TEST_OUTPUT in ln)
+    start = marker_index(lines, START_TEST_OUTPUT)
+    if start is None:
+        raise ValueError("the eval script has no start marker: no place for canaries")
     source = canary_source(c)
     delimiter = heredoc_delimiter(source)
     step = f"cat >> {shlex.quote(c.file)} <<'{delimiter}'\n{source}{delimiter}"
@@ -182,34 +183,3 @@ def canary_offence(c: Canaries, status_map: dict[str, str], exit_code: int | Non
     if exit_code == 0:
         return "the test command exited 0 although a test failed (the must-fail canary)"
     return ""
-
-
-_OUTCOME_FIRST = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED) (\S+)")
-_OUTCOME_LAST = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\b")
-
-
-def late_passes(section: str, cases: list[str]) -> list[str]:
-    """The listed tests that pytest's log reports as failing and, on a later line, as passing: real output comes
-    first and a forged line after it (a hook at exit, a rewritten stream). A test that passes and then errors in
-    teardown reads the other way round and is not counted."""
-    wanted = set(cases)
-    failed: set[str] = set()
-    late: list[str] = []
-    for line in section.split("\n"):
-        if m := _OUTCOME_FIRST.match(line):
-            outcome, case = m.group(1), m.group(2)
-        elif m := _OUTCOME_LAST.match(line):
-            case, outcome = m.group(1), m.group(2)
-        else:
-            continue
-        if case not in wanted:
-            continue
-        if outcome in FAILING:
-            failed.add(case)
-        elif outcome in PASSING and case in failed and case not in late:
-            late.append(case)
-    return late
-
-
-def without_canaries(c: Canaries, status_map: dict[str, str]) -> dict[str, str]:
-    return {k: s for k, s in status_map.items() if c.passing not in k and c.failing not in k}

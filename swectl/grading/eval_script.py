@@ -240,9 +240,10 @@ def command_lines(lines: list[str]) -> list[bool]:
     return out
 
 
-def _end_marker_index(lines: list[str]) -> int | None:
+def marker_index(lines: list[str], marker: str) -> int | None:
+    """The index of the first shell line (not a heredoc's body) that holds ``marker``; None when none does."""
     for i, (line, is_command) in enumerate(zip(lines, command_lines(lines), strict=True)):
-        if is_command and END_TEST_OUTPUT in line:
+        if is_command and marker in line:
             return i
     return None
 
@@ -256,7 +257,7 @@ def with_exit_code(script: str) -> str:
     ``echo ">>>>> Test Exit Code: N"`` just after it (outside the parsed region). Idempotent; a script without an
     end marker is returned unchanged (grading then trusts the log alone)."""
     lines = script.split("\n")
-    end = _end_marker_index(lines)
+    end = marker_index(lines, END_TEST_OUTPUT)
     if end is None or _already_recorded(lines, end):
         return script
     return "\n".join([*lines[:end], _RECORD_LINE, lines[end], _ECHO_LINE, *lines[end + 1 :]])
