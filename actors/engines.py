@@ -149,6 +149,7 @@ class _Server:
         self.changed = anyio.Event()
         self.unforward: Callable[[], None] | None = None  # stops the SSH port forward the client reaches it by
         self.broken: str | None = None  # why it must be restarted though it answers its health checks
+        self.weights: tuple[str, str] = ("", "")  # (model folder, weight version) this process serves
 
     @property
     def name(self) -> str:
@@ -342,6 +343,8 @@ class Engines:
         if cfg.kind == "cpu":
             argv = [python, "-m", "swectl.remote.programs.cpu_engine", "--model", self._model, "--host", bind,
                     "--port", str(port), "--threads", str(cfg.threads), "--max-batch", str(cfg.max_batch)]
+            if self._version:  # a restart serves the last pushed weights under their version
+                argv += ["--weight-version", self._version]
         elif cfg.kind == "vllm":
             argv = vllm_argv(python, self._model, bind, port, api_key=API_KEY_PLACEHOLDER if self._api_key else None,
                              dtype=vllm_dtype(model_config),
@@ -372,6 +375,7 @@ class Engines:
             argv = self._argv(bind, port, model_config, vllm_cpu)
             proc = await s.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-engine", *argv])
             s.starting(proc)
+            s.weights = (self._model, self._version)
             if cfg.kind != "cpu":  # its port is the one given on its command line (the CPU engine prints its own)
                 s.port = port
             await proc.send(f"{self._api_key or ''}\n".encode())
@@ -506,48 +510,84 @@ class Engines:
     async def update_weights(self, path: str, version: str, *, timeout_s: float | None = None) -> float:
         """Weight sync from disk (docs/architecture.md 5.3): pause generation on every routable server (in place:
         requests in flight keep their KV cache), load ``path`` (a Hugging Face folder on the engine nodes) with
-        ``update_weights_from_disk`` tagged ``version``, and resume. A server that rejects the update raises
-        EngineRejectedError with its message; servers restarted later load ``path``. Returns the seconds."""
-        t0 = anyio.current_time()
-        servers = [s for s in self._servers if s.healthy and s.client is not None]
-        if not servers:
-            raise EngineUnavailableError("engines", "no server is up to take the new weights")
-        bound = timeout_s or self._config.request_timeout_s
+        ``update_weights_from_disk`` tagged ``version``, and resume. Returns the seconds.
 
-        errors: list[EngineError] = []
+        An outage does not fail the push: when no server is up (one crashed and its supervisor is restarting it),
+        or every server it went to was lost on the way, servers launched from now on load ``path`` as ``version``
+        and the push waits for one to come back (``wait_routable``, bounded by engine.start_timeout_s), then goes
+        to every healthy server not already serving ``version``. A server that rejects the update raises
+        EngineRejectedError with its message (the weights are not taken up by restarts then); one that stays
+        unreachable past the bound raises EngineUnavailableError."""
+        t0 = anyio.current_time()
+        bound = timeout_s or self._config.request_timeout_s
+        wanted = (path, version)
+        deadline = t0 + self._config.start_timeout_s
+        while True:
+            if not any(s.healthy and s.client is not None for s in self._servers):
+                if self._external:
+                    raise EngineUnavailableError("engines", "no server is up to take the new weights")
+                self._model, self._version = wanted  # what a restarted server loads
+                _log.warning("weights %s: no engine server is up; waiting for a restart to load them", version)
+                await self.wait_routable(max(deadline - anyio.current_time(), ROUTABLE_POLL_S))
+            targets = [s for s in self._servers if s.healthy and s.client is not None and s.weights != wanted]
+            if not targets:  # every healthy server was launched on these weights
+                break
+            unreachable = await self._push_from_disk(targets, path, version, bound)
+            if not unreachable:
+                break
+            # servers that went away mid-push: their restart loads the new weights; the others may take them again
+            self._model, self._version = wanted
+            if anyio.current_time() >= deadline:
+                raise unreachable[0]
+            _log.warning("weights %s: %d server(s) unreachable during the push (%s); trying again", version,
+                         len(unreachable), unreachable[0])
+            await anyio.sleep(ROUTABLE_POLL_S)
+        if not self._external:
+            self._model, self._version = wanted
+        return anyio.current_time() - t0
+
+    async def _push_from_disk(self, servers: list[_Server], path: str, version: str, bound: float
+                              ) -> list[EngineError]:
+        """``update_weights_from_disk`` on ``servers`` at once. A rejection raises; returns the errors of servers
+        that could not be reached (down, restarting, timed out): the caller waits for them and tries again."""
+        rejected: list[EngineError] = []
+        unreachable: list[EngineError] = []
 
         async def one(s: _Server) -> None:
             assert s.client is not None
+            client = s.client
             try:
                 if self._config.kind == "vllm":
                     await self._check_weights(s, path)
-                await s.client.pause_generation("in_place", timeout_s=bound)
+                await client.pause_generation("in_place", timeout_s=bound)
                 failed: EngineRejectedError | None = None
                 try:
-                    await s.client.update_weights_from_disk(path, weight_version=version, timeout_s=bound)
+                    await client.update_weights_from_disk(path, weight_version=version, timeout_s=bound)
                 except EngineRejectedError as exc:
                     failed = exc
                     raise
                 finally:
                     with anyio.CancelScope(shield=True):
                         if failed is None:
-                            await s.client.continue_generation(timeout_s=bound)
+                            with contextlib.suppress(EngineUnavailableError):  # lost now: its restart loads `path`
+                                await client.continue_generation(timeout_s=bound)
                         else:
                             with contextlib.suppress(EngineError):  # the update's error is the one to report
-                                await s.client.continue_generation(timeout_s=bound)
+                                await client.continue_generation(timeout_s=bound)
                             if self._config.kind == "vllm" and not self._external:  # restarted on the last weights
                                 s.mark_broken(f"its weight reload failed, which leaves vLLM's model unusable: {failed}")
+                s.weights = (path, version)
+            except EngineUnavailableError as exc:
+                unreachable.append(exc)
             except EngineError as exc:
-                errors.append(exc)
+                rejected.append(exc)
 
         async with anyio.create_task_group() as tg:
             for s in servers:
                 tg.start_soon(one, s, name=f"update weights {s.name}")
-        if errors:
-            raise errors[0]
-        if not self._external:
-            self._model, self._version = path, version
-        return anyio.current_time() - t0
+        if rejected:
+            raise rejected[0]
+        return unreachable
 
     async def _check_weights(self, s: _Server, path: str) -> None:
         """vLLM's in-place reload that fails half-way leaves its model unusable (seen with vllm-cpu 0.32.0: the next

@@ -6,7 +6,9 @@ Started through the node's ``spawn`` (a child process here, an SSH channel on an
 command line), then held open. It merges the program's stdout and stderr into the pipe the controller reads,
 prints ``swectl-engine pid N`` and ``swectl-engine exit N``, and kills the program and its process group (TERM,
 then KILL after STOP_GRACE_S) when its stdin closes, and whatever the group left behind when the program exits:
-when the controller stops it, dies, or loses the SSH connection, nothing is left running on the node.
+when the controller stops it, dies, or loses the SSH connection, nothing is left running on the node. A guard
+kills the program's group when the supervisor itself dies (``kill -9`` of the shell), so a server never goes on as
+an orphan the controller no longer watches: its output pipe closes and the controller sees the server gone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from swectl.remote.nodes.node import NodeProcess
 
 API_KEY_PLACEHOLDER = "@SWECTL_ENGINE_API_KEY@"
 STOP_GRACE_S = 10  # TERM, then KILL this long after
+GUARD_POLL_S = 1  # how often the guard looks whether the supervisor is still alive
 
 # argv: the program's command line. stdin: first line the API key (may be empty), then held open; EOF = stop.
 SUPERVISOR = r"""
@@ -43,14 +46,19 @@ echo "swectl-engine pid $pid"
   kill -KILL "$group$pid" 2>/dev/null ) >/dev/null 2>&1 &
 watcher=$!
 exec 3<&-
+# The program never outlives this supervisor: should it die (kill -9), the guard kills the program's group within a
+# second, the pipe to the controller closes, and the controller restarts the server as it does after a crash.
+sup=$$
+( while kill -0 "$sup" 2>/dev/null; do sleep GUARD; done; kill -KILL "$group$pid" ) </dev/null >/dev/null 2>&1 &
+guard=$!
 wait "$pid"
 code=$?
 echo "swectl-engine exit $code"
 # what the program left running when it died (killed before it could stop its children)
 [ -n "$group" ] && kill -KILL "$group$pid" 2>/dev/null
-kill "$watcher" 2>/dev/null
+kill "$watcher" "$guard" 2>/dev/null
 exit "$code"
-""".replace("GRACE", str(STOP_GRACE_S))
+""".replace("GRACE", str(STOP_GRACE_S)).replace("GUARD", str(GUARD_POLL_S))
 
 
 async def copy_output(proc: NodeProcess, log_path: Path | None, on_line: Callable[[str], None]) -> None:

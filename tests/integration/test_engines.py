@@ -6,6 +6,7 @@ an API key and die with their channel, a failed start quotes the server's output
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import sys
@@ -227,3 +228,58 @@ async def test_weight_sync_versions_and_a_rejected_update(model: Path, tmp_path:
         result = await engines.route("a").generate(REQUEST)
         assert result.weight_version == "7"
         tg.cancel_scope.cancel()
+
+
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+async def test_faults_a_server_survives_and_a_push_through_an_outage(model: Path, tmp_path: Path) -> None:
+    """Issue 62's engine faults on one CPU server: its supervisor killed (the server must not go on as an orphan:
+    it dies and is restarted), the server stopped (SIGSTOP: its health checks time out, it is killed and
+    restarted), and the server killed just before a weight push (the push waits for the restart instead of failing,
+    and the restarted server loads the pushed weights under their version)."""
+    config = EngineConfig(**{**FAST, "max_failures": 2})
+    engines = Engines(config, model=str(model), log_dir=tmp_path)
+    new_weights = tmp_path / "weights-step-7"
+    shutil.copytree(model, new_weights)
+    async with anyio.create_task_group() as tg:
+        with anyio.fail_after(120):
+            await tg.start(engines.run)
+        (server,) = engines._servers
+        assert server.pid is not None
+
+        # 1. kill -9 of the supervisor shell: the guard kills the server, the controller restarts it
+        first = server.pid
+        supervisor = parent_pid(first)
+        assert Path(f"/proc/{supervisor}/cmdline").read_bytes().startswith(b"sh\0")  # noqa: ASYNC240
+        os.kill(supervisor, signal.SIGKILL)
+        await until(lambda: not alive(first), 10, "the server dies with its supervisor")
+        await until(lambda: server.healthy and server.restarts == 1, 120, "the server restarts")
+
+        # 2. SIGSTOP: alive but silent; found by its health checks, killed (KILL reaches a stopped process), restarted
+        second = server.pid
+        assert second is not None and second != first
+        os.kill(second, signal.SIGSTOP)
+        await until(lambda: not alive(second), 120, "the stopped server is killed")
+        assert "failed health checks" in server.last_error
+        await until(lambda: server.healthy and server.restarts == 2, 120, "the server restarts")
+
+        # 3. kill -9 of the server, then at once a weight push: it waits for the restart
+        third = server.pid
+        assert third is not None
+        os.kill(third, signal.SIGKILL)
+        await until(lambda: not server.healthy, 30, "the killed server is noticed")
+        with anyio.fail_after(150):
+            await engines.update_weights(str(new_weights), "7")
+        assert server.healthy and server.restarts == 3 and server.pid != third
+        assert server.client is not None
+        assert await server.client.get_weight_version() == "7"
+        assert server.weights == (str(new_weights), "7")
+        out = await engines.route("s#0").generate(REQUEST)
+        assert len(out.output_ids) == 4 and out.weight_version == "7"
+        # the push to a server already on those weights does nothing
+        assert await engines.update_weights(str(new_weights), "7") < 1.0
+        pids = [s.pid for s in engines._servers]
+        tg.cancel_scope.cancel()
+    assert not any(alive(p) for p in pids if p is not None)
