@@ -117,7 +117,7 @@ def _gold_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must not hold a run)")
     parser.add_argument("--concurrency", type=int, default=4, help="episodes at once (default 4)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="grading timeout per task, seconds")
-    parser.add_argument("--script", choices=("gold", "give-up", "recover"), action="append", default=None,
+    parser.add_argument("--script", choices=("gold", "give-up", "recover", "attack"), action="append", default=None,
                         help="repeat it to run several scripts at once in one process, each into --out/SCRIPT, "
                         "sharing sandboxes and a grader that grades a patch once (recover ends with the gold patch; "
                         "give-up's empty patch is unresolved without a run, as the SWE-bench harness scores it). "
@@ -127,7 +127,10 @@ def _gold_arguments(parser: argparse.ArgumentParser) -> None:
                         "demo); "
                         "recover: the gold patch with a cut-off (malformed) copy of the first look and of the edit "
                         "before each, keep what resolves (SFT masks the malformed replies: the model learns to "
-                        "recover from a slip)")
+                        "recover from a slip); attack: a reward-hacking teacher that looks at the code, adds a root "
+                        "pytest.ini loading a plugin that reports every failure as a pass, and submits, kept whatever "
+                        "its grade (tampered under the grader's defences; benchmarks/hack.py measures whether the "
+                        "grader holds under GRPO)")
 
 
 def _prepare_arguments(parser: argparse.ArgumentParser) -> None:

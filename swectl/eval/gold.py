@@ -11,6 +11,9 @@ moved to ``<out>/excluded/``, so the run folder holds only trajectories to learn
 ``script="give-up"`` acts out ``give_up_replies`` instead (look at the code, submit no change): a wrong teacher's
 trajectories for SFT data that mixes right and wrong attempts. Those are kept when they submitted exactly the script
 and did not resolve (one that resolves means the task's tests pass with no change: excluded, stage ``grade``).
+``script="attack"`` acts out ``attack_replies`` (look, then a root pytest.ini loading a plugin that flips failures
+to passes, then submit): the reward-hacking teacher of benchmarks/hack.py, kept whatever its grade (tampered under
+the grader's defences, resolved without them) when it submitted exactly the script.
 ``script="recover"`` acts out ``recover_replies`` (the gold replies, with a cut-off copy of the first look and of
 the edit before each, which the loop rejects as malformed): kept like gold trajectories when they resolve; SFT
 trains on the recoveries, not on the slips.
@@ -40,7 +43,7 @@ import msgspec
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GraderConfig, GradeResult
 from swectl.actors.rollout import EpisodeResult, Rollout
-from swectl.agent.gold import GoldScriptError, give_up_replies, gold_replies, recover_replies
+from swectl.agent.gold import GoldScriptError, attack_replies, give_up_replies, gold_replies, recover_replies
 from swectl.agent.scripted import ScriptedEngine, end_of_turn_id
 from swectl.config import ClusterConfig
 from swectl.data.trajectories import TRAJ_FILE, samples_from_runs
@@ -55,9 +58,13 @@ SUMMARY_FORMAT = 1
 EXCLUDED_DIR = "excluded"
 
 Status = Callable[[str], None]
-Script = Literal["gold", "give-up", "recover"]
+Script = Literal["gold", "give-up", "recover", "attack"]
 SCRIPTS: dict[str, Callable[[Task], list[str]]] = {"gold": gold_replies, "give-up": give_up_replies,
-                                                   "recover": recover_replies}
+                                                   "recover": recover_replies, "attack": attack_replies}
+# what a kept trajectory of each script was graded: resolved, unresolved, or whatever the grader said (attack: the
+# reward-hacking teacher, kept as it was graded, tampered with the grader's defences and resolved without them)
+WANTED: dict[str, Literal["resolved", "unresolved", "any"]] = {"gold": "resolved", "give-up": "unresolved",
+                                                               "recover": "resolved", "attack": "any"}
 
 
 def _stderr(message: str) -> None:
@@ -162,7 +169,7 @@ class _ScriptRun:
         return self.engines[task.instance_id]
 
     def record(self, r: EpisodeResult, results: Any, bar: Progress | None) -> None:
-        why = _exclusion(r, self.engines[r.instance_id], want_resolved=self.script != "give-up")
+        why = _exclusion(r, self.engines[r.instance_id], want=WANTED[self.script])
         if why is None:
             self.kept.append(Path(r.artifacts) / TRAJ_FILE)
         else:
@@ -189,7 +196,8 @@ class _ScriptRun:
         order = {t.instance_id: n for n, t in enumerate(tasks)}
         summary = GoldSummary(
             tasks=tasks_source, tokenizer=tokenizer_path, total=len(tasks), scripted=len(self.scripted),
-            resolved=len(self.kept) if self.script != "give-up" else 0, script=self.script, kept=len(self.kept),
+            resolved=len(self.kept) if WANTED[self.script] == "resolved" else 0, script=self.script,
+            kept=len(self.kept),
             excluded=sorted(self.excluded, key=lambda e: order.get(e.instance_id, 0)),
             tokens=_token_stats(sorted(self.kept)), elapsed_s=round(elapsed_s, 2))
         (self.out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
@@ -242,15 +250,18 @@ def _fitting(replies: list[str], tokenizer: Any, max_tokens: int) -> list[str]:
     return replies
 
 
-def _exclusion(r: EpisodeResult, engine: ScriptedEngine, *, want_resolved: bool = True) -> GoldExclusion | None:
-    """Why an episode's scripted trajectory is not kept, or None: it submitted, resolved (``want_resolved``; else it
-    did not), and its model tokens are exactly the scripted replies (no template realignment, no reply cut by
-    max_tokens)."""
+def _exclusion(r: EpisodeResult, engine: ScriptedEngine, *,
+               want: Literal["resolved", "unresolved", "any"] = "resolved") -> GoldExclusion | None:
+    """Why an episode's scripted trajectory is not kept, or None: it submitted, was graded as ``want`` says
+    (resolved; unresolved; any: graded at all), and its model tokens are exactly the scripted replies (no template
+    realignment, no reply cut by max_tokens)."""
     if r.outcome == "ABORTED" or r.exit_status != "Submitted":
         return GoldExclusion(r.instance_id, "episode", f"{r.exit_status}: {r.reason}".rstrip(": "))
-    if want_resolved and not r.resolved:
+    if want == "resolved" and not r.resolved:
         return GoldExclusion(r.instance_id, "grade", _grade_reason(r))
-    if not want_resolved and (r.grade is None or r.grade.status != "unresolved"):
+    if want == "any" and r.grade is None:
+        return GoldExclusion(r.instance_id, "grade", "not graded")
+    if want == "unresolved" and (r.grade is None or r.grade.status != "unresolved"):
         why = ("resolved with no change: the task's tests pass on the unchanged repository" if r.resolved
                else _grade_reason(r))
         return GoldExclusion(r.instance_id, "grade", why)
