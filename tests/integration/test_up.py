@@ -3,7 +3,8 @@
 - the controller killed with SIGKILL mid-run, then ``--resume``: the run's records show every step once, the
   tasks in exactly the data source's order (none repeated, none skipped), and metrics for every step;
 - one trainer rank killed mid-run: the run notices, restarts the workers from the last checkpoint and
-  finishes, with the same records.
+  finishes, with the same records;
+- the engine server killed, then its supervisor, during asynchronous GRPO: the run goes on by itself.
 """
 
 from __future__ import annotations
@@ -249,3 +250,58 @@ def test_sft_steps_without_sft_data_make_the_gold_data_first_even_after_an_inter
     assert "holds an unfinished gold run" in done.stderr and "gold trajectories resolve and are kept" in done.stderr
     assert json.loads((gold / "summary.json").read_text())["resolved"] > 0
     assert _lines(tmp_path / "sftgold" / "metrics.jsonl"), "no step was recorded"
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every live process under ``root``."""
+    children: dict[int, list[int]] = {}
+    cmdlines: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+            cmdlines[int(stat.parent.name)] = cmdline
+    out, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out[child] = cmdlines[child]
+            todo.append(child)
+    return out
+
+
+def _engine_server(controller: int) -> int:
+    servers = [pid for pid, cmd in _descendants(controller).items() if "swectl.remote.programs.cpu_engine" in cmd
+               and not cmd.startswith("sh ")]
+    assert len(servers) == 1, servers
+    return servers[0]
+
+
+def test_engine_faults_during_async_grpo_are_survived(model: Path, tmp_path: Path) -> None:
+    """Issue 62: asynchronous GRPO pushes weights every step, so an engine crash meets a push. The engine server is
+    killed with SIGKILL after step 1, and its supervisor shell after step 3: the run goes on by itself (the push
+    waits for the restart, the server dies with its supervisor and is restarted) and its records are whole."""
+    run = tmp_path / "faults"
+    n_steps = 2 * STEPS
+    argv = _argv(model, tmp_path, "faults", "--set", "train.sampling.max_staleness=1", "--set",
+                 "engine.health_interval_s=1")
+    argv[argv.index("--steps") + 1] = str(n_steps)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(run, 1, proc)
+        os.kill(_engine_server(proc.pid), signal.SIGKILL)
+        _wait_for_step(run, 3, proc)
+        server = _engine_server(proc.pid)
+        supervisor = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(supervisor, signal.SIGKILL)
+        _, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert err.count("engine server 0 on local: restart") >= 2, err[-3000:]
+    assert "no server is up" not in err
+    _check_async_records(run, n_steps)
