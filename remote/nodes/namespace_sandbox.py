@@ -105,6 +105,8 @@ class NamespaceBackend:
         self._warned_limits = False
         self._userns = False  # whether the node allows user namespaces (from its check at prepare)
         self.daemon_version = ""
+        self._reviving = anyio.Lock()
+        self.revivals = 0  # times the daemon was started again after it stopped answering
 
     @property
     def prepared(self) -> bool:
@@ -142,6 +144,10 @@ class NamespaceBackend:
         if self.config.ns_userns and not self._userns:
             log.warning("node %s: no user namespaces (max_user_namespaces is 0): sandboxes run without one",
                         self.name)  # fmt: skip
+        await self._ensure_daemon()
+
+    async def _ensure_daemon(self) -> None:
+        """``nsbox ensure``: this version's daemon serves its socket (started if it is not running)."""
         argv = self._argv("ensure", self.config.ns_state_dir)
         out = await self.node.run(argv, input=_blob(nsbox_source()) + _blob(agent_source()))
         if out.exit_code != 0:
@@ -149,6 +155,17 @@ class NamespaceBackend:
         reply = json.loads(out.stdout)
         self.daemon_version = reply.get("version", "")
         self._socket = reply["socket"]
+
+    async def _revive(self, why: BaseException, seen: int) -> None:
+        """The daemon did not answer on its socket (killed, or gone idle between our calls): start it again, once
+        for every caller that saw the same socket fail. The new daemon reclaims the sandboxes the dead one
+        recorded (kills them, removes their cgroups and scratch): their episodes end as infrastructure failures."""
+        async with self._reviving:
+            if self.revivals != seen:
+                return  # another caller revived it since this one's call failed
+            log.warning("node %s: the nsbox daemon does not answer (%s); starting it again", self.name, why)
+            await self._ensure_daemon()
+            self.revivals += 1
 
     async def probe(self) -> str:
         await self.node.connect()
@@ -170,7 +187,12 @@ class NamespaceBackend:
         try:
             with translate_lost(self.node, f"starting namespace sandbox {sandbox_id}"):
                 with anyio.fail_after(self.config.start_timeout_s):
-                    channel = await self._launch(request)
+                    seen = self.revivals
+                    try:
+                        channel = await self._launch(request)
+                    except _DaemonGone as gone:
+                        await self._revive(gone, seen)
+                        channel = await self._launch(request)
                     client = AgentClient(channel, f"sandbox {sandbox_id} on {self.name}")
                     sandbox._agent = client
                     await client.read_hello()
@@ -279,8 +301,13 @@ class NamespaceBackend:
     async def _call(self, request: dict) -> dict:
         path = self._require_socket()
         payload = json.dumps(request).encode() + b"\n"
+        seen = self.revivals
         try:
-            return await self._call_bounded(path, request, payload)
+            try:
+                return await self._call_bounded(path, request, payload)
+            except _DaemonGone as gone:
+                await self._revive(gone, seen)
+                return await self._call_bounded(self._require_socket(), request, payload)
         except TimeoutError:
             raise SandboxError(f"node {self.name}: nsbox {request.get('op')}: no answer within "
                                f"{CALL_TIMEOUT_S:.0f} s") from None
@@ -293,7 +320,7 @@ class NamespaceBackend:
                         await stream.send(payload)
                         data = await _read_line(stream)
                 except OSError as exc:
-                    raise SandboxError(f"node {self.name}: the nsbox daemon at {path} does not answer: {exc}") from exc
+                    raise _DaemonGone(f"node {self.name}: the nsbox daemon at {path} does not answer: {exc}") from exc
             else:
                 argv = self._argv("call", path)
                 out = await self.node.run(argv, input=_blob(nsbox_source()) + payload)
@@ -314,10 +341,16 @@ class NamespaceBackend:
             return process
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            async with await anyio.connect_unix(path) as daemon:
-                await daemon.send_fds(json.dumps(request).encode() + b"\n", [theirs.fileno()])
-                theirs.close()
-                reply = json.loads(await _read_line(daemon) or b"{}")
+            try:
+                async with await anyio.connect_unix(path) as daemon:
+                    await daemon.send_fds(json.dumps(request).encode() + b"\n", [theirs.fileno()])
+                    theirs.close()
+                    line = await _read_line(daemon)
+            except (OSError, anyio.BrokenResourceError) as exc:  # refused, or a daemon dying as it accepted
+                raise _DaemonGone(f"node {self.name}: the nsbox daemon at {path} does not answer: {exc!r}") from exc
+            if not line:
+                raise _DaemonGone(f"node {self.name}: the nsbox daemon at {path} closed the launch unanswered")
+            reply = json.loads(line)
         except BaseException:
             ours.close()
             theirs.close()
@@ -326,6 +359,10 @@ class NamespaceBackend:
             ours.close()
             raise SandboxError(f"namespace sandbox {request['id']} on {self.name}: {reply.get('error', 'no answer')}")
         return SocketChannel(await anyio.abc.UNIXSocketStream.from_socket(ours))
+
+
+class _DaemonGone(SandboxError):
+    """Nothing listens on the daemon's socket (this node's own daemon, reached by a unix socket)."""
 
 
 async def _read_line(stream: anyio.abc.ByteReceiveStream) -> bytes:

@@ -63,6 +63,7 @@ BOOTSTRAP = (
     "exec(compile(src, 'swectl_nsbox.py', 'exec'), {'__name__': '__swectl_nsbox__', '__nsbox_source__': src})\n"
 )
 
+LATE_RECLAIM_S = 3.0  # the second look for a dead daemon's sandboxes, after start
 IDLE_EXIT_S = 900.0  # a daemon with no sandboxes for this long exits (the next `ensure` starts it again)
 MAX_REQUEST = 1 << 20
 SETUP_TIMEOUT_S = 30.0
@@ -187,10 +188,12 @@ def check_host():
 
 
 def _starttime(pid):
-    """The process's start time in clock ticks (tells a pid from its reuse), or None if it is gone."""
+    """The process's start time in clock ticks (tells a pid from its reuse), or None if it is gone (a zombie, or
+    dying: a daemon killed a moment ago no longer owns its sandboxes)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X", "x") else int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -666,7 +669,13 @@ class Daemon:
         self.selector.register(listener, selectors.EVENT_READ, "accept")
         self.selector.register(wake_r, selectors.EVENT_READ, "signal")
         self.reclaim_stale()
+        # once more a little later: a daemon started just after the last one was killed may have found it still
+        # exiting, and left its sandboxes alone
+        late_reclaim = time.monotonic() + LATE_RECLAIM_S
         while not (self.retiring and not self.boxes and not self.cleaners):
+            if late_reclaim and time.monotonic() >= late_reclaim:
+                late_reclaim = 0.0
+                self.reclaim_stale()
             for key, _ in self.selector.select(self.next_timeout()):
                 if key.data == "accept":
                     with contextlib.suppress(OSError):

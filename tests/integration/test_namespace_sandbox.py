@@ -361,3 +361,31 @@ async def test_a_sandbox_has_its_own_identity_mapped_user_namespace() -> None:
         assert lines[2:5] == ["0", "1000:1000", "bound"], result.output
     finally:
         await box.destroy()
+
+
+async def test_a_killed_daemon_is_started_again_and_leaves_nothing_behind() -> None:
+    """Issue 62: kill -9 of the nsbox daemon. The next sandbox starts the daemon again (one line in the log, no
+    failed episode for it); the new daemon reclaims the sandbox the dead one left (its commands fail as an
+    infrastructure error, never as the command's result), and nothing of it stays on the node."""
+    backend = await new_backend(kind="namespace")
+    before = {k: v for k, v in node_footprint().items() if k != "daemon_fds"}
+    with anyio.fail_after(120):
+        orphan = await backend.create(make_spec())
+        assert (await orphan.exec("echo alive", 10)).output == "alive\n"
+        killed = daemon_pid()
+        os.kill(killed, signal.SIGKILL)
+        revivals = backend.revivals
+        fresh = await backend.create(make_spec())
+        assert backend.revivals == revivals + 1 and daemon_pid() != killed
+        assert (await fresh.exec("echo new", 10)).output == "new\n"
+        for _ in range(20):  # reclaimed at the new daemon's start, or at its second look (LATE_RECLAIM_S)
+            try:
+                await orphan.exec("echo still here", 10)
+            except InfraError:
+                break
+            await anyio.sleep(0.5)
+        else:
+            pytest.fail("the dead daemon's sandbox was never reclaimed")
+        await orphan.destroy()
+        await fresh.destroy()
+    assert {k: v for k, v in node_footprint().items() if k != "daemon_fds"} == before
