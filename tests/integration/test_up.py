@@ -22,6 +22,7 @@ import pytest
 from swectl.actors.data_source import DataSource, split_tasks
 from swectl.images.project import BUNDLED_TASKS
 from swectl.tasks.sources import load_tasks
+from swectl.testing import chaos
 
 from .test_trainer import _rank_pids
 
@@ -305,3 +306,49 @@ def test_engine_faults_during_async_grpo_are_survived(model: Path, tmp_path: Pat
     assert err.count("engine server 0 on local: restart") >= 2, err[-3000:]
     assert "no server is up" not in err
     _check_async_records(run, n_steps)
+
+
+def _inject(fault: str, run: chaos.Run, tries: int = 60) -> str:
+    for _ in range(tries):  # a sandbox exists only while an episode runs
+        try:
+            return chaos.FAULTS[fault](run)
+        except chaos.NoTarget:
+            time.sleep(0.5)
+    pytest.fail(f"{fault}: no target within {tries / 2:.0f} s")
+
+
+def test_a_short_chaos_soak_sandbox_daemon_and_a_stopped_engine(model: Path, tmp_path: Path) -> None:
+    """The short version of `just bench chaos`: during asynchronous GRPO a sandbox's PID 1 is killed, then the
+    nsbox daemon, then the engine is stopped (SIGSTOP). The run finishes by itself with whole records, no aborted
+    episode is scored, and it leaves nothing behind (processes, sandboxes and their records, mounts, shared
+    memory, listening ports, containers)."""
+    run_dir = tmp_path / "chaos"
+    n_steps = 2 * STEPS
+    argv = _argv(model, tmp_path, "chaos", "--set", "train.sampling.max_staleness=1", "--set",
+                 "engine.health_interval_s=1", "--set", "engine.max_failures=2", "--set", "rollout.step_limit=2")
+    argv[argv.index("--steps") + 1] = str(n_steps)
+    before = chaos.footprint()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = chaos.Run(controller=proc.pid, run_dir=run_dir)
+    try:
+        _wait_for_step(run_dir, 1, proc)
+        _inject("sandbox_kill", run)
+        _inject("nsbox_kill", run)
+        _wait_for_step(run_dir, 3, proc)
+        stopped = run.engine_server()
+        _inject("engine_stop", run)
+        _, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "the nsbox daemon does not answer" in err and "starting it again" in err, err[-3000:]
+    assert "failed health checks in a row" in err, err[-3000:]
+    assert not Path(f"/proc/{stopped}").exists()  # the stopped server was killed, not left waiting
+    _check_async_records(run_dir, n_steps)
+    for rewards in (run_dir / "episodes").glob("*/rewards.jsonl"):  # what was scored finished and was graded
+        for row in _lines(rewards):
+            meta = json.loads((rewards.parent / f"{row['instance_id']}__{row['sample']}" / "meta.json").read_text())
+            assert meta["outcome"] != "ABORTED" and not (meta.get("grade") or {}).get("infra"), meta
+    time.sleep(2)
+    assert chaos.leaks(before, chaos.footprint()) == {}

@@ -1,0 +1,260 @@
+"""`just bench chaos`: a seeded chaos soak of `swectl up` (issue 62).
+
+The first run's GRPO phase (its recipe: asynchronous GRPO, the CPU engine, namespace sandboxes, torchrun ranks)
+runs from ``--weights`` (an SFT checkpoint's weights folder; default: a fresh tiny model) while faults from a
+seeded schedule hit it, one at a time, ``--gap`` seconds apart on average (swectl/testing/chaos.py: engine server
+killed, its supervisor killed, engine SIGSTOPped for 30 s, trainer rank killed, nsbox daemon killed, a sandbox
+killed, the run's disk filled to its last 1% for 30 s, the controller killed and then `swectl up --resume`).
+
+For each fault: what the user saw (the first warning line after it), whether the run went on by itself (for the
+controller's death: after `--resume`), how long until the next step, and at the end: steps redone (the records a
+restart or resume truncated), steps skipped, episodes aborted (never scored), infrastructure failures scored (goal
+0) and what the run left behind (processes, sandboxes, records, mounts, shared memory, ports, containers: goal 0).
+
+The run folder lives on a small ext4 file system of its own (``--disk-mib``, loop-mounted; root), so filling it
+hurts nothing else on the machine. Writes ``benchmarks/results/chaos.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from swectl.testing import chaos
+from swectl.train import first_run
+from swectl.train.first_run import Recipe, set_flags
+
+RESULTS = Path(__file__).resolve().parent / "results" / "chaos.json"
+SWECTL = [sys.executable, "-m", "swectl.cli.main"]
+SAW = re.compile(r"warning|restart|lost|error|failed|resum", re.IGNORECASE)
+
+
+def say(message: str) -> None:
+    print(f"chaos: {message}", file=sys.stderr, flush=True)
+
+
+class Steps:
+    """The run's steps.jsonl, watched: the last step, and steps redone (the records a restart or a resume cut)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "steps.jsonl"
+        self.high = 0
+        self.redone = 0
+
+    def last(self) -> int:
+        try:
+            lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError):
+            return self.high
+        last = lines[-1]["step"] if lines else 0
+        if last < self.high:
+            self.redone += self.high - last
+        self.high = last
+        return last
+
+
+def own_disk(work: Path, mib: int) -> Path | None:
+    """A loop-mounted ext4 file system of ``mib`` MiB at work/disk (mounted again if it is there), or None."""
+    mount = work / "disk"
+    if not mib:
+        return None
+    mount.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mountpoint", "-q", str(mount)], check=False).returncode == 0:
+        return mount
+    image = work / "disk.img"
+    if not image.exists():
+        subprocess.run(["truncate", "-s", f"{mib}M", str(image)], check=True)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)  # no root reserve
+    subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
+    return mount
+
+
+def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen([*SWECTL, *argv], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def saw(log: Path, offset: int) -> str:
+    """The first lines after ``offset`` that say something happened (warnings, restarts, resumes)."""
+    text = log.read_bytes()[offset:].decode(errors="replace")
+    hits = [line.strip() for line in text.splitlines() if SAW.search(line)]
+    return " | ".join(hits[:2])[:400]
+
+
+def wait_gone(controller: int, timeout_s: float = 60.0) -> list[str]:
+    """After the controller's death: wait for its programs to stop (their supervisors see stdin close)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = [pid for pid, (ppid, state, cmd) in chaos.processes().items()
+                if state != "Z" and any(p in cmd for p in chaos.SWECTL_PROGRAMS[:3]) and ppid in (1, controller)]
+        if not left:
+            return []
+        time.sleep(0.5)
+    return [str(p) for p in left]
+
+
+def scored_infra(run_dir: Path) -> int:
+    """Rewarded episodes whose episode was ABORTED or whose grading failed as infrastructure (goal 0)."""
+    bad = 0
+    for rewards in (run_dir / "episodes").glob("*/rewards.jsonl"):
+        for line in rewards.read_text().splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            meta = rewards.parent / f"{row['instance_id']}__{row['sample']}" / "meta.json"
+            if not meta.exists():
+                continue
+            result = json.loads(meta.read_text())
+            grade = result.get("grade") or {}
+            bad += result.get("outcome") == "ABORTED" or bool(grade.get("infra"))
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0, help="the schedule's seed (and the run's)")
+    parser.add_argument("--faults", type=int, default=21)
+    parser.add_argument("--kinds", default=",".join(chaos.FAULTS), help="comma-separated fault kinds")
+    parser.add_argument("--gap", type=float, default=20.0, help="mean seconds between a recovery and the next fault")
+    parser.add_argument("--steps", type=int, default=40, help="GRPO steps of the run")
+    parser.add_argument("--weights", type=Path, default=None,
+                        help="the policy to start from (an SFT run's weights folder; default: a fresh tiny model)")
+    parser.add_argument("--work", type=Path, default=Path("runs/chaos"))
+    parser.add_argument("--disk-mib", type=int, default=4096,
+                        help="size of the run's own file system (0: none, and no disk_full faults)")
+    parser.add_argument("--recover-timeout", type=float, default=420.0,
+                        help="seconds a fault may take until the run's next step before it counts as not survived")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    kinds = [k for k in args.kinds.split(",") if k]
+    if unknown := [k for k in kinds if k not in chaos.FAULTS]:
+        parser.error(f"--kinds: unknown {', '.join(unknown)} (choose from {', '.join(chaos.FAULTS)})")
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    disk = own_disk(work, args.disk_mib)
+    if disk is None:
+        kinds = [k for k in kinds if k != "disk_full"]
+    out_dir = disk or work
+    run_id = f"chaos-seed{args.seed}"
+    run_dir = out_dir / run_id
+    if run_dir.exists():
+        parser.error(f"{run_dir} exists: pick another --work or --seed, or delete it")
+    weights = args.weights.resolve() if args.weights else first_run.make_model(work, args.seed, say)
+    recipe = Recipe(seed=args.seed, grpo_steps=args.steps)
+    sets = {**recipe.grpo_sets(weights), "train.save_every": 2}
+    up = ["up", "--single-run", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}",
+          *set_flags(recipe.rollout_sets()), *set_flags(sets)]
+    log = work / f"{run_id}.log"
+    rng = random.Random(args.seed)
+    order = [kinds[i % len(kinds)] for i in range(args.faults)]
+    rng.shuffle(order)
+    say(f"{len(order)} faults of {len(set(order))} kinds, run {run_dir}, log {log}")
+    before = chaos.footprint()
+    started = time.monotonic()
+    proc = start(up, log)
+    run = chaos.Run(controller=proc.pid, run_dir=run_dir, disk=disk, rng=rng)
+    steps = Steps(run_dir)
+    table: list[dict] = []
+    resumes = 0
+    while steps.last() < 1 and proc.poll() is None:  # faults start once the run trains
+        time.sleep(1)
+    for n, kind in enumerate(order, start=1):
+        pause = rng.uniform(0.5, 1.5) * args.gap
+        deadline = time.monotonic() + pause
+        while time.monotonic() < deadline and proc.poll() is None:
+            steps.last()
+            time.sleep(0.5)
+        if proc.poll() is not None:
+            say(f"the run ended (exit {proc.returncode}) before fault {n}")
+            break
+        at_step, offset, t0 = steps.last(), log.stat().st_size, time.monotonic()
+        what = ""
+        for _ in range(60):  # a target may be missing for a moment (no sandbox between episodes)
+            try:
+                what = chaos.FAULTS[kind](run)
+                break
+            except chaos.NoTarget as missing:
+                what = f"no target: {missing}"
+                time.sleep(1)
+        say(f"fault {n}/{len(order)} at step {at_step}: {kind}: {what}")
+        by_itself = True
+        if kind == "controller_kill" and not what.startswith("no target"):
+            proc.wait(timeout=60)
+            left = wait_gone(run.controller)
+            proc = start(["up", "--resume", str(run_dir)], log)
+            run.controller, by_itself = proc.pid, False
+            resumes += 1
+            if left:
+                what += f"; still running 60 s after: {', '.join(left)}"
+        recovered = False
+        while time.monotonic() - t0 < args.recover_timeout:
+            if steps.last() > at_step:
+                recovered = True
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        exit_code = proc.poll()
+        table.append({"n": n, "kind": kind, "what": what, "at_step": at_step, "recovered": recovered,
+                      "went_on_by_itself": by_itself and recovered and exit_code is None,
+                      "next_step_s": round(time.monotonic() - t0, 1) if recovered else None,
+                      "saw": saw(log, offset), "run_exit": exit_code})
+        say(f"  -> {'next step after ' + str(table[-1]['next_step_s']) + ' s' if recovered else 'NOT recovered'}; "
+            f"saw: {table[-1]['saw'][:200]}")
+        if exit_code not in (None, 0):  # the fault ended the run: resume it, so the soak goes on
+            say(f"  the run failed (exit {exit_code}); resuming it")
+            proc = start(["up", "--resume", str(run_dir)], log)
+            run.controller = proc.pid
+            resumes += 1
+    run.wait_background()
+    while proc.poll() is None:
+        steps.last()
+        time.sleep(1)
+    exit_code = proc.returncode
+    steps.last()
+    time.sleep(15)  # what the run's programs stop on their way out
+    after = chaos.footprint()
+    left = chaos.leaks(before, after)
+    text = log.read_text(errors="replace")
+    state_file = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip() / \
+        "controller.json" if (run_dir / "checkpoints" / "latest").exists() else None
+    state = json.loads(state_file.read_text()) if state_file else {}
+    recorded = [json.loads(line)["step"] for line in (run_dir / "steps.jsonl").read_text().splitlines()
+                if line.strip()] if (run_dir / "steps.jsonl").exists() else []
+    summary = {
+        "faults": len(table), "kinds": sorted({r["kind"] for r in table}),
+        "run_finished": exit_code == 0 and recorded == list(range(1, args.steps + 1)),
+        "exit_code": exit_code, "resumes": resumes,
+        "faults_survived_by_itself": sum(r["went_on_by_itself"] for r in table),
+        "faults_survived_by_resume": sum(r["recovered"] and not r["went_on_by_itself"] for r in table),
+        "faults_not_survived": sum(not r["recovered"] for r in table),
+        "steps_redone": steps.redone, "steps_skipped": sorted(set(range(1, args.steps + 1)) - set(recorded))
+        + list(state.get("skipped_steps", [])),
+        "episodes_aborted": len(re.findall(r"episode \S+ aborted", text)),
+        "infra_scored": scored_infra(run_dir), "leaks": left, "minutes": round((time.monotonic() - started) / 60, 1),
+    }
+    say(json.dumps(summary))
+    kept = work / run_id  # the run folder off the soak's own file system
+    if disk is not None and not kept.exists():
+        shutil.copytree(run_dir, kept, ignore=shutil.ignore_patterns("weights", "checkpoints", "*.safetensors"))
+    result = {"seed": args.seed, "date": time.strftime("%Y-%m-%d"), "settings": {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "summary": summary,
+        "faults": table, "run_dir": str(kept if disk is not None else run_dir), "log": str(log)}
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(result, indent=1) + "\n")
+    for row in table:
+        print(f"{row['n']:>3} {row['kind']:<24} step {row['at_step']:>3}  "
+              f"{'by itself' if row['went_on_by_itself'] else 'resumed' if row['recovered'] else 'NOT SURVIVED':<12} "
+              f"next step {row['next_step_s']} s | {row['saw'][:150]}")
+    return 0 if summary["run_finished"] and not left and not summary["infra_scored"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
