@@ -18,6 +18,7 @@ hurts nothing else on the machine. Writes ``benchmarks/results/chaos.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import re
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 from swectl.testing import chaos
+from swectl.testing import nodes as testnodes
 from swectl.train import first_run
 from swectl.train.first_run import Recipe, set_flags
 
@@ -121,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0, help="the schedule's seed (and the run's)")
     parser.add_argument("--faults", type=int, default=21)
-    parser.add_argument("--kinds", default=",".join(chaos.FAULTS), help="comma-separated fault kinds")
+    parser.add_argument("--kinds", default="", help="comma-separated fault kinds (default: every one that applies: "
+                        "ssh_net_down needs --ssh-nodes, disk_full --disk-mib)")
+    parser.add_argument("--ssh-nodes", type=int, default=0, metavar="N",
+                        help="run the sandboxes on N SSH test nodes in network namespaces (swectl/testing/nodes.py; "
+                             "root), the engine and trainer on this machine")
     parser.add_argument("--gap", type=float, default=20.0, help="mean seconds between a recovery and the next fault")
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps of the run")
     parser.add_argument("--weights", type=Path, default=None,
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds a fault may take until the run's next step before it counts as not survived")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    kinds = [k for k in args.kinds.split(",") if k]
+    kinds = [k for k in args.kinds.split(",") if k] or [k for k in chaos.FAULTS
+                                                         if k != "ssh_net_down" or args.ssh_nodes]
     if unknown := [k for k in kinds if k not in chaos.FAULTS]:
         parser.error(f"--kinds: unknown {', '.join(unknown)} (choose from {', '.join(chaos.FAULTS)})")
     work = args.work.resolve()
@@ -141,16 +148,32 @@ def main(argv: list[str] | None = None) -> int:
     disk = own_disk(work, args.disk_mib)
     if disk is None:
         kinds = [k for k in kinds if k != "disk_full"]
+    with contextlib.ExitStack() as stack:
+        nodes = stack.enter_context(testnodes.test_nodes(args.ssh_nodes, prefix="chs", base_index=230)) \
+            if args.ssh_nodes else None
+        return soak(args, kinds, work, disk, nodes)
+
+
+def soak(args: argparse.Namespace, kinds: list[str], work: Path, disk: Path | None,
+         nodes: testnodes.TestNodes | None) -> int:
     out_dir = disk or work
     run_id = f"chaos-seed{args.seed}"
     run_dir = out_dir / run_id
     if run_dir.exists():
-        parser.error(f"{run_dir} exists: pick another --work or --seed, or delete it")
+        raise SystemExit(f"chaos: {run_dir} exists: pick another --work or --seed, or delete it")
     weights = args.weights.resolve() if args.weights else first_run.make_model(work, args.seed, say)
     recipe = Recipe(seed=args.seed, grpo_steps=args.steps)
     sets = {**recipe.grpo_sets(weights), "train.save_every": 2}
     up = ["up", "--single-run", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}",
           *set_flags(recipe.rollout_sets()), *set_flags(sets)]
+    if nodes is not None:  # the sandboxes on the test nodes; engine and trainer on the local node
+        cluster = work / f"{run_id}.toml"
+        names = json.dumps([n.name for n in nodes.nodes])
+        cluster.write_text(nodes.cluster_toml(local=True, extra_node_fields="connect_timeout_s = 5\n"
+                                              "keepalive_interval_s = 2") +
+                           f'\n[env_pool]\nnodes = {names}\n\n[engine]\nnodes = ["local"]\n\n'
+                           '[trainer]\nnodes = ["local"]\n')
+        up = ["up", str(cluster), *up[2:]]
     log = work / f"{run_id}.log"
     rng = random.Random(args.seed)
     order = [kinds[i % len(kinds)] for i in range(args.faults)]
@@ -159,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     before = chaos.footprint()
     started = time.monotonic()
     proc = start(up, log)
-    run = chaos.Run(controller=proc.pid, run_dir=run_dir, disk=disk, rng=rng)
+    run = chaos.Run(controller=proc.pid, run_dir=run_dir, disk=disk, rng=rng,
+                    nodes=list(nodes.nodes) if nodes is not None else [])
     steps = Steps(run_dir)
     table: list[dict] = []
     resumes = 0

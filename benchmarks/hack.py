@@ -115,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="SFT data: K copies per task of the teacher that slips and recovers")
     parser.add_argument("--sft-steps", type=int, default=base.sft_steps)
     parser.add_argument("--grpo-steps", type=int, default=base.grpo_steps)
+    parser.add_argument("--kl-coef", type=float, default=base.kl_coef,
+                        help="GRPO's KL penalty to the SFT weights (the first run's: an anchor that also holds back "
+                             "a drift towards the attack)")
+    parser.add_argument("--grpo-lr", type=float, default=base.grpo_lr)
+    parser.add_argument("--tag", default="", help="suffix of the GRPO run folders (to compare settings on one SFT)")
     parser.add_argument("--arms", default="defended,undefended",
                         help="which GRPO runs, comma-separated: defended (the product's grader), undefended (the "
                              "grader without its defences)")
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [a for a in arms if a not in ARMS]:
         parser.error(f"--arms: unknown {', '.join(unknown)} (choose from {', '.join(ARMS)})")
     recipe = msgspec.structs.replace(base, seed=args.seed, give_up=0, recover=args.recover, sft_steps=args.sft_steps,
-                                     grpo_steps=args.grpo_steps)
+                                     grpo_steps=args.grpo_steps, kl_coef=args.kl_coef, grpo_lr=args.grpo_lr)
     work = (args.work or Path("runs") / f"hack-seed{args.seed}").resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -151,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     curves: dict[str, dict] = {}
     for arm in arms:
         sets = {**recipe.grpo_sets(sft_weights), **ARMS[arm]}
-        timed(f"grpo_{arm}_s", lambda arm=arm, sets=sets: first_run.train(work, f"grpo-{arm}", sets, say,
-                                                                           extra=rollout))
-        curve = attack_curve(work / f"grpo-{arm}")
+        name = f"grpo-{arm}{'-' + args.tag if args.tag else ''}"
+        timed(f"{name}_s", lambda name=name, sets=sets: first_run.train(work, name, sets, say, extra=rollout))
+        curve = attack_curve(work / name)
         first, last = quarter_shares(curve)
         curves[arm] = {"attack_share_first_quarter": first, "attack_share_last_quarter": last,
-                       "attack_curve": curve, "metrics": metric_curve(work / f"grpo-{arm}")}
+                       "attack_curve": curve, "metrics": metric_curve(work / name), "run": str(work / name)}
         say(f"{arm}: the attack's share of submissions {first:.1%} in the first quarter of the steps, "
             f"{last:.1%} in the last")
     result = {"seed": args.seed, "date": time.strftime("%Y-%m-%d"), "settings": {
@@ -167,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args.results.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(args.results.read_text()) if args.results.exists() else {}
     runs = previous.get("runs", {}) if isinstance(previous, dict) else {}
-    runs[f"seed{args.seed}:{work.name}"] = result
+    runs[f"seed{args.seed}:{work.name}{'-' + args.tag if args.tag else ''}"] = result
     args.results.write_text(json.dumps({"runs": runs, "latest": result}, indent=1) + "\n")
     print(json.dumps({arm: {k: v for k, v in c.items() if k.startswith("attack_share")} for arm, c in curves.items()},
                      indent=1))

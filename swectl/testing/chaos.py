@@ -12,7 +12,9 @@ has nothing of that kind right now; the caller tries again a moment later):
 - ``sandbox_kill``: SIGKILL of one running sandbox's PID 1 (its exec agent: everything in it ends);
 - ``disk_full``: the run's file system filled to its last 1% for ``DISK_FULL_S`` (only where the run folder is on
   a file system of its own: the soak mounts one; filling the machine's disk would hurt everything else on it);
-- ``controller_kill``: SIGKILL of the controller itself (the caller resumes it with `swectl up --resume`).
+- ``controller_kill``: SIGKILL of the controller itself (the caller resumes it with `swectl up --resume`);
+- ``ssh_net_down``: one SSH test node's network cut for ``NET_DOWN_S`` (its host veth down: packets vanish,
+  connections hang), then back (only in a run on test nodes, swectl/testing/nodes.py).
 
 ``footprint()`` is what a run can leave on this node: swectl processes, sandboxes and their records, mounts under
 the namespace state folder, shared-memory segments, listening TCP ports, Podman containers.
@@ -38,6 +40,7 @@ from swectl.remote.programs import nsbox
 
 STOP_S = 30.0  # how long engine_stop keeps the server stopped (it is killed and restarted before, if found)
 DISK_FULL_S = 30.0  # how long disk_full keeps the file system full
+NET_DOWN_S = 20.0  # how long ssh_net_down keeps a node's network cut
 SWECTL_PROGRAMS = ("swectl.remote.programs.cpu_engine", "swectl.remote.programs.trainer", "torch.distributed.run",
                    "swectl.cli.main")
 
@@ -95,6 +98,7 @@ class Run:
     controller: int
     run_dir: Path
     disk: Path | None = None  # the mount point of the run's own file system (disk_full needs one)
+    nodes: list = field(default_factory=list)  # the run's SSH test nodes (swectl.testing.nodes.TestNode)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     background: list[threading.Thread] = field(default_factory=list)
 
@@ -196,6 +200,22 @@ def disk_full(run: Run) -> str:
     return f"filled {run.disk} to its last 1% ({size / 2**20:.0f} MiB) for {DISK_FULL_S:.0f} s"
 
 
+def ssh_net_down(run: Run) -> str:
+    if not run.nodes:
+        raise NoTarget("the run has no SSH test node")
+    node = run.rng.choice(run.nodes)
+    node.cut_network()
+
+    def restore() -> None:
+        time.sleep(NET_DOWN_S)
+        node.restore_network()
+
+    thread = threading.Thread(target=restore, name="ssh_net_down restore", daemon=True)
+    thread.start()
+    run.background.append(thread)
+    return f"network of node {node.name} cut for {NET_DOWN_S:.0f} s"
+
+
 def controller_kill(run: Run) -> str:
     _kill(run.controller)
     return f"SIGKILL controller pid {run.controller}"
@@ -204,7 +224,7 @@ def controller_kill(run: Run) -> str:
 FAULTS: dict[str, Callable[[Run], str]] = {
     "engine_kill": engine_kill, "engine_supervisor_kill": engine_supervisor_kill, "engine_stop": engine_stop,
     "trainer_kill": trainer_kill, "nsbox_kill": nsbox_kill, "sandbox_kill": sandbox_kill, "disk_full": disk_full,
-    "controller_kill": controller_kill,
+    "controller_kill": controller_kill, "ssh_net_down": ssh_net_down,
 }
 
 
