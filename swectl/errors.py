@@ -53,7 +53,9 @@ Classes defined elsewhere are marked with their module (they live next to the co
     +-- CaptureError                 a sandbox's login environment could not be captured; its commands then read
     |                                the profile files each time (swectl.serve.login_shell)
     +-- TransportError               a TrainBatch cannot be written to or read from shared memory; the message
-                                     names the segment
+    |                                names the segment
+    +-- NoTarget                     a fault to inject finds nothing of its kind in the run right now (tests and
+                                     benchmarks only: swectl.testing.chaos)
 
 Outside the tree on purpose: the exec agent (swectl.remote.programs.exec_agent) runs inside sandboxes on the
 standard library alone and defines its own errors; the actors' private control-flow exceptions derive from

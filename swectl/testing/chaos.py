@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swectl.config import SandboxConfig
+from swectl.errors import SwectlError
 from swectl.remote.nodes.namespace_sandbox import daemon_socket
 from swectl.remote.programs import nsbox
 
@@ -45,7 +46,7 @@ SWECTL_PROGRAMS = ("swectl.remote.programs.cpu_engine", "swectl.remote.programs.
                    "swectl.cli.main")
 
 
-class NoTarget(Exception):
+class NoTarget(SwectlError):
     """The run has no process of that kind right now (e.g. no sandbox between episodes)."""
 
 

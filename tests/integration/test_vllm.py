@@ -222,6 +222,25 @@ async def test_a_killed_engine_fails_its_request_and_is_restarted_while_episodes
 
 
 @pytest.mark.anyio
+async def test_a_push_while_the_server_is_down_waits_for_its_restart(engines: Engines, untied: Path) -> None:
+    """Issue 62: a weight push that finds no vLLM server up (killed a moment ago) waits for the supervisor's restart
+    instead of failing the run; the restarted server loads the pushed folder and serves the pushed version."""
+    server = engines._servers[0]
+    assert server.pid is not None
+    restarts = server.restarts
+    os.kill(server.pid, signal.SIGKILL)
+    with anyio.fail_after(10):
+        while server.healthy:  # noqa: ASYNC110 (polling the actor's state is the point)
+            await anyio.sleep(0.1)
+    with anyio.fail_after(FAST["start_timeout_s"]):
+        await engines.update_weights(str(untied), "7")
+    assert server.healthy and server.restarts == restarts + 1
+    assert server.weights == (str(untied), "7")
+    result = await engines.route("p").generate(request(1.0))
+    assert len(result.output_ids) == 16 and result.weight_version == "7"
+
+
+@pytest.mark.anyio
 async def test_a_node_without_vllm_is_one_clear_error(untied: Path, tmp_path: Path) -> None:
     actor = Engines(EngineConfig(kind="vllm", python=sys.executable, **FAST), model=str(untied), log_dir=tmp_path)
     with pytest.raises(BaseExceptionGroup) as caught:  # the task group's, around the error
