@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-map", type=Path, required=True, help="instance_id -> image (`swectl image build`)")
     parser.add_argument("--control", action="store_true", help="grade the attacks with the defences off too")
     parser.add_argument("--no-eval", action="store_true", help="the grader only (not `swectl eval`)")
+    parser.add_argument("--attacks", default="", help="only these attacks, comma-separated (default: all that apply)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     tasks = load_tasks(args.tasks, strict=True).tasks
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         image = mapping[task.instance_id]
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="red-team-") as tmp:
-            names = attack_names(task)
+            names = [n for n in attack_names(task) if not args.attacks or n in args.attacks.split(",")]
             patches = attack_patches(export_tree(task, image, Path(tmp) / "testbed"), task, names)
             say(f"{task.instance_id}: {len(patches)} attacks ({'Django' if is_django(task) else 'pytest'} row)")
             graded = anyio.run(partial(grade_all, task, {**patches, "gold": task.patch}, resolver, defences=True))
