@@ -246,7 +246,9 @@ class TrainerConfig(_Section):
     rdzv_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0 = a free port on the first node
     start_timeout_s: Positive = 600.0  # until every rank has loaded the model
     step_timeout_s: Positive = 1800.0  # one optimizer step (and its weight save)
-    max_restarts: NonNegative = 2  # trainer restarts from the last checkpoint before the run gives up
+    # trainer restarts from the last checkpoint in a row (no step trained between them) before the run gives up; a
+    # long run that meets a lost rank now and then goes on
+    max_restarts: NonNegative = 2
     # how new weights reach the engines after a step: "disk" (a safetensors folder + update_weights_from_disk; always
     # works) or "distributed" (rank 0 broadcasts them over a weight group with the engines: NCCL on GPU, gloo on
     # CPU; falls back to disk for a step when an engine restarted since the group formed)

@@ -6,7 +6,7 @@
 
 ``algorithm = "sft"`` replaces the rollout with a seeded pass over trajectories (swectl traj.json runs or
 OpenAI-messages JSONL). Every ``save_every`` steps a checkpoint (checkpoint.py); ``--resume RUN_DIR`` goes on
-from the latest one, and a trainer that dies is restarted from it (trainer.max_restarts). Outputs in the run
+from the latest one, and a trainer that dies is restarted from it (trainer.max_restarts in a row). Outputs in the run
 folder: metrics.jsonl and tensorboard/ (actors/metrics.py), steps.jsonl (each step's tasks and groups),
 weights/step_N (what the engines were given), checkpoints/, episodes/step_N/ (per-episode artifacts),
 eval/step_N/ (held-out evaluations), trainer*.log and engine-logs/.
@@ -83,7 +83,8 @@ class Controller:
         self.run_dir = run_dir
         self.say = say
         self.state = RunState(weights=plan.model)
-        self.restarts = 0
+        self.restarts = 0  # trainer restarts in a row, with no step trained between them
+        self._restarted_at = -1  # the step the last restart went on from
         self._trainer_was_ready = False
         self._weight_group = ""  # the distributed sync's group name; "" = weights go by disk
         self._buckets: list[list[ParamSpec]] = []
@@ -105,12 +106,15 @@ class Controller:
                 error = _first_leaf(group)
                 if not self._trainer_was_ready:  # it never came up (no torch, a model it cannot load): no retry
                     raise error from None
+                if self.state.step > self._restarted_at:  # steps were trained since the last restart: a new fault
+                    self.restarts = 0
                 self.restarts += 1
                 if self.restarts > self.config.trainer.max_restarts:
                     raise error from None
                 self.say(f"trainer lost: {error}\n  restart {self.restarts}/{self.config.trainer.max_restarts} "
                          "from the last checkpoint")
                 self._load_latest(required=False)
+                self._restarted_at = self.state.step
 
     def _load_latest(self, *, required: bool) -> None:
         found = latest_checkpoint(self.run_dir)
