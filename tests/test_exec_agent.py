@@ -162,6 +162,14 @@ def test_stderr_is_merged_and_exit_codes(agent):
     assert agent.exec("kill -TERM $$")["exit_code"] == 128 + signal.SIGTERM
 
 
+def test_a_command_with_a_nul_byte_fails_as_a_command_not_as_the_sandbox(agent):
+    """A model wrote a NUL into its command (seen in the chaos soak): before, Popen's ValueError came back as an
+    exec-agent error, the episode was ABORTED as infrastructure and never scored. It is the command's failure."""
+    reply = agent.exec("echo a\0b")
+    assert reply["kind"] == "exec" and reply["exit_code"] == 126 and b"NUL byte" in reply["output"], reply
+    assert agent.exec("echo still here")["output"] == b"still here\n"
+
+
 def test_timeout_kills_the_group(agent, tmp_path):
     pidfile = tmp_path / "bg.pid"
     start = time.monotonic()

@@ -284,7 +284,14 @@ def _pump(proc: subprocess.Popen, deadline: float, out: HeadTail, stdin) -> bool
     return timed_out
 
 
+NUL_MESSAGE = b"swectl: the command holds a NUL byte, which no shell can be given; nothing was run\n"
+
+
 def _exec(req: dict, stdin) -> dict:
+    # a shell refuses it too: the command's failure (an observation for the agent), not the sandbox's
+    if (b"\0" if isinstance(req["command"], bytes) else "\0") in req["command"]:
+        return {"kind": "exec", "id": req["id"], "exit_code": 126, "timed_out": False, "output": NUL_MESSAGE,
+                "elided": 0, "duration_s": 0.0}
     timeout = float(_field(req, "timeout", DEFAULT_TIMEOUT))
     env = {**os.environ, **_field(req, "env", {})}
     out = HeadTail(_field(req, "head", DEFAULT_HEAD), _field(req, "tail", DEFAULT_TAIL))
