@@ -102,6 +102,18 @@ def wait_gone(controller: int, timeout_s: float = 60.0) -> list[str]:
     return [str(p) for p in left]
 
 
+def redone_from_log(text: str) -> int:
+    """Steps trained twice: at each "resuming after step K", the steps already trained past K."""
+    high = redone = 0
+    for line in text.splitlines():
+        if step := re.match(r"step (\d+)/\d+", line):
+            high = max(high, int(step.group(1)))
+        elif resumed := re.search(r"resuming after step (\d+)", line):
+            redone += max(0, high - int(resumed.group(1)))
+            high = int(resumed.group(1))
+    return redone
+
+
 def scored_infra(run_dir: Path) -> int:
     """Rewarded episodes whose episode was ABORTED or whose grading failed as infrastructure (goal 0)."""
     bad = 0
@@ -259,8 +271,10 @@ def soak(args: argparse.Namespace, kinds: list[str], work: Path, disk: Path | No
         "faults_survived_by_itself": sum(r["went_on_by_itself"] for r in table),
         "faults_survived_by_resume": sum(r["recovered"] and not r["went_on_by_itself"] for r in table),
         "faults_not_survived": sum(not r["recovered"] for r in table),
-        "steps_redone": steps.redone, "steps_skipped": sorted(set(range(1, args.steps + 1)) - set(recorded))
-        + list(state.get("skipped_steps", [])),
+        "steps_redone": max(steps.redone, redone_from_log(text)),
+        "steps_skipped": sorted(set(range(1, args.steps + 1)) - set(recorded)),  # goal: none
+        # steps GRPO trained nothing on because every group had equal rewards (not a fault's doing)
+        "steps_without_signal": list(state.get("skipped_steps", [])),
         "episodes_aborted": len(re.findall(r"episode \S+ aborted", text)),
         "infra_scored": scored_infra(run_dir), "leaks": left, "minutes": round((time.monotonic() - started) / 60, 1),
     }
