@@ -319,8 +319,11 @@ class NamespaceBackend:
                     async with await anyio.connect_unix(path) as stream:
                         await stream.send(payload)
                         data = await _read_line(stream)
-                except OSError as exc:
-                    raise _DaemonGone(f"node {self.name}: the nsbox daemon at {path} does not answer: {exc}") from exc
+                except (OSError, anyio.BrokenResourceError) as exc:  # refused, or a daemon dying as it accepted
+                    raise _DaemonGone(f"node {self.name}: the nsbox daemon at {path} does not answer: {exc!r}"
+                                      ) from exc
+                if not data:
+                    raise _DaemonGone(f"node {self.name}: the nsbox daemon at {path} closed the call unanswered")
             else:
                 argv = self._argv("call", path)
                 out = await self.node.run(argv, input=_blob(nsbox_source()) + payload)
