@@ -315,15 +315,7 @@ class NamespaceBackend:
     async def _call_bounded(self, path: str, request: dict, payload: bytes) -> dict:
         with anyio.fail_after(CALL_TIMEOUT_S):
             if self._local:
-                try:
-                    async with await anyio.connect_unix(path) as stream:
-                        await stream.send(payload)
-                        data = await _read_line(stream)
-                except (OSError, anyio.BrokenResourceError) as exc:  # refused, or a daemon dying as it accepted
-                    raise _DaemonGone(f"node {self.name}: the nsbox daemon at {path} does not answer: {exc!r}"
-                                      ) from exc
-                if not data:
-                    raise _DaemonGone(f"node {self.name}: the nsbox daemon at {path} closed the call unanswered")
+                data = await self._ask_local(path, payload)
             else:
                 argv = self._argv("call", path)
                 out = await self.node.run(argv, input=_blob(nsbox_source()) + payload)
@@ -344,16 +336,7 @@ class NamespaceBackend:
             return process
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            try:
-                async with await anyio.connect_unix(path) as daemon:
-                    await daemon.send_fds(json.dumps(request).encode() + b"\n", [theirs.fileno()])
-                    theirs.close()
-                    line = await _read_line(daemon)
-            except (OSError, anyio.BrokenResourceError) as exc:  # refused, or a daemon dying as it accepted
-                raise _DaemonGone(f"node {self.name}: the nsbox daemon at {path} does not answer: {exc!r}") from exc
-            if not line:
-                raise _DaemonGone(f"node {self.name}: the nsbox daemon at {path} closed the launch unanswered")
-            reply = json.loads(line)
+            reply = json.loads(await self._ask_local(path, json.dumps(request).encode() + b"\n", theirs))
         except BaseException:
             ours.close()
             theirs.close()
@@ -362,6 +345,24 @@ class NamespaceBackend:
             ours.close()
             raise SandboxError(f"namespace sandbox {request['id']} on {self.name}: {reply.get('error', 'no answer')}")
         return SocketChannel(await anyio.abc.UNIXSocketStream.from_socket(ours))
+
+    async def _ask_local(self, path: str, payload: bytes, fd: socket.socket | None = None) -> bytes:
+        """One request line to this node's daemon on its unix socket (``fd``: a descriptor passed with it, closed
+        once sent), its reply line. _DaemonGone when nothing answers: refused, or a daemon dying as it accepted
+        (reset, or closed without a reply)."""
+        try:
+            async with await anyio.connect_unix(path) as stream:
+                if fd is None:
+                    await stream.send(payload)
+                else:
+                    await stream.send_fds(payload, [fd.fileno()])
+                    fd.close()
+                line = await _read_line(stream)
+        except (OSError, anyio.BrokenResourceError) as exc:
+            raise _DaemonGone(f"node {self.name}: the nsbox daemon at {path} does not answer: {exc!r}") from exc
+        if not line:
+            raise _DaemonGone(f"node {self.name}: the nsbox daemon at {path} closed the request unanswered")
+        return line
 
 
 class _DaemonGone(SandboxError):

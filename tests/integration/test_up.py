@@ -264,34 +264,6 @@ def test_sft_steps_without_sft_data_make_the_gold_data_first_even_after_an_inter
     assert _lines(tmp_path / "sftgold" / "metrics.jsonl"), "no step was recorded"
 
 
-def _descendants(root: int) -> dict[int, str]:
-    """pid -> command line of every live process under ``root``."""
-    children: dict[int, list[int]] = {}
-    cmdlines: dict[int, str] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-            cmdlines[int(stat.parent.name)] = cmdline
-    out, todo = {}, [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out[child] = cmdlines[child]
-            todo.append(child)
-    return out
-
-
-def _engine_server(controller: int) -> int:
-    servers = [pid for pid, cmd in _descendants(controller).items() if "swectl.remote.programs.cpu_engine" in cmd
-               and not cmd.startswith("sh ")]
-    assert len(servers) == 1, servers
-    return servers[0]
-
-
 def test_engine_faults_during_async_grpo_are_survived(model: Path, tmp_path: Path) -> None:
     """Issue 62: asynchronous GRPO pushes weights every step, so an engine crash meets a push. The engine server is
     killed with SIGKILL after step 1, and its supervisor shell after step 3: the run goes on by itself (the push
@@ -304,9 +276,9 @@ def test_engine_faults_during_async_grpo_are_survived(model: Path, tmp_path: Pat
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_step(run, 1, proc)
-        os.kill(_engine_server(proc.pid), signal.SIGKILL)
+        os.kill(chaos.Run(controller=proc.pid, run_dir=run).engine_server(), signal.SIGKILL)
         _wait_for_step(run, 3, proc)
-        server = _engine_server(proc.pid)
+        server = chaos.Run(controller=proc.pid, run_dir=run).engine_server()
         supervisor = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
         os.kill(supervisor, signal.SIGKILL)
         _, err = proc.communicate(timeout=900)
