@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -34,10 +33,9 @@ from swectl.actors.env_pool import running_pool  # noqa: E402
 from swectl.actors.grader import Grader, GraderConfig, GradeResult  # noqa: E402
 from swectl.config import load_config  # noqa: E402
 from swectl.images.names import ImageResolver  # noqa: E402
-from swectl.remote.nodes.podman import bundled_containers_conf  # noqa: E402
 from swectl.tasks.record import Task  # noqa: E402
 from swectl.tasks.sources import load_tasks  # noqa: E402
-from tests.red_team import ATTACKS, DJANGO_ATTACKS, attack_patches, git  # noqa: E402
+from tests.red_team import ATTACKS, DJANGO_ATTACKS, attack_patches, export_tree  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "red_team_real.json"
 # generic attacks that need a pytest id ("path::test") in FAIL_TO_PASS
@@ -56,20 +54,6 @@ def is_django(task: Task) -> bool:
 def attack_names(task: Task) -> list[str]:
     generic = [n for n in ATTACKS if not (is_django(task) and n in PYTEST_ONLY)]
     return generic + (list(DJANGO_ATTACKS) if is_django(task) else [])
-
-
-def export_tree(task: Task, image: str, root: Path) -> Path:
-    """The task's tree as the grader starts from it (the image's /testbed, the setup patch committed)."""
-    root.mkdir(parents=True)
-    env = {**os.environ, "CONTAINERS_CONF": str(bundled_containers_conf())}
-    tar = subprocess.run(["podman", "run", "--rm", "--network", "none", image, "tar", "-C", "/testbed", "-c", "."],
-                         capture_output=True, check=True, timeout=600, env=env)
-    subprocess.run(["tar", "-x", "-C", str(root)], input=tar.stdout, check=True)
-    if task.setup_patch:
-        git(root, "apply", "-", input=task.setup_patch.encode())
-    git(root, "add", "-A", "-f")
-    git(root, "commit", "-qm", "base", "--allow-empty")
-    return root
 
 
 async def grade_all(task: Task, patches: dict[str, str], resolver: ImageResolver, *, defences: bool
@@ -136,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="red-team-") as tmp:
             names = [n for n in attack_names(task) if not args.attacks or n in args.attacks.split(",")]
-            patches = attack_patches(export_tree(task, image, Path(tmp) / "testbed"), task, names)
+            patches = attack_patches(export_tree(task, Path(tmp) / "testbed", image, timeout_s=600), task, names)
             say(f"{task.instance_id}: {len(patches)} attacks ({'Django' if is_django(task) else 'pytest'} row)")
             graded = anyio.run(partial(grade_all, task, {**patches, "gold": task.patch}, resolver, defences=True))
             gold = graded.pop("gold")

@@ -7,10 +7,12 @@ test the layers behind it (the runner sections, the canaries, the log checks), n
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from swectl.remote.nodes.podman import bundled_containers_conf
 from swectl.tasks.record import Task
 
 # A pytest plugin that marks every failed report passed, its hook name and attribute built at run time.
@@ -216,6 +218,23 @@ DJANGO_ATTACKS: dict[str, tuple[str, Attack]] = {
 def git(root: Path, *args: str, input: bytes | None = None) -> str:
     return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", *args],
                           input=input, capture_output=True, check=True).stdout.decode()
+
+
+def export_tree(task: Task, root: Path, image: str = "", *, timeout_s: float = 300) -> Path:
+    """The task's tree as the grader starts from it (the image's /testbed, the setup patch committed), as a git
+    work tree at ``root`` for ``attack_patches``."""
+    root.mkdir(parents=True)
+    env = {**os.environ, "CONTAINERS_CONF": str(bundled_containers_conf())}
+    tar = subprocess.run(["podman", "run", "--rm", "--network", "none", image or task.image, "tar", "-C", "/testbed",
+                          "-c", "."], capture_output=True, env=env, timeout=timeout_s, check=False)
+    if tar.returncode != 0:
+        raise RuntimeError(f"podman run {image or task.image} tar /testbed: {tar.stderr.decode(errors='replace')}")
+    subprocess.run(["tar", "-x", "-C", str(root)], input=tar.stdout, check=True)
+    if task.setup_patch:
+        git(root, "apply", "-", input=task.setup_patch.encode())
+    git(root, "add", "-A", "-f")
+    git(root, "commit", "-qm", "base", "--allow-empty")
+    return root
 
 
 def attack_patches(root: Path, task: Task, names: list[str] | None = None) -> dict[str, str]:

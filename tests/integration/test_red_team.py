@@ -21,26 +21,10 @@ from swectl.config import load_config
 from swectl.images.project import BUNDLED_TASKS
 from swectl.tasks.record import Task
 from swectl.tasks.sources import load_tasks
-from tests.red_team import attack_patches, git
-
-from .conftest import podman
+from tests.red_team import attack_patches, export_tree
 
 pytestmark = [pytest.mark.integration]
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def export_tree(task: Task, root: Path, image: str = "") -> Path:
-    """The task's tree as the grader starts from it (the image's /testbed, the setup patch committed)."""
-    root.mkdir(parents=True)
-    tar = podman("run", "--rm", "--network", "none", image or task.image, "tar", "-C", "/testbed", "-c", ".",
-                 timeout=300)
-    assert tar.returncode == 0, tar.stderr
-    subprocess.run(["tar", "-x", "-C", str(root)], input=tar.stdout, check=True)
-    if task.setup_patch:
-        git(root, "apply", "-", input=task.setup_patch.encode())
-    git(root, "add", "-A", "-f")
-    git(root, "commit", "-qm", "base", "--allow-empty")
-    return root
 
 
 @pytest.fixture(scope="module")

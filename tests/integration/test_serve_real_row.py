@@ -19,9 +19,8 @@ import pytest
 from swectl.tasks.sources import load_tasks
 from tests.conftest import REPO_ROOT, shared_data
 from tests.integration.serving import Client, Service
-from tests.integration.test_red_team import export_tree
 from tests.integration.test_serve_clients import SUBMIT, official_name
-from tests.red_team import attack_patches
+from tests.red_team import attack_patches, export_tree
 
 pytestmark = [pytest.mark.integration]
 INSTANCE = "pallets__flask-5014"
