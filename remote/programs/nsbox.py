@@ -64,6 +64,7 @@ BOOTSTRAP = (
 )
 
 LATE_RECLAIM_S = 3.0  # the second look for a dead daemon's sandboxes, after start
+TRASH_SWEEP_S = 10.0  # how often a scratch folder left being removed (``*.removing``, no record) is removed again
 IDLE_EXIT_S = 900.0  # a daemon with no sandboxes for this long exits (the next `ensure` starts it again)
 MAX_REQUEST = 1 << 20
 SETUP_TIMEOUT_S = 30.0
@@ -652,7 +653,8 @@ class Daemon:
         self.by_pid = {}  # host pid -> Box
         self.launches = {}  # status pipe fd -> Launch
         self.waiting = []  # (conn, ids) of remove requests answered once those sandboxes are gone
-        self.cleaners = {}  # pid of an `rm -rf` -> Box
+        self.cleaners = {}  # pid of an `rm -rf` -> the Box it cleans up after (None: a sweep of old trash)
+        self.trash = {}  # pid of an `rm -rf` -> the folder it removes
         self.retiring = False
         self.idle_since = time.monotonic()
         self.mounts = cgroup_mounts()
@@ -672,10 +674,14 @@ class Daemon:
         # once more a little later: a daemon started just after the last one was killed may have found it still
         # exiting, and left its sandboxes alone
         late_reclaim = time.monotonic() + LATE_RECLAIM_S
+        next_sweep = time.monotonic() + TRASH_SWEEP_S
         while not (self.retiring and not self.boxes and not self.cleaners):
             if late_reclaim and time.monotonic() >= late_reclaim:
                 late_reclaim = 0.0
                 self.reclaim_stale()
+            if time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + TRASH_SWEEP_S
+                self.sweep_trash()
             for key, _ in self.selector.select(self.next_timeout()):
                 if key.data == "accept":
                     with contextlib.suppress(OSError):
@@ -843,8 +849,10 @@ class Daemon:
             if pid == 0:
                 break
             if pid in self.cleaners:
+                self.trash.pop(pid, None)
                 box = self.cleaners.pop(pid)
-                self.forget(box)
+                if box is not None:
+                    self.forget(box)
             elif pid in self.by_pid:
                 box = self.by_pid.pop(pid)
                 box.state = "exited"
@@ -859,12 +867,32 @@ class Daemon:
             trash = box.dir + ".removing"
             with contextlib.suppress(OSError):
                 os.rename(box.dir, trash)
-                proc = subprocess.Popen(["rm", "-rf", "--one-file-system", trash], stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-                self.cleaners[proc.pid] = box
-                proc.returncode = 0  # reaped by our own waitpid loop, not by Popen
+                self.remove_in_background(trash, box)
                 return
         self.forget(box)
+
+    def remove_in_background(self, path, box=None):
+        """``rm -rf`` of ``path`` as a child reaped by ``reap`` (which then forgets ``box``, if any)."""
+        proc = subprocess.Popen(["rm", "-rf", "--one-file-system", path], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        self.cleaners[proc.pid] = box
+        self.trash[proc.pid] = path
+        proc.returncode = 0  # reaped by our own waitpid loop, not by Popen
+
+    def sweep_trash(self):
+        """Remove again the ``*.removing`` folders no record stands for and none of our cleaners works on: one
+        whose removal failed, or raced with the ``rm`` a killed daemon left running (both can stop short)."""
+        boxes_dir = os.path.join(self.state_dir, "boxes")
+        busy = set(self.trash.values())
+        with contextlib.suppress(OSError):
+            for entry in os.listdir(boxes_dir):
+                path = os.path.join(boxes_dir, entry)
+                if not entry.endswith(".removing") or path in busy:
+                    continue
+                if os.path.exists(path[: -len(".removing")] + ".json"):
+                    continue  # its sandbox's cleanup (ours, or another daemon's) is not over yet
+                with contextlib.suppress(OSError):
+                    self.remove_in_background(path)
 
     def forget(self, box):
         with contextlib.suppress(OSError):
@@ -894,6 +922,7 @@ class Daemon:
                 shutil.rmtree(record.get("dir", ""), ignore_errors=True)
                 shutil.rmtree(record.get("dir", "") + ".removing", ignore_errors=True)
                 os.unlink(path)
+        self.sweep_trash()
 
 
 def _close_all(fds):

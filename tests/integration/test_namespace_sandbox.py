@@ -389,3 +389,30 @@ async def test_a_killed_daemon_is_started_again_and_leaves_nothing_behind() -> N
         await orphan.destroy()
         await fresh.destroy()
     assert {k: v for k, v in node_footprint().items() if k != "daemon_fds"} == before
+
+
+async def test_scratch_left_half_removed_is_removed_again() -> None:
+    """The chaos test's leak: a killed daemon's `rm -rf` of a sandbox's scratch races with the new daemon's
+    reclaim, and both can stop short, leaving ``ns-ID.removing`` with no record. The live daemon removes such
+    folders again within ``TRASH_SWEEP_S``; one that still has its record (a cleanup under way) stays."""
+    backend = await new_backend(kind="namespace")
+    with anyio.fail_after(120):
+        box = await backend.create(make_spec())  # the daemon runs
+        await box.destroy()
+        boxes = STATE_DIR / "boxes"
+        left, kept = boxes / f"ns-{uuid4_hex()}.removing", boxes / f"ns-{uuid4_hex()}.removing"
+        for folder in (left, kept):
+            (folder / "upper" / "src").mkdir(parents=True)
+            (folder / "upper" / "src" / "big.bin").write_bytes(b"x" * 4096)
+        record = kept.with_name(kept.name.removesuffix(".removing") + ".json")
+        record.write_text(json.dumps({"daemon": [daemon_pid(), nsbox._starttime(daemon_pid())]}))
+        try:
+            for _ in range(int(3 * nsbox.TRASH_SWEEP_S)):
+                if not left.exists():
+                    break
+                await anyio.sleep(1)
+            assert not left.exists(), "a half-removed scratch folder was never removed again"
+            assert (kept / "upper" / "src" / "big.bin").exists()
+        finally:
+            record.unlink(missing_ok=True)
+            subprocess.run(["rm", "-rf", str(left), str(kept)], check=False)
