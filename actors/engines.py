@@ -2,14 +2,9 @@
 or on nodes over SSH, and routes requests to them with session affinity (every turn of one episode goes to
 the same server, so its prefix stays in that server's cache).
 
-Kinds of server:
-- ``cpu``: swectl's CPU engine (``python -m swectl.remote.programs.cpu_engine``), for machines without a GPU;
-- ``sglang``: ``python -m sglang.launch_server`` on GPU nodes (flags as SGLang documents them:
-  --model-path, --host, --port, --api-key);
-- ``vllm``: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; flags, environment and client in
-  swectl/engine/vllm.py), the CPU build in .venv-vllm by default; a restarted server is told the weight version of
-  the weights it loaded;
-- external: a URL someone else runs (``Engines(config, url=...)``); only health-checked, never restarted.
+Kinds of server (``engine.kind``: ``cpu``, ``sglang``, ``vllm``) are specs in actors/engine_kinds.py: command line,
+interpreter, port, tunnelling, client class and weight-sync hooks; nothing here branches on the kind. An external
+server is a URL someone else runs (``Engines(config, url=...)``): only health-checked, never restarted.
 
 Every server runs under a small ``sh`` supervisor (SUPERVISOR below) started through the node's
 ``spawn`` (a child process here, an SSH channel on an ssh node). The supervisor merges the server's
@@ -19,7 +14,7 @@ when its stdin closes: when the controller stops it, dies, or loses the SSH conn
 running on the node. Servers on ssh nodes bind 0.0.0.0 and get a random API key per Engines instance,
 sent over the channel's stdin (it never appears on the SSH command line).
 
-Ports: the CPU engine binds port 0 and prints the port it got. SGLang needs a port on its command line:
+Ports: a kind that prints its port (the CPU engine) binds port 0. The others need a port on their command line:
 one is picked free on the node, and if the server still loses the race ("address already in use") the
 launch is retried with a new port (3 tries).
 
@@ -42,7 +37,6 @@ import json
 import logging
 import re
 import secrets
-import sys
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -51,9 +45,8 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
+from swectl.actors.engine_kinds import EngineClient, Launch, engine_kind
 from swectl.config import EngineConfig, LocalNodeConfig, NodeConfig
-from swectl.engine.client import SglangClient
-from swectl.engine.vllm import HAS_VLLM, VllmClient, default_vllm_python, model_length, vllm_argv, vllm_dtype
 from swectl.engine.wire import (
     GenerateRequest,
     GenerateResult,
@@ -64,7 +57,7 @@ from swectl.errors import ConfigError, EngineError, EngineRejectedError, EngineU
 from swectl.remote.nodes.backends import make_node
 from swectl.remote.nodes.node import LocalNode, Node, NodeProcess
 from swectl.remote.nodes.ssh import SshNode
-from swectl.remote.nodes.supervisor import API_KEY_PLACEHOLDER, SUPERVISOR, copy_output, stop_supervised
+from swectl.remote.nodes.supervisor import SUPERVISOR, copy_output, stop_supervised
 from swectl.rl.weight_sync import ParamSpec, stale_servers
 from swectl.schema import EngineStatistics, ServerState, ServerStatistics
 
@@ -114,17 +107,9 @@ async def engine_hosts(nodes: Sequence[NodeConfig]) -> AsyncIterator[list[Engine
                 await host.node.aclose()
 
 
-EngineClient = SglangClient | VllmClient
-
-
 def engine_python(config: EngineConfig) -> str:
-    """The interpreter that starts a server: engine.python, else vLLM's own venv for kind vllm (it cannot share
-    swectl's: its transformers pin differs), else this controller's."""
-    if config.python:
-        return config.python
-    if config.kind == "vllm":
-        return str(default_vllm_python())
-    return sys.executable
+    """The interpreter that starts a server of ``config.kind`` (actors/engine_kinds.py)."""
+    return engine_kind(config.kind).python(config)
 
 
 class _Server:
@@ -271,6 +256,7 @@ class Engines:
         if not url and not model:
             raise ValueError("Engines needs a model folder to launch, or the url of a running server")
         self._config = config
+        self._kind = engine_kind(config.kind)
         self._model = model
         self._external = bool(url)
         self._log_dir = log_dir
@@ -334,27 +320,7 @@ class Engines:
         return engine_python(self._config)
 
     def _client(self, url: str) -> EngineClient:
-        kind = VllmClient if self._config.kind == "vllm" else SglangClient
-        return kind(url, timeout_s=self._config.request_timeout_s, api_key=self._api_key)
-
-    def _argv(self, bind: str, port: int, model_config: dict[str, object], vllm_cpu: bool) -> list[str]:
-        cfg = self._config
-        python = self._python
-        if cfg.kind == "cpu":
-            argv = [python, "-m", "swectl.remote.programs.cpu_engine", "--model", self._model, "--host", bind,
-                    "--port", str(port), "--threads", str(cfg.threads), "--max-batch", str(cfg.max_batch)]
-            if self._version:  # a restart serves the last pushed weights under their version
-                argv += ["--weight-version", self._version]
-        elif cfg.kind == "vllm":
-            argv = vllm_argv(python, self._model, bind, port, api_key=API_KEY_PLACEHOLDER if self._api_key else None,
-                             dtype=vllm_dtype(model_config),
-                             whole_prefill_tokens=model_length(model_config) if vllm_cpu else None)
-        else:
-            argv = [python, "-m", "sglang.launch_server", "--model-path", self._model, "--host", bind,
-                    "--port", str(port)]
-            if self._api_key:
-                argv += ["--api-key", API_KEY_PLACEHOLDER]
-        return argv + list(cfg.extra_args)
+        return self._kind.client(url, timeout_s=self._config.request_timeout_s, api_key=self._api_key)
 
     async def _launch(self, s: _Server, tg: anyio.abc.TaskGroup) -> None:
         cfg = self._config
@@ -368,21 +334,24 @@ class Engines:
             s.up()
             return
         bind = cfg.host or ("0.0.0.0" if s.host.remote and not self._tunneled else LOOPBACK)
-        vllm_cpu = await self._check_vllm(s) if cfg.kind == "vllm" else False
+        facts = await self._kind.preflight(s.host.node, self._python, s.name)
         model_config = await self._check_model(s)
         for attempt in range(1, START_TRIES + 1):
-            port = cfg.port if cfg.port or cfg.kind == "cpu" else await self._free_port(s, bind)
-            argv = self._argv(bind, port, model_config, vllm_cpu)
+            port = cfg.port if cfg.port or self._kind.prints_port else await self._free_port(s, bind)
+            launch = Launch(python=self._python, model=self._model, bind=bind, port=port, config=cfg,
+                            model_config=model_config, api_key=bool(self._api_key), weight_version=self._version,
+                            facts=facts)
+            argv = [*self._kind.argv(launch), *cfg.extra_args]
             proc = await s.host.node.spawn(["sh", "-c", SUPERVISOR, "swectl-engine", *argv])
             s.starting(proc)
             s.weights = (self._model, self._version)
-            if cfg.kind != "cpu":  # its port is the one given on its command line (the CPU engine prints its own)
+            if not self._kind.prints_port:  # its port is the one given on its command line
                 s.port = port
             await proc.send(f"{self._api_key or ''}\n".encode())
             tg.start_soon(self._read_output, s, proc)
             if await self._until_healthy(s, port):
-                if self._version and isinstance(s.client, VllmClient):  # a restart serves the last pushed weights
-                    await s.client.set_weight_version(self._version, timeout_s=cfg.request_timeout_s)
+                if self._version and s.client is not None:  # a restart serves the last pushed weights
+                    await self._kind.restarted(s.client, self._version, timeout_s=cfg.request_timeout_s)
                 s.up()
                 return
             output = s.last_output()
@@ -396,7 +365,7 @@ class Engines:
     async def _check_model(self, s: _Server) -> dict[str, object]:
         """A model given as a path must be a model folder on the node (SGLang and vLLM also take hub names). Returns
         the folder's config.json ({} for a hub name)."""
-        if self._config.kind != "cpu" and not self._model.startswith(("/", ".", "~")):
+        if self._kind.takes_hub_names and not self._model.startswith(("/", ".", "~")):
             return {}
         with anyio.fail_after(60):
             out = await s.host.node.run(["cat", f"{self._model}/config.json"])
@@ -408,17 +377,6 @@ class Engines:
         except ValueError:
             return {}  # the server says what is wrong with it, and its output is quoted
         return config if isinstance(config, dict) else {}
-
-    async def _check_vllm(self, s: _Server) -> bool:
-        """One clear line when the node's interpreter has no vLLM (instead of a server that dies at import); returns
-        whether it is vLLM's CPU build (nodes may differ)."""
-        with anyio.fail_after(60):
-            out = await s.host.node.run([self._python, "-c", HAS_VLLM])
-        if out.exit_code != 0:
-            raise EngineUnavailableError(s.name, f"node {s.host.node.name} cannot run vLLM: {self._python} "
-                                         f"{'has no vllm' if out.exit_code == 3 else 'does not run'} (make it with "
-                                         "`bash scripts/setup_vllm.sh` there, or set engine.python)")
-        return out.stdout.decode(errors="replace").strip() == "cpu"
 
     async def _free_port(self, s: _Server, bind: str) -> int:
         with anyio.fail_after(60):
@@ -435,13 +393,14 @@ class Engines:
         try:
             with anyio.fail_after(cfg.start_timeout_s):
                 while s.exit_code is None:
-                    if cfg.kind != "cpu" or s.port is not None:
+                    if not self._kind.prints_port or s.port is not None:
                         if s.client is None:
                             url = await self._url(s, s.port or port)
                             s.reachable(url, self._client(url))
                         assert s.client is not None
                         if await s.client.health(timeout_s=5):
-                            _log.info("engine server %d (%s) is up on %s at %s", s.index, cfg.kind, s.host.node.name,
+                            _log.info("engine server %d (%s) is up on %s at %s", s.index, self._kind.name,
+                                      s.host.node.name,
                                       s.url)
                             return True
                     with anyio.move_on_after(0.5):
@@ -453,9 +412,9 @@ class Engines:
 
     @property
     def _tunneled(self) -> bool:
-        """vLLM's pause, reload and weight-version routes take no API key: on an ssh node its servers listen on the
-        node's loopback only and the controller reaches them through an SSH port forward."""
-        return self._config.kind == "vllm" and not self._config.host
+        """On an ssh node, servers of a tunnelled kind listen on the node's loopback only and the controller reaches
+        them through an SSH port forward."""
+        return self._kind.tunneled(self._config)
 
     async def _url(self, s: _Server, port: int) -> str:
         if self._tunneled and isinstance(s.host.node, SshNode):
@@ -557,8 +516,7 @@ class Engines:
             assert s.client is not None
             client = s.client
             try:
-                if self._config.kind == "vllm":
-                    await self._check_weights(s, path)
+                await self._kind.check_weights(s.host.node, path, s.url)
                 await client.pause_generation("in_place", timeout_s=bound)
                 failed: EngineRejectedError | None = None
                 try:
@@ -574,8 +532,9 @@ class Engines:
                         else:
                             with contextlib.suppress(EngineError):  # the update's error is the one to report
                                 await client.continue_generation(timeout_s=bound)
-                            if self._config.kind == "vllm" and not self._external:  # restarted on the last weights
-                                s.mark_broken(f"its weight reload failed, which leaves vLLM's model unusable: {failed}")
+                            if self._kind.failed_reload_breaks and not self._external:  # restarted on the
+                                s.mark_broken(f"its weight reload failed, which leaves the {self._kind.name} "
+                                              f"server's model unusable: {failed}")  # last weights
                 s.weights = (path, version)
             except EngineUnavailableError as exc:
                 unreachable.append(exc)
@@ -588,16 +547,6 @@ class Engines:
         if rejected:
             raise rejected[0]
         return unreachable
-
-    async def _check_weights(self, s: _Server, path: str) -> None:
-        """vLLM's in-place reload that fails half-way leaves its model unusable (seen with vllm-cpu 0.32.0: the next
-        forward pass fails and the engine core dies), so a folder without weights is refused before it is tried."""
-        with anyio.fail_after(60):
-            out = await s.host.node.run(["sh", "-c", 'test -f "$1/config.json" && ls "$1" | grep -q "\\.safetensors$"',
-                                         "check", path])
-        if out.exit_code != 0:
-            raise EngineRejectedError(s.url, "update weights", 400, f"{path} on {s.host.node.name} is not a model "
-                                      "folder with safetensors weights; the server keeps its weights")
 
     async def join_weight_group(self, address: str, port: int, group_name: str, backend: str, *,
                                 timeout_s: float | None = None) -> None:

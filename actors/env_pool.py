@@ -206,8 +206,9 @@ class EnvPool:
             slot.store = (image_stores.get(slot.config.name) if image_stores is not None
                           else store_for(slot.backend, registry))
             slot.images = NodeImages() if slot.store is not None else None
-        # images every node has without a store: the namespace backend's rootfs tarballs
-        self._anywhere = {image_key(i) for i in sandbox.ns_rootfs} if sandbox.backend == "namespace" else set()
+        # images every node has without a store (the namespace backend's rootfs tarballs)
+        self._anywhere = set.intersection(*({image_key(i) for i in slot.backend.preloaded_images()}
+                                            for slot in self._slots))
         self._pool_image = image_key(sandbox.image)
         self._wanted: Counter[str] = Counter()  # images of the acquires in progress (never evicted)
         self._image_wait_s = 0.0

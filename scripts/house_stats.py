@@ -3,8 +3,10 @@
     python scripts/house_stats.py [--json] [--top 10]
 
 Prints the lines of code per layer (the layers of tests/test_layout.py), the longest functions, the number of
-config keys (every leaf of ClusterConfig, as ``--set`` names them) and the largest files. Lines are non-blank,
-non-comment source lines (docstrings count).
+config keys (every leaf of ClusterConfig, as ``--set`` names them), the CLI's flags (tests/cli_help.txt), the
+largest files, the ``tg.start`` sites of the product, and the kind branches outside their seams (issue 57: an
+engine kind or a sandbox backend decided anywhere but actors/engine_kinds.py and remote/nodes/backends.py, each
+line listed). Lines are non-blank, non-comment source lines (docstrings count).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,15 +55,29 @@ def _functions(path: Path, tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
+# an engine kind or sandbox backend compared, or an engine client's class tested
+KIND_BRANCH = re.compile(r"\b(?:engine|config|cfg|_config)\.kind\s*(?:==|!=|in\b)|\bsandbox\.backend\s*(?:==|!=|in\b)"
+                         r"|isinstance\([^)]*(?:VllmClient|SglangClient)")
+KIND_SEAMS = ("actors/engine_kinds.py", "remote/nodes/backends.py")
+TG_START = re.compile(r"await \w+\.start\(")
+
+
 def collect(top: int) -> dict[str, Any]:
     from swectl.config import config_leaves
 
     layers: dict[str, int] = {}
     files: list[tuple[int, str]] = []
     functions: list[tuple[int, str]] = []
+    branches: list[str] = []
+    starts = 0
     for root in SOURCE_ROOTS:
         for path in sorted((ROOT / root).rglob("*.py")):
             text = path.read_text()
+            rel = str(path.relative_to(ROOT))
+            starts += len(TG_START.findall(text))
+            if rel not in KIND_SEAMS:
+                branches += [f"{rel}:{n} {line.strip()[:100]}" for n, line in enumerate(text.splitlines(), 1)
+                             if KIND_BRANCH.search(line)]
             lines = _code_lines(text)
             layer = _layer_of(_module_name(path))
             layers[layer] = layers.get(layer, 0) + lines
@@ -75,8 +92,13 @@ def collect(top: int) -> dict[str, Any]:
     for key in keys:
         section = key.split(".")[0]
         sections[section] = sections.get(section, 0) + 1
+    help_text = (ROOT / "tests" / "cli_help.txt").read_text()
+    flags = {m.group(0) for m in re.finditer(r"(?<![\w-])--[a-z][\w-]*", help_text)}
     return {
         "lines_per_layer": layers,
+        "cli_flags": len(flags),
+        "tg_start_sites": starts,
+        "kind_branches_outside_seams": branches,
         "config_keys": len(keys),
         "config_keys_per_section": sections,
         "longest_functions": [f"{n} {where}" for n, where in sorted(functions, reverse=True)[:top]],
@@ -96,6 +118,9 @@ def main() -> None:
     print("lines of code per layer: " + ", ".join(f"{k} {v}" for k, v in stats["lines_per_layer"].items()))
     print(f"config keys: {stats['config_keys']} (" + ", ".join(f"{k} {v}" for k, v in
                                                         stats["config_keys_per_section"].items()) + ")")
+    print(f"CLI flags (distinct): {stats['cli_flags']}; tg.start sites in the product: {stats['tg_start_sites']}")
+    print(f"kind branches outside their seams: {len(stats['kind_branches_outside_seams'])}")
+    print("\n".join("  " + line for line in stats["kind_branches_outside_seams"]))
     print("longest functions (lines):")
     print("\n".join("  " + line for line in stats["longest_functions"]))
     print("largest files (code lines):")

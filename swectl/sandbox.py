@@ -101,6 +101,11 @@ class SandboxBackend(Protocol):
         """Close the connection to the node (sandboxes stay); idempotent."""
         ...
 
+    def preloaded_images(self) -> set[str]:
+        """Images its sandboxes start from without the node's image store (the namespace backend's rootfs
+        tarballs, sandbox.ns_rootfs); empty for a backend whose images all come from the store."""
+        ...
+
 
 @runtime_checkable
 class ForgetsImages(Protocol):

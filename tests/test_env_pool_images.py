@@ -86,6 +86,9 @@ class FakeBackend:
     async def aclose(self) -> None:
         pass
 
+    def preloaded_images(self) -> set[str]:
+        return set()
+
 
 class FakeStore:
     """A node's image store: images -> bytes; pulls take ``pull_s`` and come from ``registry`` (image -> bytes)."""

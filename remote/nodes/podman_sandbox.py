@@ -73,6 +73,11 @@ class ContainerBackend:
         # Exec agents on a socket (no relay process per sandbox) until the node shows it cannot do that.
         self.socket_channel = True
 
+    own_cgroup_limits = False  # the container engine enforces the sandbox's limits, not swectl
+
+    def preloaded_images(self) -> set[str]:
+        return set()  # every image comes from the node's container store
+
     def no_socket_channel(self, why: str) -> bool:
         """From now on this node's exec agents speak through a relay process (``<cli> exec -i``), said once."""
         if self.socket_channel:

@@ -187,8 +187,7 @@ def _sync(args: argparse.Namespace) -> int:
     from swectl.images.push import task_images
     from swectl.images.registry import parse_registry
     from swectl.images.sync import SyncOptions, SyncReport, SyncTarget, format_report, sync_images
-    from swectl.remote.nodes.backends import make_node
-    from swectl.remote.nodes.docker_sandbox import DockerCli
+    from swectl.remote.nodes.backends import close_backends, make_backends
     from swectl.remote.nodes.node import LocalNode
     from swectl.remote.nodes.podman import PodmanCli
 
@@ -202,19 +201,15 @@ def _sync(args: argparse.Namespace) -> int:
     images = task_images(load_task_set(args.tasks), resolver)
 
     async def main() -> SyncReport:
-        nodes = [make_node(n) for n in config.sandbox_nodes()]
-        docker = config.sandbox.backend == "docker"  # a Docker node's images: its daemon's store
-        targets = [SyncTarget(node.name, DockerCli(node, config.sandbox.docker_host) if docker
-                              else PodmanCli(node, cfg.containers_conf))
-                   for node, cfg in zip(nodes, config.sandbox_nodes(), strict=True)]
+        backends = make_backends(config)  # each node's images are in its backend's container store
+        targets = [SyncTarget(backend.name, backend.cli) for _, backend in backends]
         try:
             if registry is None:
                 return await sync_from_controller(targets, images, controller=PodmanCli(LocalNode("controller")),
                                                   cache=args.cache, options=options, say=say)
             return await sync_images(targets, images, registry, options=options, say=say)
         finally:
-            for node in nodes:
-                await node.aclose()
+            await close_backends(backends)
 
     source = registry.url if registry is not None else f"the controller (its registry's cache: {args.cache})"
     say(f"{len(images)} image(s) onto {len(config.sandbox_nodes())} node(s) from {source}")

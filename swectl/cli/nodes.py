@@ -8,7 +8,8 @@ import sys
 import anyio
 import msgspec
 
-from swectl.actors.engines import engine_hosts, engine_python
+from swectl.actors.engine_kinds import KINDS, engine_kind
+from swectl.actors.engines import engine_hosts
 from swectl.actors.trainer import check_rendezvous, pick_port
 from swectl.cli.common import config_args
 from swectl.config import ClusterConfig, SshNodeConfig, load_config
@@ -68,7 +69,6 @@ async def check_nodes(config: ClusterConfig, *, timeout_s: float = 60.0) -> list
 # exit 0 when every module named in argv can be found (nothing is imported: a check of a few milliseconds)
 _FIND_MODULES = ("import importlib.util, sys; "
                  "sys.exit(0 if all(importlib.util.find_spec(m) for m in sys.argv[1:]) else 3)")
-_ENGINE_MODULES = {"cpu": ["swectl", "torch", "transformers", "uvicorn"], "sglang": ["sglang"], "vllm": ["vllm"]}
 
 
 async def _check_engine_kinds(config: ClusterConfig, reports: list[NodeReport], timeout_s: float
@@ -82,11 +82,11 @@ async def _check_engine_kinds(config: ClusterConfig, reports: list[NodeReport], 
             async with engine_hosts(config.nodes) as hosts:
                 for host in hosts:
                     kinds = found.setdefault(host.node.name, {})
-                    for kind, modules in _ENGINE_MODULES.items():
-                        python = engine_python(msgspec.structs.replace(config.engine, kind=kind))
-                        out = await host.node.run([python, "-c", _FIND_MODULES, *modules])
-                        kinds[kind] = ("yes" if out.exit_code == 0 else
-                                       f"no: {python} lacks {' or '.join(modules)}" if out.exit_code == 3 else
+                    for name, kind in KINDS.items():
+                        python = kind.python(config.engine)
+                        out = await host.node.run([python, "-c", _FIND_MODULES, *kind.modules])
+                        kinds[name] = ("yes" if out.exit_code == 0 else
+                                       f"no: {python} lacks {' or '.join(kind.modules)}" if out.exit_code == 3 else
                                        f"no: {python} does not run")
     except (InfraError, TimeoutError):
         return reports  # the sandbox checks already report an unreachable node
@@ -96,7 +96,7 @@ async def _check_engine_kinds(config: ClusterConfig, reports: list[NodeReport], 
         problems = list(report.problems)
         verdict = kinds.get(config.engine.kind, "yes")
         if report.node in engine_nodes and verdict != "yes":
-            hint = "`bash scripts/setup_vllm.sh`" if config.engine.kind == "vllm" else "set engine.python"
+            hint = engine_kind(config.engine.kind).setup_hint
             problems.append(f"cannot run engine.kind = {config.engine.kind!r} ({verdict}) -- hint: {hint}")
         updated.append(msgspec.structs.replace(report, engine_kinds=kinds, problems=problems,
                                                ok=report.ok and not problems))
@@ -192,7 +192,7 @@ async def _check_namespace_support(
         return
     report["namespace"] = "yes" if support["ok"] else "no: " + "; ".join(support["problems"])
     report["unenforced_limits"] = support["unenforced_limits"]
-    if config.sandbox.backend == "namespace" and support["unenforced_limits"]:
+    if backend.own_cgroup_limits and support["unenforced_limits"]:
         report["problems"].append(
             f"namespace sandboxes here cannot enforce {', '.join(support['unenforced_limits'])} limits (no cgroup "
             "controller for them) -- hint: enable the controllers, or use sandbox.backend = \"podman\""

@@ -13,6 +13,7 @@ import anyio
 import msgspec
 
 from swectl.actors.data_source import split_tasks
+from swectl.actors.engine_kinds import engine_kind
 from swectl.config import ClusterConfig
 from swectl.data.trajectories import samples_from_messages_jsonl, samples_from_runs
 from swectl.errors import ConfigError, TaskDataError
@@ -37,23 +38,22 @@ class TrainPlan(msgspec.Struct, frozen=True, kw_only=True):
 def build_plan(config: ClusterConfig, run_dir: Path, *, say: Say) -> TrainPlan:
     """Resolve the model folder (making the tiny default on first use) and the task splits or SFT samples."""
     t, data = config.train, config.train.data
-    vllm = config.engine.kind == "vllm"
-    # vLLM's weight reload leaves an output head tied to the embeddings stale (swectl/engine/vllm.py): its tiny
-    # default is untied
-    model = t.model or str(Path(config.out_dir) / "models" / ("tiny-qwen3-untied" if vllm else "tiny-qwen3"))
+    kind = engine_kind(config.engine.kind)
+    untied = kind.needs_untied_head  # its weight reload leaves an output head tied to the embeddings stale
+    model = t.model or str(Path(config.out_dir) / "models" / ("tiny-qwen3-untied" if untied else "tiny-qwen3"))
     if not t.model and not (Path(model) / "config.json").is_file():
         from swectl.model.tiny import ModelInitConfig, init_model
 
         say(f"no model given (train.model): making the tiny default at {model} (`swectl model init"
-            f"{' --untied' if vllm else ''}`)")
-        init_model(Path(model), ModelInitConfig(tie_word_embeddings=not vllm), progress=say)
+            f"{' --untied' if untied else ''}`)")
+        init_model(Path(model), ModelInitConfig(tie_word_embeddings=not untied), progress=say)
     if not (Path(model) / "config.json").is_file():
         raise ConfigError(f"train.model {model}: not a Hugging Face model folder (no config.json)")
-    if vllm and t.algorithm != "sft" and ties_embeddings(Path(model)):
-        raise ConfigError(f"train.model {model} ties its output head to its embeddings, and vLLM's weight reload "
-                          "leaves a tied head stale (the engines would sample from old weights); train an untied "
-                          "model (`swectl model init --untied`, or set tie_word_embeddings false and save lm_head), "
-                          "or use engine.kind = \"cpu\"")
+    if untied and t.algorithm != "sft" and ties_embeddings(Path(model)):
+        raise ConfigError(f"train.model {model} ties its output head to its embeddings, and {kind.name}'s weight "
+                          "reload leaves a tied head stale (the engines would sample from old weights); train an "
+                          "untied model (`swectl model init --untied`, or set tie_word_embeddings false and save "
+                          "lm_head), or use engine.kind = \"cpu\"")
     if t.algorithm == "sft":
         return TrainPlan(model=model, sft_samples=_sft_samples(config, model))
     source = data.tasks or str(BUNDLED_TASKS)
