@@ -23,8 +23,8 @@ A failure of the infrastructure (sandbox or node lost, lease expired, no test ou
 
 Consumes: ``grade(task, patch)`` calls (rollout, ``swectl eval``, the task factory). Waits for: one of
 ``concurrency`` grading slots, then an EnvPool lease. Unblocked by: gradings finishing, cancellation.
-Produces: ``GradeResult``s, eval logs under ``log_dir``, ``statistics()`` (a ``GraderStatistics``). Runs
-between ``await tg.start(grader.run)`` and the cancellation of that task.
+Produces: ``GradeResult``s, eval logs under ``log_dir``, ``statistics()`` (a ``GraderStatistics``). A plain object
+(it starts no task): its calls run in the caller's tasks.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import anyio
 import msgspec
 
 from swectl.actors.env_pool import EnvPool, Lease
-from swectl.actors.serving import ServingActor
 from swectl.errors import InfraError, NodeLostError, SandboxLostError, SwectlError
 from swectl.grading.canaries import Canaries, plan_canaries, pythonpath_of, with_canaries
 from swectl.grading.eval_script import eval_script_for, log_parser_for, test_files_of, with_exit_code
@@ -152,14 +151,13 @@ async def prepare_task(lease: Lease, task: Task) -> bool:
     return r.exit_code == 0 and not r.timed_out
 
 
-class Grader(ServingActor):
-    """Grades patches with bounded concurrency over EnvPool leases. Start with ``await tg.start(grader.run)``."""
+class Grader:
+    """Grades patches with bounded concurrency over EnvPool leases (``await grader.grade(task, patch)``)."""
 
     def __init__(
         self, config: GraderConfig, pool: EnvPool, *, resolver: ImageResolver | None = None,
         specs: object | None = None, log_dir: Path | None = None,
     ) -> None:
-        super().__init__()
         self._config = config
         self._pool = pool
         self._timeout_s = config.timeout_s
@@ -302,7 +300,6 @@ class Grader(ServingActor):
     async def _grading(self, result: GradeResult) -> AsyncIterator[None]:
         """One grading: a slot, its time (not the wait for the slot), its failures into ``result`` (never raised,
         except cancellation), the infra flag and the counters."""
-        await self._check_running()
         async with self._limit:
             started = time.monotonic()
             with _failures_into(result):

@@ -8,8 +8,8 @@ holds an episode up: the Rollout starts ``judge()`` for a step as soon as the st
 judgements after the episode (while it is graded).
 
 Consumes: ``judge(key, problem, history, step)`` calls from the Rollout. Waits for: the judge's engine. Produces:
-StepJudgements, ``statistics()`` (a JudgeStatistics). Runs between ``await tg.start(judge.run)`` and the
-cancellation of that task.
+StepJudgements, ``statistics()`` (a JudgeStatistics). A plain object (it starts no task): its calls
+run in the caller's tasks.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 import anyio
 
-from swectl.actors.serving import ServingActor
 from swectl.agent.loop import Engine
 from swectl.agent.trajectory import ChatTokenizer
 from swectl.config import PrmConfig
@@ -30,11 +29,10 @@ from swectl.schema import JudgeStatistics
 EngineFor = Callable[[str], Engine]  # a session key -> the judge's engine for it
 
 
-class Judge(ServingActor):
+class Judge:
     """Judges agent steps with the judge model behind ``engine_for``; ``tokenizer`` is the judge's."""
 
     def __init__(self, config: PrmConfig, engine_for: EngineFor, tokenizer: ChatTokenizer) -> None:
-        super().__init__()
         self._cfg = config
         self._engine_for = engine_for
         self._tok = tokenizer
@@ -45,7 +43,6 @@ class Judge(ServingActor):
 
     async def judge(self, key: str, problem: str, history: list[StepView], step: StepView) -> StepJudgement:
         """``samples`` answers on ``step`` of episode ``key`` (``<instance_id>#<sample>``), concurrently."""
-        await self._check_running()
         cfg = self._cfg
         messages = judge_messages(problem, history, step, history_steps=cfg.history_steps, max_chars=cfg.max_chars)
         rendered = self._tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)

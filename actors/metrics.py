@@ -29,9 +29,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
-import anyio
-import anyio.abc
-
 from swectl.schema import EngineStatistics, MetricsStatistics, PoolStatistics
 
 if TYPE_CHECKING:
@@ -198,14 +195,6 @@ class Metrics:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-
-    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """The actors' shape: ready at once; closes the TensorBoard writer when cancelled."""
-        try:
-            task_status.started()
-            await anyio.sleep_forever()
-        finally:
-            self.close()
 
     def __enter__(self) -> Metrics:
         return self

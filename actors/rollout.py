@@ -14,9 +14,9 @@ Consumes: tasks (``collect(tasks)``, or ``episode(task, n)`` one at a time). Wai
 back instead of leasing sandboxes for episodes that would abort at their first turn (bounded; counted in
 ``engine_waits`` / ``engine_wait_s``), then an EnvPool lease, the engine and the Grader. Unblocked by: episodes
 finishing, cancellation. Produces: ``EpisodeResult``s in completion order, per-episode artifacts,
-``statistics()`` (a ``RolloutStatistics``). Runs between ``await tg.start(rollout.run)`` and the
-cancellation of that task. The engine of each episode is chosen by its type: an ``Engine`` (token-in,
-token-out: training data) or a ``ChatEngine`` (messages only: evaluation).
+``statistics()`` (a ``RolloutStatistics``). A plain object (it starts no task of its own: ``collect`` runs its
+episodes in a task group it owns for the call). The engine of each episode is chosen by its type: an ``Engine``
+(token-in, token-out: training data) or a ``ChatEngine`` (messages only: evaluation).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import msgspec
 from swectl.actors.env_pool import EnvPool
 from swectl.actors.grader import Grader, GradeResult, prepare_task
 from swectl.actors.judge import Judge
-from swectl.actors.serving import ServingActor
 from swectl.agent.loop import ChatEngine, Engine, Episode, EpisodeConfig, OnStep, run_chat_episode, run_episode
 from swectl.agent.trajectory import ChatTokenizer
 from swectl.errors import InfraError
@@ -85,15 +84,14 @@ def _write_artifacts(out_dir: Path, ep: Episode, cfg: RolloutConfig, result: Epi
     (out_dir / "meta.json").write_bytes(msgspec.json.format(msgspec.json.encode(result)))
 
 
-class Rollout(ServingActor):
-    """Start with ``await tg.start(rollout.run)``; then ``collect(tasks)``. ``tokenizer`` is needed only for
-    token-in/token-out engines."""
+class Rollout:
+    """``await rollout.collect(tasks)`` (or ``episode(task, n)``). ``tokenizer`` is needed only for token-in/token-out
+    engines."""
 
     def __init__(self, config: RolloutConfig, pool: EnvPool, grader: Grader, engine_for: EngineFor,
                  tokenizer: ChatTokenizer | None, out_dir: Path, *, resolver: ImageResolver | None = None,
                  limiter: anyio.CapacityLimiter | None = None, judge: Judge | None = None,
                  engine_ready: EngineReady | None = None) -> None:
-        super().__init__()
         self._pool = pool
         self._grader = grader
         self._engine_for = engine_for
@@ -123,7 +121,6 @@ class Rollout(ServingActor):
 
     async def episode_with_trajectory(self, task: Task, sample: int) -> tuple[EpisodeResult, Episode]:
         """``episode``, with the finished Episode itself (its token stream, in memory, for training)."""
-        await self._check_running()
         judged: list[StepJudgement] = []
         async with anyio.create_task_group() as judges:  # the step judgements finish while the episode is graded
             on_step = self._judging(judges, task, sample, judged) if self._judge is not None else None

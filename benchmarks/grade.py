@@ -57,9 +57,8 @@ async def grade_all(
     config = load_config(None, ["env_pool.warm=0", f"sandbox.backend={backend}"])
     durations: list[float] = []
     statuses: list[str] = []
-    async with running_pool(config) as pool, anyio.create_task_group() as actors:
+    async with running_pool(config) as pool:
         grader = Grader(GraderConfig(concurrency=concurrency, defences=defences), pool)
-        await actors.start(grader.run)
         started = time.monotonic()
 
         async def one(task: Task) -> None:
@@ -71,7 +70,6 @@ async def grade_all(
             for t in tasks:
                 tg.start_soon(one, t)
         elapsed = time.monotonic() - started
-        actors.cancel_scope.cancel()
     return elapsed, durations, statuses
 
 

@@ -86,12 +86,10 @@ def next_instance(pool: list[Task], done: list[Task], seconds: dict[str, float])
 
 async def grade_swectl(task: Task, images: dict[str, str], timeout_s: float) -> list[GradeResult]:
     config = load_config(None, ["env_pool.warm=0"])
-    async with running_pool(config) as pool, anyio.create_task_group() as actors:
+    async with running_pool(config) as pool:
         grader = Grader(GraderConfig(concurrency=1, timeout_s=timeout_s), pool,
                         resolver=ImageResolver(mapping=images))
-        await actors.start(grader.run)
         out = [await grader.grade(task, patch, label=kind) for kind, patch in patches(task).items()]
-        actors.cancel_scope.cancel()
     return out
 
 

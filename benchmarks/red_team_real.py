@@ -60,9 +60,8 @@ async def grade_all(task: Task, patches: dict[str, str], resolver: ImageResolver
                     ) -> dict[str, GradeResult]:
     config = load_config(None, ["env_pool.warm=0"])
     results: dict[str, GradeResult] = {}
-    async with running_pool(config, "rtr" + uuid.uuid4().hex[:8]) as pool, anyio.create_task_group() as tg:
+    async with running_pool(config, "rtr" + uuid.uuid4().hex[:8]) as pool:
         grader = Grader(GraderConfig(concurrency=2, defences=defences, timeout_s=1800), pool, resolver=resolver)
-        await tg.start(grader.run)
 
         async def one(name: str, patch: str) -> None:
             results[name] = await grader.grade(task, patch, label=name)
@@ -70,7 +69,6 @@ async def grade_all(task: Task, patches: dict[str, str], resolver: ImageResolver
         async with anyio.create_task_group() as each:
             for name, patch in patches.items():
                 each.start_soon(one, name, patch)
-        tg.cancel_scope.cancel("graded")
     return results
 
 

@@ -103,15 +103,15 @@ class NamespaceBackend:
         self._roots: dict[str, ImageRoot] = {}
         self._removals = RemovalBatcher(lambda ids: self.remove(ids), node.name)
         self._warned_limits = False
+        self._userns = False  # whether the node allows user namespaces (from its check at prepare)
+        self.daemon_version = ""
+        self._reviving = anyio.Lock()
+        self.revivals = 0  # times the daemon was started again after it stopped answering
 
     own_cgroup_limits = True  # the nsbox daemon enforces the limits with cgroups of its own (the node needs them)
 
     def preloaded_images(self) -> set[str]:
         return set(self.config.ns_rootfs)
-        self._userns = False  # whether the node allows user namespaces (from its check at prepare)
-        self.daemon_version = ""
-        self._reviving = anyio.Lock()
-        self.revivals = 0  # times the daemon was started again after it stopped answering
 
     @property
     def prepared(self) -> bool:

@@ -292,10 +292,8 @@ async def eval_model(
             grader = Grader(GraderConfig(timeout_s=grade_timeout_s, concurrency=rollout.concurrency,
                                          reuse=settings.rollout.reuse_grades), pool,
                             resolver=resolver, log_dir=out / "grade-logs")
-            await tg.start(grader.run, name="grader")
             ro = Rollout(rollout, pool, grader, engine_for, tokenizer, out, resolver=resolver,
                          engine_ready=engines.wait_routable if chat is None else None)
-            await tg.start(ro.run, name="rollout")
             await ro.collect(tasks, record, skip=skip)
             tg.cancel_scope.cancel("episodes done")
     summary = summarize(settings, tasks_source, total, results, time.monotonic() - started)

@@ -185,12 +185,9 @@ class _ScriptRun:
         bar = Progress(len(self.scripted), self.script) if progress and self.scripted else None
         grades = _ScriptGrades(grader, self.script) if shared else grader
         with (self.out / "results.jsonl").open("ab") as results:
-            async with anyio.create_task_group() as tg:
-                ro = Rollout(rollout, pool, grades, self.engine_for, self.tokenizer, self.out,  # type: ignore[arg-type]
-                             resolver=resolver)
-                await tg.start(ro.run, name=f"rollout {self.script}")
-                await ro.collect(self.scripted, lambda r: self.record(r, results, bar))
-                tg.cancel_scope.cancel(f"{self.script} episodes done")
+            ro = Rollout(rollout, pool, grades, self.engine_for, self.tokenizer, self.out,  # type: ignore[arg-type]
+                         resolver=resolver)
+            await ro.collect(self.scripted, lambda r: self.record(r, results, bar))
 
     def summary(self, tasks: list[Task], tasks_source: str, tokenizer_path: str, elapsed_s: float) -> GoldSummary:
         order = {t.instance_id: n for n, t in enumerate(tasks)}
@@ -225,16 +222,14 @@ async def make_scripted(config: ClusterConfig, tasks: list[Task], outs: dict[Scr
         status(f"{' + '.join(f'{len(run.scripted)} {run.script}' for run in busy)} scripts, concurrency "
                f"{concurrency} each, output {', '.join(str(run.out) for run in busy)}")
         log_dir = (runs[0].out.parent if shared else runs[0].out) / "grade-logs"
-        async with running_pool(config) as pool, anyio.create_task_group() as tg:
+        async with running_pool(config) as pool:
             grader = Grader(GraderConfig(timeout_s=grade_timeout_s, concurrency=concurrency * len(busy),
                                          reuse=shared),
                             pool, resolver=resolver, log_dir=log_dir)
-            await tg.start(grader.run, name="grader")
             async with anyio.create_task_group() as scripts:
                 for run in busy:
                     scripts.start_soon(partial(run.collect, pool, grader, rollout, resolver, progress,
                                                shared=shared))
-            tg.cancel_scope.cancel("scripted episodes done")
     elapsed = time.monotonic() - started
     return {run.script: run.summary(tasks, tasks_source, tokenizer_path, elapsed) for run in runs}
 

@@ -187,10 +187,9 @@ async def evaluate_patches(
     bar = Progress(len(jobs), f"eval --{mode}") if progress else None
     instances: list[InstanceReport] = []
     started = time.monotonic()
-    async with running_pool(config) as pool, anyio.create_task_group() as tg:
+    async with running_pool(config) as pool:
         grader = Grader(GraderConfig(timeout_s=timeout_s, concurrency=concurrency), pool, resolver=resolver,
                         specs=specs, log_dir=out_dir / "logs")
-        await tg.start(grader.run, name="grader")
 
         async def one(task: Task, patch: str) -> None:
             result = await grader.grade(task, patch, label=mode)
@@ -201,7 +200,6 @@ async def evaluate_patches(
         async with anyio.create_task_group() as grading:
             for task, patch in jobs:
                 grading.start_soon(one, task, patch, name=f"grade {task.instance_id}")
-        tg.cancel_scope.cancel("every patch graded")
     return build_report(mode, instances, time.monotonic() - started, model=model, tasks=tasks)
 
 

@@ -49,7 +49,6 @@ async def run_service(
     async with running_pool(config) as pool, anyio.create_task_group() as tg:
         grader = Grader(GraderConfig(concurrency=options.grade_concurrency), pool, resolver=resolver,
                         log_dir=Path(options.log_dir) if options.log_dir else None)
-        await tg.start(grader.run, name="grader")
         fleet = Fleet(pool, grader, {t.instance_id: t for t in tasks}, resolver, url=url,
                       allocate_timeout_s=options.allocate_timeout_s, max_output_bytes=options.max_output_bytes)
         await tg.start(fleet.run, name="fleet")

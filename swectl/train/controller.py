@@ -19,7 +19,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +28,11 @@ import msgspec
 
 from swectl.actors.data_source import DataSource
 from swectl.actors.engines import Engines, engine_hosts
-from swectl.actors.env_pool import new_run_id, running_pool
-from swectl.actors.judge import Judge
-from swectl.actors.metrics import EngineReadings, EnvReadings, Metrics, StepProgress
+from swectl.actors.env_pool import new_run_id
+from swectl.actors.metrics import Metrics, StepProgress
 from swectl.actors.rollout import EpisodeResult
 from swectl.actors.trainer import Trainer, TrainerLostError
 from swectl.config import ClusterConfig, TrainConfig, ranks_per_node
-from swectl.engine.client import SglangClient
 from swectl.errors import ConfigError
 from swectl.logs import write_run_log
 from swectl.model.tokenizer import load_tokenizer
@@ -59,6 +56,7 @@ from swectl.train.checkpoint import (
 from swectl.train.feed import GroupFeed
 from swectl.train.plan import TrainPlan
 from swectl.train.rollouts import TrainRollouts
+from swectl.train.services import RlServices
 from swectl.train.sources import FeedSource, GroupSource, SampleSource, SftSource, StepSamples
 
 _log = logging.getLogger(__name__)
@@ -90,8 +88,6 @@ class Controller:
         self._buckets: list[list[ParamSpec]] = []
         self._checkpoint_path = ""  # the trainer state to start the ranks from ("" = the model folder)
         self._tok: Any = None  # the policy's tokenizer, loaded at the first rollout
-        self._env: EnvReadings | None = None  # the env pool's part of each step's metrics (GRPO)
-        self._engine_readings: EngineReadings | None = None  # what engine outages cost, per step (GRPO)
 
     # ------------------------------------------------------------ the run, with restarts
 
@@ -136,50 +132,39 @@ class Controller:
         # from step 0 (a fresh start, or a restart before the first checkpoint): every earlier line goes
         metrics = Metrics(self.run_dir, resume_step=self.state.step if self.state.step else -1)
         progress = StepProgress(t.steps, self.state.step)
-        rl = t.algorithm == "grpo"
-        pool_cm = running_pool(cfg, run_id) if rl else contextlib.nullcontext(None)
-        engine_cm = engine_hosts(cfg.engine_nodes()) if rl else contextlib.nullcontext([])
-        async with (_closing(metrics), pool_cm as pool, engine_cm as ehosts,
+        # the one question "is this an RL run?": whether it has the bundle of pool, engines, judge and rollouts
+        rl = RlServices(cfg, self.run_dir, say=self.say, tokenizer=self._tokenizer) if t.algorithm == "grpo" else None
+        async with (_closing(metrics), rl.opened(run_id, self.state.weights) if rl else contextlib.nullcontext(),
                     engine_hosts(cfg.trainer_nodes()) as thosts, anyio.create_task_group() as tg):
             trainer = Trainer(cfg.trainer, trainer_settings(cfg, self.plan, self.run_dir, resume_from), thosts,
                               log_dir=self.run_dir, run_id=run_id, progress=self.say)
-            engines: Engines | None = None
-            if rl:
-                engines = Engines(cfg.engine, model=self.state.weights, hosts=ehosts,
-                                  log_dir=self.run_dir / "engine-logs")
-                self.say(f"starting {len(ehosts) * cfg.engine.replicas} {cfg.engine.kind} engine server(s) and the "
-                         f"trainer ({_ranks(cfg, thosts)})")
-            else:
-                self.say(f"starting the trainer ({_ranks(cfg, thosts)})")
+            self.say(f"starting {rl.describe() + ' and ' if rl else ''}the trainer ({_ranks(cfg, thosts)})")
             self._trainer_was_ready = False
-            ready = await self._start_services(tg, trainer, engines)
+            ready = await self._start_services(tg, trainer, rl)
             self._trainer_was_ready = True
             self.say(f"trainer ready: {ready.world_size} ranks on {ready.device}, {ready.parameters:,} parameters")
             self._weight_group = ""
-            if engines is not None and cfg.trainer.weight_sync == "distributed":
-                assert engines is not None
-                await self._form_weight_group(trainer, engines, ready.device, run_id)
-            judge = await self._start_judge(tg, ehosts) if rl and cfg.reward.prm.enabled else None
-            rollouts = TrainRollouts(cfg, self.run_dir, pool, engines, self._tokenizer(), judge) if rl else None
-            self._env = EnvReadings(pool.statistics) if pool is not None else None
-            self._engine_readings = EngineReadings(engines.statistics) if engines is not None and rl else None
+            if rl is not None:
+                if cfg.trainer.weight_sync == "distributed":
+                    await self._form_weight_group(trainer, rl.engines, ready.device, run_id)
+                await rl.ready(tg)
             grpo: SampleSource | None = None  # made at the first GRPO step
             sft: SampleSource | None = None  # made at the first SFT step
             with BatchWriter() as writer:
-                if rollouts is not None and t.eval_every and self.state.step == 0:
-                    await self._evaluate(rollouts, metrics, 0)
+                if rl is not None and t.eval_every and self.state.step == 0:
+                    await self._evaluate(rl.rollouts, metrics, 0)
                 while self.state.step < t.steps:
                     step = self.state.step + 1
-                    if rollouts is not None and step > t.data.sft_steps:
-                        grpo = grpo or await self._grpo_source(tg, rollouts)
+                    if rl is not None and step > t.data.sft_steps:
+                        grpo = grpo or await self._grpo_source(tg, rl.rollouts)
                         source = grpo
                     else:
                         sft = sft or SftSource(self.plan.sft_samples, batch_size=t.data.sft_batch_size, seed=t.seed,
                                                cursor=self.state.sft_cursor)
                         source = sft
-                    await self._step(step, source, engines, trainer, writer, metrics, progress)
-                    if rollouts is not None and t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-                        await self._evaluate(rollouts, metrics, step)
+                    await self._step(step, source, rl, trainer, writer, metrics, progress)
+                    if rl is not None and t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                        await self._evaluate(rl.rollouts, metrics, step)
                     if self._checkpoint_due(step):
                         await self._checkpoint(trainer)
             progress.close()
@@ -187,20 +172,16 @@ class Controller:
 
     # ------------------------------------------------------------ one step
 
-    async def _step(self, step: int, source: SampleSource, engines: Engines | None, trainer: Trainer,
+    async def _step(self, step: int, source: SampleSource, rl: RlServices | None, trainer: Trainer,
                     writer: BatchWriter, metrics: Metrics, progress: StepProgress) -> None:
         """One step of the loop, whatever the algorithm: samples from ``source``, one trainer step on them, the
         new weights to the engines, the step's metrics and record."""
         t0 = time.monotonic()
         got = await source.next(step)
-        values = {**got.values, "rollout_s": time.monotonic() - t0}
-        if self._env is not None:
-            values.update(self._env.step_values())
-        if self._engine_readings is not None:
-            values.update(self._engine_readings.step_values())
+        values = {**got.values, "rollout_s": time.monotonic() - t0, **(rl.step_values() if rl else {})}
         reply = None
         if got.samples:
-            reply = await self._train(step, got, trainer, writer, values, push=engines is not None)
+            reply = await self._train(step, got, trainer, writer, values, push=rl is not None)
         else:  # every group had equal rewards (or was aborted): nothing to learn from, nothing to push
             self.say(f"step {step}: no learning signal (all {values.get('groups_dropped_uninformative', 0):.0f} "
                      f"groups had equal rewards, {values.get('groups_dropped_aborted', 0):.0f} aborted); no update")
@@ -208,8 +189,8 @@ class Controller:
         if reply is not None and reply.skipped:
             self.say(f"step {step}: {reply.reason}; the weights were not pushed")
             values["skipped"] = 1.0
-        elif reply is not None and engines is not None:
-            values["sync_s"] = await self._sync_weights(step, reply, trainer, engines)
+        elif reply is not None and rl is not None:
+            values["sync_s"] = await self._sync_weights(step, reply, trainer, rl.engines)
         if values.get("skipped"):
             self.state.skipped_steps.append(step)
         elif reply is not None and reply.weights_dir:
@@ -306,40 +287,17 @@ class Controller:
         feed = await self._start_feed(tg, rollouts, tasks)
         return FeedSource(feed, tasks, t.sampling, self.config.experiment)
 
-    async def _start_judge(self, tg: anyio.abc.TaskGroup, ehosts: list) -> Judge:
-        """The process-reward judge ([reward.prm]): its own engine group from a model folder (on the first engine
-        node, never updated), or a running server; started in ``tg``."""
-        prm = self.config.reward.prm
-        if prm.endpoint:
-            client = SglangClient(prm.endpoint, timeout_s=prm.timeout_s)
-            tg.start_soon(_close_at_cancel, client, name="judge client")
-            judge = Judge(prm, lambda key: client, load_tokenizer(prm.tokenizer, "reward.prm.tokenizer"))
-            where = prm.endpoint
-        else:
-            engines = Engines(msgspec.structs.replace(self.config.engine, replicas=1, port=0), model=prm.model,
-                              hosts=ehosts[:1], log_dir=self.run_dir / "judge-logs")
-            await tg.start(engines.run, name="judge engines")
-            judge = Judge(prm, engines.route, load_tokenizer(prm.model, "reward.prm.model"))
-            where = prm.model
-        await tg.start(judge.run, name="judge")
-        self.say(f"process rewards: judge {where}, {prm.samples} answers per step, step_coef {prm.step_coef}")
-        return judge
-
     async def _start_feed(self, tg: anyio.abc.TaskGroup, rollouts: TrainRollouts, tasks: DataSource) -> GroupFeed:
         """The async loop's group supply (feed.py), its grader and its episode limit, running in ``tg``."""
         t = self.train
         grader = rollouts.grader(self.run_dir / "episodes")
-        await tg.start(grader.run, name="feed grader")
         limiter = anyio.CapacityLimiter(t.concurrency)
 
         async def run_group(task: Task, draw: int) -> tuple[Group | None, list[EpisodeResult]]:
             out = self.run_dir / "episodes" / f"group_{draw:06d}"
             rollout = rollouts.rollout(grader, f"g{draw}", out, limiter=limiter)
             results: list[EpisodeResult] = []
-            async with anyio.create_task_group() as group_tg:
-                await group_tg.start(rollout.run, name="group rollout")
-                group = await rollouts.group(rollout, task, results)
-                group_tg.cancel_scope.cancel("group sampled")
+            group = await rollouts.group(rollout, task, results)
             if group is not None:
                 rollouts.score(group, f"g{draw}:{task.instance_id}", out)
             return group, results
@@ -353,19 +311,18 @@ class Controller:
                  f"(max_staleness {s.max_staleness}), {t.concurrency} episodes at once")
         return feed
 
-    async def _start_services(self, tg: anyio.abc.TaskGroup, trainer: Trainer, engines: Engines | None) -> Ready:
-        """The engines, the trainer and (with engines) the tokenizer made ready at the same time, each owned by
-        ``tg`` once up: they wait on nothing of each other's, and one after another a GRPO run on 2 cores waited 11 s
-        for its engine, then 13 s for its trainer, then 5 s for its tokenizer."""
+    async def _start_services(self, tg: anyio.abc.TaskGroup, trainer: Trainer, rl: RlServices | None) -> Ready:
+        """The trainer and (in an RL run) the engines and the tokenizer made ready at the same time, each owned by
+        ``tg`` once up: they wait on nothing of each other's (docs/results.md, "2026-11-29 (night)": started one
+        after another, a GRPO run on 2 cores waited for each in turn)."""
         ready: list[Ready] = []
 
         async def trainer_up() -> None:
             ready.append(await tg.start(trainer.run, name="trainer"))
 
         async with anyio.create_task_group() as starting:
-            if engines is not None:
-                starting.start_soon(partial(tg.start, engines.run, name="engines"))
-                starting.start_soon(anyio.to_thread.run_sync, self._tokenizer)
+            if rl is not None:
+                starting.start_soon(rl.start, tg)
             starting.start_soon(trainer_up)
         return ready[0]
 
@@ -387,15 +344,6 @@ def _ranks(config: ClusterConfig, hosts: list[Any]) -> str:
     if len(set(ranks)) == 1:
         return f"{ranks[0]} ranks x {len(hosts)} node(s)"
     return f"{sum(ranks)} ranks on {len(hosts)} node(s) ({' + '.join(map(str, ranks))})"
-
-
-async def _close_at_cancel(client: SglangClient) -> None:
-    """Hold ``client`` open until the run's task group is cancelled, then close it."""
-    try:
-        await anyio.sleep_forever()
-    finally:
-        with anyio.CancelScope(shield=True):
-            await client.aclose()
 
 
 def _first_leaf(error: BaseException) -> BaseException:

@@ -154,11 +154,7 @@ class TrainRollouts:
                           self._pool, grader, lambda task, n: engines.route(f"eval#{task.instance_id}#{step}#{n}"),
                           self._tokenizer, out, engine_ready=engines.wait_routable)
         t0 = time.monotonic()
-        async with anyio.create_task_group() as tg:
-            await tg.start(grader.run, name="eval grader")
-            await tg.start(rollout.run, name="eval rollout")
-            results = await rollout.collect(tasks)
-            tg.cancel_scope.cancel("evaluated")
+        results = await rollout.collect(tasks)
         scored = [r for r in results if r.outcome != "ABORTED"]
         rate = sum(r.resolved for r in scored) / max(len(scored), 1)
         values = {"eval/resolve_rate": rate, "eval/episodes": float(len(scored)),

@@ -16,7 +16,6 @@ from __future__ import annotations
 import random
 from typing import Any, Protocol
 
-import anyio
 import msgspec
 
 from swectl.actors.data_source import DataCursor, DataSource
@@ -137,11 +136,7 @@ class GroupSource:
                     index, task = draw()
 
         first = [draw() for _ in range(s.tasks_per_step)]
-        async with anyio.create_task_group() as tg:
-            await tg.start(grader.run, name="grader")
-            await tg.start(rollout.run, name="rollout")
-            await gather([lambda i=i, t=t: slot(i, t) for i, t in first])
-            tg.cancel_scope.cancel("step collected")
+        await gather([lambda i=i, t=t: slot(i, t) for i, t in first])
         every = [scored[i] for i in sorted(scored)]
         kept = [g for g in every if not s.dynamic_sampling or g.informative]
         info = {"groups": float(len(kept)), "sampling_rounds": float(rounds),

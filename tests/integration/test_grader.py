@@ -65,7 +65,6 @@ async def grade(task: Task, patch: str, run_id: str, **kw) -> GradeResult:
     config = load_config(None, ["env_pool.warm=0", "sandbox.backend='podman'"])  # tests kill containers
     async with running_pool(config, run_id) as pool, anyio.create_task_group() as tg:
         grader = Grader(GraderConfig(**kw), pool)
-        await tg.start(grader.run)
         result = await grader.grade(task, patch)
         tg.cancel_scope.cancel()
     return result
@@ -118,7 +117,6 @@ async def test_reuse_grades_each_distinct_patch_once(task: Task, run_id: str) ->
     config = load_config(None, ["env_pool.warm=0", "sandbox.backend='podman'"])
     async with running_pool(config, run_id) as pool, anyio.create_task_group() as tg:
         grader = Grader(GraderConfig(reuse=True), pool)
-        await tg.start(grader.run)
         results: dict[str, GradeResult] = {}
 
         async def one(name: str, patch: str) -> None:
@@ -317,7 +315,6 @@ async def test_node_lost_mid_grading_is_infra(task: Task, run_id: str, sshd_node
     try:
         async with running_pool(config, run_id) as pool, anyio.create_task_group() as tg:
             grader = Grader(GraderConfig(timeout_s=120), pool)
-            await tg.start(grader.run)
             tg.start_soon(kill_soon)
             with anyio.fail_after(90):
                 r = await grader.grade(task, hanging_pytest(60, task))

@@ -322,7 +322,6 @@ async def test_gold_resolves_and_empty_does_not(fake: Fake) -> None:
     resolver = ImageResolver(mapping={fake.task.instance_id: fake.built.image})
     async with running_pool(config) as pool, anyio.create_task_group() as tg:
         grader = Grader(GraderConfig(timeout_s=300), pool, resolver=resolver, specs=load_specs())
-        await tg.start(grader.run)
         gold = await grader.grade(fake.task, fake.task.patch)
         empty = await grader.grade(fake.task, "")
         tg.cancel_scope.cancel()

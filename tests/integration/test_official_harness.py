@@ -55,7 +55,6 @@ def test_grader_agrees_with_official_harness() -> None:
                 results[i] = (await grader.grade(task, patch)).status
 
             async with anyio.create_task_group() as tg:
-                await tg.start(grader.run)
                 async with anyio.create_task_group() as jobs_tg:
                     for i, (_, t, p) in enumerate(jobs):
                         jobs_tg.start_soon(one, i, t, p)

@@ -42,8 +42,6 @@ async def grade_all(task: Task, patches: dict[str, str], *, defences: bool = Tru
     results: dict[str, GradeResult] = {}
     async with running_pool(config, "rt" + uuid.uuid4().hex[:10]) as pool, anyio.create_task_group() as tg:
         grader = Grader(GraderConfig(concurrency=4, defences=defences), pool)
-        await tg.start(grader.run)
-
         async def one(name: str, patch: str) -> None:
             results[name] = await grader.grade(task, patch, label=name)
 

@@ -41,10 +41,8 @@ def rollout(tasks: list[Task], replies_for, tokenizer, out: Path, **episode) -> 
         config = load_config(None, ["env_pool.warm=0"])
         async with running_pool(config, "r" + uuid.uuid4().hex[:12]) as pool, anyio.create_task_group() as tg:
             grader = Grader(GraderConfig(), pool)
-            await tg.start(grader.run)
             ro = Rollout(RolloutConfig(concurrency=4, episode=EpisodeConfig(**episode)), pool, grader,
                          lambda t, n: ReplayEngine(replies_for(t), tokenizer), tokenizer, out)
-            await tg.start(ro.run)
             results = await ro.collect(tasks)
             assert ro.statistics().finished == len(results)
             assert grader.statistics().graded == sum(
@@ -118,10 +116,8 @@ def test_engine_dying_mid_episode_is_aborted_not_failed(tokenizer, tmp_path: Pat
         config = load_config(None, ["env_pool.warm=0"])
         async with running_pool(config, "r" + uuid.uuid4().hex[:12]) as pool, anyio.create_task_group() as tg:
             grader = Grader(GraderConfig(), pool)
-            await tg.start(grader.run)
             ro = Rollout(RolloutConfig(), pool, grader,
                          lambda t, n: DyingEngine(["THOUGHT: a\n```bash\nls\n```"] * 3, tokenizer), tokenizer, tmp_path)
-            await tg.start(ro.run)
             results = await ro.collect([task])
             assert ro.statistics().aborted == 1
             tg.cancel_scope.cancel()
@@ -159,12 +155,9 @@ def judged_rollout(task: Task, engine_for, tokenizer, out: Path, samples: int) -
         config = load_config(None, ["env_pool.warm=0"])
         async with running_pool(config, "r" + uuid.uuid4().hex[:12]) as pool, anyio.create_task_group() as tg:
             grader = Grader(GraderConfig(), pool)
-            await tg.start(grader.run)
             judge = Judge(PrmConfig(enabled=True, model="x", samples=samples, timeout_s=5.0), engine_for, tokenizer)
-            await tg.start(judge.run)
             ro = Rollout(RolloutConfig(concurrency=2), pool, grader,
                          lambda t, n: ReplayEngine(gold_replies(t.patch), tokenizer), tokenizer, out, judge=judge)
-            await tg.start(ro.run)
             results = await ro.collect([task])
             tg.cancel_scope.cancel()
         return results, judge

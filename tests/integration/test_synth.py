@@ -123,7 +123,6 @@ def test_synth_from_a_git_checkout(tmp_path) -> None:
                 assert tasks, "no mutant of calc kept"
                 async with anyio.create_task_group() as tg:
                     grader = Grader(GraderConfig(), pool)
-                    await tg.start(grader.run)
                     statuses = [(await grader.grade(t, t.patch)).status for t in tasks] + [
                         (await grader.grade(t, "")).status for t in tasks]
                     tg.cancel_scope.cancel()
