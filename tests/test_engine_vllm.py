@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 
@@ -150,6 +151,6 @@ def test_training_under_vllm_refuses_a_tied_model(tmp_path: Path) -> None:
     assert ties_embeddings(model)
     config = load_config(None, ["engine.kind='vllm'", f"train.model='{model}'", f"out_dir='{tmp_path}'"])
     with pytest.raises(ConfigError, match="model init --untied"):
-        build_plan(config, tmp_path / "run", say=lambda _: None)
+        anyio.run(lambda: build_plan(config, tmp_path / "run", say=lambda _: None))
     (model / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
     assert not ties_embeddings(model)

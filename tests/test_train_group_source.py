@@ -95,8 +95,8 @@ def test_an_uninformative_slot_draws_again_while_the_others_still_run(tmp_path: 
     step = anyio.run(source.next, 1)
     when = {(event, task): t for event, task, t in rollouts.log}
     assert when[("start", order[4])] < when[("end", order[1])]  # the redraw did not wait for the round's tail
-    assert step.record["tasks"] == order[:5]
-    assert step.record["groups"] == [order[1], order[2], order[3], order[4]]  # in draw order, not finish order
+    assert step.record.tasks == order[:5]
+    assert step.record.groups == [order[1], order[2], order[3], order[4]]  # in draw order, not finish order
     assert step.values["sampling_rounds"] == 2.0
     assert step.values["groups_dropped_uninformative"] == 1.0
     assert len(step.samples) == 8
@@ -114,8 +114,8 @@ def test_slots_draw_and_keep_what_rounds_did(tmp_path: Path, seed: int) -> None:
     source, rollouts, _ = _source(tmp_path, plan, tasks_per_step=3, n_samples=3, max_sampling_rounds=3)
     step = anyio.run(source.next, 7)
     drawn, kept = _rounds_reference(order, plan, 3, 3)
-    assert sorted(step.record["tasks"]) == sorted(drawn)
-    assert step.record["groups"] == [t for t in order if t in kept]
+    assert sorted(step.record.tasks) == sorted(drawn)
+    assert step.record.groups == [t for t in order if t in kept]
     assert step.values["groups"] == float(len(kept))
     aborted = sum(plan[t][0] is None for t in drawn)
     assert step.values["groups_dropped_aborted"] == float(aborted)
@@ -131,8 +131,8 @@ def test_without_dynamic_sampling_every_completed_group_is_kept_once(tmp_path: P
     source, _, _ = _source(tmp_path, plan, tasks_per_step=4, n_samples=2, dynamic_sampling=False,
                            max_sampling_rounds=3)
     step = anyio.run(source.next, 1)
-    assert step.record["tasks"] == order
-    assert step.record["groups"] == [order[0], order[1], order[3]]
+    assert step.record.tasks == order
+    assert step.record.groups == [order[0], order[1], order[3]]
     assert step.values["sampling_rounds"] == 1.0
     assert step.values["groups_dropped_aborted"] == 1.0
 
@@ -145,6 +145,6 @@ def test_a_task_without_signal_is_passed_over_at_its_next_turn_when_asked(tmp_pa
     for passing in (False, True):
         source, _, tasks = _source(tmp_path, plan, tasks_per_step=4, n_samples=2, max_sampling_rounds=2,
                                    pass_over_uninformative=passing)
-        drawn = [t for step in range(1, 7) for t in anyio.run(source.next, step).record["tasks"]]
+        drawn = [t for step in range(1, 7) for t in anyio.run(source.next, step).record.tasks]
         assert drawn.count(solved) == (1 if passing else 2), drawn  # epoch 2 passes it over
         assert tasks.cursor.pass_over == []

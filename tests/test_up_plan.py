@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import anyio
 import pytest
 
 from swectl.config import load_config
@@ -18,7 +19,7 @@ def _plan(tmp_path: Path, run_dir: Path, *sets: str):
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")  # a grpo plan without sft_steps only checks that the folder is a model
     config = load_config(None, [f"train.model='{model}'", *sets])
-    return build_plan(config, run_dir, say=print)
+    return anyio.run(lambda: build_plan(config, run_dir, say=print))
 
 
 def _ids(tasks) -> list[str]:

@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"train.steps={args.steps}")
     if args.strict:
         overrides.append("train.data.sft_strict=true")
+    from swectl.train.checkpoint import RunState
     from swectl.train.controller import new_run_dir, run_training
     from swectl.train.plan import build_plan
 
@@ -82,14 +83,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         config = load_run_config(args.config, overrides)
         run_dir = new_run_dir(config)
-    plan = build_plan(config, run_dir, say=say)
     t = config.train
-    say(f"run {run_dir}: {t.algorithm}, {t.steps} steps, model {plan.model}; "
-        + (f"{len(plan.train_tasks)} train / {len(plan.test_tasks)} held-out tasks (split seed "
-           f"{t.data.split_seed}), {t.sampling.tasks_per_step} tasks x {t.sampling.n_samples} samples per step"
-           if t.algorithm == "grpo"
-           else f"{len(plan.sft_samples)} SFT samples"))
-    state = anyio.run(lambda: run_training(config, plan, run_dir, resume=bool(args.resume), say=say))
+
+    async def main() -> RunState:  # the plan (gold trajectories, when it makes them) and the run in one event loop
+        plan = await build_plan(config, run_dir, say=say)
+        say(f"run {run_dir}: {t.algorithm}, {t.steps} steps, model {plan.model}; "
+            + (f"{len(plan.train_tasks)} train / {len(plan.test_tasks)} held-out tasks (split seed "
+               f"{t.data.split_seed}), {t.sampling.tasks_per_step} tasks x {t.sampling.n_samples} samples per step"
+               if t.algorithm == "grpo"
+               else f"{len(plan.sft_samples)} SFT samples"))
+        return await run_training(config, plan, run_dir, resume=bool(args.resume), say=say)
+
+    state = anyio.run(main)
     print(json.dumps({"run_dir": str(run_dir), "steps": state.step, "weights": state.weights,
                       "skipped_steps": state.skipped_steps}))
     return 0

@@ -15,7 +15,6 @@ eval/step_N/ (held-out evaluations), trainer*.log and engine-logs/.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -201,8 +200,8 @@ class Controller:
         values["step_s"] = time.monotonic() - t0
         metrics.log(step, values)
         progress.update(step, values)
-        with (self.run_dir / "steps.jsonl").open("a") as f:
-            f.write(json.dumps({"step": step, **got.record}) + "\n")
+        with (self.run_dir / "steps.jsonl").open("ab") as f:
+            f.write(msgspec.json.encode(msgspec.structs.replace(got.record, step=step)) + b"\n")
         prune_weights(self.run_dir, self.train.keep_weights, {self.state.weights, *self._checkpointed_weights()})
 
     async def _train(self, step: int, got: StepSamples, trainer: Trainer, writer: BatchWriter,

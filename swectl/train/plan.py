@@ -9,7 +9,6 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import anyio
 import msgspec
 
 from swectl.actors.data_source import split_tasks
@@ -35,8 +34,9 @@ class TrainPlan(msgspec.Struct, frozen=True, kw_only=True):
     sft_samples: list[TrainSample] = []
 
 
-def build_plan(config: ClusterConfig, run_dir: Path, *, say: Say) -> TrainPlan:
-    """Resolve the model folder (making the tiny default on first use) and the task splits or SFT samples."""
+async def build_plan(config: ClusterConfig, run_dir: Path, *, say: Say) -> TrainPlan:
+    """Resolve the model folder (making the tiny default on first use) and the task splits or SFT samples (in the
+    run's event loop: gold trajectories, when the run makes them, run in sandboxes)."""
     t, data = config.train, config.train.data
     kind = engine_kind(config.engine.kind)
     untied = kind.needs_untied_head  # its weight reload leaves an output head tied to the embeddings stale
@@ -67,7 +67,7 @@ def build_plan(config: ClusterConfig, run_dir: Path, *, say: Say) -> TrainPlan:
     sft: list[TrainSample] = []
     if data.sft_steps:
         sft = (_sft_samples(config, model) if data.sft_data
-               else _gold_samples(config, model, train, run_dir / "gold", say))
+               else await _gold_samples(config, model, train, run_dir / "gold", say))
     return TrainPlan(model=model, train_tasks=train, test_tasks=test, sft_samples=sft)
 
 
@@ -111,27 +111,36 @@ def record_split(path: Path, split: SplitRecord) -> None:
     path.write_bytes(msgspec.json.format(msgspec.json.encode(split), indent=1) + b"\n")
 
 
-def _gold_samples(config: ClusterConfig, model: str, tasks: list[Task], out: Path, say: Say) -> list[TrainSample]:
+async def _gold_samples(config: ClusterConfig, model: str, tasks: list[Task], out: Path, say: Say
+                        ) -> list[TrainSample]:
     """SFT data for the first train.data.sft_steps of a grpo run when train.data.sft_data is empty: each train-split
     task's gold patch acted out as agent turns in a real sandbox and graded (`swectl data gold`), made once per run."""
     from swectl.eval.gold import make_gold
 
-    if not (out / "summary.json").exists():
-        if out.exists():  # an interrupted gold run: its partial results would be refused; make them anew
-            say(f"{out} holds an unfinished gold run (no summary.json): making it again")
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
+    if _gold_to_make(out, say):
         say(f"train.data.sft_steps = {config.train.data.sft_steps} with no train.data.sft_data: making gold "
             "trajectories of the "
             f"{len(tasks)} train-split tasks in {out}")
         tokenizer = load_tokenizer(model, "train.model")
-        summary = anyio.run(lambda: make_gold(config, tasks, out, tokenizer, tokenizer_path=model,
-                                              concurrency=config.train.concurrency, status=say))
+        summary = await make_gold(config, tasks, out, tokenizer, tokenizer_path=model,
+                                  concurrency=config.train.concurrency, status=say)
         say(f"{summary.resolved} of {summary.total} gold trajectories resolve and are kept")
     samples = samples_from_runs([out])
     if not samples:
         raise TaskDataError(f"{out}: no gold trajectory resolved; see its summary.json")
     return samples
+
+
+def _gold_to_make(out: Path, say: Say) -> bool:
+    """Whether ``out`` needs gold trajectories made; if so it is made empty (an interrupted gold run's partial results
+    would be refused: they are made anew)."""
+    if (out / "summary.json").exists():
+        return False
+    if out.exists():
+        say(f"{out} holds an unfinished gold run (no summary.json): making it again")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    return True
 
 
 def _sft_samples(config: ClusterConfig, model: str) -> list[TrainSample]:

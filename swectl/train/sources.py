@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 
@@ -32,13 +32,24 @@ from swectl.train.feed import GroupFeed
 from swectl.train.rollouts import TrainRollouts, gather
 
 
+class StepRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One line of steps.jsonl: what a step trained on (an SFT step its samples' uids; a GRPO step the tasks drawn,
+    the groups kept and each group's rewards, by sample)."""
+
+    step: int = 0
+    samples: list[str] = []
+    tasks: list[str] = []
+    groups: list[str] = []
+    rewards: dict[str, list[float]] = {}
+
+
 class StepSamples(msgspec.Struct, kw_only=True):
     """One step's training samples, its metrics and what steps.jsonl records of it."""
 
     algorithm: str  # the loss they train with: "sft" or "grpo"
     samples: list[TrainSample]
     values: dict[str, float] = {}
-    record: dict[str, Any] = {}
+    record: StepRecord = StepRecord()
 
 
 class SampleSource(Protocol):
@@ -71,7 +82,7 @@ class SftSource:
                 continue
             out.append(samples[order[cur.index]])
             cur.index += 1
-        return StepSamples(algorithm="sft", samples=out, record={"samples": [s.uid for s in out]})
+        return StepSamples(algorithm="sft", samples=out, record=StepRecord(samples=[s.uid for s in out]))
 
     def save(self, state: RunState) -> None:
         state.sft_cursor = DataCursor(epoch=self._cursor.epoch, index=self._cursor.index)
@@ -177,8 +188,8 @@ def _grpo_samples(groups: list[Group], results: list[EpisodeResult], info: dict[
                   sampling: SamplingConfig, experiment: ExperimentConfig) -> StepSamples:
     samples = group_samples(groups, mode=sampling.sample_mode, experiment=experiment)
     values = {**info, **rollout_values(groups, results)}
-    record = {"tasks": tasks_seen, "groups": [g.instance_id for g in groups],
-              "rewards": {g.instance_id: g.rewards for g in groups}}
+    record = StepRecord(tasks=tasks_seen, groups=[g.instance_id for g in groups],
+                        rewards={g.instance_id: list(g.rewards) for g in groups})
     return StepSamples(algorithm="grpo", samples=samples, values=values, record=record)
 
 
