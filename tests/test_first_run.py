@@ -18,7 +18,6 @@ from swectl.errors import ConfigError
 from swectl.images.project import BUNDLED_TASKS
 from swectl.train import first_run
 from swectl.train.first_run import (
-    EXPECTED_S,
     Recipe,
     Summary,
     expected_s,
@@ -160,8 +159,22 @@ def test_a_recipe_naming_a_split_with_an_empty_side_is_refused(tmp_path: Path) -
 
 
 
-def test_the_eta_scales_each_phase_by_the_recipes_work() -> None:
-    assert expected_s(Recipe()) == list(EXPECTED_S)
-    shorter = expected_s(Recipe(sft_steps=200, grpo_steps=10, eval_samples=8))
-    assert shorter[2] == EXPECTED_S[2] / 2 and shorter[4] == EXPECTED_S[4] / 2
-    assert shorter[3] == EXPECTED_S[3] * 2 and shorter[:2] == list(EXPECTED_S[:2])
+def test_the_eta_scales_an_earlier_run_on_this_machine_by_the_recipes_work(tmp_path: Path) -> None:
+    past_s = [13.0, 48.0, 705.0, 157.0, 509.0, 120.0, 87.0]
+    assert expected_s(Recipe(), past_s, Recipe()) == past_s
+    shorter = expected_s(Recipe(sft_steps=200, grpo_steps=10, eval_samples=8), past_s, Recipe())
+    assert shorter[2] == past_s[2] / 2 and shorter[4] == past_s[4] / 2
+    assert shorter[3] == past_s[3] * 2 and shorter[:2] == past_s[:2]
+    assert first_run.previous_run(tmp_path, tmp_path / "new") is None  # a fresh machine: no estimate
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / first_run.RECIPE_FILE).write_text("{}")
+    phases = dict(zip(first_run.PHASE_KEYS, past_s, strict=True))
+    (old / first_run.SUMMARY_FILE).write_text(json.dumps({"run_dir": str(old), "phases_s": phases,
+                                                          "recipe": {"sft_steps": 200}, "seed": 1}))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / first_run.RECIPE_FILE).write_text("{}")
+    (tmp_path / "broken" / first_run.SUMMARY_FILE).write_text("{not json")
+    found = first_run.previous_run(tmp_path, tmp_path / "new")
+    assert found is not None and found[0] == past_s and found[1].sft_steps == 200 and found[2] == old
+    assert first_run.previous_run(tmp_path, old) is None  # a run never estimates from itself

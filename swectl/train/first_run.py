@@ -59,11 +59,13 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     test_fraction: float = 0.5  # share of the bundled tasks held out
     give_up: int = 1  # copies per task of the teacher that submits no change (0: SFT on gold only)
     recover: int = 1  # copies per task of the teacher that slips and recovers
-    sft_steps: int = 400  # the tiny model must nearly memorise the edits: 100 or 200 steps resolved nothing
+    # the tiny model must nearly memorise the edits (docs/results.md, "2026-11-28 — `swectl up` with no config file")
+    sft_steps: int = 400
     sft_batch_size: int = 8
     sft_lr: float = 2e-3
     sft_schedule: Literal["constant", "cosine"] = "constant"
-    grpo_steps: int = 20  # 30 took 7 minutes more for no more gain (seed 3: +29.2 points at 30, +36.1 at 20)
+    # 30 took longer for no more gain (docs/results.md, "2026-11-29 — the first run in 25 to 27 minutes")
+    grpo_steps: int = 20
     grpo_lr: float = 2e-4
     grpo_schedule: Literal["constant", "cosine"] = "cosine"  # cosine: down to a tenth by the last step
     kl_coef: float = 0.5  # GRPO's KL penalty to the SFT weights (low_var_kl): keeps the SFT format
@@ -84,20 +86,20 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     mask_truncated: bool = True  # GRPO: truncated episodes (step limit, malformed replies) carry no gradient
     mask_truncated_endings: Literal["all", "overlong"] = "all"  # overlong: not the malformed-reply limit
     mask_format_errors: bool = True  # GRPO: malformed replies carry no gradient
-    # episodes at a time, in training and in the readings; the engine decodes that many rows together (a decode step
-    # of 16 rows took 15 ms against 13 ms for 8, and an SFT reading 75 s against 84 s at 8)
+    # episodes at a time, in training and in the readings; the engine decodes that many rows together (16 rather than
+    # 8: docs/results.md, "2026-11-29 (night) — the first run with its independent phases at once")
     concurrency: int = 16
     # GRPO: how many steps a group's weights may lag the trainer's (train.sampling.max_staleness; 0: synchronous).
     # At 1 the next step's rollouts run while the trainer trains, instead of the engine idling through each training
-    # step and the trainer through each step's rollouts. Seeds 1-3: GRPO (the SFT reading beside it) took 8.4-9.7
-    # minutes against 12.5-13.2 and read +25.0, +26.4, +25.0 points against +20.8, +33.3, +26.4 (one s.e. 8)
+    # step and the trainer through each step's rollouts: faster, and within noise of synchronous GRPO's gain on
+    # three seeds (docs/results.md, "2026-11-29 (late) — the first run with asynchronous GRPO")
     max_staleness: int = 1
-    # torch threads of the SFT trainer, one rank (0: this machine's cores). SFT trains while nothing else runs, and on
-    # 2 cores one rank of 2 threads took an SFT step in 2.1 s, two ranks of 1 in 2.4 s
+    # torch threads of the SFT trainer, one rank (0: this machine's cores). SFT trains while nothing else runs, and
+    # one rank of every core beat two ranks of half (docs/results.md, "2026-11-29 — the first run in 25 to 27 minutes")
     trainer_threads: int = 0
     # torch threads of the GRPO trainer (0: 1 when asynchronous, else this machine's cores). Asynchronous GRPO trains
-    # beside its rollouts: with 2 threads its steps took 11-34 s and fought the engine for the cores, with 1 thread
-    # 9-16 s; synchronous GRPO trains alone (5-7 s a step with 2 threads)
+    # beside its rollouts, and more threads fought the engine for the cores; synchronous GRPO trains alone
+    # (docs/results.md, "2026-11-29 (late) — the first run with asynchronous GRPO")
     grpo_trainer_threads: int = 0
     eval_samples: int = 4  # episodes per train task in each reading
     test_samples: int = 2  # episodes per held-out task
@@ -178,8 +180,9 @@ class Beside:
     rather than this terminal (one terminal holds one progress bar). Leaving the block waits for the command and
     raises SwectlError, with the log's tail, when it failed; an exception inside the block (Ctrl-C included) stops
     the command first. ``seconds``: how long the command itself took. ``argv`` None (the phase is already done)
-    runs nothing. Two CPU-bound phases overlap well on this 2-core machine because each leaves about a quarter of it
-    idle (an engine waits on its episodes' commands)."""
+    runs nothing. Two CPU-bound phases overlap well on a 2-core machine because each leaves part of it idle (an
+    engine waits on its episodes' commands: docs/results.md, "2026-11-29 (night) — the first run with its
+    independent phases at once")."""
 
     def __init__(self, argv: list[str] | None, what: str, log: Path, say: Say) -> None:
         self.argv, self.what, self.log, self.say = argv, what, log, say
@@ -268,7 +271,7 @@ def scripted_data_argv(work: Path, model: Path, recipe: Recipe, scripts: Sequenc
 def sft_data(work: Path, model: Path, recipe: Recipe, say: Say, extra: Sequence[str] = ()) -> list[str]:
     """The SFT data folders: gold, then the noisy teacher's copies (a folder listed K times is read K times). The
     scripts run at once in one process (one interpreter, one sandbox pool, and the gold patch that recover ends with
-    graded once: 83-104 s for three processes side by side, 128 s one after another)."""
+    graded once: docs/results.md, "2026-11-29 (night) — the first run in 22.2-24.0 minutes")."""
     scripts = {"gold": 1, "give-up": recipe.give_up, "recover": recipe.recover}
     if argv := scripted_data_argv(work, model, recipe, [script for script, copies in scripts.items() if copies],
                                   extra):
@@ -360,8 +363,9 @@ class Summary(msgspec.Struct, kw_only=True):
     readings: dict[str, dict[str, Any]]
     run_dir: str
     recipe: dict[str, Any]
-    # The machine's speed during the run: SFT is a fixed workload per seed, and on a shared 2-core VM the same run
-    # has taken 1.26 and 1.82 s a step hours apart, so the minutes are read beside these (median over SFT's steps)
+    # The machine's speed during the run: SFT is a fixed workload per seed, and on a shared VM the same run's speed
+    # moves by the hour (docs/results.md, "2026-11-29 (later) — the first run from 19.8 to 31.8 minutes on one
+    # machine"), so the minutes are read beside these (median over SFT's steps)
     sft_step_s: float = 0.0
     sft_tokens_per_s: float = 0.0
 
@@ -370,26 +374,48 @@ PHASES = ("model and split", "SFT data", "SFT", "SFT reading", "GRPO", "GRPO rea
 # Phases that run at the same time (the SFT reading beside GRPO, the held-out reading beside the GRPO reading): the
 # run's minutes are the sum over these groups of their longest phase
 OVERLAPPED = ((0,), (1,), (2,), (3, 4), (5, 6))
-# Seconds each phase took in first runs on seeds 1-3 (2-core machine at 1.67-1.74 s an SFT step, 2026-11-29, late)
-# with the default recipe, the overlapped ones beside their partner: the ETA scales them by the recipe's steps and
-# samples (expected_s) and by how the phases so far compare with them
-EXPECTED_S = (13.0, 48.0, 705.0, 157.0, 509.0, 120.0, 87.0)
+# summary.json's phases_s keys, in PHASES order
+PHASE_KEYS = ("model", "sft_data", "sft", "sft_reading", "grpo", "grpo_reading", "test_reading")
+
+
+class PastRun(msgspec.Struct, frozen=True):
+    """What the ETA reads of an earlier first run on this machine: its summary.json's phase seconds and recipe."""
+
+    run_dir: str
+    phases_s: dict[str, float]
+    recipe: dict[str, Any]
 
 
 def _wall(expected: list[float], group: tuple[int, ...]) -> float:
     return max(expected[index] for index in group)
 
 
-def expected_s(recipe: Recipe) -> list[float]:
-    """EXPECTED_S for ``recipe``: SFT by its steps x batch, GRPO by its steps x group, the readings by their
-    episodes, each against the default recipe's."""
-    base = Recipe()
-    ratios = (1.0, 1.0, recipe.sft_steps * recipe.sft_batch_size / (base.sft_steps * base.sft_batch_size),
-              recipe.eval_samples / base.eval_samples,
+def previous_run(out_dir: Path, exclude: Path) -> tuple[list[float], Recipe, Path] | None:
+    """The newest finished first run in ``out_dir`` (not ``exclude``): its seconds per phase (the overlapped ones
+    beside their partner), its recipe and its folder; None when this machine has none."""
+    found: list[tuple[float, Path]] = []
+    for path in out_dir.glob(f"*/{SUMMARY_FILE}"):
+        if path.parent.resolve() != exclude.resolve() and (path.parent / RECIPE_FILE).is_file():
+            found.append((path.stat().st_mtime, path))
+    for _, path in sorted(found, reverse=True):
+        try:
+            past = msgspec.json.decode(path.read_bytes(), type=PastRun)
+            recipe = msgspec.convert(past.recipe, Recipe, strict=False)
+            return [float(past.phases_s[key]) for key in PHASE_KEYS], recipe, path.parent
+        except (OSError, KeyError, msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    return None
+
+
+def expected_s(recipe: Recipe, past_s: list[float], past: Recipe) -> list[float]:
+    """An earlier run's seconds per phase (``past_s``, of recipe ``past``) scaled to ``recipe``: SFT by its steps x
+    batch, GRPO by its steps x group, the readings by their episodes."""
+    ratios = (1.0, 1.0, recipe.sft_steps * recipe.sft_batch_size / (past.sft_steps * past.sft_batch_size),
+              recipe.eval_samples / past.eval_samples,
               recipe.grpo_steps * recipe.tasks_per_step * recipe.n_samples
-              / (base.grpo_steps * base.tasks_per_step * base.n_samples),
-              recipe.eval_samples / base.eval_samples, recipe.test_samples / base.test_samples)
-    return [seconds * ratio for seconds, ratio in zip(EXPECTED_S, ratios, strict=True)]
+              / (past.grpo_steps * past.tasks_per_step * past.n_samples),
+              recipe.eval_samples / past.eval_samples, recipe.test_samples / past.test_samples)
+    return [seconds * ratio for seconds, ratio in zip(past_s, ratios, strict=True)]
 
 
 def load_recipe(run_dir: Path, overrides: dict[str, Any]) -> Recipe:
@@ -422,11 +448,18 @@ def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say)
     phases_s: dict[str, float] = {}
     log = _Log(run_dir / LOG_FILE, say)
 
-    expected = expected_s(recipe)
+    past = previous_run(run_dir.parent, run_dir)  # the ETA: an earlier first run on this machine, scaled
+    expected = expected_s(recipe, past[0], past[1]) if past is not None else None
+    if past is not None:
+        log(f"time left: estimated from the first run in {past[2]}, scaled to this recipe")
 
     def phase(index: int, detail: str) -> None:
-        done = sum(_wall(expected, group) for group in OVERLAPPED if group[-1] < index)
         spent = time.monotonic() - started
+        if expected is None:
+            log(f"[{index + 1}/{len(PHASES)}] {PHASES[index]}: {detail} (elapsed {spent / 60:.1f} min; no earlier "
+                f"first run in {run_dir.parent} to estimate the time left from)")
+            return
+        done = sum(_wall(expected, group) for group in OVERLAPPED if group[-1] < index)
         scale = spent / done if done and spent > 60 else 1.0
         left = sum(_wall(expected, group) for group in OVERLAPPED if group[-1] >= index) * scale
         log(f"[{index + 1}/{len(PHASES)}] {PHASES[index]}: {detail} (elapsed {spent / 60:.1f} min, about "
