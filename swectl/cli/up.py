@@ -21,8 +21,8 @@ from swectl.errors import ConfigError
 
 EPILOG = """\
 examples:
-  swectl up                              the first run: tiny model, teacher data, SFT, GRPO, readings (about
-                                         27 minutes on 2 cores); ends with a table and <run>/summary.json
+  swectl up                              the first run: tiny model, teacher data, SFT, GRPO, readings (its
+                                         minutes on 2 cores: README.md); ends with a table and <run>/summary.json
   swectl up --set recipe.seed=3 --set recipe.grpo_steps=10
                                          the first run with another seed and fewer GRPO steps
   swectl up cluster.toml --set train.data.sft_steps=200
