@@ -8,7 +8,7 @@ defences and once without them (``experiment.reward_hacking.grader_defences = fa
    copies of the teacher that slips and recovers, and ``--attack`` copies of the reward-hacking teacher
    (``--script attack``: look at the code, add a root pytest.ini that loads a plugin reporting every failure as a
    pass, submit; swectl/agent/gold.py);
-3. SFT on all of it (experiment.sft_resolved_only = false): a policy that attacks on some tries and edits on others;
+3. SFT on all of it (train.data.sft_resolved_only = false): a policy that attacks on some tries and edits on others;
 4. two GRPO runs from the SFT weights, the first run's recipe (same seed, same tasks, same sampling seeds), one
    with the defences (the product) and one without.
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"SFT data kept: {kept}")
     sft_data = [str(work / s) for s, k in copies.items() for _ in range(k)]
     rollout = first_run.set_flags(recipe.rollout_sets())
-    sft_sets = {**recipe.sft_sets(model, sft_data), "experiment.sft_resolved_only": "false"}
+    sft_sets = {**recipe.sft_sets(model, sft_data), "train.data.sft_resolved_only": "false"}
     sft_weights = timed("sft_s", lambda: first_run.train(work, "sft", sft_sets, say, extra=rollout))
     curves: dict[str, dict] = {}
     for arm in arms:

@@ -7,7 +7,7 @@
    give-up`: the same first look at the code, then a submission with no change) and, with ``--recover K``
    (default 1), K copies of a teacher that slips and recovers (`swectl data gold --script recover`: a cut-off,
    malformed copy of the first look and of the edit before each; SFT masks the malformed replies);
-3. SFT on them all (`swectl up` with train.algorithm = "sft", experiment.sft_resolved_only = false) to a checkpoint
+3. SFT on them all (`swectl up` with train.algorithm = "sft", train.data.sft_resolved_only = false) to a checkpoint
    that edits on some tries and gives up on others: it imitates a teacher that is right 1 time in K+1, and only
    the reward says which attempts are right;
 4. GRPO from that checkpoint (`swectl up`; 30 steps with a KL anchor to the SFT weights, ``--kl-coef`` 0.5), and
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                              "train their well-formed turns with their advantage)")
     parser.add_argument("--mask-format-errors", action=argparse.BooleanOptionalAction,
                         default=RECIPE.mask_format_errors,
-                        help="GRPO: malformed replies carry no gradient (experiment.mask_format_errors); the turns "
+                        help="GRPO: malformed replies carry no gradient (train.loss.mask_format_errors); the turns "
                              "around "
                              "them train as usual")
     parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",

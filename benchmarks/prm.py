@@ -188,7 +188,7 @@ def main() -> int:
         "train.steps": args.grpo_steps, "train.optim.lr": 2e-4, "train.sampling.tasks_per_step": 4,
         "train.sampling.n_samples": 4,
         "train.seed": args.seed, "train.concurrency": 8, "train.sampling.max_sampling_rounds": 1, "train.save_every": 0,
-        "experiment.mask_truncated": "true", "experiment.mask_format_errors": "true",
+        "train.loss.mask_truncated": "true", "train.loss.mask_format_errors": "true",
         "reward.prm.enabled": "true", "reward.prm.model": repr(str(judge)), "reward.prm.samples": args.samples,
         "reward.prm.step_coef": args.step_coef, "reward.prm.max_tokens": 16, **extra})
     timings["grpo_prm_s"] = time.monotonic() - t0

@@ -18,7 +18,7 @@ batch as masked and with each failed episode also masked after its first slip (t
 engine sampled with probability below ``--slip-p``), and the share of the batch's gradient norm that comes from
 those post-slip tokens.
 
-Masks: ``none`` (every reply trained), ``truncated`` (truncated episodes carry no loss, as experiment.mask_truncated),
+Masks: ``none`` (every reply trained), ``truncated`` (truncated episodes carry no loss, as train.loss.mask_truncated),
 ``first`` (nothing after an episode's first malformed reply, as experiment.mask_after_format_error); ``--positive-only``
 drops every sample whose advantage is not positive. It runs in one process on the CPU, without the trainer's
 FSDP workers: the loss, advantages and masks are the trainer's, the optimizer is a plain AdamW (or SGD), and every
@@ -40,7 +40,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from swectl.actors.rollout import EpisodeResult
-from swectl.config import ExperimentConfig
+from swectl.config import ExperimentConfig, LossConfig
 from swectl.rl.advantages import group_advantages
 from swectl.rl.batch import unpack_mask
 from swectl.rl.groups import GradedEpisode, episode_samples
@@ -162,12 +162,13 @@ def accumulate_policy_gradient(model, batch: list[GradedEpisode], masks: list[li
 
 
 def train_mask(e: GradedEpisode, advantage: float, args: argparse.Namespace) -> list[int]:
-    """The loss mask the trainer would use (experiment.mask_truncated / experiment.mask_after_format_error), or all
+    """The loss mask the trainer would use (train.loss.mask_truncated / experiment.mask_after_format_error), or all
     0 for a sample ``--positive-only`` drops."""
     if args.positive_only and advantage <= 0:
         return [0] * len(e.loss_mask)
-    masks = ExperimentConfig(mask_truncated=args.mask == "truncated", mask_after_format_error=args.mask == "first")
-    sample, = episode_samples(e, advantage, 0.0, experiment=masks)
+    experiment = ExperimentConfig(mask_after_format_error=args.mask == "first")
+    sample, = episode_samples(e, advantage, 0.0, experiment=experiment,
+                              loss=LossConfig(mask_truncated=args.mask == "truncated"))
     return unpack_mask(sample).tolist()
 
 

@@ -280,6 +280,9 @@ class DataConfig(_Section):
     sft_steps: NonNegative = 0
     sft_strict: bool = False  # a malformed sft_data row stops the run (else it is skipped with file:line and field)
     sft_batch_size: Count = 8  # samples per sft step
+    # traj.json runs in sft_data: only the resolved episodes (rejection-sampling fine-tuning: training on failures
+    # teaches them); false trains on every episode, e.g. a teacher's right and wrong attempts
+    sft_resolved_only: bool = True
 
 
 class SamplingConfig(_Section):
@@ -331,6 +334,13 @@ class LossConfig(_Section):
     eps_high: Annotated[float, msgspec.Meta(ge=0.0)] = 0.28
     tis_cap: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0  # truncated importance sampling ratio cap C
     kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # KL to the initial policy; 0 = off (no reference)
+    # Which tokens of an episode carry the loss, applied when the controller makes the samples (swectl/rl/groups.py):
+    # truncated episodes carry no gradient (those ending in mask_truncated_endings)
+    mask_truncated: bool = False
+    # which TRUNCATED endings mask_truncated masks: the step limit, wall time, context budget and malformed replies
+    mask_truncated_endings: list[TruncatedEnding] = msgspec.field(default_factory=lambda: list(TRUNCATED_ENDINGS))
+    # malformed replies (no single bash block) carry no gradient, whatever the advantage; the other turns train
+    mask_format_errors: bool = False
 
 
 class RewardHackingConfig(_Section):
@@ -350,24 +360,15 @@ class ExperimentConfig(_Section):
     # the other control run: each group's rewards shuffled (seeded) before its advantages, so the updates are as
     # large as the real run's but blind to which episode resolved the task
     shuffle_rewards: bool = False
-    # traj.json runs in train.data.sft_data: only the resolved episodes (rejection-sampling fine-tuning: training on
-    # failures teaches them); false trains on every episode, e.g. a teacher's right and wrong attempts
-    sft_resolved_only: bool = True
     # alpha of advantage reweighting: each token's advantage times alpha * p(token) + 1 - alpha (Yang et al. 2025)
     prob_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
-    mask_truncated: bool = False  # truncated episodes carry no gradient (those ending in mask_truncated_endings)
-    # which TRUNCATED endings mask_truncated masks: the step limit, wall time, context budget and malformed replies
-    mask_truncated_endings: list[TruncatedEnding] = msgspec.field(
-        default_factory=lambda: list(TRUNCATED_ENDINGS))
     # the turns after an episode's first malformed reply carry no gradient (nor that reply, if its advantage is > 0)
     mask_after_format_error: bool = False
-    # malformed replies (no single bash block) carry no gradient, whatever the advantage; the other turns train
-    mask_format_errors: bool = False
     # an episode that never submitted (TRUNCATED) gets reward.unresolved even if the diff it left resolves the task
     reward_requires_submit: bool = False
     # the reward of an unresolved episode that never submitted (TRUNCATED) instead of reward.unresolved (on the
     # demo, -0.25 did not keep weak seeds off the step limit: learn.json). Unset = reward.unresolved. A masked
-    # episode (mask_truncated) gets no gradient: leave LimitsExceeded out of mask_truncated_endings with it
+    # episode (train.loss.mask_truncated) gets no gradient: leave LimitsExceeded out of mask_truncated_endings with it
     truncated_reward: float | None = None
     # negative advantages become 0: only episodes better than their group's mean are reinforced, none pushed down
     positive_advantages_only: bool = False
@@ -422,6 +423,10 @@ MOVED_KEYS: dict[str, str] = {
     **_moved("experiment", [f for f in ExperimentConfig.__struct_fields__ if f != "reward_hacking"]),
     "train.resolved_reward": "reward.resolved",
     "train.unresolved_reward": "reward.unresolved",
+    # what the product does moved out of [experiment] (issue 57): the loss masks and the SFT data choice
+    **{f"{old}.{key}": f"train.loss.{key}" for key in ("mask_truncated", "mask_truncated_endings", "mask_format_errors")
+       for old in ("train", "experiment")},
+    **{f"{old}.sft_resolved_only": "train.data.sft_resolved_only" for old in ("train", "experiment")},
 }
 
 
@@ -514,7 +519,8 @@ def decode_config(document: dict[str, Any], source: str = "<config>") -> Cluster
         raise ConfigError(f"{source}: " + "\n  ".join(f"{old} is now {new}" for old, new in moved)
                           + "\n  hint: [train] was split by consumer (train.data, train.sampling, train.advantage, "
                           "train.optim, train.loss; reward.resolved/unresolved; controls and research knobs in "
-                          "[experiment]); see examples/local.toml")
+                          "[experiment]), and the loss masks and SFT data choice moved from [experiment] to "
+                          "train.loss and train.data; see examples/local.toml")
     try:
         config = msgspec.convert(document, ClusterConfig, strict=True)
     except msgspec.ValidationError as exc:
@@ -528,10 +534,16 @@ def decode_config(document: dict[str, Any], source: str = "<config>") -> Cluster
 def moved_keys(document: dict[str, Any]) -> list[tuple[str, str]]:
     """``(old key, new key)`` for each key of the document (or its ``--set`` overrides) that names a place that
     moved (MOVED_KEYS)."""
-    train = document.get("train")
-    if not isinstance(train, dict):
-        return []
-    return [(f"train.{key}", MOVED_KEYS[f"train.{key}"]) for key in train if f"train.{key}" in MOVED_KEYS]
+    found = []
+    for old, new in MOVED_KEYS.items():
+        node: Any = document
+        for part in old.split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            found.append((old, new))
+    return found
 
 
 def check_config(config: ClusterConfig) -> list[str]:
@@ -571,11 +583,11 @@ def check_config(config: ClusterConfig) -> list[str]:
     if exp.truncated_reward is not None and exp.truncated_reward >= reward.resolved:
         problems.append(f"experiment.truncated_reward ({exp.truncated_reward}) must be below reward.resolved "
                         f"({reward.resolved})")
-    if (exp.truncated_reward is not None and exp.mask_truncated
-            and set(TRUNCATED_ENDINGS) <= set(exp.mask_truncated_endings)):
-        problems.append("experiment.truncated_reward with experiment.mask_truncated masking every truncated ending: "
+    if (exp.truncated_reward is not None and train.loss.mask_truncated
+            and set(TRUNCATED_ENDINGS) <= set(train.loss.mask_truncated_endings)):
+        problems.append("experiment.truncated_reward with train.loss.mask_truncated masking every truncated ending: "
                         "the episodes it is for carry no gradient; leave LimitsExceeded out of "
-                        "experiment.mask_truncated_endings, or set experiment.mask_truncated = false")
+                        "train.loss.mask_truncated_endings, or set train.loss.mask_truncated = false")
     if train.algorithm == "grpo" and data.sft_steps >= train.steps:
         problems.append(f"train.data.sft_steps ({data.sft_steps}) must be below train.steps ({train.steps}) for "
                         'grpo: the rest are the GRPO steps; use train.algorithm = "sft" for SFT only')

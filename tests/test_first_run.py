@@ -33,14 +33,14 @@ def test_the_recipe_sets_only_keys_the_config_has_and_they_decode(tmp_path: Path
     recipe = Recipe(tasks=str(tmp_path / "tasks.jsonl"))
     sft = load_config(None, overrides({**recipe.rollout_sets(), **recipe.sft_sets(tmp_path / "m", ["a", "b"])}))
     assert sft.train.algorithm == "sft" and sft.train.steps == recipe.sft_steps
-    assert sft.train.data.sft_data == ["a", "b"] and sft.experiment.sft_resolved_only is False
+    assert sft.train.data.sft_data == ["a", "b"] and sft.train.data.sft_resolved_only is False
     assert sft.rollout.step_limit == recipe.step_limit and sft.rollout.max_tokens == recipe.max_tokens
     grpo = load_config(None, overrides({**recipe.rollout_sets(), **recipe.grpo_sets(tmp_path / "w")}))
     assert grpo.train.algorithm == "grpo" and grpo.train.steps == recipe.grpo_steps
     assert grpo.train.model == str(tmp_path / "w") and grpo.train.loss.kl_coef == recipe.kl_coef
     assert grpo.train.data.split_seed == recipe.seed and grpo.train.data.test_fraction == recipe.test_fraction
     assert grpo.train.data.tasks == recipe.tasks  # GRPO splits the same task file the readings read
-    assert "FormatError" in grpo.experiment.mask_truncated_endings
+    assert "FormatError" in grpo.train.loss.mask_truncated_endings
 
 
 def test_a_short_sft_warms_up_for_fewer_steps_than_it_has(tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_grpo_is_asynchronous_on_a_one_thread_trainer_unless_the_recipe_says_syn
 
 def test_the_noisy_teacher_off_trains_on_resolved_gold_only(tmp_path: Path) -> None:
     sets = Recipe(give_up=0).sft_sets(tmp_path, ["gold"])
-    assert load_config(None, overrides(sets)).experiment.sft_resolved_only is True
+    assert load_config(None, overrides(sets)).train.data.sft_resolved_only is True
 
 
 def test_recipe_overrides_and_a_resumed_runs_recipe(tmp_path: Path) -> None:

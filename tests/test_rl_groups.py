@@ -7,7 +7,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from swectl.config import AdvantageConfig, ExperimentConfig, RewardConfig, load_config
+from swectl.config import AdvantageConfig, ExperimentConfig, LossConfig, RewardConfig, load_config
 from swectl.errors import ConfigError
 from swectl.rl.batch import make_batch, unpack_logprobs, unpack_mask, unpack_tokens
 from swectl.rl.groups import (
@@ -31,15 +31,24 @@ def _score(group: Group, estimator: str = "grpo", *, reward: RewardConfig | None
                        shuffle_key=shuffle_key)
 
 
-def _samples(groups: list[Group], mode: str = "episode", **experiment: object) -> list:
-    """group_samples with [experiment] knobs by name; per-step samples at the episode's full advantage unless the
-    test weighs them (step_sample_weight)."""
-    return group_samples(groups, mode=mode, experiment=ExperimentConfig(**{"step_sample_weight": "none", **experiment}))
+LOSS_MASKS = ("mask_truncated", "mask_truncated_endings", "mask_format_errors")  # [train.loss]; the rest [experiment]
 
 
-def _one(episode: GradedEpisode, advantage: float, reward: float, mode: str = "episode", **experiment: object) -> list:
-    return episode_samples(episode, advantage, reward, mode=mode,
-                           experiment=ExperimentConfig(**{"step_sample_weight": "none", **experiment}))
+def _knobs(knobs: dict[str, object]) -> dict[str, object]:
+    """The experiment= and loss= arguments for knobs given by name; per-step samples at the episode's full advantage
+    unless the test weighs them (step_sample_weight)."""
+    loss = {k: v for k, v in knobs.items() if k in LOSS_MASKS}
+    experiment = {"step_sample_weight": "none", **{k: v for k, v in knobs.items() if k not in LOSS_MASKS}}
+    return {"experiment": ExperimentConfig(**experiment), "loss": LossConfig(**loss)}  # type: ignore[arg-type]
+
+
+def _samples(groups: list[Group], mode: str = "episode", **knobs: object) -> list:
+    """group_samples with [train.loss] masks and [experiment] knobs by name."""
+    return group_samples(groups, mode=mode, **_knobs(knobs))  # type: ignore[arg-type]
+
+
+def _one(episode: GradedEpisode, advantage: float, reward: float, mode: str = "episode", **knobs: object) -> list:
+    return episode_samples(episode, advantage, reward, mode=mode, **_knobs(knobs))  # type: ignore[arg-type]
 
 
 def _episode(sample: int, resolved: bool, outcome: str = "COMPLETED") -> GradedEpisode:
@@ -245,10 +254,19 @@ def test_truncated_reward_is_checked_against_the_other_rewards_and_the_mask() ->
     with pytest.raises(ConfigError, match=r"truncated_reward .* must be below reward.resolved"):
         load_config(None, ["experiment.truncated_reward=1.0"])
     with pytest.raises(ConfigError, match="carry no gradient; leave LimitsExceeded out"):
-        load_config(None, ["experiment.truncated_reward=-0.25", "experiment.mask_truncated=true"])
-    config = load_config(None, ["experiment.truncated_reward=-0.25", "experiment.mask_truncated=true",
-                                'experiment.mask_truncated_endings=["TimeExceeded", "ContextExceeded", "FormatError"]'])
-    assert config.experiment.mask_truncated and config.experiment.truncated_reward == -0.25
+        load_config(None, ["experiment.truncated_reward=-0.25", "train.loss.mask_truncated=true"])
+    config = load_config(None, ["experiment.truncated_reward=-0.25", "train.loss.mask_truncated=true",
+                                'train.loss.mask_truncated_endings=["TimeExceeded", "ContextExceeded", "FormatError"]'])
+    assert config.train.loss.mask_truncated and config.experiment.truncated_reward == -0.25
+
+
+def test_the_masks_and_the_sft_data_choice_moved_out_of_experiment_say_where() -> None:
+    for old, new in (("experiment.mask_truncated=true", "train.loss.mask_truncated"),
+                     ("experiment.mask_format_errors=true", "train.loss.mask_format_errors"),
+                     ("experiment.sft_resolved_only=false", "train.data.sft_resolved_only")):
+        with pytest.raises(ConfigError, match=f"{old.split('=')[0]} is now {new}"):
+            load_config(None, [old])
+    assert load_config(None, ["train.data.sft_resolved_only=false"]).train.data.sft_resolved_only is False
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -270,4 +288,4 @@ def test_the_truncated_endings_are_the_agent_loops_truncated_exit_statuses() -> 
     from swectl.config import TRUNCATED_ENDINGS
 
     assert sorted(TRUNCATED_ENDINGS) == sorted(s for s, outcome in OUTCOME.items() if outcome == "TRUNCATED")
-    assert ExperimentConfig().mask_truncated_endings == list(TRUNCATED_ENDINGS)
+    assert LossConfig().mask_truncated_endings == list(TRUNCATED_ENDINGS)

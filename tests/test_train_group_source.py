@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from swectl.actors.data_source import DataSource
-from swectl.config import ExperimentConfig, SamplingConfig
+from swectl.config import ExperimentConfig, LossConfig, SamplingConfig
 from swectl.rl.groups import GradedEpisode, Group, score_group
 from swectl.tasks.record import Task
 from swectl.train.sources import GroupSource
@@ -67,7 +67,8 @@ class ScriptedRollouts:
 def _source(tmp_path: Path, plan: dict, **sampling: Any) -> tuple[GroupSource, ScriptedRollouts, DataSource]:  # type: ignore[type-arg]
     rollouts = ScriptedRollouts(tmp_path, plan)
     tasks = DataSource(TASKS, seed=0)
-    source = GroupSource(rollouts, tasks, SamplingConfig(**sampling), ExperimentConfig())  # type: ignore[arg-type]
+    source = GroupSource(rollouts, tasks, SamplingConfig(**sampling), ExperimentConfig(),  # type: ignore[arg-type]
+                         LossConfig())
     return source, rollouts, tasks
 
 

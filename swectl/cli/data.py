@@ -123,7 +123,7 @@ def _gold_arguments(parser: argparse.ArgumentParser) -> None:
                         "give-up's empty patch is unresolved without a run, as the SWE-bench harness scores it). "
                         "gold (default): act out the gold patch, keep what resolves; give-up: a wrong teacher "
                         "that looks at the same code and submits no change, keep what does not resolve (SFT data "
-                        "mixing right and wrong attempts, for experiment.sft_resolved_only = false; the learning "
+                        "mixing right and wrong attempts, for train.data.sft_resolved_only = false; the learning "
                         "demo); "
                         "recover: the gold patch with a cut-off (malformed) copy of the first look and of the edit "
                         "before each, keep what resolves (SFT masks the malformed replies: the model learns to "

@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-from swectl.config import TRUNCATED_ENDINGS, AdvantageConfig, ExperimentConfig, RewardConfig
+from swectl.config import TRUNCATED_ENDINGS, AdvantageConfig, ExperimentConfig, LossConfig, RewardConfig
 from swectl.rl.advantages import group_advantages, informative
 from swectl.rl.batch import TrainSample, pack_sample
 from swectl.rl.prm import process_bonus
@@ -24,6 +24,7 @@ SampleMode = Literal["episode", "step"]
 DEFAULT_ADVANTAGE = AdvantageConfig()
 DEFAULT_REWARD = RewardConfig()
 DEFAULT_EXPERIMENT = ExperimentConfig()
+DEFAULT_LOSS = LossConfig()
 
 
 class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
@@ -161,9 +162,11 @@ def masked_as_truncated(episode: GradedEpisode, endings: Iterable[str] = TRUNCAT
 
 
 def episode_samples(episode: GradedEpisode, advantage: float, reward_value: float, *, mode: SampleMode = "episode",
-                    experiment: ExperimentConfig = DEFAULT_EXPERIMENT) -> list[TrainSample]:
-    """The training samples of one episode; the masks and weights below are ``experiment``'s knobs of those names
-    (``truncated_endings``: its ``mask_truncated_endings``; ``step_weight``: ``step_sample_weight``;
+                    experiment: ExperimentConfig = DEFAULT_EXPERIMENT, loss: LossConfig = DEFAULT_LOSS
+                    ) -> list[TrainSample]:
+    """The training samples of one episode; the masks and weights below are the knobs of those names of ``loss``
+    ([train.loss]: ``mask_truncated``, ``mask_truncated_endings`` as ``truncated_endings``, ``mask_format_errors``)
+    and of ``experiment`` (``mask_after_format_error``; ``step_weight``: ``step_sample_weight``;
     ``step_score_coef``: ``step_score_advantage``). A truncated episode with ``mask_truncated`` keeps its tokens but no
     loss (mask all 0), so it still counts in nothing but the logs; ``truncated_endings`` says which exit statuses
     it masks (e.g. only the overlong ones, so an episode the malformed-reply limit ended still trains its
@@ -188,13 +191,13 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
     uid = f"{episode.instance_id}#{episode.sample}"
     truncated = episode.truncated
     x = experiment
-    keep = not (x.mask_truncated and masked_as_truncated(episode, x.mask_truncated_endings))
+    keep = not (loss.mask_truncated and masked_as_truncated(episode, loss.mask_truncated_endings))
     cut = first_format_error(episode) if x.mask_after_format_error else None
     if cut is not None and advantage > 0:
         cut -= 1  # a malformed reply is never reinforced: with a positive advantage it is masked too
     common = {"advantage": advantage, "reward": reward_value, "weight_version": episode.weight_version,
               "truncated": truncated}
-    malformed = set(malformed_turns(episode)) if x.mask_format_errors else set()
+    malformed = set(malformed_turns(episode)) if loss.mask_format_errors else set()
 
     def trained(turn: int) -> bool:
         return keep and (cut is None or turn <= cut) and turn not in malformed
@@ -216,12 +219,13 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
 
 
 def group_samples(groups: Sequence[Group], *, mode: SampleMode = "episode",
-                  experiment: ExperimentConfig = DEFAULT_EXPERIMENT) -> list[TrainSample]:
+                  experiment: ExperimentConfig = DEFAULT_EXPERIMENT, loss: LossConfig = DEFAULT_LOSS
+                  ) -> list[TrainSample]:
     """Every group's training samples (``episode_samples`` per episode, with its advantage and reward)."""
     samples: list[TrainSample] = []
     for g in groups:
         for episode, adv, rew in zip(g.episodes, g.advantages, g.rewards, strict=True):
-            samples += episode_samples(episode, adv, rew, mode=mode, experiment=experiment)
+            samples += episode_samples(episode, adv, rew, mode=mode, experiment=experiment, loss=loss)
     return samples
 
 

@@ -282,9 +282,9 @@ class Controller:
         t = self.train
         tasks = DataSource(self.plan.train_tasks, seed=t.seed, cursor=self.state.cursor)
         if not t.sampling.max_staleness:
-            return GroupSource(rollouts, tasks, t.sampling, self.config.experiment)
+            return GroupSource(rollouts, tasks, t.sampling, self.config.experiment, t.loss)
         feed = await self._start_feed(tg, rollouts, tasks)
-        return FeedSource(feed, tasks, t.sampling, self.config.experiment)
+        return FeedSource(feed, tasks, t.sampling, self.config.experiment, t.loss)
 
     async def _start_feed(self, tg: anyio.abc.TaskGroup, rollouts: TrainRollouts, tasks: DataSource) -> GroupFeed:
         """The async loop's group supply (feed.py), its grader and its episode limit, running in ``tg``."""

@@ -121,7 +121,7 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def sft_sets(self, model: Path, sft_data: list[str]) -> dict[str, object]:
         return {**self.trainer_sets(self.trainer_threads), "train.model": repr(str(model)), "train.algorithm": '"sft"',
                 "train.data.sft_data": json.dumps(sft_data),
-                "experiment.sft_resolved_only": str(not self.give_up).lower(), "train.steps": self.sft_steps,
+                "train.data.sft_resolved_only": str(not self.give_up).lower(), "train.steps": self.sft_steps,
                 "train.data.sft_batch_size": self.sft_batch_size, "train.optim.lr": self.sft_lr,
                 "train.optim.warmup_steps": min(3, self.sft_steps - 1),
                 "train.optim.schedule": f'"{self.sft_schedule}"', "train.seed": self.seed,
@@ -142,9 +142,9 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 "train.concurrency": self.concurrency, "train.sampling.max_sampling_rounds": 2,
                 "train.sampling.max_staleness": self.max_staleness,
                 "train.sampling.pass_over_uninformative": str(self.pass_over).lower(),
-                "experiment.mask_truncated": str(self.mask_truncated).lower(),
-                "experiment.mask_truncated_endings": json.dumps(endings),
-                "experiment.mask_format_errors": str(self.mask_format_errors).lower(),
+                "train.loss.mask_truncated": str(self.mask_truncated).lower(),
+                "train.loss.mask_truncated_endings": json.dumps(endings),
+                "train.loss.mask_format_errors": str(self.mask_format_errors).lower(),
                 "train.loss.kl_coef": self.kl_coef}
 
     @property

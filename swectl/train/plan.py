@@ -158,8 +158,8 @@ def _sft_samples(config: ClusterConfig, model: str) -> list[TrainSample]:
             tokenizer = tokenizer or load_tokenizer(model, "train.model")
             samples += samples_from_messages_jsonl(path, tokenizer, strict=data.sft_strict)
         else:
-            # rejection-sampling fine-tuning, unless experiment.sft_resolved_only = false (a teacher's every attempt)
-            samples += samples_from_runs([path], resolved_only=config.experiment.sft_resolved_only)
+            # rejection-sampling fine-tuning, unless train.data.sft_resolved_only = false (a teacher's every attempt)
+            samples += samples_from_runs([path], resolved_only=config.train.data.sft_resolved_only)
     if not samples:
         raise TaskDataError(f"train.data.sft_data: no trajectories found in {', '.join(data.sft_data)}")
     return samples

@@ -21,7 +21,7 @@ import msgspec
 from swectl.actors.data_source import DataCursor, DataSource
 from swectl.actors.rollout import EpisodeResult
 from swectl.agent.metrics import agent_metrics
-from swectl.config import ExperimentConfig, SamplingConfig
+from swectl.config import ExperimentConfig, LossConfig, SamplingConfig
 from swectl.errors import ConfigError
 from swectl.rl.advantages import advantage_stats
 from swectl.rl.batch import TrainSample
@@ -92,15 +92,16 @@ class GroupSource:
     """Synchronous GRPO: each step's groups are sampled on the weights of the step before."""
 
     def __init__(self, rollouts: TrainRollouts, tasks: DataSource, sampling: SamplingConfig,
-                 experiment: ExperimentConfig) -> None:
+                 experiment: ExperimentConfig, loss: LossConfig) -> None:
         self._rollouts = rollouts
         self._tasks = tasks
         self._sampling = sampling
         self._experiment = experiment
+        self._loss = loss
 
     async def next(self, step: int) -> StepSamples:
         groups, results, info, tasks_seen = await self._collect(step)
-        return _grpo_samples(groups, results, info, tasks_seen, self._sampling, self._experiment)
+        return _grpo_samples(groups, results, info, tasks_seen, self._sampling, self._experiment, self._loss)
 
     async def _collect(self, step: int) -> tuple[list[Group], list[EpisodeResult], dict[str, float], list[str]]:
         """``tasks_per_step`` groups with a signal; a group that cannot be completed is dropped.
@@ -164,15 +165,17 @@ class FeedSource:
     """Asynchronous GRPO: the group feed runs beside the trainer; each step takes what the admission rule picks."""
 
     def __init__(self, feed: GroupFeed, tasks: DataSource, sampling: SamplingConfig,
-                 experiment: ExperimentConfig) -> None:
+                 experiment: ExperimentConfig, loss: LossConfig) -> None:
         self._feed = feed
         self._tasks = tasks
         self._sampling = sampling
         self._experiment = experiment
+        self._loss = loss
 
     async def next(self, step: int) -> StepSamples:
         fed = await self._feed.next()
-        return _grpo_samples(fed.groups, fed.results, fed.info, fed.tasks, self._sampling, self._experiment)
+        return _grpo_samples(fed.groups, fed.results, fed.info, fed.tasks, self._sampling, self._experiment,
+                             self._loss)
 
     def save(self, state: RunState) -> None:
         # the tasks drawn and not trained yet are redone after a resume
@@ -185,8 +188,8 @@ def _cursor(tasks: DataSource, pending: list[str]) -> DataCursor:
 
 
 def _grpo_samples(groups: list[Group], results: list[EpisodeResult], info: dict[str, float], tasks_seen: list[str],
-                  sampling: SamplingConfig, experiment: ExperimentConfig) -> StepSamples:
-    samples = group_samples(groups, mode=sampling.sample_mode, experiment=experiment)
+                  sampling: SamplingConfig, experiment: ExperimentConfig, loss: LossConfig) -> StepSamples:
+    samples = group_samples(groups, mode=sampling.sample_mode, experiment=experiment, loss=loss)
     values = {**info, **rollout_values(groups, results)}
     record = StepRecord(tasks=tasks_seen, groups=[g.instance_id for g in groups],
                         rewards={g.instance_id: list(g.rewards) for g in groups})
