@@ -194,13 +194,10 @@ class NamespaceBackend:
                 with anyio.fail_after(self.config.start_timeout_s):
                     seen = self.revivals
                     try:
-                        channel = await self._launch(request)
+                        await self._start_agent(sandbox, request)
                     except _DaemonGone as gone:
                         await self._revive(gone, seen)
-                        channel = await self._launch(request)
-                    client = AgentClient(channel, f"sandbox {sandbox_id} on {self.name}")
-                    sandbox._agent = client
-                    await client.read_hello()
+                        await self._start_agent(sandbox, request)
         except SandboxError as exc:
             await sandbox.destroy()
             if "is gone" in str(exc):
@@ -324,6 +321,8 @@ class NamespaceBackend:
             else:
                 argv = self._argv("call", path)
                 out = await self.node.run(argv, input=_blob(nsbox_source()) + payload)
+                if out.exit_code == nsbox.DAEMON_GONE_EXIT:
+                    raise _DaemonGone(f"node {self.name}: {out.stderr.decode(errors='replace').strip()}")
                 if out.exit_code != 0:
                     stderr = out.stderr.decode(errors="replace")
                     raise CommandError(self.name, argv[:4] + argv[5:], out.exit_code, stderr)
@@ -332,6 +331,22 @@ class NamespaceBackend:
         if not reply.get("ok"):
             raise SandboxError(f"node {self.name}: nsbox {request.get('op')}: {reply.get('error', 'no answer')}")
         return reply
+
+    async def _start_agent(self, sandbox: NamespaceSandbox, request: dict) -> None:
+        """Launch the sandbox and wait for its agent's hello. _DaemonGone when the daemon did not answer: on this
+        node from its socket, on a remote node from the `attach` process's report in the channel."""
+        channel = await self._launch(request)
+        client = AgentClient(channel, f"sandbox {request['id']} on {self.name}")
+        sandbox._agent = client
+        try:
+            await client.read_hello()
+        except SandboxError as exc:
+            if nsbox.DAEMON_GONE_MARK not in str(exc):
+                raise
+            sandbox._agent = None
+            with anyio.CancelScope(shield=True):
+                await client.aclose()
+            raise _DaemonGone(str(exc)) from exc
 
     async def _launch(self, request: dict) -> NodeProcess:
         path = self._require_socket()
@@ -371,7 +386,8 @@ class NamespaceBackend:
 
 
 class _DaemonGone(SandboxError):
-    """Nothing listens on the daemon's socket (this node's own daemon, reached by a unix socket)."""
+    """Nothing answers on the daemon's socket (this node's own, or a remote node's through `nsbox call` and
+    `nsbox attach`, which exit with nsbox.DAEMON_GONE_EXIT then)."""
 
 
 async def _read_line(stream: anyio.abc.ByteReceiveStream) -> bytes:

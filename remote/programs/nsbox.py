@@ -64,6 +64,8 @@ BOOTSTRAP = (
 )
 
 LATE_RECLAIM_S = 3.0  # the second look for a dead daemon's sandboxes, after start
+DAEMON_GONE_EXIT = 75  # `call` / `attach` on a node whose daemon does not answer (the controller restarts it)
+DAEMON_GONE_MARK = "nsbox daemon gone"  # begins the error an `attach` reports in the sandbox's channel then
 TRASH_SWEEP_S = 10.0  # how often a scratch folder left being removed (``*.removing``, no record) is removed again
 IDLE_EXIT_S = 900.0  # a daemon with no sandboxes for this long exits (the next `ensure` starts it again)
 MAX_REQUEST = 1 << 20
@@ -957,23 +959,34 @@ def _reply(conn, reply):
 # ----------------------------------------------------------------------------------------------- clients
 
 
+class DaemonGone(OSError):
+    """Nothing answered on the daemon's socket: refused or missing, or a daemon dying as it accepted (reset, or
+    closed unanswered). ``call`` and ``attach`` exit with DAEMON_GONE_EXIT then, so the controller can start the
+    daemon again (a remote node's calls go through those modes)."""
+
+
 def call(socket_path, request, fds=(), timeout=60.0):
-    """One request to the daemon; its JSON reply."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(socket_path)
-        payload = json.dumps(request).encode() + b"\n"
-        if fds:
-            s.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-        else:
-            s.sendall(payload)
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    return json.loads(data or b'{"ok": false, "error": "the daemon closed the connection"}')
+    """One request to the daemon; its JSON reply. DaemonGone when nothing answers."""
+    data = b""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(socket_path)
+            payload = json.dumps(request).encode() + b"\n"
+            if fds:
+                s.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            else:
+                s.sendall(payload)
+            while not data.endswith(b"\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, BrokenPipeError) as exc:
+        raise DaemonGone(f"the nsbox daemon at {socket_path} does not answer: {exc!r}") from exc
+    if not data:
+        raise DaemonGone(f"the nsbox daemon at {socket_path} closed the request unanswered")
+    return json.loads(data)
 
 
 def version_of(source, agent_source):
@@ -1057,7 +1070,12 @@ def attach(socket_path, request):
     """Hand stdin/stdout to the daemon as the new sandbox's channel (the SSH path), then wait for the
     sandbox to end: sshd closes a session's channel once its process exits, so this process must outlive
     the handover. It becomes ``tail --pid`` (about 1 MiB; it exits within a second of the sandbox)."""
-    reply = call(socket_path, request, fds=(0, 1))
+    try:
+        reply = call(socket_path, request, fds=(0, 1))
+    except DaemonGone as exc:
+        body = _error_frame(f"{DAEMON_GONE_MARK}: {exc}")
+        os.write(1, struct.pack(">I", len(body)) + body)
+        return DAEMON_GONE_EXIT
     if not reply.get("ok"):
         body = _error_frame(reply.get("error", "launch failed"))
         os.write(1, struct.pack(">I", len(body)) + body)
@@ -1167,7 +1185,11 @@ def main(argv, source):
         print(json.dumps(ensure(argv[2], source, agent_source)))
         return 0
     if mode == "call":
-        print(json.dumps(call(argv[2], json.loads(stdin.read() or b"{}"))))
+        try:
+            print(json.dumps(call(argv[2], json.loads(stdin.read() or b"{}"))))
+        except DaemonGone as exc:
+            print(f"{DAEMON_GONE_MARK}: {exc}", file=sys.stderr)
+            return DAEMON_GONE_EXIT
         return 0
     if mode == "attach":
         return attach(argv[2], json.loads(argv[3]))

@@ -528,6 +528,43 @@ async def test_namespace_sandboxes_over_ssh(nodes: testnodes.TestNodes, run_id: 
             nsbox.call(socket, {"op": "retire"})
 
 
+async def test_a_killed_daemon_on_ssh_nodes_is_started_again(nodes: testnodes.TestNodes, tmp_path: Path) -> None:
+    """Issue 62 on SSH nodes: with the node's nsbox daemon killed, a sandbox launch (its `attach` process finds no
+    daemon and says so in the channel) and a call (`nsbox call` exits DAEMON_GONE_EXIT) each start it again over
+    the node channel, once, and go on; neither fails as if it were the command's result."""
+    from swectl.remote.nodes.namespace_sandbox import NamespaceBackend, daemon_socket
+    from swectl.remote.programs import nsbox
+    from swectl.schema import SandboxSpec
+
+    state_dir = tmp_path / "ns"
+    socket = daemon_socket(str(state_dir))
+    doc = ssh_document(nodes)
+    doc["sandbox"] = {"backend": "namespace", "ns_state_dir": str(state_dir)}
+    [(_, backend), *_] = make_backends(decode_config(doc))
+    assert isinstance(backend, NamespaceBackend)
+    spec = SandboxSpec(image=decode_config(doc).sandbox.image, labels={"swectl.test": "ssh-revive"})
+    try:
+        with anyio.fail_after(180):
+            await backend.prepare()
+            first = await backend.create(spec)
+            assert (await first.exec("echo up", 10)).output == "up\n"
+            os.kill(nsbox.call(socket, {"op": "ping"})["pid"], 9)
+            second = await backend.create(spec)  # the launch finds no daemon, starts it, launches again
+            assert backend.revivals == 1
+            assert (await second.exec("echo again", 10)).output == "again\n"
+            os.kill(nsbox.call(socket, {"op": "ping"})["pid"], 9)
+            assert [box.id for box in await backend.list({"swectl.test": "ssh-revive"})] == []  # a call revives
+            assert backend.revivals == 2  # (the new daemon reclaimed what the killed one left: nothing is listed)
+            with pytest.raises(InfraError):
+                await second.exec("echo reclaimed", 10)
+            for box in (first, second):
+                await box.destroy()
+    finally:
+        await backend.aclose()
+        if await anyio.Path(socket).exists():
+            nsbox.call(socket, {"op": "retire"})
+
+
 async def test_podman_api_over_ssh(nodes: testnodes.TestNodes, run_id: str) -> None:
     """``sandbox.podman_api`` on SSH nodes: lifecycle through each node's Podman API service, reached over a
     socket forwarded by the SSH connection; commands still through the exec agent."""
