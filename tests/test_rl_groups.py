@@ -289,3 +289,17 @@ def test_the_truncated_endings_are_the_agent_loops_truncated_exit_statuses() -> 
 
     assert sorted(TRUNCATED_ENDINGS) == sorted(s for s, outcome in OUTCOME.items() if outcome == "TRUNCATED")
     assert LossConfig().mask_truncated_endings == list(TRUNCATED_ENDINGS)
+
+
+def test_the_ranks_get_every_loss_key_but_the_sample_masks() -> None:
+    """The masks live in [train.loss] but act on the controller's side: the ranks' settings take every other key
+    (a run with a mask on starts its trainer; the soak found the masks' move had broken that)."""
+    from swectl.config import OptimConfig, TrainerConfig
+    from swectl.rl.wire import LOSS_MASKS, TrainerSettings
+
+    loss_keys = set(LossConfig.__struct_fields__)
+    assert LOSS_MASKS <= loss_keys and not LOSS_MASKS & set(TrainerSettings.__struct_fields__)
+    assert loss_keys - LOSS_MASKS <= set(TrainerSettings.__struct_fields__)
+    settings = TrainerSettings.of(TrainerConfig(), OptimConfig(), LossConfig(mask_truncated=True, kl_coef=0.5),
+                                  model="m", out_dir="o")
+    assert settings.kl_coef == 0.5

@@ -22,6 +22,10 @@ FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME = 1 << 30
 
 
+# [train.loss] keys the controller applies when it makes samples (swectl/rl/groups.py), not the ranks
+LOSS_MASKS = frozenset({"mask_truncated", "mask_truncated_endings", "mask_format_errors"})
+
+
 class TrainerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything a trainer rank needs to build its model and optimizer; passed as JSON on its command line
     (it holds no secret)."""
@@ -57,9 +61,11 @@ class TrainerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     @classmethod
     def of(cls, trainer: TrainerConfig, optim: OptimConfig, loss: LossConfig, **run: Any) -> TrainerSettings:
-        """The settings of a run's ranks: the [trainer], [train.optim] and [train.loss] sections whole, and the
-        run's own fields (model, out_dir, algorithm, total_steps, seed, resume, ...) as keywords."""
-        return cls(**msgspec.structs.asdict(optim), **msgspec.structs.asdict(loss),
+        """The settings of a run's ranks: the [trainer] and [train.optim] sections whole, [train.loss] but its
+        sample masks (LOSS_MASKS: the controller applies them when it makes the samples), and the run's own fields
+        (model, out_dir, algorithm, total_steps, seed, resume, ...) as keywords."""
+        policy_loss = {k: v for k, v in msgspec.structs.asdict(loss).items() if k not in LOSS_MASKS}
+        return cls(**msgspec.structs.asdict(optim), **policy_loss,
                    micro_batch_tokens=trainer.micro_batch_tokens,
                    micro_batch_rows=trainer.micro_batch_rows, compile=trainer.compile,
                    threads=trainer.threads_per_rank,
