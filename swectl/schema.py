@@ -293,3 +293,14 @@ class MetricsStatistics(msgspec.Struct, frozen=True):
     """Metrics.statistics(): the steps in the run's metrics.jsonl and the last one."""
     steps_logged: int  # distinct steps in metrics.jsonl (those kept from before a resume included)
     last_step: int | None  # None: nothing logged yet
+
+
+class GatewayStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """The gateway's counters since it started (actors/gateway.py)."""
+
+    sessions_open: int
+    sessions_ended: int
+    requests: int
+    replayed: int  # retries answered from the record
+    rejected: int  # answered with a 4xx
+    engine_failures: int  # answered with a 5xx

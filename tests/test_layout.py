@@ -21,7 +21,8 @@ BASE = "base"
 LAYERS = {
     BASE: {"swectl.config", "swectl.errors", "swectl.schema", "swectl.sandbox", "swectl.logs"},
     "logic": {"swectl.agent", "swectl.engine", "swectl.grading", "swectl.tasks", "swectl.images", "swectl.model",
-              "swectl.rl", "swectl.data", "swectl.remote.nodes", "swectl.remote.programs", "swectl.testing"},
+              "swectl.rl", "swectl.data", "swectl.gateway", "swectl.remote.nodes", "swectl.remote.programs",
+              "swectl.testing"},
     "actors": {"swectl.actors"},
     "commands": {"swectl.cli", "swectl.eval", "swectl.serve", "swectl.synth", "swectl.train",
                  "swectl.view"},

@@ -8,18 +8,13 @@ failed: the client aborts the sample instead of scoring it).
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import ipaddress
 import logging
-import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import anyio
-import anyio.abc
 import msgspec
-import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -32,9 +27,6 @@ from swectl.serve.wire import AllocateRequest, ApiError, DiffRequest, EvaluateRe
 
 _log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
-GRACEFUL_SHUTDOWN_S = 5.0  # requests still running when the service stops get this long, then are cancelled
-START_TIMEOUT_S = 30.0
-KEEP_ALIVE_S = 120  # an idle client connection is kept this long (a rollout's model turn can take a minute)
 REPLAY_WAIT_S = 4 * 3600.0  # a retry waits for its first request at most this long (bounded by its timeouts)
 
 
@@ -176,35 +168,3 @@ async def _answer(call: Callable[[Any], Awaitable[dict[str, object]]], request: 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return json_response(exc.status_code, {"ok": False, "error": f"{request.method} {request.url.path}: {exc.detail}"})
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: swectl's (cli/main.py) cancel the service, which stops this."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-async def serve_http(app: Starlette, sock: socket.socket, *,
-                     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` on ``sock`` until cancelled; then stop accepting, give running requests
-    GRACEFUL_SHUTDOWN_S, and return (the listening socket is closed)."""
-    server = _Server(uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning",
-                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, backlog=4096,
-                                    timeout_keep_alive=KEEP_ALIVE_S))
-
-    async def run_server() -> None:
-        with anyio.CancelScope(shield=True):  # stopped by should_exit, bounded by the graceful shutdown
-            await server.serve(sockets=[sock])
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run_server, name="http server")
-        try:
-            with anyio.fail_after(START_TIMEOUT_S):
-                while not server.started:  # noqa: ASYNC110  (uvicorn offers a flag, no event)
-                    await anyio.sleep(0.01)
-            task_status.started()
-            await anyio.sleep_forever()
-        finally:
-            server.should_exit = True

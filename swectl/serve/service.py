@@ -15,8 +15,9 @@ import msgspec
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GraderConfig
 from swectl.config import ClusterConfig
+from swectl.gateway.serving import serve_http
 from swectl.images.names import ImageResolver
-from swectl.serve.app import DEFAULT_MAX_BODY, Api, serve_http
+from swectl.serve.app import DEFAULT_MAX_BODY, Api
 from swectl.serve.fleet import Fleet
 from swectl.serve.wire import DEFAULT_MAX_OUTPUT_BYTES
 from swectl.tasks.record import Task

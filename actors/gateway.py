@@ -1,0 +1,282 @@
+"""The Gateway actor: an OpenAI-style model endpoint for agent harnesses that run unmodified (issue 58), token-exact.
+
+A harness is given a base URL and, per episode, a random secret as its API key (``open_session``): that key is the
+session. Each ``POST /v1/chat/completions`` is rendered with the policy's own chat template (its tools included),
+sampled as token ids with logprobs on the engines (``engine_for(session)``: every turn of a session goes to one
+server, so its prefix stays cached), and recorded in the session's ledger (swectl/gateway/ledger.py: appended when
+the rendering extends what was recorded, a branch when it does not). ``end_session`` closes the session and hands
+back its ledger. The completion is answered in OpenAI's shapes, non-streaming or as server-sent events, with the
+policy family's tool calls parsed out (swectl/gateway/wire.py); text-protocol harnesses (a bash block in the text)
+need nothing more.
+
+Errors are OpenAI's shape: 401 for a missing or unknown key (no key never lands in a shared session), 409 for a
+session already ended, 400 for a malformed body, ``n`` > 1, or a prompt that leaves no room in the context (the
+reply's ``max_tokens`` is clamped to what is left), 404 for another model name, 502/503 when the engine failed (an
+infrastructure failure: the episode is aborted, never scored). A request that arrives while the engines take new
+weights waits for them (their generation is paused in place), bounded by ``request_timeout_s``.
+
+An SDK retry (the same body again in one session, e.g. ``x-stainless-retry-count`` > 0) gets the recorded answer,
+or waits for the first request's answer while it runs: a retry never forks the episode.
+
+Consumes: HTTP requests from harnesses. Waits for: the engines. Produces: completions, session ledgers,
+``statistics()`` (a ``GatewayStatistics``). Starts with ``await tg.start(gateway.run)`` (listening once started).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from swectl.agent.loop import Engine
+from swectl.agent.trajectory import ChatTokenizer
+from swectl.engine.wire import GenerateRequest, SamplingParams
+from swectl.errors import EngineError, InfraError
+from swectl.gateway.ledger import Ledger, LedgerStats
+from swectl.gateway.serving import serve_http
+from swectl.gateway.wire import (
+    ChatCompletionRequest,
+    completion_body,
+    completion_chunks,
+    error_body,
+    models_body,
+    parse_tool_calls,
+    template_messages,
+)
+from swectl.schema import GatewayStatistics
+
+_log = logging.getLogger(__name__)
+_JSON = msgspec.json.Encoder()
+
+
+class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The gateway's settings."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port (``url`` says which)
+    model: str = "swectl-policy"  # the model name harnesses ask for (any other is 404)
+    context_tokens: int = 8192  # prompt + completion of one turn at most
+    max_tokens: int = 1024  # a turn's completion when the request gives no max_tokens
+    temperature: float = 1.0  # when the request gives none
+    request_timeout_s: float = 600.0  # one turn at most, a wait for a weight update included
+    max_body_bytes: int = 16 * 1024 * 1024
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, message: str, kind: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code = status, kind, code
+
+
+@dataclass
+class _Session:
+    key: str
+    name: str
+    ledger: Ledger = field(default_factory=Ledger)
+    ended: bool = False
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)  # body hash -> recorded answer
+    running: dict[str, anyio.Event] = field(default_factory=dict)  # body hash -> set when answered
+    lock: anyio.Lock = field(default_factory=anyio.Lock)  # one turn at a time: the ledger is a sequence
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """An ended session: its name, its ledger and the ledger's counts."""
+
+    name: str
+    ledger: Ledger
+    stats: LedgerStats
+
+
+class Gateway:
+    """``await tg.start(gateway.run)``; then ``open_session(name)`` for each episode, ``end_session(key)`` after."""
+
+    def __init__(self, config: GatewayConfig, engine_for: Callable[[str], Engine], tokenizer: ChatTokenizer) -> None:
+        self.config = config
+        self._engine_for = engine_for
+        self._tok = tokenizer
+        self._sessions: dict[str, _Session] = {}
+        self._ended: set[str] = set()
+        self._counts = {"requests": 0, "replayed": 0, "rejected": 0, "engine_failures": 0}
+        self.url = ""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen on config.host:port until cancelled (``url`` is set once started)."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.config.host, self.config.port))
+        sock.listen(4096)
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{host}:{port}/v1"
+        await serve_http(self.app(), sock, task_status=task_status)
+
+    def open_session(self, name: str) -> str:
+        """A new session for one episode; its key (the harness's API key)."""
+        key = "sk-swectl-" + secrets.token_urlsafe(24)
+        self._sessions[key] = _Session(key=key, name=name)
+        return key
+
+    def end_session(self, key: str) -> SessionRecord:
+        """Close the session (later requests with its key get 409) and hand back its ledger."""
+        session = self._sessions.pop(key)
+        session.ended = True
+        self._ended.add(key)
+        return SessionRecord(name=session.name, ledger=session.ledger, stats=session.ledger.stats())
+
+    def statistics(self) -> GatewayStatistics:
+        return GatewayStatistics(sessions_open=len(self._sessions), sessions_ended=len(self._ended), **self._counts)
+
+    # ------------------------------------------------------------------ HTTP
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/models", self._models, methods=["GET"]),
+        ])
+
+    async def _models(self, request: Request) -> Response:
+        try:
+            self._session_of(request)
+        except _HttpError as exc:
+            return self._error(exc)
+        return _json(200, models_body([self.config.model]))
+
+    async def _chat(self, request: Request) -> Response:
+        self._counts["requests"] += 1
+        try:
+            session = self._session_of(request)
+            raw = await request.body()
+            if len(raw) > self.config.max_body_bytes:
+                raise _HttpError(413, f"the body is over {self.config.max_body_bytes} bytes", "invalid_request_error")
+            try:
+                body = msgspec.json.decode(raw, type=ChatCompletionRequest)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise _HttpError(400, f"malformed chat completion request: {exc}", "invalid_request_error") from exc
+            answer = await self._answer_once(session, hashlib.sha256(raw).hexdigest(), body)
+        except _HttpError as exc:
+            return self._error(exc)
+        if body.stream:
+            chunks = completion_chunks(answer)
+
+            async def events() -> Any:
+                for chunk in chunks:
+                    yield chunk
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return _json(200, answer)
+
+    def _session_of(self, request: Request) -> _Session:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if not key:
+            raise _HttpError(401, "no API key: each episode's key is its session", "authentication_error",
+                             "invalid_api_key")
+        if key in self._ended:
+            raise _HttpError(409, "this episode has ended", "invalid_request_error", "session_ended")
+        for known, session in self._sessions.items():
+            if hmac.compare_digest(known, key):
+                return session
+        raise _HttpError(401, "unknown API key", "authentication_error", "invalid_api_key")
+
+    def _error(self, exc: _HttpError) -> Response:
+        self._counts["engine_failures" if exc.status >= 500 else "rejected"] += 1
+        return _json(exc.status, error_body(str(exc), exc.kind, exc.code))
+
+    # ------------------------------------------------------------------ one turn
+
+    async def _answer_once(self, session: _Session, digest: str, body: ChatCompletionRequest) -> dict[str, Any]:
+        """The answer to ``body``: recorded (a retry), awaited (a retry of a request in flight), or made now."""
+        if digest in session.answers:
+            self._counts["replayed"] += 1
+            return session.answers[digest]
+        if digest in session.running:
+            with anyio.fail_after(self.config.request_timeout_s):
+                await session.running[digest].wait()
+            if digest in session.answers:
+                self._counts["replayed"] += 1
+                return session.answers[digest]
+        done = session.running[digest] = anyio.Event()
+        try:
+            async with session.lock:
+                if session.ended:
+                    raise _HttpError(409, "this episode has ended", "invalid_request_error", "session_ended")
+                answer = await self._turn(session, body)
+            session.answers[digest] = answer
+            return answer
+        finally:
+            session.running.pop(digest, None)
+            done.set()
+
+    async def _turn(self, session: _Session, body: ChatCompletionRequest) -> dict[str, Any]:
+        cfg = self.config
+        if body.model != cfg.model:
+            raise _HttpError(404, f"model {body.model!r} is not served here (this gateway serves {cfg.model!r})",
+                             "invalid_request_error", "model_not_found")
+        if body.n != 1:
+            raise _HttpError(400, "n must be 1: an episode samples one completion per turn", "invalid_request_error")
+        if not body.messages:
+            raise _HttpError(400, "messages is empty", "invalid_request_error")
+        prompt = self._render(body)
+        room = cfg.context_tokens - len(prompt)
+        if room <= 0:
+            raise _HttpError(400, f"the prompt is {len(prompt)} tokens; the context holds {cfg.context_tokens}",
+                             "invalid_request_error", "context_length_exceeded")
+        wanted = body.max_completion_tokens or body.max_tokens or cfg.max_tokens
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop
+        sampling = SamplingParams(max_new_tokens=min(wanted, room),
+                                  temperature=cfg.temperature if body.temperature is None else body.temperature,
+                                  top_p=1.0 if body.top_p is None else body.top_p, stop=stop or None,
+                                  sampling_seed=body.seed)
+        branch = session.ledger.prompt(prompt)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            with anyio.fail_after(cfg.request_timeout_s):
+                result = await self._engine_for(session.key).generate(
+                    GenerateRequest(input_ids=prompt, sampling_params=sampling, rid=request_id))
+        except (EngineError, InfraError, TimeoutError) as exc:
+            raise _HttpError(503, f"the engine failed: {exc}", "server_error", "engine_unavailable") from exc
+        if result.finish_reason == "abort":
+            raise _HttpError(503, f"the engine aborted the request: {result.finish_message or ''}", "server_error",
+                             "engine_aborted")
+        session.ledger.completion(branch, list(result.output_ids), list(result.output_logprobs),
+                                  result.weight_version)
+        text = self._tok.decode(list(result.output_ids), skip_special_tokens=True)
+        content, calls = parse_tool_calls(text) if body.tools else (text, [])
+        finish = "tool_calls" if calls else ("length" if result.finish_reason == "length" else "stop")
+        return completion_body(model=cfg.model, content=content, tool_calls=calls, finish_reason=finish,
+                               prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),
+                               request_id=request_id)
+
+    def _render(self, body: ChatCompletionRequest) -> list[int]:
+        kwargs: dict[str, Any] = {"tokenize": True, "add_generation_prompt": True}
+        if body.tools:
+            kwargs["tools"] = body.tools
+        try:
+            rendered = self._tok.apply_chat_template(template_messages(body), **kwargs)
+        except Exception as exc:  # a template error is the request's: say what it was
+            raise _HttpError(400, f"the chat template cannot render these messages: {exc}",
+                             "invalid_request_error") from exc
+        ids = rendered if isinstance(rendered, list) else rendered["input_ids"]
+        return [int(t) for t in ids]
+
+
+def _json(status: int, body: dict[str, Any]) -> Response:
+    return Response(_JSON.encode(body), status_code=status, media_type="application/json")
