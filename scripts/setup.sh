@@ -7,17 +7,21 @@
 #   3. the offline base image localhost/swectl-base:bookworm (debootstrap + podman import; en_US.UTF-8 locale)
 #   4. with --with-vllm: vLLM's CPU build in .venv-vllm for `[engine] kind = "vllm"` (scripts/setup_vllm.sh;
 #      the test command passes it, so vLLM's tests run against the real server)
+#   5. with --with-harnesses: the agent harnesses the gateway is tested with (mini-swe-agent) in .venv-harness
+#      (scripts/setup_harnesses.sh; the test command passes it too)
 # Podman is configured through CONTAINERS_CONF=remote/nodes/containers.conf for swectl's own calls only;
 # the user's /etc/containers configuration is never modified.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 WITH_VLLM=0
+WITH_HARNESSES=0
 for arg in "$@"; do
     case "$arg" in
         --with-vllm) WITH_VLLM=1 ;;
+        --with-harnesses) WITH_HARNESSES=1 ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
-        *) echo "setup: unknown option $arg (options: --with-vllm)" >&2; exit 2 ;;
+        *) echo "setup: unknown option $arg (options: --with-vllm, --with-harnesses)" >&2; exit 2 ;;
     esac
 done
 EXTRAS=${SWECTL_EXTRAS:-dev,cpu}
@@ -113,6 +117,9 @@ say "building the bundled project images (cached)"
 
 if [ "$WITH_VLLM" = 1 ]; then
     bash scripts/setup_vllm.sh
+fi
+if [ "$WITH_HARNESSES" = 1 ]; then
+    bash scripts/setup_harnesses.sh
 fi
 
 say "ready: $(podman --version), image $BASE_IMAGE, $(.venv/bin/python --version)"

@@ -1,7 +1,7 @@
 """The gateway (actors/gateway.py) in front of the real CPU engine and a real tokenizer and model (tiny), spoken to
 over HTTP the way harnesses do (mini-swe-agent's shape of request: a system and a user message, then the whole
 history each turn): sessions by API key, the token record of each turn, retries, streaming, errors in OpenAI's
-shape. mini-swe-agent's own process against it is not in CI yet (docs/gateway.md)."""
+shape. mini-swe-agent's own process against it: test_gateway_harness.py."""
 
 from __future__ import annotations
 

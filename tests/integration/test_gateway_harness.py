@@ -1,0 +1,75 @@
+"""mini-swe-agent v2 (PyPI 2.4.6, unmodified, in .venv-harness from `bash scripts/setup.sh --with-harnesses`) against
+the gateway (actors/gateway.py) before the real CPU engine and the tiny model: its own `mini` command, its own
+SWE-bench config (tool calls: a `bash` function), its litellm model pointed at the gateway by `api_base`, the
+episode's key as its API key, its local environment in a scratch folder.
+
+What it does, seen in this session (docs/gateway.md): it sends the whole history each turn, non-streaming, with
+`tools` and `parallel_tool_calls`; a reply without a tool call is a format error, and that reply is left out of the
+next request (only its error message goes back), so each such turn's rendering does not extend the last one and the
+ledger branches. The tiny model writes no tool call: the run ends after three format errors in a row."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import anyio
+import pytest
+
+from swectl.actors.engines import Engines
+from swectl.actors.gateway import Gateway, GatewayConfig
+from swectl.config import EngineConfig
+from swectl.model.tokenizer import load_tokenizer
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+REPO = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("SWECTL_HARNESS_VENV", REPO / ".venv-harness"))
+
+
+def _mini() -> Path:
+    mini = VENV / "bin" / "mini"
+    if not mini.exists():
+        pytest.fail(f"mini-swe-agent is not installed ({mini} is missing): run `bash scripts/setup.sh "
+                    "--with-harnesses` (the test command does)")
+    return mini
+
+
+async def test_mini_swe_agent_runs_unmodified_through_the_gateway(model: Path, tmp_path: Path) -> None:
+    mini = _mini()
+    engines = Engines(EngineConfig(health_interval_s=1.0, start_timeout_s=120), model=str(model), log_dir=tmp_path)
+    gateway = Gateway(GatewayConfig(max_tokens=32), engines.route, load_tokenizer(str(model), "model"))
+    work = tmp_path / "work"
+    work.mkdir()
+    traj = tmp_path / "mini.traj.json"
+    async with anyio.create_task_group() as tg:
+        with anyio.fail_after(120):
+            await tg.start(engines.run)
+            await tg.start(gateway.run)
+        key = gateway.open_session("mini#0")
+        env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_CONFIGURED": "true",
+               "MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path / "cfg"), "MSWEA_SILENT_STARTUP": "1",
+               "OPENAI_API_KEY": "", "HTTP_PROXY": "", "HTTPS_PROXY": ""}
+        argv = [str(mini), "-c", "swebench.yaml", "-c", "environment.environment_class=local",
+                "-c", f"environment.cwd={work}", "-c", f"model.model_kwargs.api_base={gateway.url}",
+                "-c", f"model.model_kwargs.api_key={key}", "-c", "model.cost_tracking=ignore_errors",
+                "-c", "agent.step_limit=6", "-m", "openai/swectl-policy", "-t", "print hello", "-y",
+                "--exit-immediately", "-o", str(traj)]
+        with anyio.fail_after(300):
+            done = await anyio.run_process(argv, env=env, cwd=tmp_path, check=False)
+        output = (done.stdout + done.stderr).decode(errors="replace")
+        assert done.returncode == 0, output[-3000:]
+        record = gateway.end_session(key)
+        stats = gateway.statistics()
+        tg.cancel_scope.cancel()
+    info = json.loads(traj.read_text())["info"]
+    calls = info["model_stats"]["api_calls"]
+    assert info["exit_status"] in ("RepeatedFormatError", "LimitsExceeded", "Submitted"), info["exit_status"]
+    # every call it made was answered (no 4xx/5xx, no retries) and sampled once
+    assert calls >= 1 and record.stats.turns == calls == stats.requests, (calls, record.stats, stats)
+    assert stats.rejected == 0 and stats.engine_failures == 0 and stats.replayed == 0
+    for branch in record.ledger.trained_branches():
+        branch.check()
+        assert branch.turns >= 1 and sum(branch.loss_mask) > 0
+    if info["exit_status"] == "RepeatedFormatError":  # malformed replies are dropped from the next request
+        assert record.stats.branches == calls - 1 and record.stats.drift_tokens > 0
