@@ -18,6 +18,11 @@ weights waits for them (their generation is paused in place), bounded by ``reque
 An SDK retry (the same body again in one session, e.g. ``x-stainless-retry-count`` > 0) gets the recorded answer,
 or waits for the first request's answer while it runs: a retry never forks the episode.
 
+A session opened with a workspace (the episode's sandbox lease) also runs the harness's commands there:
+``POST /swectl/v1/exec`` ``{command, cwd, env, timeout}`` with the session's key answers ``{output, returncode,
+exception_info}`` (a timeout is a result: returncode -1; a lost sandbox is a 503, an infrastructure failure). That
+is how an unmodified harness drives swectl's sandboxes: its environment class (swectl/gateway/harness/) posts there.
+
 Consumes: HTTP requests from harnesses. Waits for: the engines. Produces: completions, session ledgers,
 ``statistics()`` (a ``GatewayStatistics``). Starts with ``await tg.start(gateway.run)`` (listening once started).
 """
@@ -32,7 +37,7 @@ import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.abc
@@ -57,7 +62,7 @@ from swectl.gateway.wire import (
     parse_tool_calls,
     template_messages,
 )
-from swectl.schema import GatewayStatistics
+from swectl.schema import ExecResult, GatewayStatistics
 
 _log = logging.getLogger(__name__)
 _JSON = msgspec.json.Encoder()
@@ -73,6 +78,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int = 1024  # a turn's completion when the request gives no max_tokens
     temperature: float = 1.0  # when the request gives none
     request_timeout_s: float = 600.0  # one turn at most, a wait for a weight update included
+    exec_timeout_s: float = 600.0  # one harness command at most, whatever it asks for
     max_body_bytes: int = 16 * 1024 * 1024
 
 
@@ -82,10 +88,28 @@ class _HttpError(Exception):
         self.status, self.kind, self.code = status, kind, code
 
 
+class Workspace(Protocol):
+    """Where a session's commands run (an EnvPool Lease)."""
+
+    async def exec(self, command: str, timeout: float, *, cwd: str | None = None, env: dict[str, str] | None = None,
+                   output_limit: int | None = None) -> ExecResult: ...
+
+
+class ExecBody(msgspec.Struct, kw_only=True):
+    """``POST /swectl/v1/exec``."""
+
+    command: str
+    cwd: str = ""
+    env: dict[str, str] = {}
+    timeout: float = 60.0
+
+
 @dataclass
 class _Session:
     key: str
     name: str
+    workspace: Workspace | None = None
+    commands: int = 0
     ledger: Ledger = field(default_factory=Ledger)
     ended: bool = False
     answers: dict[str, dict[str, Any]] = field(default_factory=dict)  # body hash -> recorded answer
@@ -126,10 +150,11 @@ class Gateway:
         self.url = f"http://{host}:{port}/v1"
         await serve_http(self.app(), sock, task_status=task_status)
 
-    def open_session(self, name: str) -> str:
-        """A new session for one episode; its key (the harness's API key)."""
+    def open_session(self, name: str, workspace: Workspace | None = None) -> str:
+        """A new session for one episode (``workspace``: where its commands run); its key (the harness's API
+        key)."""
         key = "sk-swectl-" + secrets.token_urlsafe(24)
-        self._sessions[key] = _Session(key=key, name=name)
+        self._sessions[key] = _Session(key=key, name=name, workspace=workspace)
         return key
 
     def end_session(self, key: str) -> SessionRecord:
@@ -150,7 +175,32 @@ class Gateway:
             Route("/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/models", self._models, methods=["GET"]),
+            Route("/swectl/v1/exec", self._exec, methods=["POST"]),
         ])
+
+    async def _exec(self, request: Request) -> Response:
+        try:
+            session = self._session_of(request)
+            if session.workspace is None:
+                raise _HttpError(409, "this session has no workspace to run commands in", "invalid_request_error",
+                                 "no_workspace")
+            try:
+                body = msgspec.json.decode(await request.body(), type=ExecBody)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise _HttpError(400, f"malformed exec request: {exc}", "invalid_request_error") from exc
+            timeout = min(max(body.timeout, 1.0), self.config.exec_timeout_s)
+            session.commands += 1
+            try:
+                with anyio.fail_after(timeout + 120):  # the sandbox bounds the command; this bounds the transport
+                    result = await session.workspace.exec(body.command, timeout, cwd=body.cwd or None,
+                                                          env=body.env or None)
+            except (InfraError, TimeoutError) as exc:
+                raise _HttpError(503, f"the sandbox failed: {exc}", "server_error", "sandbox_unavailable") from exc
+        except _HttpError as exc:
+            return self._error(exc)
+        return _json(200, {"output": result.output, "returncode": -1 if result.timed_out else result.exit_code,
+                           "exception_info": f"the command timed out after {timeout:g} s" if result.timed_out
+                           else ""})
 
     async def _models(self, request: Request) -> Response:
         try:

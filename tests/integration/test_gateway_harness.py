@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 import anyio
@@ -73,3 +74,56 @@ async def test_mini_swe_agent_runs_unmodified_through_the_gateway(model: Path, t
         assert branch.turns >= 1 and sum(branch.loss_mask) > 0
     if info["exit_status"] == "RepeatedFormatError":  # malformed replies are dropped from the next request
         assert record.stats.branches == calls - 1 and record.stats.drift_tokens > 0
+
+
+async def test_mini_swe_agent_drives_a_swectl_sandbox_and_submits(model: Path, tmp_path: Path) -> None:
+    """Its environment class by dotted path (swectl/gateway/harness/swectl_mini.py): the commands of a scripted
+    policy's tool calls run in a real swectl sandbox through the gateway (/swectl/v1/exec, the episode's key), what
+    they leave is in the sandbox, and the submission ends the run as mini's own environments do."""
+    from swectl.agent.scripted import ScriptedEngine
+    from swectl.config import load_config
+
+    from .pools import running_pool
+
+    mini = _mini()
+    tokenizer = load_tokenizer(str(model), "model")
+
+    def call(command: str) -> str:
+        return f'<tool_call>\n{json.dumps({"name": "bash", "arguments": {"command": command}})}\n</tool_call>'
+
+    script = ScriptedEngine([call("echo hello > /tmp/made-by-mini && cat /tmp/made-by-mini && hostname"),
+                             call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && echo the-patch")], tokenizer)
+    gateway = Gateway(GatewayConfig(max_tokens=256), lambda key: script, tokenizer)
+    traj = tmp_path / "mini.traj.json"
+    async with running_pool(load_config(None, ["env_pool.warm=0"]), "gwh" + uuid.uuid4().hex[:8]) as pool, \
+            anyio.create_task_group() as tg:
+        with anyio.fail_after(60):
+            await tg.start(gateway.run)
+        lease = await pool.acquire()
+        try:
+            key = gateway.open_session("mini#sandbox", lease)
+            env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_CONFIGURED": "true",
+                   "MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path / "cfg"), "MSWEA_SILENT_STARTUP": "1",
+                   "PYTHONPATH": str(REPO / "swectl" / "gateway" / "harness")}
+            argv = [str(mini), "-c", "swebench.yaml",
+                    "-c", "environment.environment_class=swectl_mini.SwectlEnvironment",
+                    "-c", f"environment.gateway_url={gateway.url}", "-c", f"environment.api_key={key}",
+                    "-c", "environment.cwd=/tmp", "-c", f"model.model_kwargs.api_base={gateway.url}",
+                    "-c", f"model.model_kwargs.api_key={key}", "-c", "model.cost_tracking=ignore_errors",
+                    "-c", "agent.step_limit=5", "-m", "openai/swectl-policy", "-t", "make a file", "-y",
+                    "--exit-immediately", "-o", str(traj)]
+            with anyio.fail_after(300):
+                done = await anyio.run_process(argv, env=env, cwd=tmp_path, check=False)
+            output = (done.stdout + done.stderr).decode(errors="replace")
+            assert done.returncode == 0, output[-3000:]
+            made = await lease.exec("cat /tmp/made-by-mini; hostname", 30)
+            record = gateway.end_session(key)
+        finally:
+            await pool.release(lease)
+        tg.cancel_scope.cancel()
+    info = json.loads(traj.read_text())["info"]
+    assert info["exit_status"] == "Submitted" and info["submission"].strip() == "the-patch", info
+    sandbox_host = made.output.split()[1]
+    observations = [m["content"] for m in json.loads(traj.read_text())["messages"] if m["role"] == "tool"]
+    assert made.output.split()[0] == "hello" and sandbox_host in observations[0], observations
+    assert record.stats.turns == 2 and script.calls == 2
