@@ -2,12 +2,12 @@
 
 A harness is given a base URL and, per episode, a random secret as its API key (``open_session``): that key is the
 session. Each ``POST /v1/chat/completions`` is rendered with the policy's own chat template (its tools included),
-sampled as token ids with logprobs on the engines (``engine_for(session)``: every turn of a session goes to one
-server, so its prefix stays cached), and recorded in the session's ledger (swectl/gateway/ledger.py: appended when
-the rendering extends what was recorded, a branch when it does not). ``end_session`` closes the session and hands
-back its ledger. The completion is answered in OpenAI's shapes, non-streaming or as server-sent events, with the
-policy family's tool calls parsed out (swectl/gateway/wire.py); text-protocol harnesses (a bash block in the text)
-need nothing more.
+sampled as token ids with logprobs on the engines (``engine_for(name)``, by the session's name: every turn of a
+session goes to one server, so its prefix stays cached), and recorded in the session's ledger
+(swectl/gateway/ledger.py: appended when the rendering extends what was recorded, a branch when it does not).
+``end_session`` closes the session and hands back its ledger. The completion is answered in OpenAI's shapes,
+non-streaming or as server-sent events, with the policy family's tool calls parsed out (swectl/gateway/wire.py);
+text-protocol harnesses (a bash block in the text) need nothing more.
 
 Errors are OpenAI's shape: 401 for a missing or unknown key (no key never lands in a shared session), 409 for a
 session already ended, 400 for a malformed body, ``n`` > 1, or a prompt that leaves no room in the context (the
@@ -223,6 +223,9 @@ class Gateway:
             answer = await self._answer_once(session, hashlib.sha256(raw).hexdigest(), body)
         except _HttpError as exc:
             return self._error(exc)
+        except Exception as exc:  # a fault of the gateway's own: said in the API's shape, and logged whole
+            _log.exception("gateway: %s %s failed", request.method, request.url.path)
+            return self._error(_HttpError(500, f"the gateway failed: {type(exc).__name__}: {exc}", "server_error"))
         if body.stream:
             chunks = completion_chunks(answer)
 
@@ -299,7 +302,7 @@ class Gateway:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             with anyio.fail_after(cfg.request_timeout_s):
-                result = await self._engine_for(session.key).generate(
+                result = await self._engine_for(session.name).generate(
                     GenerateRequest(input_ids=prompt, sampling_params=sampling, rid=request_id))
         except (EngineError, InfraError, TimeoutError) as exc:
             raise _HttpError(503, f"the engine failed: {exc}", "server_error", "engine_unavailable") from exc

@@ -31,6 +31,7 @@ import msgspec
 
 from swectl.actors.env_pool import EnvPool
 from swectl.actors.grader import Grader, GradeResult, prepare_task
+from swectl.actors.harness import MiniSweAgent
 from swectl.actors.judge import Judge
 from swectl.agent.loop import ChatEngine, Engine, Episode, EpisodeConfig, OnStep, run_chat_episode, run_episode
 from swectl.agent.trajectory import ChatTokenizer
@@ -68,7 +69,7 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
     episode: EpisodeConfig = EpisodeConfig()
 
 
-EngineFor = Callable[[Task, int], Engine | ChatEngine]
+EngineFor = Callable[[Task, int], "Engine | ChatEngine | MiniSweAgent"]
 # Waits until an engine can take requests (Engines.wait_routable); returns the seconds waited, raises InfraError
 EngineReady = Callable[[], Awaitable[float]]
 
@@ -176,6 +177,8 @@ class Rollout:
                         assert self._tok is not None, "a token-in/token-out engine needs the tokenizer"
                         return await run_episode(task, lease, engine, self._tok, self._cfg.episode,
                                                  key=f"{task.instance_id}#{sample}", on_step=on_step)
+                    case MiniSweAgent() as harness:  # an external harness, unmodified, through the gateway
+                        return await harness.run_episode(task, lease, f"{task.instance_id}#{sample}")
                     case ChatEngine() as chat:  # an OpenAI-compatible chat endpoint: messages only
                         return await run_chat_episode(task, lease, chat, self._cfg.episode)
                     case other:

@@ -127,3 +127,47 @@ async def test_mini_swe_agent_drives_a_swectl_sandbox_and_submits(model: Path, t
     observations = [m["content"] for m in json.loads(traj.read_text())["messages"] if m["role"] == "tool"]
     assert made.output.split()[0] == "hello" and sandbox_host in observations[0], observations
     assert record.stats.turns == 2 and script.calls == 2
+
+
+async def test_a_rollout_through_mini_swe_agent_is_graded_by_swectl(model: Path, tmp_path: Path) -> None:
+    """The Rollout with mini-swe-agent as its engine (actors/harness.py): a bundled task's sandbox, the harness's own
+    command and config, a scripted policy whose tool calls apply the task's gold patch and submit, then swectl's
+    fresh-sandbox grader on the sandbox's diff: resolved. The same with a policy that submits no change:
+    unresolved. mini's exit statuses map onto swectl's, and the ledger of each episode is kept."""
+    from swectl.actors.grader import Grader, GraderConfig
+    from swectl.actors.harness import MiniSweAgent, MiniSweAgentConfig
+    from swectl.actors.rollout import Rollout, RolloutConfig
+    from swectl.agent.scripted import ScriptedEngine
+    from swectl.config import load_config
+    from swectl.images.project import BUNDLED_TASKS
+    from swectl.tasks.sources import load_tasks
+
+    from .pools import running_pool
+
+    _mini()
+    tokenizer = load_tokenizer(str(model), "model")
+    task = load_tasks(str(BUNDLED_TASKS)).tasks[0]
+
+    def call(command: str) -> str:
+        return f'<tool_call>\n{json.dumps({"name": "bash", "arguments": {"command": command}})}\n</tool_call>'
+
+    apply = f"cat > /tmp/gold.patch <<'SWECTL_EOF'\n{task.patch}\nSWECTL_EOF\ngit apply /tmp/gold.patch && echo applied"
+    submit = call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && git diff")
+    scripts = {0: ScriptedEngine([call(apply), submit], tokenizer), 1: ScriptedEngine([submit], tokenizer)}
+    gateway = Gateway(GatewayConfig(max_tokens=8192, context_tokens=65536),
+                      lambda key: scripts[int(key.rsplit("#", 1)[1])], tokenizer)
+    harness = MiniSweAgent(MiniSweAgentConfig(step_limit=6, timeout_s=300), gateway, tmp_path / "mini")
+    config = load_config(None, ["env_pool.warm=0"])
+    async with running_pool(config, "gwr" + uuid.uuid4().hex[:8]) as pool, anyio.create_task_group() as tg:
+        with anyio.fail_after(60):
+            await tg.start(gateway.run)
+        rollout = Rollout(RolloutConfig(concurrency=2, samples_per_task=2), pool, Grader(GraderConfig(), pool),
+                          lambda t, n: harness, None, tmp_path / "episodes")
+        with anyio.fail_after(600):
+            results = sorted(await rollout.collect([task]), key=lambda r: r.sample)
+        tg.cancel_scope.cancel()
+    gold, empty = results
+    assert gold.outcome == "COMPLETED" and gold.exit_status == "Submitted" and gold.resolved, gold
+    assert empty.outcome == "COMPLETED" and not empty.resolved and empty.grade is not None, empty
+    assert harness.records[f"{task.instance_id}#0"].stats.turns == 2
+    assert harness.records[f"{task.instance_id}#1"].stats.turns == 1
