@@ -23,14 +23,17 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
+import anyio.abc
 import msgspec
 
 from swectl.actors.engines import Engines, engine_hosts
 from swectl.actors.env_pool import running_pool
+from swectl.actors.gateway import Gateway, GatewayConfig
 from swectl.actors.grader import Grader, GraderConfig
+from swectl.actors.harness import MiniSweAgent, MiniSweAgentConfig
 from swectl.actors.rollout import EpisodeResult, Rollout, RolloutConfig
 from swectl.agent.loop import episode_config
 from swectl.agent.metrics import agent_metrics
@@ -65,6 +68,10 @@ class RunSettings(msgspec.Struct, frozen=True, kw_only=True):
     tokenizer: str = ""  # token-in/token-out runs: the tokenizer folder
     model_name: str  # model_name_or_path written to preds.jsonl and the summary
     rollout: RolloutOptions
+    # an external agent harness, unmodified, instead of swectl's loop ("mini-swe-agent"; "": swectl's own), its
+    # model calls through the gateway (actors/gateway.py), its config and step limit
+    harness: str = ""
+    harness_config: str = ""
 
 
 class AgentSummary(RunReport, kw_only=True):
@@ -227,6 +234,18 @@ def rollout_config(options: RolloutOptions, concurrency: int) -> RolloutConfig:
                          episode=episode_config(options, temperature=options.temperature, seed=seed))
 
 
+async def _start_harness(tg: anyio.abc.TaskGroup, settings: RunSettings, engines: Engines, tokenizer: Any,
+                         out: Path) -> MiniSweAgent:
+    """The gateway before ``engines`` (started in ``tg``) and the harness that runs through it."""
+    r = settings.rollout
+    gateway = Gateway(GatewayConfig(max_tokens=r.max_tokens, context_tokens=r.context,
+                                    temperature=r.temperature), engines.route, tokenizer)
+    await tg.start(gateway.run, name="gateway")
+    return MiniSweAgent(MiniSweAgentConfig(config=settings.harness_config or "swebench.yaml",
+                                           step_limit=r.step_limit),
+                        gateway, out / "harness")
+
+
 async def eval_model(
     config: ClusterConfig, tasks: list[Task], out: Path, settings: RunSettings, *, concurrency: int = 4,
     grade_timeout_s: float = 1800.0, resolver: ImageResolver | None = None, api_key: str | None = None,
@@ -285,6 +304,12 @@ async def eval_model(
 
                 def engine_for(t: Task, n: int):
                     return engines.route(f"{t.instance_id}#{n}")
+
+                if settings.harness:
+                    harness = await _start_harness(tg, settings, engines, tokenizer, out)
+
+                    def engine_for(t: Task, n: int):
+                        return harness
             else:
 
                 def engine_for(t: Task, n: int):

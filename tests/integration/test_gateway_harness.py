@@ -171,3 +171,23 @@ async def test_a_rollout_through_mini_swe_agent_is_graded_by_swectl(model: Path,
     assert empty.outcome == "COMPLETED" and not empty.resolved and empty.grade is not None, empty
     assert harness.records[f"{task.instance_id}#0"].stats.turns == 2
     assert harness.records[f"{task.instance_id}#1"].stats.turns == 1
+
+
+def test_swectl_eval_with_the_harness(model: Path, tmp_path: Path) -> None:
+    """`swectl eval --harness mini-swe-agent --model M`: the engines, the gateway and the harness per episode, from
+    the command line; the tiny model writes no tool call, so its episodes end FormatError and are graded (not
+    aborted), and the summary records the harness."""
+    import subprocess
+    import sys
+
+    _mini()
+    out = tmp_path / "eval"
+    done = subprocess.run([sys.executable, "-m", "swectl.cli.main", "eval", "--model", str(model), "--harness",
+                           "mini-swe-agent", "--step-limit", "3", "--max-tokens", "16", "--slice", "0:1", "--out",
+                           str(out), "--set", "env_pool.warm=0"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["harness"] == "mini-swe-agent"
+    assert summary["finished"] == 1 and summary["infra_errors"] == 0
+    assert summary["exit_status"] == {"FormatError": 1}, summary["exit_status"]
+    assert list((out / "harness").glob("*/mini.traj.json"))  # mini's own record of the episode
