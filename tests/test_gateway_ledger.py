@@ -51,6 +51,16 @@ def test_a_rewritten_history_branches_at_the_first_differing_token() -> None:
     assert ledger.prompt([1, 2, 3, 10, 11, 12, 5]) is first
 
 
+def test_forks_from_equally_shared_branches_take_the_first() -> None:
+    """Two branches sharing as much with a new rendering (each turn's reply dropped from the next request, as
+    mini-swe-agent does with a malformed reply): the fork comes from the first of them."""
+    ledger = Ledger()
+    for reply in ([10], [11], [12]):
+        ledger.completion(ledger.prompt([1, 2]), reply, [-0.1], "0")  # the same prompt each time: a fork each time
+    assert ledger.stats().branches == 2 and ledger.stats().drift_tokens == 2
+    assert [b.token_ids for b in ledger.branches] == [[1, 2, 10], [1, 2, 11], [1, 2, 12]]
+
+
 def test_a_completion_needs_one_logprob_per_token() -> None:
     ledger = Ledger()
     with pytest.raises(ValueError, match="2 output ids but 1 logprobs"):

@@ -74,7 +74,8 @@ class Ledger:
             branch = Branch()
             self._extend_prompt(branch, ids)
         else:  # a fork: from the branch sharing the longest prefix with ``ids``
-            shared, source = max((_common_prefix(b.token_ids, ids), b) for b in self.branches)
+            source = max(self.branches, key=lambda b: _common_prefix(b.token_ids, ids))  # the first of equals
+            shared = _common_prefix(source.token_ids, ids)
             self.drift_tokens += len(source.token_ids) - shared
             branch = Branch(token_ids=source.token_ids[:shared], loss_mask=source.loss_mask[:shared],
                             logprobs=source.logprobs[:shared])
