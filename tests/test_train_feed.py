@@ -78,3 +78,40 @@ def test_a_pending_task_missing_from_the_split_is_a_clear_error() -> None:
     source = DataSource(TASKS, seed=0, cursor=DataCursor(pending=["gone"]))
     with pytest.raises(Exception, match="pending task 'gone' is not in the training split"):
         source.next(1)
+
+
+def scripted_rare(seed: int, *, every: int = 15):  # type: ignore[no-untyped-def]
+    """Groups with equal rewards but for one in ``every`` (a weak policy: dynamic sampling drops nearly all), each
+    taking about as long as the others (the pipeline stays full, as with real episodes)."""
+    rng = random.Random(seed)
+    calls = [0]
+    episodes_at_once = anyio.CapacityLimiter(2)  # train.concurrency: admitted groups queue for it, as in a run
+
+    async def run_group(task: Task, draw: int):  # type: ignore[no-untyped-def]
+        async with episodes_at_once:
+            await anyio.sleep(rng.uniform(0.002, 0.004))
+        calls[0] += 1
+        informative = calls[0] % every == 0
+        episodes = [GradedEpisode(instance_id=task.instance_id, sample=k, outcome="COMPLETED",
+                                  resolved=informative and k == 0, token_ids=[1], loss_mask=[1], logprobs=[0.0])
+                    for k in range(4)]
+        group = Group(instance_id=task.instance_id, episodes=episodes)
+        score_group(group)
+        return group, []
+    return run_group
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_weak_policy_with_one_group_buffered_still_gets_its_steps(seed: int) -> None:
+    """The SSH chaos soak's stall (2026-12-02): nearly every group dropped, an informative group or two buffered, and
+    more groups at the old version admitted than the next step may leave untrained. The forced step waited for them,
+    the feed started a new group each time one ended, and the step came only once enough informative groups had
+    piled up (with the soak's weak policy: no step for 12 minutes, 100 groups). Now no group starts while such a step
+    is due: 8 steps drew 75-77 groups here, against 130-131 before (seeds 0-2)."""
+    source = DataSource(TASKS, seed=0)
+    admission = Admission(1, batch=16)  # the first run's: 4 tasks x 4 samples per step, max_staleness 1
+    feed = GroupFeed(admission, source, scripted_rare(seed, every=60), group_size=4, dynamic_sampling=True,
+                     drop_cap=8)
+    batches = anyio.run(_steps, feed, 8)
+    assert max(s for b in batches for s in b.staleness) <= 1
+    assert feed.draws <= 100, feed.draws

@@ -78,7 +78,7 @@ class GroupFeed:
         async with anyio.create_task_group() as tg:
             task_status.started()
             while True:
-                while not self._admission.can_start(self._n):
+                while not self._admission.can_start(self._n) or self._forced_step_due():
                     await self._changed.wait()
                 (task,) = self._source.next(1)
                 ticket = self._admission.start(self._n)
@@ -102,6 +102,13 @@ class GroupFeed:
         else:
             self._dropped.append(done)
         self._notify()
+
+    def _forced_step_due(self) -> bool:
+        """A step with less than a batch is due (drop_cap groups dropped) but waits for running groups: no new group
+        starts until it is taken. Without this the feed kept the pipeline full of groups at the old version, each
+        dropped in turn, and the step never came (the SSH chaos soak's weak policy, 2026-12-02: 100 groups in 12
+        minutes and no step, one informative group buffered)."""
+        return len(self._dropped) >= self._drop_cap and bool(self._buffered) and bool(self._admission.blocking())
 
     def _may_step(self) -> bool:
         if self._admission.ready():
