@@ -298,7 +298,6 @@ class Gateway:
                                   temperature=cfg.temperature if body.temperature is None else body.temperature,
                                   top_p=1.0 if body.top_p is None else body.top_p, stop=stop or None,
                                   sampling_seed=body.seed)
-        branch = session.ledger.prompt(prompt)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             with anyio.fail_after(cfg.request_timeout_s):
@@ -309,6 +308,8 @@ class Gateway:
         if result.finish_reason == "abort":
             raise _HttpError(503, f"the engine aborted the request: {result.finish_message or ''}", "server_error",
                              "engine_aborted")
+        # placed in the ledger only once sampled: a failed or cancelled turn leaves no trace in it
+        branch = session.ledger.prompt(prompt)
         session.ledger.completion(branch, list(result.output_ids), list(result.output_logprobs),
                                   result.weight_version)
         text = self._tok.decode(list(result.output_ids), skip_special_tokens=True)
