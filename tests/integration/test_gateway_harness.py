@@ -189,5 +189,5 @@ def test_swectl_eval_with_the_harness(model: Path, tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"]["harness"] == "mini-swe-agent"
     assert summary["finished"] == 1 and summary["infra_errors"] == 0
-    assert summary["exit_status"] == {"FormatError": 1}, summary["exit_status"]
+    assert set(summary["exit_status"]) <= {"FormatError", "LimitsExceeded"}, summary["exit_status"]
     assert list((out / "harness").glob("*/mini.traj.json"))  # mini's own record of the episode
