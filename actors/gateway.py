@@ -35,7 +35,7 @@ import logging
 import secrets
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -66,6 +66,7 @@ from swectl.schema import ExecResult, GatewayStatistics
 
 _log = logging.getLogger(__name__)
 _JSON = msgspec.json.Encoder()
+DISCONNECT_POLL_S = 0.1  # how often a running turn looks whether its client is still there
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,7 +136,7 @@ class Gateway:
         self._tok = tokenizer
         self._sessions: dict[str, _Session] = {}
         self._ended: set[str] = set()
-        self._counts = {"requests": 0, "replayed": 0, "rejected": 0, "engine_failures": 0}
+        self._counts = {"requests": 0, "replayed": 0, "rejected": 0, "engine_failures": 0, "disconnected": 0}
         self.url = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -220,7 +221,10 @@ class Gateway:
                 body = msgspec.json.decode(raw, type=ChatCompletionRequest)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise _HttpError(400, f"malformed chat completion request: {exc}", "invalid_request_error") from exc
-            answer = await self._answer_once(session, hashlib.sha256(raw).hexdigest(), body)
+            answer = await self._unless_disconnected(request, self._answer_once(
+                session, hashlib.sha256(raw).hexdigest(), body))
+            if answer is None:  # the client went away: its generation was cancelled, nothing recorded
+                return Response(status_code=499)
         except _HttpError as exc:
             return self._error(exc)
         except Exception as exc:  # a fault of the gateway's own: said in the API's shape, and logged whole
@@ -235,6 +239,31 @@ class Gateway:
 
             return StreamingResponse(events(), media_type="text/event-stream")
         return _json(200, answer)
+
+    async def _unless_disconnected(self, request: Request, turn: Awaitable[dict[str, Any]]
+                                   ) -> dict[str, Any] | None:
+        """The turn's answer, or None when the client disconnects first (the turn is cancelled then: its
+        generation's request to the engine is closed, and the ledger records nothing of it)."""
+        answer: list[dict[str, Any]] = []
+        failed: list[Exception] = []
+        async with anyio.create_task_group() as tg:
+            async def run() -> None:
+                try:
+                    answer.append(await turn)
+                except Exception as exc:  # raised as it is below, not as a group
+                    failed.append(exc)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run)
+            while True:
+                await anyio.sleep(DISCONNECT_POLL_S)
+                if await request.is_disconnected():
+                    self._counts["disconnected"] += 1
+                    tg.cancel_scope.cancel()
+                    break
+        if failed:
+            raise failed[0]
+        return answer[0] if answer else None
 
     def _session_of(self, request: Request) -> _Session:
         auth = request.headers.get("authorization", "")

@@ -304,3 +304,4 @@ class GatewayStatistics(msgspec.Struct, frozen=True, kw_only=True):
     replayed: int  # retries answered from the record
     rejected: int  # answered with a 4xx
     engine_failures: int  # answered with a 5xx
+    disconnected: int = 0  # turns cancelled because their client went away

@@ -113,3 +113,46 @@ async def test_keys_models_and_bad_bodies_get_openai_errors(served: tuple[Gatewa
         assert record.stats.turns == 0  # nothing was sampled for a refused request
         ended = await client.post("/chat/completions", json=body)
         assert ended.status_code == 409 and ended.json()["error"]["code"] == "session_ended"
+
+
+async def test_a_client_that_disconnects_cancels_its_turn_and_records_nothing(model: Path) -> None:
+    """The harness gives up on a turn (its timeout) and closes the connection: the gateway cancels the turn within
+    DISCONNECT_POLL_S, the engine request is cancelled, and the ledger has nothing of it; the harness's retry is
+    then answered as a fresh turn."""
+    from swectl.agent.scripted import ScriptedEngine
+
+    tokenizer = load_tokenizer(str(model), "model")
+    script = ScriptedEngine(["a reply"] * 4, tokenizer)
+    cancelled: list[bool] = []
+    slow = {"on": True}
+
+    class SlowEngine:  # the scripted policy, slow on demand (a long generation)
+        async def generate(self, request):  # type: ignore[no-untyped-def]
+            try:
+                if slow["on"]:
+                    await anyio.sleep(30)
+                return await script.generate(request)
+            except anyio.get_cancelled_exc_class():
+                cancelled.append(True)
+                raise
+
+    gateway = Gateway(GatewayConfig(max_tokens=16), lambda name: SlowEngine(), tokenizer)
+    async with anyio.create_task_group() as tg:
+        await tg.start(gateway.run)
+        key = gateway.open_session("task#gone")
+        body = {"model": "swectl-policy", "messages": [SYSTEM, USER]}
+        with pytest.raises(httpx.ReadTimeout):
+            async with httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": f"Bearer {key}"},
+                                         timeout=0.5) as client:
+                await client.post("/chat/completions", json=body)
+        with anyio.fail_after(5):
+            while not cancelled:  # noqa: ASYNC110 (the gateway notices at its next poll)
+                await anyio.sleep(0.05)
+        assert gateway.statistics().disconnected == 1
+        slow["on"] = False
+        async with _client(gateway, key) as client:  # the retry: a fresh turn, sampled once
+            again = await client.post("/chat/completions", json=body)
+        assert again.status_code == 200, again.text
+        record = gateway.end_session(key)
+        assert record.stats.turns == 1 and script.calls == 1
+        tg.cancel_scope.cancel()
