@@ -48,7 +48,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from swectl.agent.loop import Engine
-from swectl.agent.trajectory import ChatTokenizer
+from swectl.agent.trajectory import ChatTokenizer, rendered_ids
 from swectl.engine.wire import GenerateRequest, SamplingParams
 from swectl.errors import EngineError, InfraError
 from swectl.gateway.ledger import Ledger, LedgerStats
@@ -357,8 +357,7 @@ class Gateway:
         except Exception as exc:  # a template error is the request's: say what it was
             raise _HttpError(400, f"the chat template cannot render these messages: {exc}",
                              "invalid_request_error") from exc
-        ids = rendered if isinstance(rendered, list) else rendered["input_ids"]
-        return [int(t) for t in ids]
+        return rendered_ids(rendered)
 
 
 def _json(status: int, body: dict[str, Any]) -> Response:

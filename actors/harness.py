@@ -48,6 +48,14 @@ def default_mini() -> str:
     return str(venv / "bin" / "mini")
 
 
+def mini_env(home: Path) -> dict[str, str]:
+    """The environment mini runs in: swectl's environment class importable, nothing asked (its setup prompt), no
+    network (litellm's local cost map), its global config in ``home``."""
+    path = os.pathsep.join(p for p in (str(HARNESS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_CONFIGURED": "true",
+            "MSWEA_GLOBAL_CONFIG_DIR": str(home), "MSWEA_SILENT_STARTUP": "1"}
+
+
 class MiniSweAgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How mini-swe-agent is run for each episode."""
 
@@ -82,11 +90,6 @@ class MiniSweAgent:
         return [*argv, "-m", f"openai/{self._gateway.config.model}", "-t", task.problem_statement, "-y",
                 "--exit-immediately", "-o", str(traj)]
 
-    def env(self, home: Path) -> dict[str, str]:
-        path = os.pathsep.join(p for p in (str(HARNESS_DIR), os.environ.get("PYTHONPATH", "")) if p)
-        return {**os.environ, "PYTHONPATH": path, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_CONFIGURED": "true",
-                "MSWEA_GLOBAL_CONFIG_DIR": str(home), "MSWEA_SILENT_STARTUP": "1"}
-
     async def run_episode(self, task: Task, lease: Lease, key: str) -> Episode:
         """One episode of ``task`` in ``lease`` (already prepared); the Episode to grade (its patch: the diff)."""
         folder = self._work / key.replace("/", "_")
@@ -98,7 +101,7 @@ class MiniSweAgent:
         try:
             with anyio.move_on_after(self.config.timeout_s) as scope:  # a hung harness is killed
                 done = await anyio.run_process(self.argv(task, session, traj), input=b"",
-                                               env=self.env(folder / "home"), cwd=folder, check=False)
+                                               env=mini_env(folder / "home"), cwd=folder, check=False)
                 returncode = done.returncode
                 await anyio.Path(folder / "mini.log").write_bytes(done.stdout + done.stderr)
             timed_out = scope.cancelled_caught

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import anyio
 
 from swectl.agent.loop import Engine
-from swectl.agent.trajectory import ChatTokenizer
+from swectl.agent.trajectory import ChatTokenizer, rendered_ids
 from swectl.config import PrmConfig
 from swectl.engine.wire import GenerateRequest, SamplingParams
 from swectl.errors import SwectlError
@@ -46,7 +46,7 @@ class Judge:
         cfg = self._cfg
         messages = judge_messages(problem, history, step, history_steps=cfg.history_steps, max_chars=cfg.max_chars)
         rendered = self._tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        ids = [int(t) for t in (rendered if isinstance(rendered, list) else rendered["input_ids"])]
+        ids = rendered_ids(rendered)
         sampling = SamplingParams(max_new_tokens=cfg.max_tokens, temperature=cfg.temperature)
         answers: list[str | None] = [None] * cfg.samples
         engine = self._engine_for(f"judge-{key}")

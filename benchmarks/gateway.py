@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from swectl.actors.engines import Engines  # noqa: E402
 from swectl.actors.gateway import Gateway, GatewayConfig  # noqa: E402
 from swectl.agent.scripted import ScriptedEngine  # noqa: E402
+from swectl.agent.trajectory import rendered_ids  # noqa: E402
 from swectl.config import EngineConfig  # noqa: E402
 from swectl.engine.wire import GenerateRequest, SamplingParams  # noqa: E402
 from swectl.model.tokenizer import load_tokenizer  # noqa: E402
@@ -67,9 +68,9 @@ async def _direct(engine_for: Any, tokenizer: Any, sessions: int, turns: int, ma
     async def one(s: int) -> None:
         for turn in range(turns):
             t0 = time.perf_counter()
-            ids = tokenizer.apply_chat_template(_history(turn), tokenize=True, add_generation_prompt=True)
-            ids = ids if isinstance(ids, list) else ids["input_ids"]
-            await engine_for(f"d{s}").generate(GenerateRequest(input_ids=[int(i) for i in ids],
+            ids = rendered_ids(tokenizer.apply_chat_template(_history(turn), tokenize=True,
+                                                             add_generation_prompt=True))
+            await engine_for(f"d{s}").generate(GenerateRequest(input_ids=ids,
                                                                sampling_params=SamplingParams(max_new_tokens=max_tokens),
                                                                rid=f"d{s}/{turn}"))
             latencies.append(time.perf_counter() - t0)
@@ -147,8 +148,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     out["added_p50_ms"] = round(out["gateway"]["p50_ms"] - out["direct"]["p50_ms"], 3)
     out["direct_requests_per_s"] = round(len(direct) / out.pop("direct_s"), 1)
     out["gateway_requests_per_s"] = round(len(through) / out.pop("gateway_s"), 1)
-    last = tokenizer.apply_chat_template(_history(args.turns - 1), tokenize=True, add_generation_prompt=True)
-    out["prompt_tokens_last_turn"] = len(last if isinstance(last, list) else last["input_ids"])
+    out["prompt_tokens_last_turn"] = len(rendered_ids(tokenizer.apply_chat_template(
+        _history(args.turns - 1), tokenize=True, add_generation_prompt=True)))
     return out
 
 

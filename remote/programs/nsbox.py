@@ -655,8 +655,8 @@ class Daemon:
         self.by_pid = {}  # host pid -> Box
         self.launches = {}  # status pipe fd -> Launch
         self.waiting = []  # (conn, ids) of remove requests answered once those sandboxes are gone
-        self.cleaners = {}  # pid of an `rm -rf` -> the Box it cleans up after (None: a sweep of old trash)
-        self.trash = {}  # pid of an `rm -rf` -> the folder it removes
+        # pid of an `rm -rf` -> (the folder it removes, the Box it cleans up after or None for a sweep of old trash)
+        self.cleaners = {}
         self.retiring = False
         self.idle_since = time.monotonic()
         self.mounts = cgroup_mounts()
@@ -851,8 +851,7 @@ class Daemon:
             if pid == 0:
                 break
             if pid in self.cleaners:
-                self.trash.pop(pid, None)
-                box = self.cleaners.pop(pid)
+                _, box = self.cleaners.pop(pid)
                 if box is not None:
                     self.forget(box)
             elif pid in self.by_pid:
@@ -877,15 +876,14 @@ class Daemon:
         """``rm -rf`` of ``path`` as a child reaped by ``reap`` (which then forgets ``box``, if any)."""
         proc = subprocess.Popen(["rm", "-rf", "--one-file-system", path], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        self.cleaners[proc.pid] = box
-        self.trash[proc.pid] = path
+        self.cleaners[proc.pid] = (path, box)
         proc.returncode = 0  # reaped by our own waitpid loop, not by Popen
 
     def sweep_trash(self):
         """Remove again the ``*.removing`` folders no record stands for and none of our cleaners works on: one
         whose removal failed, or raced with the ``rm`` a killed daemon left running (both can stop short)."""
         boxes_dir = os.path.join(self.state_dir, "boxes")
-        busy = set(self.trash.values())
+        busy = {path for path, _ in self.cleaners.values()}
         with contextlib.suppress(OSError):
             for entry in os.listdir(boxes_dir):
                 path = os.path.join(boxes_dir, entry)

@@ -32,7 +32,7 @@ from swectl.agent.protocol import (
     parse_action,
     submission,
 )
-from swectl.agent.trajectory import ChatTokenizer, Message, Trajectory, TrajectoryBuilder
+from swectl.agent.trajectory import ChatTokenizer, Message, Trajectory, TrajectoryBuilder, rendered_ids
 from swectl.config import RolloutOptions
 from swectl.engine.wire import ChatMessage, ChatResult, GenerateRequest, GenerateResult, SamplingParams
 from swectl.errors import InfraError, SwectlError
@@ -227,8 +227,7 @@ def _managed_prompt(builder: TrajectoryBuilder, tokenizer: ChatTokenizer, budget
     messages, omitted = fit_context(builder.traj.messages, count, budget)
     conv = [{"role": m.role, "content": m.content} for m in messages]
     rendered = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
-    ids = rendered if isinstance(rendered, list) else rendered["input_ids"]
-    return [int(t) for t in ids], omitted
+    return rendered_ids(rendered), omitted
 
 
 class _TokenPolicy:

@@ -50,7 +50,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
                                  f"{len(self.logprobs)}")
 
 
-def _ids(rendered: Any) -> list[int]:
+def rendered_ids(rendered: Any) -> list[int]:
     """apply_chat_template(tokenize=True) gives a list, or a BatchEncoding-like mapping in transformers 5."""
     if isinstance(rendered, list):
         return [int(t) for t in rendered]
@@ -82,7 +82,7 @@ class TrajectoryBuilder:
 
     def _render_ids(self, messages: list[Message], *, generation_prompt: bool) -> list[int]:
         conv = [{"role": m.role, "content": m.content} for m in messages]
-        return _ids(self._tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=generation_prompt))
+        return rendered_ids(self._tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=generation_prompt))
 
     def start(self, system: str, user: str) -> list[int]:
         """Render the prompt once; returns the ids to send to the engine."""

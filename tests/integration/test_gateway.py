@@ -15,6 +15,7 @@ import pytest
 
 from swectl.actors.engines import Engines
 from swectl.actors.gateway import Gateway, GatewayConfig
+from swectl.agent.trajectory import rendered_ids
 from swectl.config import EngineConfig
 from swectl.model.tokenizer import load_tokenizer
 
@@ -66,8 +67,7 @@ async def test_each_turn_is_recorded_token_exact_and_retries_never_fork(served: 
         assert all(lp < 0.0 for lp, m in zip(branch.logprobs, branch.loss_mask, strict=True) if m)
         assert all(lp == 0.0 for lp, m in zip(branch.logprobs, branch.loss_mask, strict=True) if not m)
     # the first turn's prompt is exactly the chat template's rendering of the first request
-    prompt = tokenizer.apply_chat_template([SYSTEM, USER], tokenize=True, add_generation_prompt=True)
-    prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+    prompt = rendered_ids(tokenizer.apply_chat_template([SYSTEM, USER], tokenize=True, add_generation_prompt=True))
     first_branch = record.ledger.branches[0]
     assert first_branch.token_ids[:len(prompt)] == list(prompt)
     assert sum(first_branch.loss_mask[len(prompt):len(prompt) + answer["usage"]["completion_tokens"]]) == \

@@ -11,7 +11,6 @@ ledger branches. The tiny model writes no tool call: the run ends after three fo
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from pathlib import Path
 
@@ -20,16 +19,20 @@ import pytest
 
 from swectl.actors.engines import Engines
 from swectl.actors.gateway import Gateway, GatewayConfig
+from swectl.actors.harness import default_mini, mini_env
 from swectl.config import EngineConfig
 from swectl.model.tokenizer import load_tokenizer
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
-REPO = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("SWECTL_HARNESS_VENV", REPO / ".venv-harness"))
+
+
+def _call(command: str) -> str:
+    """A Qwen3 tool call of mini's `bash` tool, as a scripted policy writes it."""
+    return f'<tool_call>\n{json.dumps({"name": "bash", "arguments": {"command": command}})}\n</tool_call>'
 
 
 def _mini() -> Path:
-    mini = VENV / "bin" / "mini"
+    mini = Path(default_mini())
     if not mini.exists():
         pytest.fail(f"mini-swe-agent is not installed ({mini} is missing): run `bash scripts/setup.sh "
                     "--with-harnesses` (the test command does)")
@@ -48,9 +51,7 @@ async def test_mini_swe_agent_runs_unmodified_through_the_gateway(model: Path, t
             await tg.start(engines.run)
             await tg.start(gateway.run)
         key = gateway.open_session("mini#0")
-        env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_CONFIGURED": "true",
-               "MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path / "cfg"), "MSWEA_SILENT_STARTUP": "1",
-               "OPENAI_API_KEY": "", "HTTP_PROXY": "", "HTTPS_PROXY": ""}
+        env = {**mini_env(tmp_path / "cfg"), "OPENAI_API_KEY": "", "HTTP_PROXY": "", "HTTPS_PROXY": ""}
         argv = [str(mini), "-c", "swebench.yaml", "-c", "environment.environment_class=local",
                 "-c", f"environment.cwd={work}", "-c", f"model.model_kwargs.api_base={gateway.url}",
                 "-c", f"model.model_kwargs.api_key={key}", "-c", "model.cost_tracking=ignore_errors",
@@ -88,11 +89,8 @@ async def test_mini_swe_agent_drives_a_swectl_sandbox_and_submits(model: Path, t
     mini = _mini()
     tokenizer = load_tokenizer(str(model), "model")
 
-    def call(command: str) -> str:
-        return f'<tool_call>\n{json.dumps({"name": "bash", "arguments": {"command": command}})}\n</tool_call>'
-
-    script = ScriptedEngine([call("echo hello > /tmp/made-by-mini && cat /tmp/made-by-mini && hostname"),
-                             call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && echo the-patch")], tokenizer)
+    script = ScriptedEngine([_call("echo hello > /tmp/made-by-mini && cat /tmp/made-by-mini && hostname"),
+                             _call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && echo the-patch")], tokenizer)
     gateway = Gateway(GatewayConfig(max_tokens=256), lambda key: script, tokenizer)
     traj = tmp_path / "mini.traj.json"
     async with running_pool(load_config(None, ["env_pool.warm=0"]), "gwh" + uuid.uuid4().hex[:8]) as pool, \
@@ -102,9 +100,7 @@ async def test_mini_swe_agent_drives_a_swectl_sandbox_and_submits(model: Path, t
         lease = await pool.acquire()
         try:
             key = gateway.open_session("mini#sandbox", lease)
-            env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_CONFIGURED": "true",
-                   "MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path / "cfg"), "MSWEA_SILENT_STARTUP": "1",
-                   "PYTHONPATH": str(REPO / "swectl" / "gateway" / "harness")}
+            env = mini_env(tmp_path / "cfg")
             argv = [str(mini), "-c", "swebench.yaml",
                     "-c", "environment.environment_class=swectl_mini.SwectlEnvironment",
                     "-c", f"environment.gateway_url={gateway.url}", "-c", f"environment.api_key={key}",
@@ -148,12 +144,9 @@ async def test_a_rollout_through_mini_swe_agent_is_graded_by_swectl(model: Path,
     tokenizer = load_tokenizer(str(model), "model")
     task = load_tasks(str(BUNDLED_TASKS)).tasks[0]
 
-    def call(command: str) -> str:
-        return f'<tool_call>\n{json.dumps({"name": "bash", "arguments": {"command": command}})}\n</tool_call>'
-
     apply = f"cat > /tmp/gold.patch <<'SWECTL_EOF'\n{task.patch}\nSWECTL_EOF\ngit apply /tmp/gold.patch && echo applied"
-    submit = call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && git diff")
-    scripts = {0: ScriptedEngine([call(apply), submit], tokenizer), 1: ScriptedEngine([submit], tokenizer)}
+    submit = _call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && git diff")
+    scripts = {0: ScriptedEngine([_call(apply), submit], tokenizer), 1: ScriptedEngine([submit], tokenizer)}
     gateway = Gateway(GatewayConfig(max_tokens=8192, context_tokens=65536),
                       lambda key: scripts[int(key.rsplit("#", 1)[1])], tokenizer)
     harness = MiniSweAgent(MiniSweAgentConfig(step_limit=6, timeout_s=300), gateway, tmp_path / "mini")
