@@ -9,7 +9,14 @@ For an episode, the Rollout leases the task's sandbox as for its own agent loop 
    statement, in /testbed, its model pointed at the gateway;
 3. bounded by ``timeout_s``: a harness that hangs is killed, and the episode ends TimeExceeded;
 4. takes the sandbox's diff as the patch to grade (what the repository holds, as for swectl's own loop, whatever
-   the harness printed), and ends the session: its ledger holds the episode's tokens.
+   the harness printed), and ends the session: its ledger holds the episode's tokens, which become the Episode's
+   trajectory (the ledger's first trained branch) and ``branches`` (the others), each its own training sample.
+   mini's own trajectory says which of its model calls were format errors (``Step.format_error``, one Step per
+   call, in the ledger's turn order), so the loss masks that read them work as for swectl's loop.
+
+``config = "swectl"`` is swectl's own prompt (swectl/agent/protocol.py) written as a mini-swe-agent config of its
+text-based model (a ```bash block per reply, the same submit command): what the tiny model learns with, since its
+chat template renders no tools. Any other value is mini's (a config name it knows, or a YAML file of its format).
 
 mini's exit statuses map onto swectl's: Submitted (COMPLETED); LimitsExceeded, TimeExceeded, and
 RepeatedFormatError as FormatError (TRUNCATED). A harness that crashed, or whose commands failed because the
@@ -23,15 +30,19 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import msgspec
 
 from swectl.actors.env_pool import Lease
-from swectl.actors.gateway import Gateway, SessionRecord
-from swectl.agent.loop import Episode
-from swectl.agent.trajectory import Message, Trajectory
+from swectl.actors.gateway import Gateway, GatewayConfig, SessionRecord
+from swectl.agent.loop import Engine, Episode, Step
+from swectl.agent.protocol import SUBMIT_SENTINEL, AgentTemplates
+from swectl.agent.trajectory import ChatTokenizer, Message, Trajectory
+from swectl.config import AgentConfig, RolloutOptions
 from swectl.tasks.record import TESTBED, Task
 
 _log = logging.getLogger(__name__)
@@ -40,6 +51,29 @@ REPO = Path(__file__).resolve().parents[1]
 # mini's exit statuses -> swectl's (anything else: the harness stopped on an error)
 EXIT_STATUSES = {"Submitted": ("Submitted", "COMPLETED"), "LimitsExceeded": ("LimitsExceeded", "TRUNCATED"),
                  "TimeExceeded": ("TimeExceeded", "TRUNCATED"), "RepeatedFormatError": ("FormatError", "TRUNCATED")}
+SWECTL_CONFIG = "swectl"  # swectl's own prompt as a mini config (``mini_config``)
+# mini's exception_info (a timed-out command) before swectl's observation
+_EXCEPTION = "{% if output.exception_info -%}\n<exception>{{ output.exception_info }}</exception>\n{% endif -%}\n"
+
+
+def mini_config(templates: AgentTemplates, *, cwd: str = TESTBED) -> dict:
+    """``templates`` (swectl's agent prompts) as a mini-swe-agent v2 config of its text-based litellm model: the same
+    system, instance, observation and format-error texts, and the same action regex. swectl's own template variables
+    are filled in (mini renders with StrictUndefined and knows none of them)."""
+    fill = {"{{ sentinel }}": SUBMIT_SENTINEL, "{{ workdir }}": cwd,
+            "max_output_chars": str(templates.max_output_chars)}
+
+    def filled(text: str) -> str:
+        for name, value in fill.items():
+            text = text.replace(name, value)
+        return text
+
+    return {"agent": {"system_template": filled(templates.system_template),
+                      "instance_template": filled(templates.instance_template), "cost_limit": 0.0},
+            "environment": {"cwd": cwd, "timeout": 60},
+            "model": {"model_class": "litellm_textbased", "action_regex": templates.action_regex,
+                      "observation_template": _EXCEPTION + filled(templates.action_observation_template),
+                      "format_error_template": filled(templates.format_error_template)}}
 
 
 def default_mini() -> str:
@@ -60,34 +94,68 @@ class MiniSweAgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How mini-swe-agent is run for each episode."""
 
     executable: str = ""  # its `mini` command ("": .venv-harness/bin/mini)
-    config: str = "swebench.yaml"  # its config (a name it knows, or a YAML file of its format)
+    config: str = "swebench.yaml"  # its config (a name it knows, a YAML file of its format, or "swectl")
     step_limit: int = 0  # agent.step_limit (0: the config's)
+    max_format_errors: int = 0  # agent.max_consecutive_format_errors (0: the config's)
     timeout_s: float = 1800.0  # the whole episode at most
     overrides: list[str] = []  # more `-c KEY=VALUE` for it
+
+
+async def start_harness(tg: anyio.abc.TaskGroup, agent: AgentConfig, rollout: RolloutOptions,
+                        engine_for: Callable[[str], Engine], tokenizer: ChatTokenizer, work_dir: Path, *,
+                        temperature: float, templates: AgentTemplates | None = None) -> MiniSweAgent:
+    """The gateway (started in ``tg``, its turns sampled by ``engine_for(session name)`` within ``rollout``'s token
+    limits at ``temperature``) and ``agent.harness`` running through it, its limits ``rollout``'s."""
+    gateway = Gateway(GatewayConfig(max_tokens=rollout.max_tokens, context_tokens=rollout.context,
+                                    temperature=temperature), engine_for, tokenizer)
+    await tg.start(gateway.run, name="gateway")
+    config = MiniSweAgentConfig(config=agent.harness_config, step_limit=rollout.step_limit,
+                                max_format_errors=rollout.max_format_errors, timeout_s=agent.timeout_s)
+    await anyio.Path(work_dir).mkdir(parents=True, exist_ok=True)
+    return MiniSweAgent(config, gateway, work_dir, templates=templates)
 
 
 class MiniSweAgent:
     """Runs mini-swe-agent for one episode through ``gateway`` (``run_episode``); the ledgers of ended sessions are
     kept by episode key in ``records``."""
 
-    def __init__(self, config: MiniSweAgentConfig, gateway: Gateway, work_dir: Path) -> None:
+    def __init__(self, config: MiniSweAgentConfig, gateway: Gateway, work_dir: Path, *, tag: str = "",
+                 templates: AgentTemplates | None = None) -> None:
         self.config = config
-        self._gateway = gateway
+        self.gateway = gateway
         self._work = work_dir
+        self._tag = tag  # the sessions' names are ``<episode key>@<tag>`` (the engine routing key)
+        self._templates = templates or AgentTemplates()
         self.records: dict[str, SessionRecord] = {}
 
+    def for_rollout(self, work_dir: Path, tag: str) -> MiniSweAgent:
+        """The same harness and gateway for another rollout: its folders under ``work_dir``, its sessions tagged."""
+        return MiniSweAgent(self.config, self.gateway, work_dir, tag=tag, templates=self._templates)
+
+    def _config_file(self) -> str:
+        if self.config.config != SWECTL_CONFIG:
+            return self.config.config
+        import yaml
+
+        path = self._work / "mini-swectl.yaml"
+        if not path.exists():
+            path.write_text(yaml.safe_dump(mini_config(self._templates), sort_keys=False, width=1000))
+        return str(path)
+
     def argv(self, task: Task, key: str, traj: Path) -> list[str]:
-        cfg, url = self.config, self._gateway.url
-        argv = [cfg.executable or default_mini(), "-c", cfg.config,
+        cfg, url = self.config, self.gateway.url
+        argv = [cfg.executable or default_mini(), "-c", self._config_file(),
                 "-c", "environment.environment_class=swectl_mini.SwectlEnvironment",
                 "-c", f"environment.gateway_url={url}", "-c", f"environment.api_key={key}",
                 "-c", f"environment.cwd={TESTBED}", "-c", f"model.model_kwargs.api_base={url}",
                 "-c", f"model.model_kwargs.api_key={key}", "-c", "model.cost_tracking=ignore_errors"]
         if cfg.step_limit:
             argv += ["-c", f"agent.step_limit={cfg.step_limit}"]
+        if cfg.max_format_errors:
+            argv += ["-c", f"agent.max_consecutive_format_errors={cfg.max_format_errors}"]
         for override in cfg.overrides:
             argv += ["-c", override]
-        return [*argv, "-m", f"openai/{self._gateway.config.model}", "-t", task.problem_statement, "-y",
+        return [*argv, "-m", f"openai/{self.gateway.config.model}", "-t", task.problem_statement, "-y",
                 "--exit-immediately", "-o", str(traj)]
 
     async def run_episode(self, task: Task, lease: Lease, key: str) -> Episode:
@@ -95,7 +163,7 @@ class MiniSweAgent:
         folder = self._work / key.replace("/", "_")
         await anyio.Path(folder).mkdir(parents=True, exist_ok=True)
         traj = folder / "mini.traj.json"
-        session = self._gateway.open_session(key, lease)
+        session = self.gateway.open_session(f"{key}@{self._tag}" if self._tag else key, lease)
         t0 = time.monotonic()
         returncode: int | None = None
         try:
@@ -107,7 +175,7 @@ class MiniSweAgent:
             timed_out = scope.cancelled_caught
             info = await _read_info(traj)
         finally:
-            record = self._gateway.end_session(session)
+            record = self.gateway.end_session(session)
             self.records[key] = record
         elapsed = time.monotonic() - t0
         status = "TimeExceeded" if timed_out else str(info.get("exit_status", ""))
@@ -119,10 +187,42 @@ class MiniSweAgent:
                            total_time_s=elapsed, trajectory=Trajectory(messages=messages))
         exit_status, outcome = EXIT_STATUSES[status]
         patch = (await lease.diff(TESTBED)).decode("utf-8", errors="surrogateescape")
+        streams = recorded_trajectories(record)
+        streams[0].messages = messages
         return Episode(instance_id=task.instance_id, exit_status=exit_status, outcome=outcome,  # type: ignore[arg-type]
                        reason="" if outcome == "COMPLETED" else f"mini-swe-agent: {status}", patch=patch,
                        submitted=str(info.get("submission", "")), total_time_s=elapsed,
-                       trajectory=Trajectory(messages=messages))
+                       steps=mini_steps(info.get("messages", []), record.stats.turns),
+                       trajectory=streams[0], branches=streams[1:])
+
+
+def recorded_trajectories(record: SessionRecord) -> list[Trajectory]:
+    """The session's trained branches as Trajectories (their spans numbered by turn), the first first; one empty
+    Trajectory when the harness sampled nothing."""
+    streams = [Trajectory(token_ids=list(b.token_ids), loss_mask=list(b.loss_mask), logprobs=list(b.logprobs),
+                          weight_versions=list(b.weight_versions), turns=list(b.turn_numbers))
+               for b in record.ledger.trained_branches()]
+    return streams or [Trajectory()]
+
+
+def mini_steps(messages: list[dict], turns: int) -> list[Step]:
+    """One Step per model call of mini's run, in order: an assistant message (its command), or a format error (the
+    user message mini adds for a reply it rejected, ``extra.interrupt_type`` FormatError). When they are not one per
+    recorded turn (a call the gateway never answered), the steps are not trusted: every one is well-formed."""
+    steps: list[Step] = []
+    for m in messages:
+        extra = m.get("extra") if isinstance(m.get("extra"), dict) else {}
+        if m.get("role") == "assistant":
+            actions = extra.get("actions") or []
+            command = actions[0].get("command", "") if actions and isinstance(actions[0], dict) else ""
+            steps.append(Step(step=len(steps), action=str(command)))
+        elif m.get("role") == "user" and extra.get("interrupt_type") == "FormatError":
+            steps.append(Step(step=len(steps), format_error=True))
+    if len(steps) != turns:
+        _log.warning("mini's trajectory has %d model calls but the gateway recorded %d turns: format errors not "
+                     "marked", len(steps), turns)
+        return [Step(step=n) for n in range(turns)]
+    return steps
 
 
 async def _read_info(traj: Path) -> dict:

@@ -186,6 +186,20 @@ class RolloutOptions(_Section):
     agent_config: str = ""
 
 
+class AgentConfig(_Section):
+    """The [agent] section: which agent runs the episodes of `swectl up` and `swectl eval` (docs/gateway.md)."""
+
+    # "": swectl's own agent loop. "mini-swe-agent": mini-swe-agent v2, unmodified (scripts/setup.sh
+    # --with-harnesses installs it), its model calls through swectl's token-exact gateway, its commands in swectl's
+    # sandboxes; its turns are recorded token by token and trained on
+    harness: Literal["", "mini-swe-agent"] = ""
+    # the harness's own config: a name it knows ("swebench.yaml"), a YAML file of its format, or "swectl": swectl's
+    # prompt (rollout.agent_config's) written in mini's format for its text-based model (what a model whose chat
+    # template renders no tools needs: the tiny model)
+    harness_config: str = "swebench.yaml"
+    timeout_s: Positive = 1800.0  # one harness episode at most (the process is killed, the episode TimeExceeded)
+
+
 class PrmConfig(_Section):
     """The [reward.prm] section: process rewards from a judge model (swectl/rl/prm.py, actors/judge.py).
 
@@ -440,6 +454,7 @@ class ClusterConfig(_Section):
     env_pool: EnvPoolConfig = msgspec.field(default_factory=EnvPoolConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     rollout: RolloutOptions = msgspec.field(default_factory=RolloutOptions)
+    agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
@@ -474,6 +489,7 @@ _SECTIONS: tuple[type[msgspec.Struct], ...] = (
     EnvPoolConfig,
     EngineConfig,
     RolloutOptions,
+    AgentConfig,
     TrainerConfig,
     TrainConfig,
     DataConfig,

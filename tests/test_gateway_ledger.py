@@ -41,12 +41,16 @@ def test_a_rewritten_history_branches_at_the_first_differing_token() -> None:
     second = ledger.prompt([1, 2, 3, 10, 99, 4])
     assert second is not first and len(ledger.branches) == 2
     assert second.token_ids == [1, 2, 3, 10, 99, 4]
-    assert second.loss_mask == [0, 0, 0, 1, 0, 0]  # the shared sampled token keeps its mask; the rest is prompt
-    assert second.logprobs == [0.0, 0.0, 0.0, -0.1, 0.0, 0.0]
+    # the shared prefix is context: its sampled token (10) is trained once, in the branch that sampled it
+    assert second.loss_mask == [0, 0, 0, 0, 0, 0]
+    assert second.logprobs == [0.0] * 6
     assert ledger.stats().branches == 1 and ledger.stats().drift_tokens == 2  # 11 and 12 were not sent back
     assert ledger.trained_branches() == [first]  # the new branch has sampled nothing of its own yet
     ledger.completion(second, [7], [-0.7], "1")
     assert ledger.trained_branches() == [first, second]
+    assert first.turn_numbers == [0] and second.turn_numbers == [1]
+    trained = [t for b in ledger.branches for t, m in zip(b.token_ids, b.loss_mask, strict=True) if m]
+    assert sorted(trained) == [7, 10, 11, 12]  # every sampled token once
     # a later turn that extends the first branch still goes to it
     assert ledger.prompt([1, 2, 3, 10, 11, 12, 5]) is first
 

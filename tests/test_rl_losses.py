@@ -237,6 +237,7 @@ def test_tis_weight_is_capped() -> None:
     assert stats["tis_sum"].item() == pytest.approx(3.0)  # the raw ratio, to watch the mismatch
     assert stats["tis_max"].item() == pytest.approx(3.0)
     assert stats["tis_clipped"].item() == 1
+    assert stats["logprob_gap_max"].item() == pytest.approx(math.log(3.0))  # |old - rollout|
 
 
 def test_tis_weight_on_a_clipped_token_leaves_no_gradient() -> None:

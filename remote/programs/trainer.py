@@ -87,7 +87,7 @@ from swectl.rl.wire import (
 
 KEY_ENV = "SWECTL_ENGINE_API_KEY"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-MAX_KEYS = ("ratio_max", "tis_max")  # statistics reduced with MAX over micro-batches and ranks
+MAX_KEYS = ("ratio_max", "tis_max", "logprob_gap_max")  # statistics reduced with MAX over micro-batches and ranks
 
 
 def say_line(text: str, stream: TextIO) -> None:

@@ -127,6 +127,9 @@ class Episode(msgspec.Struct, kw_only=True):
     steps: list[Step] = []
     trajectory: Trajectory = msgspec.field(default_factory=Trajectory)
     samples: list[StepSample] = []  # per-step samples (manage_context / per_step_samples)
+    # an external harness's episode (actors/harness.py): the gateway session's other branches, each its own sample
+    # (``trajectory`` is the first; swectl/gateway/ledger.py)
+    branches: list[Trajectory] = []
     total_time_s: float = 0.0
     model_time_s: float = 0.0
     env_time_s: float = 0.0

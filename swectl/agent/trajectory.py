@@ -42,6 +42,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
     messages: list[Message] = []
     prompt_length: int = 0
     realignments: int = 0
+    # the episode's turn number (0-based) of each trained span, in order; [] when span i is turn i (swectl's own
+    # loop). An external harness's episode, recorded by the gateway in branches, numbers its spans so.
+    turns: list[int] = []
 
     def check(self) -> None:
         n = len(self.token_ids)

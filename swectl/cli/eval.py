@@ -78,14 +78,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     agent.add_argument("--manage-context", action="store_true", default=None,
                        help="head+tail context management when a conversation outgrows --context (keeps system, "
                        "problem, the earliest ~30%% and latest ~70%% of turns; rollout.manage_context)")
-    agent.add_argument("--harness", choices=["mini-swe-agent"], default="",
+    agent.add_argument("--harness", choices=["mini-swe-agent"], default="",  # or agent.harness
                        help="run an external agent harness, unmodified, instead of swectl's loop: its model calls "
                        "go through swectl's gateway to the engines of --model/--endpoint, its commands run in the "
                        "task's sandbox, and swectl grades the sandbox's diff (mini-swe-agent from `bash "
                        "scripts/setup.sh --with-harnesses`; docs/gateway.md)")
     agent.add_argument("--harness-config", default="", metavar="NAME|FILE",
-                       help="the harness's own config (default: mini-swe-agent's swebench.yaml); --step-limit "
-                       "sets its agent.step_limit")
+                       help="the harness's own config (default: agent.harness_config, mini-swe-agent's "
+                       "swebench.yaml): a name it knows, a YAML file of its format, or `swectl` (swectl's prompt in "
+                       "its format, for models whose chat template renders no tools); --step-limit sets its "
+                       "agent.step_limit")
     agent.add_argument("--model-name", default="", help="model_name_or_path written to preds.jsonl")
     agent.add_argument("--fresh", action="store_true",
                        help="start over in an existing --out (deletes its earlier results); without it a rerun "
@@ -146,8 +148,9 @@ def rollout_overrides(args: argparse.Namespace) -> list[str]:
 def _agent_settings(args: argparse.Namespace, config: ClusterConfig) -> RunSettings:
     from swectl.eval.agents import RunSettings
 
-    harness = {"harness": args.harness, "harness_config": args.harness_config}
-    if args.harness and args.openai_url:
+    harness = {"harness": args.harness or config.agent.harness,
+               "harness_config": args.harness_config or (config.agent.harness_config if config.agent.harness else "")}
+    if harness["harness"] and args.openai_url:
         raise ConfigError("--harness runs through swectl's gateway, which needs token ids: give --model or "
                           "--endpoint, not --openai-url")
     if args.openai_url:

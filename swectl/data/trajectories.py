@@ -154,13 +154,17 @@ def _episode_samples(path: Path, episode: Episode, meta: EpisodeMeta | None) -> 
                             [0.0] * len(s.prompt_ids) + list(s.output_logprobs),
                             weight_version=_version([s.weight_version]), **fields)
                 for s in episode.samples]
-    t = episode.trajectory
-    try:
-        mask = mask_turns(t.loss_mask, malformed) if malformed else t.loss_mask
-        return [pack_sample(uid, episode.instance_id, t.token_ids, mask, t.logprobs,
-                            weight_version=_version(t.weight_versions), **fields)]
-    except ValueError as exc:
-        raise TaskDataError(f"{path}: {exc}") from exc
+    out = []
+    for k, t in enumerate([episode.trajectory, *episode.branches]):  # an external harness's branches: a sample each
+        # swectl's loop: span i is turn i (a malformed turn without a span is a broken file); a branch: its own turns
+        spans = [i for i, turn in enumerate(t.turns) if turn in malformed] if t.turns else malformed
+        try:
+            mask = mask_turns(t.loss_mask, spans)
+            out.append(pack_sample(f"{uid}.b{k}" if k else uid, episode.instance_id, t.token_ids, mask, t.logprobs,
+                                   weight_version=_version(t.weight_versions), **fields))
+        except ValueError as exc:
+            raise TaskDataError(f"{path}: {exc}") from exc
+    return out
 
 
 def _sample_number(folder: str) -> int:

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 import anyio.abc
@@ -31,13 +31,13 @@ import msgspec
 
 from swectl.actors.engines import Engines, engine_hosts
 from swectl.actors.env_pool import running_pool
-from swectl.actors.gateway import Gateway, GatewayConfig
 from swectl.actors.grader import Grader, GraderConfig
-from swectl.actors.harness import MiniSweAgent, MiniSweAgentConfig
+from swectl.actors.harness import start_harness
 from swectl.actors.rollout import EpisodeResult, Rollout, RolloutConfig
 from swectl.agent.loop import episode_config
 from swectl.agent.metrics import agent_metrics
-from swectl.config import ClusterConfig, RolloutOptions
+from swectl.agent.protocol import agent_templates
+from swectl.config import AgentConfig, ClusterConfig, RolloutOptions
 from swectl.engine.client import OpenAIChatClient, SglangClient, models_path
 from swectl.errors import ConfigError, EngineConnectError, EngineRejectedError, EngineUnavailableError, TaskDataError
 from swectl.eval.progress import Progress
@@ -234,18 +234,6 @@ def rollout_config(options: RolloutOptions, concurrency: int) -> RolloutConfig:
                          episode=episode_config(options, temperature=options.temperature, seed=seed))
 
 
-async def _start_harness(tg: anyio.abc.TaskGroup, settings: RunSettings, engines: Engines, tokenizer: Any,
-                         out: Path) -> MiniSweAgent:
-    """The gateway before ``engines`` (started in ``tg``) and the harness that runs through it."""
-    r = settings.rollout
-    gateway = Gateway(GatewayConfig(max_tokens=r.max_tokens, context_tokens=r.context,
-                                    temperature=r.temperature), engines.route, tokenizer)
-    await tg.start(gateway.run, name="gateway")
-    return MiniSweAgent(MiniSweAgentConfig(config=settings.harness_config or "swebench.yaml",
-                                           step_limit=r.step_limit),
-                        gateway, out / "harness")
-
-
 async def eval_model(
     config: ClusterConfig, tasks: list[Task], out: Path, settings: RunSettings, *, concurrency: int = 4,
     grade_timeout_s: float = 1800.0, resolver: ImageResolver | None = None, api_key: str | None = None,
@@ -306,7 +294,12 @@ async def eval_model(
                     return engines.route(f"{t.instance_id}#{n}")
 
                 if settings.harness:
-                    harness = await _start_harness(tg, settings, engines, tokenizer, out)
+                    agent = AgentConfig(harness=settings.harness,  # type: ignore[arg-type]
+                                        harness_config=settings.harness_config or config.agent.harness_config,
+                                        timeout_s=config.agent.timeout_s)
+                    harness = await start_harness(tg, agent, settings.rollout, engines.route, tokenizer,
+                                                  out / "harness", temperature=settings.rollout.temperature,
+                                                  templates=agent_templates(settings.rollout.agent_config))
 
                     def engine_for(t: Task, n: int):
                         return harness

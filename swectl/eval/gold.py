@@ -21,6 +21,12 @@ trains on the recoveries, not on the slips.
 ``make_scripted`` runs several scripts at once in one process (the first run's SFT data), each into its own folder,
 sharing one sandbox pool and one grader that grades a patch once (see there).
 
+With ``[agent] harness`` set (mini-swe-agent), the scripts are acted out by the harness itself, unmodified: each
+scripted engine sits behind the gateway (actors/gateway.py), the harness's own process sends the turns, and the
+trajectory is what the gateway recorded (its branches included: a slip mini drops from its history is a branch). The
+scripts write swectl's protocol, so the harness's config must be ``agent.harness_config = "swectl"`` (swectl's
+prompt in the harness's format).
+
 Outputs in ``--out``: ``<instance_id>__0/`` per resolved task (``traj.json``, ``patch.diff``, ``meta.json``),
 ``excluded/`` (the ones that failed, for a look), ``results.jsonl`` (one EpisodeResult per episode),
 ``summary.json`` (a GoldSummary), ``grade-logs/`` and ``swectl.log``.
@@ -38,12 +44,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anyio
+import anyio.abc
 import msgspec
 
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GraderConfig, GradeResult
+from swectl.actors.harness import SWECTL_CONFIG, MiniSweAgent, start_harness
 from swectl.actors.rollout import EpisodeResult, Rollout
 from swectl.agent.gold import GoldScriptError, attack_replies, give_up_replies, gold_replies, recover_replies
+from swectl.agent.protocol import agent_templates
 from swectl.agent.scripted import ScriptedEngine, end_of_turn_id
 from swectl.config import ClusterConfig
 from swectl.data.trajectories import TRAJ_FILE, samples_from_runs
@@ -52,6 +61,7 @@ from swectl.eval.agents import rollout_config
 from swectl.eval.progress import Progress
 from swectl.images.names import ImageResolver
 from swectl.rl.batch import unpack_mask
+from swectl.rl.groups import turn_spans
 from swectl.tasks.record import Task
 
 SUMMARY_FORMAT = 1
@@ -154,6 +164,7 @@ class _ScriptRun:
         self.replies: dict[str, list[str]] = {}
         self.engines: dict[str, ScriptedEngine] = {}
         self.kept: list[Path] = []
+        self.harness: MiniSweAgent | None = None  # [agent] harness: it acts the script out through the gateway
         for task in tasks:
             try:
                 self.replies[task.instance_id] = _fitting(SCRIPTS[script](task), tokenizer, max_tokens)
@@ -163,10 +174,10 @@ class _ScriptRun:
                 status(f"no {script} script for {task.instance_id}: {why}")
         self.scripted = [t for t in tasks if t.instance_id in self.replies]
 
-    def engine_for(self, task: Task, sample: int) -> ScriptedEngine:
+    def engine_for(self, task: Task, sample: int) -> ScriptedEngine | MiniSweAgent:
         self.engines[task.instance_id] = ScriptedEngine(self.replies[task.instance_id], self.tokenizer,
                                                         eot_id=self.eot)
-        return self.engines[task.instance_id]
+        return self.engines[task.instance_id] if self.harness is None else self.harness
 
     def record(self, r: EpisodeResult, results: Any, bar: Progress | None) -> None:
         why = _exclusion(r, self.engines[r.instance_id], want=WANTED[self.script])
@@ -214,6 +225,10 @@ async def make_scripted(config: ClusterConfig, tasks: list[Task], outs: dict[Scr
     each folder's summary.json; returns the summaries by script."""
     started = time.monotonic()
     rollout = msgspec.structs.replace(rollout_config(config.rollout, concurrency), samples_per_task=1)
+    if config.agent.harness and config.agent.harness_config != SWECTL_CONFIG:
+        raise ConfigError(f"the scripted teachers write swectl's protocol (one ```bash block per reply); through "
+                          f"{config.agent.harness} they need agent.harness_config = \"{SWECTL_CONFIG}\" (swectl's "
+                          f"prompt in its format), not {config.agent.harness_config!r}")
     runs = [_ScriptRun(script, out, tasks, tokenizer, rollout.episode.sampling.max_new_tokens, status)
             for script, out in outs.items()]
     busy = [run for run in runs if run.scripted]
@@ -222,16 +237,36 @@ async def make_scripted(config: ClusterConfig, tasks: list[Task], outs: dict[Scr
         status(f"{' + '.join(f'{len(run.scripted)} {run.script}' for run in busy)} scripts, concurrency "
                f"{concurrency} each, output {', '.join(str(run.out) for run in busy)}")
         log_dir = (runs[0].out.parent if shared else runs[0].out) / "grade-logs"
-        async with running_pool(config) as pool:
+        async with running_pool(config) as pool, anyio.create_task_group() as services:
             grader = Grader(GraderConfig(timeout_s=grade_timeout_s, concurrency=concurrency * len(busy),
                                          reuse=shared),
                             pool, resolver=resolver, log_dir=log_dir)
+            if config.agent.harness:
+                await _start_harness(services, config, runs, tokenizer)
             async with anyio.create_task_group() as scripts:
                 for run in busy:
                     scripts.start_soon(partial(run.collect, pool, grader, rollout, resolver, progress,
                                                shared=shared))
+            services.cancel_scope.cancel("scripts done")
     elapsed = time.monotonic() - started
     return {run.script: run.summary(tasks, tasks_source, tokenizer_path, elapsed) for run in runs}
+
+
+async def _start_harness(tg: anyio.abc.TaskGroup, config: ClusterConfig, runs: list[_ScriptRun], tokenizer: Any
+                         ) -> None:
+    """One gateway (in ``tg``) for every script run, each session answered by its run's scripted engine for the task
+    (the session's name is ``<instance_id>#<sample>@<script>``), and each run's harness tagged with its script."""
+    by_script = {run.script: run for run in runs}
+
+    def engine_for(name: str) -> ScriptedEngine:
+        key, _, script = name.rpartition("@")
+        return by_script[script].engines[key.rpartition("#")[0]]
+
+    harness = await start_harness(tg, config.agent, config.rollout, engine_for, tokenizer,
+                                  runs[0].out.parent / "harness", temperature=0.0,
+                                  templates=agent_templates(config.rollout.agent_config))
+    for run in runs:
+        run.harness = harness.for_rollout(run.out / "harness", run.script)
 
 
 def _fitting(replies: list[str], tokenizer: Any, max_tokens: int) -> list[str]:
@@ -260,13 +295,25 @@ def _exclusion(r: EpisodeResult, engine: ScriptedEngine, *,
         why = ("resolved with no change: the task's tests pass on the unchanged repository" if r.resolved
                else _grade_reason(r))
         return GoldExclusion(r.instance_id, "grade", why)
-    traj = msgspec.json.decode((Path(r.artifacts) / TRAJ_FILE).read_bytes())["episode"]["trajectory"]
-    trained = [t for t, m in zip(traj["token_ids"], traj["loss_mask"], strict=True) if m]
+    episode = msgspec.json.decode((Path(r.artifacts) / TRAJ_FILE).read_bytes())["episode"]
+    traj = episode["trajectory"]
+    trained = _sampled_in_turn_order([traj, *episode.get("branches", [])])
     expected = [t for n in range(r.turns) for t in engine.reply_ids(n)]
     if trained != expected or traj.get("realignments"):
         return GoldExclusion(r.instance_id, "tokens", f"the trajectory's model tokens are not the script's "
                              f"({len(trained)} vs {len(expected)} tokens, {traj.get('realignments', 0)} realignments)")
     return None
+
+
+def _sampled_in_turn_order(streams: list[dict[str, Any]]) -> list[int]:
+    """The mask-1 tokens of an episode's token streams (its trajectory, and an external harness's other branches),
+    turn by turn."""
+    turns: list[tuple[int, list[int]]] = []
+    for stream in streams:
+        spans = turn_spans(stream["loss_mask"])
+        numbers = stream.get("turns") or range(len(spans))
+        turns += [(n, stream["token_ids"][a:b]) for n, (a, b) in zip(numbers, spans, strict=True)]
+    return [t for _, ids in sorted(turns, key=lambda x: x[0]) for t in ids]
 
 
 def _grade_reason(r: EpisodeResult) -> str:

@@ -6,11 +6,13 @@ ledger decides where that rendering goes:
 - it **extends** a branch (the branch's tokens are a prefix of it): the new tokens are appended as prompt (loss 0),
   and the completion the engine samples is appended as output (loss 1, with its logprobs and weight version);
 - it does **not** (a template that strips past reasoning, a harness that rewrote a tool call or trimmed its
-  history): a new branch starts from the longest common prefix with the branches so far. The shared prefix keeps
-  its masks and logprobs, the rest is prompt. ``drift_tokens`` counts the tokens of the old branch past the fork:
-  tokens the engine sampled that the harness did not send back as they were.
+  history): a new branch starts from the longest common prefix with the branches so far. The shared prefix is the
+  new branch's context (loss 0: its sampled tokens are trained in the branch they were sampled in), the rest is
+  prompt. ``drift_tokens`` counts the tokens of the old branch past the fork: tokens the engine sampled that the
+  harness did not send back as they were.
 
-Each branch becomes its own training sample, trained only on tokens the engine sampled in that branch. Every
+Each branch becomes its own training sample, trained only on the tokens the engine sampled in that branch, so every
+sampled token is trained exactly once, in the context it was sampled in. Every
 branch of an episode gets the episode's reward: the reward judges the episode's final patch, which the whole
 conversation produced, and a branch is the same conversation told with a different history, not another attempt
 (docs/gateway.md).
@@ -29,7 +31,12 @@ class Branch(msgspec.Struct, kw_only=True):
     loss_mask: list[int] = []
     logprobs: list[float] = []
     weight_versions: list[str] = []
-    turns: int = 0  # completions sampled in this branch
+    turn_numbers: list[int] = []  # the session's turn number (0-based) of each completion sampled in this branch
+
+    @property
+    def turns(self) -> int:
+        """Completions sampled in this branch."""
+        return len(self.turn_numbers)
 
     def check(self) -> None:
         if not (len(self.token_ids) == len(self.loss_mask) == len(self.logprobs)):
@@ -77,9 +84,8 @@ class Ledger:
             source = max(self.branches, key=lambda b: _common_prefix(b.token_ids, ids))  # the first of equals
             shared = _common_prefix(source.token_ids, ids)
             self.drift_tokens += len(source.token_ids) - shared
-            branch = Branch(token_ids=source.token_ids[:shared], loss_mask=source.loss_mask[:shared],
-                            logprobs=source.logprobs[:shared])
-            self._extend_prompt(branch, ids[shared:])
+            branch = Branch()
+            self._extend_prompt(branch, ids)  # the shared prefix is context here: trained in ``source``
         self.branches.append(branch)
         self._current = branch
         return branch
@@ -98,7 +104,7 @@ class Ledger:
         branch.loss_mask += [1] * len(ids)
         branch.logprobs += list(logprobs)
         branch.weight_versions.append(weight_version)
-        branch.turns += 1
+        branch.turn_numbers.append(self.turns)
         self.turns += 1
         branch.check()
 

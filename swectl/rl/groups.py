@@ -27,6 +27,16 @@ DEFAULT_EXPERIMENT = ExperimentConfig()
 DEFAULT_LOSS = LossConfig()
 
 
+class TokenStream(msgspec.Struct, frozen=True, kw_only=True):
+    """One more token sequence of an episode (a branch of an external harness's gateway session): ids, loss mask,
+    logprobs and the turn number of each trained span."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    turns: list[int] = []
+
+
 class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
     """What the batcher needs of one finished, graded episode."""
 
@@ -44,6 +54,8 @@ class GradedEpisode(msgspec.Struct, frozen=True, kw_only=True):
     format_errors: list[bool] = []  # per agent turn: the reply was malformed (no single bash block)
     exit_status: str = ""  # the agent loop's (Submitted, LimitsExceeded, FormatError, ...); "" when not known
     tampered: bool = False  # the grader graded its patch "tampered" (docs/grading.md): rewarded as unresolved
+    turns: list[int] = []  # the turn number of each trained span of token_ids ([]: span i is turn i)
+    branches: list[TokenStream] = []  # an external harness's other branches: each its own sample, same advantage
 
     @property
     def truncated(self) -> bool:
@@ -182,6 +194,10 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
     slip, and a failed one does not push probability off a reply the protocol already rejects (pushing it down
     spreads probability: see learn_experiments.json, session 4).
 
+    An external harness's episode (actors/harness.py) may hold more than one token sequence: the gateway session's
+    branches (swectl/gateway/ledger.py). Each is its own sample with the episode's advantage, its spans numbered by
+    the session's turns (so the masks above find the right turns), and every sampled token is in exactly one.
+
     Per-step samples (``mode = "step"``): every agent step is a sample trained on exactly the prompt the engine saw,
     with the episode's advantage, plus ``step_score_coef`` x that step's own judge score ([reward.prm]; 0 for a
     step without one). ``step_weight = "episode"`` divides each of an episode's k step samples' advantage by k, so
@@ -213,9 +229,18 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
             out.append(pack_sample(f"{uid}.{i}", episode.instance_id, [*prompt, *output], mask,
                                    [0.0] * len(prompt) + list(logprobs), **fields))
         return out
-    spans = len(turn_spans(episode.loss_mask))
-    mask = mask_turns(episode.loss_mask, [t for t in range(spans) if not trained(t)])
-    return [pack_sample(uid, episode.instance_id, episode.token_ids, mask, episode.logprobs, **common)]
+    streams = [TokenStream(token_ids=episode.token_ids, loss_mask=episode.loss_mask, logprobs=episode.logprobs,
+                           turns=episode.turns), *episode.branches]
+    out = []
+    for k, stream in enumerate(streams):
+        spans = len(turn_spans(stream.loss_mask))
+        numbers = list(stream.turns) if stream.turns else list(range(spans))
+        if len(numbers) != spans:
+            raise ValueError(f"{uid}: {spans} trained spans but {len(numbers)} turn numbers")
+        mask = mask_turns(stream.loss_mask, [i for i, turn in enumerate(numbers) if not trained(turn)])
+        out.append(pack_sample(f"{uid}.b{k}" if k else uid, episode.instance_id, stream.token_ids, mask,
+                               stream.logprobs, **common))
+    return out
 
 
 def group_samples(groups: Sequence[Group], *, mode: SampleMode = "episode",

@@ -35,7 +35,7 @@ from swectl.errors import ConfigError
 
 Aggregation = Literal["token_mean", "seq_mean_token_sum"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
-MAX_STATS = ("ratio_max", "tis_max")  # statistics to reduce with MAX; every other key is a sum
+MAX_STATS = ("ratio_max", "tis_max", "logprob_gap_max")  # statistics to reduce with MAX; every other key is a sum
 CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk (64 MiB of float32) in token_logprobs / token_entropy
 
 
@@ -243,6 +243,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages
     - ``tis_sum``: the raw (uncapped) importance ratios ``exp(old_logp - rollout_logp)``, computed even when
       ``tis_cap`` is None, to watch the engine/trainer mismatch; ``tis_max`` their maximum (reduce with MAX);
     - ``tis_clipped``: tokens whose raw importance ratio exceeded ``tis_cap`` (0 when it is None);
+    - ``logprob_gap_max``: the largest ``|old_logp - rollout_logp|`` (reduce with MAX): on policy (the trainer's
+      weights are the ones that sampled) this is how far the trainer's logprobs are from the engine's;
     - ``kl_sum``: the low-variance KL to the reference, unscaled by ``kl_coef`` (0 when ``ref_logp`` is None).
 
     Maxima are 0 for a micro-batch without mask-1 tokens (every ratio is positive, so 0 never wins a MAX).
@@ -278,6 +280,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages
             "tis_sum": _masked(keep, raw_tis).sum(),
             "tis_max": _masked_max(keep, raw_tis),
             "tis_clipped": (keep & (raw_tis > (math.inf if tis_cap is None else tis_cap))).sum(),
+            "logprob_gap_max": _masked_max(keep, (old_logp.detach() - rollout_logp.detach()).abs()),
             "kl_sum": kl.detach().sum(),
         }
     return loss, {key: value.float() for key, value in stats.items()}

@@ -429,6 +429,18 @@ def load_recipe(run_dir: Path, overrides: dict[str, Any]) -> Recipe:
         raise ConfigError(f"recipe: {exc} (the keys are {', '.join(Recipe.__struct_fields__)})") from exc
 
 
+def harness_sets(config_sets: list[str], say: Say) -> list[str]:
+    """The user's ``--set KEY=VALUE`` flags, with ``agent.harness_config = "swectl"`` added when they name an
+    external harness (``agent.harness``) and no config for it: the first run's teachers write swectl's protocol and
+    the tiny model's chat template renders no tools, so the harness runs swectl's prompt in its own format
+    (actors/harness.py)."""
+    keys = {flag.split("=", 1)[0].strip() for flag in config_sets if flag != "--set"}
+    if "agent.harness" not in keys or "agent.harness_config" in keys:
+        return list(config_sets)
+    say('agent.harness is set: the harness runs swectl\'s prompt in its own format (agent.harness_config = "swectl")')
+    return [*config_sets, "--set", 'agent.harness_config="swectl"']
+
+
 def run_first(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say) -> Summary:
     """Every phase of the first run in ``run_dir`` (finished ones are skipped); the summary, also written. A
     failed phase stops the run with its error and where to go on from."""
@@ -473,6 +485,7 @@ def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say)
 
     if resumed:
         log(f"resuming {run_dir}: phases already finished are kept")
+    config_sets = harness_sets(config_sets, log)
     extra = [*set_flags(recipe.rollout_sets()), *config_sets]
     phase(0, f"the tiny model (seed {recipe.seed}) and a {1 - recipe.test_fraction:.0%} train split of the bundled "
              "tasks")

@@ -21,14 +21,15 @@ import msgspec
 from swectl.actors.engines import Engines
 from swectl.actors.env_pool import EnvPool
 from swectl.actors.grader import Grader, GraderConfig
+from swectl.actors.harness import MiniSweAgent
 from swectl.actors.judge import Judge
 from swectl.actors.metrics import Metrics
-from swectl.actors.rollout import EpisodeResult, Rollout, RolloutConfig
+from swectl.actors.rollout import EngineFor, EpisodeResult, Rollout, RolloutConfig
 from swectl.agent.loop import Episode, EpisodeConfig, episode_config
 from swectl.agent.protocol import agent_templates
 from swectl.config import ClusterConfig
 from swectl.errors import TaskDataError
-from swectl.rl.groups import REWARDS_FILE, EpisodeReward, GradedEpisode, Group, score_group
+from swectl.rl.groups import REWARDS_FILE, EpisodeReward, GradedEpisode, Group, TokenStream, score_group
 from swectl.tasks.record import Task
 from swectl.train.checkpoint import step_name
 
@@ -41,10 +42,13 @@ def graded_episode(result: EpisodeResult, episode: Episode) -> GradedEpisode:
     """What the batcher needs of a finished, graded episode: its grade and its trajectory's tokens."""
     t = episode.trajectory
     steps = [(s.prompt_ids, s.output_ids, s.output_logprobs) for s in episode.samples]
+    versions = [v for stream in (t, *episode.branches) for v in stream.weight_versions]
+    branches = [TokenStream(token_ids=b.token_ids, loss_mask=b.loss_mask, logprobs=b.logprobs, turns=b.turns)
+                for b in episode.branches]
     return GradedEpisode(instance_id=result.instance_id, sample=result.sample, outcome=result.outcome,
                          resolved=result.resolved, token_ids=t.token_ids, loss_mask=t.loss_mask, logprobs=t.logprobs,
-                         weight_version=_weight_version(t.weight_versions),
-                         mixed_versions=len(set(t.weight_versions)) > 1, steps=steps,
+                         turns=t.turns, branches=branches, weight_version=_weight_version(versions),
+                         mixed_versions=len(set(versions)) > 1, steps=steps,
                          step_scores=[j.score for j in result.step_judgements],
                          format_errors=[s.format_error for s in episode.steps], exit_status=result.exit_status,
                          tampered=result.grade is not None and result.grade.tampered)
@@ -74,13 +78,14 @@ class TrainRollouts:
     the held-out evaluations (``evaluate``). ``tokenizer`` is the policy's; ``judge`` the process-reward judge."""
 
     def __init__(self, config: ClusterConfig, run_dir: Path, pool: EnvPool, engines: Engines, tokenizer: Any,
-                 judge: Judge | None) -> None:
+                 judge: Judge | None, *, harness: MiniSweAgent | None = None) -> None:
         self._config = config
         self.run_dir = run_dir
         self._pool = pool
         self._engines = engines
         self._tokenizer = tokenizer
         self._judge = judge
+        self._harness = harness  # [agent] harness: it runs the episodes, its turns through the gateway
         # rollout.agent_config read once: a YAML file edited during the run does not change its prompts halfway
         self._templates = agent_templates(config.rollout.agent_config)
 
@@ -96,9 +101,17 @@ class TrainRollouts:
         t = self._config.train
         config = RolloutConfig(concurrency=t.concurrency, samples_per_task=t.sampling.n_samples,
                                episode=self._episode_config(f"train:{t.seed}:{tag}"))
+        return Rollout(config, self._pool, grader, self._engine_for(tag, out), self._tokenizer, out, limiter=limiter,
+                       judge=self._judge, engine_ready=self._engines.wait_routable)
+
+    def _engine_for(self, tag: str, out: Path) -> EngineFor:
+        """Who runs an episode of a rollout tagged ``tag``: the engine server of its key (swectl's loop), or the
+        harness, whose gateway session routes the same way."""
+        if self._harness is not None:
+            harness = self._harness.for_rollout(out / "harness", tag)
+            return lambda task, n: harness
         engines = self._engines
-        return Rollout(config, self._pool, grader, lambda task, n: engines.route(f"{task.instance_id}#{tag}#{n}"),
-                       self._tokenizer, out, limiter=limiter, judge=self._judge, engine_ready=engines.wait_routable)
+        return lambda task, n: engines.route(f"{task.instance_id}#{tag}#{n}")
 
     def _episode_config(self, seed: str) -> EpisodeConfig:
         sampling = self._config.train.sampling
@@ -148,11 +161,10 @@ class TrainRollouts:
         out = self.run_dir / "eval" / step_name(step)
         t = self._config.train
         grader = self.grader(out)
-        engines = self._engines
         rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.eval_samples,
                                         episode=self._episode_config(f"eval:{t.seed}")),
-                          self._pool, grader, lambda task, n: engines.route(f"eval#{task.instance_id}#{step}#{n}"),
-                          self._tokenizer, out, engine_ready=engines.wait_routable)
+                          self._pool, grader, self._engine_for(f"eval#{step}", out), self._tokenizer, out,
+                          engine_ready=self._engines.wait_routable)
         t0 = time.monotonic()
         results = await rollout.collect(tasks)
         scored = [r for r in results if r.outcome != "ABORTED"]

@@ -1,12 +1,13 @@
 """What a GRPO run needs beside the trainer, as one bundle built once per trainer start: the env pool and the engine
-servers, the policy's tokenizer, the process-reward judge ([reward.prm]), the run's rollouts, and the per-step
+servers, the policy's tokenizer, the process-reward judge ([reward.prm]), the gateway and the external harness
+([agent] harness), the run's rollouts, and the per-step
 readings of the pool and the engines. An SFT run has no bundle: the controller holds None, and its one question
 "is this an RL run?" is whether it has one.
 
     services = RlServices(config, run_dir, say=say, tokenizer=load)
     async with services.opened(run_id, weights):      # the pool and the engine hosts
         await services.start(tg)                       # the engines and the tokenizer (beside the trainer's start)
-        await services.ready(tg)                       # the judge and the rollouts
+        await services.ready(tg)                       # the judge, the harness and the rollouts
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import msgspec
 
 from swectl.actors.engines import EngineHost, Engines, engine_hosts
 from swectl.actors.env_pool import EnvPool, running_pool
+from swectl.actors.harness import start_harness
 from swectl.actors.judge import Judge
 from swectl.actors.metrics import EngineReadings, EnvReadings
+from swectl.agent.protocol import agent_templates
 from swectl.config import ClusterConfig
 from swectl.engine.client import SglangClient
 from swectl.model.tokenizer import load_tokenizer
@@ -80,10 +83,20 @@ class RlServices:
             starting.start_soon(anyio.to_thread.run_sync, self._tokenizer)
 
     async def ready(self, tg: anyio.abc.TaskGroup) -> None:
-        """The judge (its engines or client owned by ``tg``), the rollouts and the readings."""
+        """The judge (its engines or client owned by ``tg``), the gateway and harness, the rollouts and the
+        readings."""
         assert self._pool is not None
-        judge = await self._start_judge(tg) if self.config.reward.prm.enabled else None
-        self._rollouts = TrainRollouts(self.config, self.run_dir, self._pool, self.engines, self._tokenizer(), judge)
+        cfg = self.config
+        judge = await self._start_judge(tg) if cfg.reward.prm.enabled else None
+        harness = None
+        if cfg.agent.harness:  # an external harness, unmodified: its turns through the gateway
+            harness = await start_harness(tg, cfg.agent, cfg.rollout, self.engines.route, self._tokenizer(),
+                                          self.run_dir / "harness", temperature=cfg.train.sampling.temperature,
+                                          templates=agent_templates(cfg.rollout.agent_config))
+            self.say(f"agent: {cfg.agent.harness} ({cfg.agent.harness_config}) through the gateway at "
+                     f"{harness.gateway.url}")
+        self._rollouts = TrainRollouts(cfg, self.run_dir, self._pool, self.engines, self._tokenizer(), judge,
+                                       harness=harness)
         self._env = EnvReadings(self._pool.statistics)
         self._engine_readings = EngineReadings(self.engines.statistics)
 

@@ -184,3 +184,74 @@ def test_swectl_eval_with_the_harness(model: Path, tmp_path: Path) -> None:
     assert summary["finished"] == 1 and summary["infra_errors"] == 0
     assert set(summary["exit_status"]) <= {"FormatError", "LimitsExceeded"}, summary["exit_status"]
     assert list((out / "harness").glob("*/mini.traj.json"))  # mini's own record of the episode
+
+
+def _swectl(*argv: str, timeout: float = 900) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "swectl.cli.main", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stderr
+
+
+HARNESS = ["--set", "agent.harness='mini-swe-agent'", "--set", "agent.harness_config='swectl'", "--set",
+           "env_pool.warm=0"]
+
+
+def test_scripted_teachers_act_through_mini_swe_agent_and_a_slip_is_a_branch(model: Path, tmp_path: Path) -> None:
+    """`swectl data gold` with [agent] harness: mini's own process acts out the gold and recover scripts (swectl's
+    prompt in mini's format, its text-based model) behind the gateway. The gold trajectories resolve with exactly the
+    script's tokens; a recover slip (a malformed reply mini drops from its history) is a branch of the session, and
+    SFT reads every branch back with the slip masked."""
+    from swectl.data.trajectories import samples_from_runs
+    from swectl.rl.batch import unpack_mask
+
+    _mini()
+    out = tmp_path / "sft"
+    _swectl("data", "gold", "--model", str(model), "--script", "gold", "--script", "recover", "--slice", "0:2",
+            "--out", str(out), "--set", "rollout.max_tokens=512", "--set", "rollout.step_limit=8", *HARNESS)
+    for script in ("gold", "recover"):
+        summary = json.loads((out / script / "summary.json").read_text())
+        assert summary["kept"] == 2, summary["excluded"]
+    recovered = [json.loads(p.read_text())["episode"] for p in (out / "recover").glob("*__0/traj.json")]
+    for episode in recovered:
+        errors = [s["format_error"] for s in episode["steps"]]
+        assert any(errors) and len(episode["branches"]) >= sum(errors), (errors, len(episode["branches"]))
+    assert list((out / "gold" / "harness").glob("*/mini.traj.json"))  # mini's own records, beside swectl's
+    samples = samples_from_runs([out / "recover"])
+    assert len(samples) == sum(1 + len(e["branches"]) for e in recovered)  # one per branch
+    # a branch trains its well-formed turns only: one that holds nothing but a slip trains nothing
+    well_formed = sum(any(not e["steps"][n]["format_error"] for n in t["turns"])
+                      for e in recovered for t in [e["trajectory"], *e["branches"]])
+    assert sum(bool(unpack_mask(s).any()) for s in samples) == well_formed > 0
+
+
+def test_grpo_through_mini_swe_agent(model: Path, tmp_path: Path) -> None:
+    """`swectl up` with [agent] harness (GRPO, synchronous, 2 steps): each episode is mini-swe-agent's own process,
+    its turns sampled through the gateway and recorded token by token; the trainer takes them as samples, the
+    weights update, step 2's turns are sampled by version 1, and the trainer's logprobs of the recorded tokens are
+    the engine's (within 1e-4)."""
+    _mini()
+    sets = {"out_dir": repr(str(tmp_path)), "run_id": "'harness'", "train.model": repr(str(model)),
+            "train.sampling.tasks_per_step": 2, "train.sampling.n_samples": 2,
+            "train.sampling.dynamic_sampling": "false", "rollout.step_limit": 2, "rollout.max_tokens": 16,
+            "train.concurrency": 4}
+    argv = ["up", "--single-run", "--steps", "2", *HARNESS]
+    for key, value in sets.items():
+        argv += ["--set", f"{key}={value}"]
+    err = _swectl(*argv)
+    run = tmp_path / "harness"
+    assert "agent: mini-swe-agent (swectl) through the gateway" in err
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in metrics if "loss" in m]
+    assert [m["weight_version"] for m in trained] == [1, 2]
+    assert all(m["samples"] >= 4 for m in trained)  # 2 tasks x 2 episodes, a branch or more each
+    assert max(m["logprob_gap_max"] for m in trained) < 1e-4, [m["logprob_gap_max"] for m in trained]
+    episodes = [json.loads(p.read_text())["episode"] for p in (run / "episodes" / "step_000002").glob("*/traj.json")]
+    assert len(episodes) == 4
+    for episode in episodes:
+        versions = {v for t in [episode["trajectory"], *episode["branches"]] for v in t["weight_versions"]}
+        assert versions == {"1"}, versions
+    assert list((run / "episodes" / "step_000002" / "harness").glob("*/mini.traj.json"))
