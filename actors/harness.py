@@ -43,6 +43,7 @@ from swectl.agent.loop import Engine, Episode, Step
 from swectl.agent.protocol import SUBMIT_SENTINEL, AgentTemplates
 from swectl.agent.trajectory import ChatTokenizer, Message, Trajectory
 from swectl.config import AgentConfig, RolloutOptions
+from swectl.schema import HarnessStatistics
 from swectl.tasks.record import TESTBED, Task
 
 _log = logging.getLogger(__name__)
@@ -120,17 +121,24 @@ class MiniSweAgent:
     kept by episode key in ``records``."""
 
     def __init__(self, config: MiniSweAgentConfig, gateway: Gateway, work_dir: Path, *, tag: str = "",
-                 templates: AgentTemplates | None = None) -> None:
+                 templates: AgentTemplates | None = None, totals: dict[str, int] | None = None) -> None:
         self.config = config
         self.gateway = gateway
         self._work = work_dir
         self._tag = tag  # the sessions' names are ``<episode key>@<tag>`` (the engine routing key)
         self._templates = templates or AgentTemplates()
         self.records: dict[str, SessionRecord] = {}
+        # the ended sessions' counts, shared with every for_rollout copy (``statistics``)
+        self._totals = totals if totals is not None else dict.fromkeys(
+            ("episodes", "turns", "branches", "drift_tokens"), 0)
 
     def for_rollout(self, work_dir: Path, tag: str) -> MiniSweAgent:
         """The same harness and gateway for another rollout: its folders under ``work_dir``, its sessions tagged."""
-        return MiniSweAgent(self.config, self.gateway, work_dir, tag=tag, templates=self._templates)
+        return MiniSweAgent(self.config, self.gateway, work_dir, tag=tag, templates=self._templates,
+                            totals=self._totals)
+
+    def statistics(self) -> HarnessStatistics:
+        return HarnessStatistics(**self._totals, gateway=self.gateway.statistics())
 
     def _config_file(self) -> str:
         if self.config.config != SWECTL_CONFIG:
@@ -177,6 +185,9 @@ class MiniSweAgent:
         finally:
             record = self.gateway.end_session(session)
             self.records[key] = record
+            for name, value in (("episodes", 1), ("turns", record.stats.turns), ("branches", record.stats.branches),
+                                ("drift_tokens", record.stats.drift_tokens)):
+                self._totals[name] += value
         elapsed = time.monotonic() - t0
         status = "TimeExceeded" if timed_out else str(info.get("exit_status", ""))
         messages = [Message(m.get("role", ""), _text(m.get("content"))) for m in info.get("messages", [])]

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
-from swectl.schema import EngineStatistics, MetricsStatistics, PoolStatistics
+from swectl.schema import EngineStatistics, HarnessStatistics, MetricsStatistics, PoolStatistics
 
 if TYPE_CHECKING:
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -246,6 +246,23 @@ class EngineReadings(_StepReadings):
         "engine/outage_waits": lambda s: float(s.outage_waits),
         "engine/outage_wait_s": lambda s: s.outage_wait_s,
         "engine/restarts": lambda s: float(sum(server.restarts for server in s.servers)),
+    }
+
+
+class HarnessReadings(_StepReadings):
+    """A step's ``gateway/`` metrics from an external harness's HarnessStatistics ([agent] harness): its episodes'
+    ``gateway/turns``, ``gateway/branches`` (branches beyond the first: a history the harness did not send back as
+    it was sampled) and ``gateway/drift_tokens`` (the sampled tokens past those forks), and the gateway's
+    ``gateway/replayed`` (retries answered from the record), ``gateway/rejected`` (4xx) and
+    ``gateway/engine_failures`` (5xx)."""
+
+    COUNTERS: ClassVar[dict[str, Callable[[HarnessStatistics], float]]] = {
+        "gateway/turns": lambda s: float(s.turns),
+        "gateway/branches": lambda s: float(s.branches),
+        "gateway/drift_tokens": lambda s: float(s.drift_tokens),
+        "gateway/replayed": lambda s: float(s.gateway.replayed),
+        "gateway/rejected": lambda s: float(s.gateway.rejected),
+        "gateway/engine_failures": lambda s: float(s.gateway.engine_failures),
     }
 
 

@@ -305,3 +305,16 @@ class GatewayStatistics(msgspec.Struct, frozen=True, kw_only=True):
     rejected: int  # answered with a 4xx
     engine_failures: int  # answered with a 5xx
     disconnected: int = 0  # turns cancelled because their client went away
+
+
+
+class HarnessStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """An external harness's episodes since it started (actors/harness.py): their gateway sessions' turns, branches
+    beyond the first (``gateway/branches``) and drifted tokens (``gateway/drift_tokens``), and the gateway's own
+    counters."""
+
+    episodes: int
+    turns: int
+    branches: int
+    drift_tokens: int
+    gateway: GatewayStatistics

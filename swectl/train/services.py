@@ -26,7 +26,7 @@ from swectl.actors.engines import EngineHost, Engines, engine_hosts
 from swectl.actors.env_pool import EnvPool, running_pool
 from swectl.actors.harness import start_harness
 from swectl.actors.judge import Judge
-from swectl.actors.metrics import EngineReadings, EnvReadings
+from swectl.actors.metrics import EngineReadings, EnvReadings, HarnessReadings
 from swectl.agent.protocol import agent_templates
 from swectl.config import ClusterConfig
 from swectl.engine.client import SglangClient
@@ -50,6 +50,7 @@ class RlServices:
         self._rollouts: TrainRollouts | None = None
         self._env: EnvReadings | None = None
         self._engine_readings: EngineReadings | None = None
+        self._harness_readings: HarnessReadings | None = None
 
     @property
     def engines(self) -> Engines:
@@ -99,11 +100,13 @@ class RlServices:
                                        harness=harness)
         self._env = EnvReadings(self._pool.statistics)
         self._engine_readings = EngineReadings(self.engines.statistics)
+        self._harness_readings = HarnessReadings(harness.statistics) if harness is not None else None
 
     def step_values(self) -> dict[str, float]:
-        """The env pool's and the engines' part of a step's metrics (what moved since the last step)."""
+        """The env pool's, the engines' and the harness's part of a step's metrics (what moved since the last
+        step)."""
         values: dict[str, float] = {}
-        for readings in (self._env, self._engine_readings):
+        for readings in (self._env, self._engine_readings, self._harness_readings):
             if readings is not None:
                 values.update(readings.step_values())
         return values

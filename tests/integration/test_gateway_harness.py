@@ -249,6 +249,9 @@ def test_grpo_through_mini_swe_agent(model: Path, tmp_path: Path) -> None:
     assert [m["weight_version"] for m in trained] == [1, 2]
     assert all(m["samples"] >= 4 for m in trained)  # 2 tasks x 2 episodes, a branch or more each
     assert max(m["logprob_gap_max"] for m in trained) < 1e-4, [m["logprob_gap_max"] for m in trained]
+    # the gateway's readings per step: every episode's turns, none rejected or failed
+    assert all(m["gateway/turns"] >= 4 and m["gateway/rejected"] == m["gateway/engine_failures"] == 0
+               for m in trained), [{k: v for k, v in m.items() if k.startswith("gateway/")} for m in trained]
     episodes = [json.loads(p.read_text())["episode"] for p in (run / "episodes" / "step_000002").glob("*/traj.json")]
     assert len(episodes) == 4
     for episode in episodes:
