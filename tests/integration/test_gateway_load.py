@@ -1,0 +1,109 @@
+"""The gateway under load and across a weight update, with the real OpenAI SDK as the client (the client
+mini-swe-agent's litellm and most harnesses use), the real CPU engine and the tiny model:
+
+- 64 sessions at once, two turns each with the history sent back: every request answered, every session's ledger
+  holds its own two turns and nothing of another's;
+- a weight update while turns are in flight: no request fails or is told to retry (no 429), and every turn records
+  the version that sampled it: the old one before the update, the new one after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from swectl.actors.engines import Engines
+from swectl.actors.gateway import Gateway, GatewayConfig
+from swectl.config import EngineConfig
+from swectl.model.tokenizer import load_tokenizer
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+SESSIONS = 64
+
+
+@pytest.fixture
+async def served(model: Path, tmp_path: Path) -> AsyncIterator[tuple[Gateway, Engines]]:
+    engines = Engines(EngineConfig(health_interval_s=1.0, start_timeout_s=120, max_batch=SESSIONS), model=str(model),
+                      log_dir=tmp_path)
+    gateway = Gateway(GatewayConfig(max_tokens=8, context_tokens=512), engines.route,
+                      load_tokenizer(str(model), "model"))
+    async with anyio.create_task_group() as tg:
+        with anyio.fail_after(120):
+            await tg.start(engines.run)
+            await tg.start(gateway.run)
+        yield gateway, engines
+        tg.cancel_scope.cancel()
+
+
+def _messages(n: int) -> list[dict]:
+    return [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": f"Task {n}: print hello"}]
+
+
+async def test_64_sessions_at_once_each_keep_their_own_turns(served: tuple[Gateway, Engines], model: Path) -> None:
+    from openai import AsyncOpenAI
+
+    gateway, _ = served
+    keys = [gateway.open_session(f"task{n}#0") for n in range(SESSIONS)]
+    answered: dict[int, list[str]] = {}
+
+    async def episode(n: int) -> None:
+        async with AsyncOpenAI(base_url=gateway.url, api_key=keys[n], max_retries=0, timeout=300) as client:
+            messages = _messages(n)
+            first = await client.chat.completions.create(model="swectl-policy", messages=messages)
+            messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                         {"role": "user", "content": f"<returncode>0</returncode> for task {n}"}]
+            second = await client.chat.completions.create(model="swectl-policy", messages=messages)
+            answered[n] = [first.id, second.id]
+
+    with anyio.fail_after(300):
+        async with anyio.create_task_group() as tg:
+            for n in range(SESSIONS):
+                tg.start_soon(episode, n)
+    stats = gateway.statistics()
+    assert len(answered) == SESSIONS and stats.requests == 2 * SESSIONS
+    assert stats.rejected == stats.engine_failures == stats.replayed == 0
+    records = [gateway.end_session(key) for key in keys]
+    assert all(r.stats.turns == 2 for r in records)
+    ids = {i for pair in answered.values() for i in pair}
+    assert len(ids) == 2 * SESSIONS  # no answer was handed to two requests
+    tokenizer = load_tokenizer(str(model), "model")
+    for n, record in enumerate(records):  # each ledger starts with its own task's prompt, and no other's
+        text = tokenizer.decode(record.ledger.branches[0].token_ids)
+        assert f"Task {n}: print hello" in text and all(f"Task {m}:" not in text for m in (n - 1, n + 1))
+
+
+async def test_turns_during_a_weight_update_wait_and_record_their_version(served: tuple[Gateway, Engines],
+                                                                          model: Path) -> None:
+    from openai import AsyncOpenAI
+
+    gateway, engines = served
+    keys = [gateway.open_session(f"update{n}#0") for n in range(8)]
+    statuses: list[str] = []
+
+    async def turn(n: int) -> None:
+        async with AsyncOpenAI(base_url=gateway.url, api_key=keys[n], max_retries=0, timeout=300) as client:
+            await client.chat.completions.create(model="swectl-policy", messages=_messages(n), max_tokens=64)
+            statuses.append("ok")
+
+    with anyio.fail_after(300):
+        async with anyio.create_task_group() as tg:
+            for n in range(4):  # in flight when the update starts
+                tg.start_soon(turn, n)
+            await anyio.sleep(0.05)
+            tg.start_soon(engines.update_weights, str(model), "7")
+            await anyio.sleep(0.01)
+            for n in range(4, 8):  # arriving during the update: they wait for it
+                tg.start_soon(turn, n)
+        async with anyio.create_task_group() as tg:  # after it
+            for n in range(8):
+                keys.append(gateway.open_session(f"after{n}#0"))
+                tg.start_soon(turn, len(keys) - 1)
+    assert statuses == ["ok"] * 16
+    assert gateway.statistics().rejected == gateway.statistics().engine_failures == 0
+    versions = [v for key in keys for b in gateway.end_session(key).ledger.branches for v in b.weight_versions]
+    assert len(versions) == 16 and set(versions) <= {"", "0", "7"}, versions
+    assert versions[-8:] == ["7"] * 8  # every turn after the update is sampled by the new weights
