@@ -1,22 +1,31 @@
-"""The Gateway actor: an OpenAI-style model endpoint for agent harnesses that run unmodified (issue 58), token-exact.
+"""The Gateway actor: a model endpoint for agent harnesses that run unmodified (issue 58), token-exact.
 
 A harness is given a base URL and, per episode, a random secret as its API key (``open_session``): that key is the
-session. Each ``POST /v1/chat/completions`` is rendered with the policy's own chat template (its tools included),
-sampled as token ids with logprobs on the engines (``engine_for(name)``, by the session's name: every turn of a
-session goes to one server, so its prefix stays cached), and recorded in the session's ledger
-(swectl/gateway/ledger.py: appended when the rendering extends what was recorded, a branch when it does not).
-``end_session`` closes the session and hands back its ledger. The completion is answered in OpenAI's shapes,
-non-streaming or as server-sent events, with the policy family's tool calls parsed out (swectl/gateway/wire.py);
-text-protocol harnesses (a bash block in the text) need nothing more.
+session. It speaks one of three APIs, and every turn takes the same path whichever it is:
 
-Errors are OpenAI's shape: 401 for a missing or unknown key (no key never lands in a shared session), 409 for a
-session already ended, 400 for a malformed body, ``n`` > 1, or a prompt that leaves no room in the context (the
-reply's ``max_tokens`` is clamped to what is left), 404 for another model name, 502/503 when the engine failed (an
-infrastructure failure: the episode is aborted, never scored). A request that arrives while the engines take new
-weights waits for them (their generation is paused in place), bounded by ``request_timeout_s``.
+- ``POST /v1/chat/completions``: OpenAI chat completions (mini-swe-agent, SWE-agent, OpenHands through LiteLLM);
+- ``POST /v1/messages``: Anthropic's Messages API (Claude Code); ``POST /v1/messages/count_tokens`` renders a
+  prompt the same way and counts it, nothing sampled;
+- ``POST /v1/responses``: OpenAI's Responses API (Codex CLI).
 
-An SDK retry (the same body again in one session, e.g. ``x-stainless-retry-count`` > 0) gets the recorded answer,
-or waits for the first request's answer while it runs: a retry never forks the episode.
+Each API's module (swectl/gateway/wire.py, messages.py, responses.py) only decodes its request into a
+``TurnRequest`` and formats a ``TurnResult`` in its own shape. The turn itself is here: the messages are rendered
+with the policy's own chat template (its tools included), the reply's max tokens are clamped to what is left of the
+context, the engines sample token ids with logprobs (``engine_for(name)``, by the session's name: every turn of a
+session goes to one server, so its prefix stays cached), the turn is recorded in the session's ledger
+(swectl/gateway/ledger.py: appended when the rendering extends what was recorded, a branch when it does not), and
+the completion is decoded with the policy family's tool calls parsed out. ``end_session`` closes the session and
+hands back its ledger. Answers go back whole or as server-sent events.
+
+Errors are in each API's shape: 401 for a missing or unknown key (no key never lands in a shared session), 409 for
+a session already ended, 400 for a malformed body, ``n`` > 1, or a prompt that leaves no room in the context, 404
+for another model name, 503 when the engine failed (an infrastructure failure: the episode is aborted, never
+scored). A request that arrives while the engines take new weights waits for them (their generation is paused in
+place), bounded by ``request_timeout_s``.
+
+An SDK retry (the same body again to the same API in one session, e.g. ``x-stainless-retry-count`` > 0) gets the
+recorded answer, or waits for the first request's answer while it runs: a retry never forks the episode. A client
+that disconnects while its turn runs cancels it: nothing of it reaches the ledger.
 
 A session opened with a workspace (the episode's sandbox lease) also runs the harness's commands there:
 ``POST /swectl/v1/exec`` ``{command, cwd, env, timeout}`` with the session's key answers ``{output, returncode,
@@ -34,7 +43,6 @@ import hmac
 import logging
 import secrets
 import socket
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -51,16 +59,21 @@ from swectl.agent.loop import Engine
 from swectl.agent.trajectory import ChatTokenizer, rendered_ids
 from swectl.engine.wire import GenerateRequest, SamplingParams
 from swectl.errors import EngineError, InfraError
+from swectl.gateway import messages, responses
 from swectl.gateway.ledger import Ledger, LedgerStats
 from swectl.gateway.serving import serve_http
 from swectl.gateway.wire import (
     ChatCompletionRequest,
-    completion_body,
+    TurnRequest,
+    TurnResult,
+    chat_answer,
+    chat_turn,
     completion_chunks,
     error_body,
     models_body,
-    parse_tool_calls,
-    template_messages,
+    new_id,
+    now,
+    split_tool_calls,
 )
 from swectl.schema import ExecResult, GatewayStatistics
 
@@ -84,9 +97,38 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, kind: str, code: str | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.kind, self.code = status, kind, code
+        self.status, self.kind, self.code, self.param = status, kind, code, param
+
+
+def _openai_error(exc: _HttpError) -> dict[str, Any]:
+    return error_body(str(exc), exc.kind, exc.code, exc.param)
+
+
+def _anthropic_error(exc: _HttpError) -> dict[str, Any]:
+    return messages.error_body(exc.status, str(exc))
+
+
+@dataclass(frozen=True)
+class _Api:
+    """One API the gateway speaks: its request type, how a request becomes a turn, how a turn is answered (whole and
+    as server-sent events), and its error shape."""
+
+    name: str
+    request: type[Any]
+    turn: Callable[[Any], TurnRequest]
+    answer: Callable[[Any, TurnResult, str], dict[str, Any]]
+    events: Callable[[dict[str, Any]], list[bytes]]
+    error: Callable[[_HttpError], dict[str, Any]]
+
+
+CHAT = _Api("chat completion", ChatCompletionRequest, chat_turn, chat_answer, completion_chunks, _openai_error)
+MESSAGES = _Api("messages", messages.MessagesRequest, messages.messages_turn, messages.message_body,
+                messages.message_events, _anthropic_error)
+RESPONSES = _Api("responses", responses.ResponsesRequest, responses.responses_turn, responses.response_body,
+                 responses.response_events, _openai_error)
 
 
 class Workspace(Protocol):
@@ -113,7 +155,7 @@ class _Session:
     commands: int = 0
     ledger: Ledger = field(default_factory=Ledger)
     ended: bool = False
-    answers: dict[str, dict[str, Any]] = field(default_factory=dict)  # body hash -> recorded answer
+    answers: dict[str, TurnResult] = field(default_factory=dict)  # API and body hash -> the recorded turn
     running: dict[str, anyio.Event] = field(default_factory=dict)  # body hash -> set when answered
     lock: anyio.Lock = field(default_factory=anyio.Lock)  # one turn at a time: the ledger is a sequence
 
@@ -171,9 +213,14 @@ class Gateway:
     # ------------------------------------------------------------------ HTTP
 
     def app(self) -> Starlette:
+        chat, anthropic, openai_responses = self._endpoint(CHAT), self._endpoint(MESSAGES), self._endpoint(RESPONSES)
         return Starlette(routes=[
-            Route("/v1/chat/completions", self._chat, methods=["POST"]),
-            Route("/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/chat/completions", chat, methods=["POST"]),
+            Route("/v1/messages", anthropic, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self._count_tokens, methods=["POST"]),
+            Route("/v1/responses", openai_responses, methods=["POST"]),
+            Route("/responses", openai_responses, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/models", self._models, methods=["GET"]),
             Route("/swectl/v1/exec", self._exec, methods=["POST"]),
@@ -198,7 +245,7 @@ class Gateway:
             except (InfraError, TimeoutError) as exc:
                 raise _HttpError(503, f"the sandbox failed: {exc}", "server_error", "sandbox_unavailable") from exc
         except _HttpError as exc:
-            return self._error(exc)
+            return self._error(CHAT, exc)
         return _json(200, {"output": result.output, "returncode": -1 if result.timed_out else result.exit_code,
                            "exception_info": f"the command timed out after {timeout:g} s" if result.timed_out
                            else ""})
@@ -207,31 +254,37 @@ class Gateway:
         try:
             self._session_of(request)
         except _HttpError as exc:
-            return self._error(exc)
+            return self._error(CHAT, exc)
         return _json(200, models_body([self.config.model]))
 
-    async def _chat(self, request: Request) -> Response:
+    def _endpoint(self, api: _Api) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await self._serve(api, request)
+
+        return endpoint
+
+    async def _serve(self, api: _Api, request: Request) -> Response:
+        """One turn asked for through ``api``: the session by key, the body decoded into a turn, the turn answered
+        once (a retry of the same body gets the recorded turn), then formatted in the API's shape."""
         self._counts["requests"] += 1
         try:
             session = self._session_of(request)
-            raw = await request.body()
-            if len(raw) > self.config.max_body_bytes:
-                raise _HttpError(413, f"the body is over {self.config.max_body_bytes} bytes", "invalid_request_error")
-            try:
-                body = msgspec.json.decode(raw, type=ChatCompletionRequest)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise _HttpError(400, f"malformed chat completion request: {exc}", "invalid_request_error") from exc
-            answer = await self._unless_disconnected(request, self._answer_once(
-                session, hashlib.sha256(raw).hexdigest(), body))
-            if answer is None:  # the client went away: its generation was cancelled, nothing recorded
+            raw = await self._body(request)
+            body = self._decode(raw, api.request, api.name)
+            turn = self._turn_of(api.turn, body)
+            digest = hashlib.sha256(api.name.encode() + b"\n" + raw).hexdigest()
+            result = await self._unless_disconnected(request, self._answer_once(session, digest, turn))
+            if result is None:  # the client went away: its generation was cancelled, nothing recorded
                 return Response(status_code=499)
+            answer = api.answer(body, result, self.config.model)
         except _HttpError as exc:
-            return self._error(exc)
+            return self._error(api, exc)
         except Exception as exc:  # a fault of the gateway's own: said in the API's shape, and logged whole
             _log.exception("gateway: %s %s failed", request.method, request.url.path)
-            return self._error(_HttpError(500, f"the gateway failed: {type(exc).__name__}: {exc}", "server_error"))
+            return self._error(api, _HttpError(500, f"the gateway failed: {type(exc).__name__}: {exc}",
+                                               "server_error"))
         if body.stream:
-            chunks = completion_chunks(answer)
+            chunks = api.events(answer)
 
             async def events() -> Any:
                 for chunk in chunks:
@@ -240,11 +293,43 @@ class Gateway:
             return StreamingResponse(events(), media_type="text/event-stream")
         return _json(200, answer)
 
-    async def _unless_disconnected(self, request: Request, turn: Awaitable[dict[str, Any]]
-                                   ) -> dict[str, Any] | None:
+    async def _count_tokens(self, request: Request) -> Response:
+        """``POST /v1/messages/count_tokens``: the prompt rendered as a turn would render it, counted; nothing is
+        sampled or recorded."""
+        try:
+            self._session_of(request)
+            body = self._decode(await self._body(request), messages.CountTokensRequest, "count_tokens")
+            turn = self._turn_of(messages.count_turn, body)
+            self._check_model(turn)
+            prompt = self._render(turn)
+        except _HttpError as exc:
+            return self._error(MESSAGES, exc)
+        return _json(200, {"input_tokens": len(prompt)})
+
+    async def _body(self, request: Request) -> bytes:
+        raw = await request.body()
+        if len(raw) > self.config.max_body_bytes:
+            raise _HttpError(413, f"the body is over {self.config.max_body_bytes} bytes", "invalid_request_error")
+        return raw
+
+    @staticmethod
+    def _decode(raw: bytes, kind: type[Any], name: str) -> Any:
+        try:
+            return msgspec.json.decode(raw, type=kind)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise _HttpError(400, f"malformed {name} request: {exc}", "invalid_request_error") from exc
+
+    @staticmethod
+    def _turn_of(decode: Callable[[Any], TurnRequest], body: Any) -> TurnRequest:
+        try:
+            return decode(body)
+        except ValueError as exc:  # the decoders' word for a request they cannot take
+            raise _HttpError(400, str(exc), "invalid_request_error") from exc
+
+    async def _unless_disconnected(self, request: Request, turn: Awaitable[TurnResult]) -> TurnResult | None:
         """The turn's answer, or None when the client disconnects first (the turn is cancelled then: its
         generation's request to the engine is closed, and the ledger records nothing of it)."""
-        answer: list[dict[str, Any]] = []
+        answer: list[TurnResult] = []
         failed: list[Exception] = []
         async with anyio.create_task_group() as tg:
             async def run() -> None:
@@ -278,14 +363,14 @@ class Gateway:
                 return session
         raise _HttpError(401, "unknown API key", "authentication_error", "invalid_api_key")
 
-    def _error(self, exc: _HttpError) -> Response:
+    def _error(self, api: _Api, exc: _HttpError) -> Response:
         self._counts["engine_failures" if exc.status >= 500 else "rejected"] += 1
-        return _json(exc.status, error_body(str(exc), exc.kind, exc.code))
+        return _json(exc.status, api.error(exc))
 
     # ------------------------------------------------------------------ one turn
 
-    async def _answer_once(self, session: _Session, digest: str, body: ChatCompletionRequest) -> dict[str, Any]:
-        """The answer to ``body``: recorded (a retry), awaited (a retry of a request in flight), or made now."""
+    async def _answer_once(self, session: _Session, digest: str, turn: TurnRequest) -> TurnResult:
+        """The turn ``digest`` asks for: recorded (a retry), awaited (a retry of a request in flight), or made now."""
         if digest in session.answers:
             self._counts["replayed"] += 1
             return session.answers[digest]
@@ -300,38 +385,32 @@ class Gateway:
             async with session.lock:
                 if session.ended:
                     raise _HttpError(409, "this episode has ended", "invalid_request_error", "session_ended")
-                answer = await self._turn(session, body)
-            session.answers[digest] = answer
-            return answer
+                result = await self._turn(session, turn)
+            session.answers[digest] = result
+            return result
         finally:
             session.running.pop(digest, None)
             done.set()
 
-    async def _turn(self, session: _Session, body: ChatCompletionRequest) -> dict[str, Any]:
+    async def _turn(self, session: _Session, turn: TurnRequest) -> TurnResult:
+        """Render, clamp, sample, record, decode: the one turn path of every API."""
         cfg = self.config
-        if body.model != cfg.model:
-            raise _HttpError(404, f"model {body.model!r} is not served here (this gateway serves {cfg.model!r})",
-                             "invalid_request_error", "model_not_found")
-        if body.n != 1:
-            raise _HttpError(400, "n must be 1: an episode samples one completion per turn", "invalid_request_error")
-        if not body.messages:
-            raise _HttpError(400, "messages is empty", "invalid_request_error")
-        prompt = self._render(body)
+        self._check_model(turn)
+        prompt = self._render(turn)
         room = cfg.context_tokens - len(prompt)
         if room <= 0:
-            raise _HttpError(400, f"the prompt is {len(prompt)} tokens; the context holds {cfg.context_tokens}",
+            raise _HttpError(400, f"prompt is too long: {len(prompt)} tokens > {cfg.context_tokens - 1} maximum "
+                             f"(the context holds {cfg.context_tokens} tokens, prompt and reply)",
                              "invalid_request_error", "context_length_exceeded")
-        wanted = body.max_completion_tokens or body.max_tokens or cfg.max_tokens
-        stop = [body.stop] if isinstance(body.stop, str) else body.stop
-        sampling = SamplingParams(max_new_tokens=min(wanted, room),
-                                  temperature=cfg.temperature if body.temperature is None else body.temperature,
-                                  top_p=1.0 if body.top_p is None else body.top_p, stop=stop or None,
-                                  sampling_seed=body.seed)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        sampling = SamplingParams(max_new_tokens=min(turn.max_tokens or cfg.max_tokens, room),
+                                  temperature=cfg.temperature if turn.temperature is None else turn.temperature,
+                                  top_p=1.0 if turn.top_p is None else turn.top_p, stop=turn.stop,
+                                  sampling_seed=turn.seed)
+        turn_id = new_id()
         try:
             with anyio.fail_after(cfg.request_timeout_s):
                 result = await self._engine_for(session.name).generate(
-                    GenerateRequest(input_ids=prompt, sampling_params=sampling, rid=request_id))
+                    GenerateRequest(input_ids=prompt, sampling_params=sampling, rid=f"gateway-{turn_id}"))
         except (EngineError, InfraError, TimeoutError) as exc:
             raise _HttpError(503, f"the engine failed: {exc}", "server_error", "engine_unavailable") from exc
         if result.finish_reason == "abort":
@@ -342,18 +421,25 @@ class Gateway:
         session.ledger.completion(branch, list(result.output_ids), list(result.output_logprobs),
                                   result.weight_version)
         text = self._tok.decode(list(result.output_ids), skip_special_tokens=True)
-        content, calls = parse_tool_calls(text) if body.tools else (text, [])
+        content, calls = split_tool_calls(text) if turn.tools else (text, [])
         finish = "tool_calls" if calls else ("length" if result.finish_reason == "length" else "stop")
-        return completion_body(model=cfg.model, content=content, tool_calls=calls, finish_reason=finish,
-                               prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),
-                               request_id=request_id)
+        matched = result.matched_stop
+        stop_sequence = matched if isinstance(matched, str) and turn.stop and matched in turn.stop else None
+        return TurnResult(id=turn_id, created=now(), content=content, tool_calls=calls, finish=finish,
+                          stop_sequence=stop_sequence if finish == "stop" else None,
+                          prompt_tokens=len(prompt), completion_tokens=len(result.output_ids))
 
-    def _render(self, body: ChatCompletionRequest) -> list[int]:
+    def _check_model(self, turn: TurnRequest) -> None:
+        if turn.model != self.config.model:
+            raise _HttpError(404, f"model {turn.model!r} is not served here (this gateway serves "
+                             f"{self.config.model!r})", "invalid_request_error", "model_not_found")
+
+    def _render(self, turn: TurnRequest) -> list[int]:
         kwargs: dict[str, Any] = {"tokenize": True, "add_generation_prompt": True}
-        if body.tools:
-            kwargs["tools"] = body.tools
+        if turn.tools:
+            kwargs["tools"] = turn.tools
         try:
-            rendered = self._tok.apply_chat_template(template_messages(body), **kwargs)
+            rendered = self._tok.apply_chat_template(turn.messages, **kwargs)
         except Exception as exc:  # a template error is the request's: say what it was
             raise _HttpError(400, f"the chat template cannot render these messages: {exc}",
                              "invalid_request_error") from exc

@@ -1,0 +1,257 @@
+"""The gateway's Anthropic Messages and OpenAI Responses shapes (swectl/gateway/messages.py, responses.py) and the
+turn they share with chat completions (wire.py), without a server or an engine: requests decoded into the chat
+template's messages and tools, turns answered and streamed in each API's shape, errors in each API's shape."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+
+from swectl.gateway import messages, responses
+from swectl.gateway.wire import (
+    ChatCompletionRequest,
+    ToolCall,
+    TurnResult,
+    chat_answer,
+    chat_turn,
+    split_tool_calls,
+)
+
+CALL = ToolCall(id="abc123", name="bash", arguments='{"command": "ls"}')
+
+
+def _result(content: str = "hi", calls: list[ToolCall] | None = None, finish: str = "stop",
+            stop_sequence: str | None = None) -> TurnResult:
+    return TurnResult(id="f00d", created=1_700_000_000, content=content, tool_calls=calls or [], finish=finish,
+                      stop_sequence=stop_sequence, prompt_tokens=7, completion_tokens=3)
+
+
+def _events(stream: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for raw in stream:
+        head, data = raw.decode().removesuffix("\n\n").split("\n")
+        assert head.startswith("event: ") and data.startswith("data: ")
+        out.append((head[len("event: "):], json.loads(data[len("data: "):])))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- the shared turn
+
+def test_a_chat_request_becomes_the_same_turn_it_always_was() -> None:
+    body = msgspec.json.decode(json.dumps({
+        "model": "m", "max_tokens": 9, "stop": "END", "temperature": 0.5,
+        "messages": [{"role": "user", "content": "hi"}]}), type=ChatCompletionRequest)
+    turn = chat_turn(body)
+    assert turn.messages == [{"role": "user", "content": "hi"}]
+    assert (turn.max_tokens, turn.stop, turn.temperature, turn.tools) == (9, ["END"], 0.5, None)
+    with pytest.raises(ValueError, match="n must be 1"):
+        chat_turn(msgspec.convert({"model": "m", "n": 2, "messages": [{"role": "user"}]}, ChatCompletionRequest))
+    answer = chat_answer(body, _result(calls=[CALL], finish="tool_calls"), "m")
+    assert answer["id"] == "chatcmpl-f00d" and answer["created"] == 1_700_000_000
+    assert answer["choices"][0]["message"]["tool_calls"] == [
+        {"id": "call_abc123", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]
+
+
+def test_tool_calls_split_out_and_their_input_is_an_object() -> None:
+    content, [call] = split_tool_calls('ok\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n'
+                                       '</tool_call>')
+    assert content == "ok" and call.name == "bash" and call.input() == {"command": "ls"}
+    assert ToolCall(id="1", name="f", arguments="not json").input() == {"arguments": "not json"}
+
+
+# ------------------------------------------------------------------------------------------------- Messages
+
+def _messages_request(**fields: Any) -> messages.MessagesRequest:
+    body = {"model": "m", "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}], **fields}
+    return msgspec.json.decode(json.dumps(body), type=messages.MessagesRequest)
+
+
+def test_a_messages_request_maps_system_tool_use_and_tool_results_in_order() -> None:
+    request = _messages_request(
+        system=[{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": "Be brief."}],
+        tools=[{"name": "Bash", "description": "run", "input_schema": {"type": "object"}},
+               {"type": "web_search_20250305", "name": "web_search"}],
+        stop_sequences=["STOP"], temperature=0.2, metadata={"user_id": "u"}, thinking={"type": "enabled"},
+        tool_choice={"type": "auto"},
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "<reminder>"}, {"type": "text", "text": "fix"}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hm", "signature": "s"},
+                {"type": "text", "text": "Looking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "Bash", "input": {"command": "pwd"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.py"},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+                 "content": [{"type": "text", "text": "/w"}]},
+                {"type": "text", "text": "go on"}]}])
+    turn = messages.messages_turn(request)
+    assert turn.messages == [
+        {"role": "system", "content": "You are Claude Code.\n\nBe brief."},
+        {"role": "user", "content": "<reminder>\n\nfix"},
+        {"role": "assistant", "content": "Looking.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "Bash", "arguments": {"command": "ls"}}},
+            {"id": "toolu_2", "type": "function", "function": {"name": "Bash", "arguments": {"command": "pwd"}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "a.py"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "/w"},
+        {"role": "user", "content": "go on"}]
+    assert turn.tools == [{"type": "function", "function": {"name": "Bash", "description": "run",
+                                                            "parameters": {"type": "object"}}}]
+    assert (turn.max_tokens, turn.stop, turn.temperature) == (32, ["STOP"], 0.2)
+    assert messages.count_turn(request).messages == turn.messages
+
+
+def test_a_messages_request_needs_max_tokens_and_readable_blocks() -> None:
+    with pytest.raises(msgspec.ValidationError, match="max_tokens"):
+        msgspec.json.decode(b'{"model": "m", "messages": []}', type=messages.MessagesRequest)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: image blocks are not supported"):
+        messages.messages_turn(_messages_request(messages=[{"role": "user", "content": [image]}]))
+    with pytest.raises(ValueError, match="unknown content block type 'mystery'"):
+        messages.messages_turn(_messages_request(messages=[{"role": "user", "content": [{"type": "mystery"}]}]))
+    with pytest.raises(ValueError, match="user or assistant"):
+        messages.messages_turn(_messages_request(messages=[{"role": "system", "content": "x"}]))
+    with pytest.raises(ValueError, match="at least one message"):
+        messages.count_turn(msgspec.convert({"model": "m", "messages": []}, messages.CountTokensRequest))
+
+
+def test_a_message_answer_has_text_then_tool_use_blocks_and_anthropic_stop_reasons() -> None:
+    request = _messages_request()
+    body = messages.message_body(request, _result("Let me look.", [CALL], "tool_calls"), "m")
+    assert body["id"] == "msg_f00d" and body["type"] == "message" and body["role"] == "assistant"
+    assert body["content"] == [{"type": "text", "text": "Let me look."},
+                               {"type": "tool_use", "id": "toolu_abc123", "name": "bash", "input": {"command": "ls"}}]
+    assert body["stop_reason"] == "tool_use" and body["stop_sequence"] is None
+    assert body["usage"]["input_tokens"] == 7 and body["usage"]["output_tokens"] == 3
+    only_call = messages.message_body(request, _result("", [CALL], "tool_calls"), "m")
+    assert [b["type"] for b in only_call["content"]] == ["tool_use"]
+    assert messages.message_body(request, _result(finish="length"), "m")["stop_reason"] == "max_tokens"
+    assert messages.message_body(request, _result(), "m")["stop_reason"] == "end_turn"
+    stopped = messages.message_body(request, _result(stop_sequence="STOP"), "m")
+    assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "STOP")
+
+
+def test_a_streamed_message_is_anthropics_event_sequence_carrying_the_same_content() -> None:
+    body = messages.message_body(_messages_request(), _result("Let me look.", [CALL], "tool_calls"), "m")
+    events = _events(messages.message_events(body))
+    assert [name for name, _ in events] == [
+        "message_start", "ping",
+        "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop"]
+    assert all(data["type"] == name for name, data in events)
+    start = events[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["input_tokens"] == 7
+    assert events[2][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    assert events[3][1]["delta"] == {"type": "text_delta", "text": "Let me look."}
+    assert events[5][1]["content_block"] == {"type": "tool_use", "id": "toolu_abc123", "name": "bash", "input": {}}
+    assert events[6][1] == {"type": "content_block_delta", "index": 1,
+                            "delta": {"type": "input_json_delta", "partial_json": '{"command": "ls"}'}}
+    assert events[8][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[8][1]["usage"]["output_tokens"] == 3
+
+
+def test_anthropic_errors_name_their_type_by_status() -> None:
+    assert messages.error_body(401, "no key") == {"type": "error", "error": {"type": "authentication_error",
+                                                                             "message": "no key"}}
+    assert [messages.error_body(s, "")["error"]["type"] for s in (400, 404, 409, 413, 500, 503)] == [
+        "invalid_request_error", "not_found_error", "invalid_request_error", "request_too_large", "api_error",
+        "api_error"]
+
+
+# ------------------------------------------------------------------------------------------------- Responses
+
+def _responses_request(**fields: Any) -> responses.ResponsesRequest:
+    return msgspec.json.decode(json.dumps({"model": "m", "input": "hi", **fields}), type=responses.ResponsesRequest)
+
+
+def test_a_responses_request_maps_items_and_joins_function_calls_to_their_message() -> None:
+    request = _responses_request(
+        instructions="You are Codex.", max_output_tokens=20, store=False, include=["reasoning.encrypted_content"],
+        reasoning={"effort": "low"},
+        tools=[{"type": "function", "name": "shell", "description": "run", "parameters": {"type": "object"},
+                "strict": False}, {"type": "web_search"}],
+        input=[
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
+            {"role": "user", "content": [{"type": "input_text", "text": "<env>"}, {"type": "input_text",
+                                                                                   "text": "fix it"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "x"},
+            {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+             "content": [{"type": "output_text", "text": "Looking.", "annotations": []}]},
+            {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "shell",
+             "arguments": '{"command": ["ls"]}', "status": "completed"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "a.py"},
+            {"type": "function_call", "call_id": "call_2", "name": "shell", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_2",
+             "output": [{"type": "input_text", "text": "b.py"}]}])
+    turn = responses.responses_turn(request)
+    assert turn.messages == [
+        {"role": "system", "content": "You are Codex."},
+        {"role": "system", "content": "rules"},
+        {"role": "user", "content": "<env>\n\nfix it"},
+        {"role": "assistant", "content": "Looking.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "shell", "arguments": {"command": ["ls"]}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a.py"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_2", "type": "function", "function": {"name": "shell", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "b.py"}]
+    assert turn.tools == [{"type": "function", "function": {"name": "shell", "description": "run",
+                                                            "parameters": {"type": "object"}}}]
+    assert turn.max_tokens == 20
+    assert responses.responses_turn(_responses_request()).messages == [{"role": "user", "content": "hi"}]
+
+
+def test_a_responses_request_refuses_server_state_and_what_the_policy_cannot_read() -> None:
+    with pytest.raises(ValueError, match="previous_response_id is not supported"):
+        responses.responses_turn(_responses_request(previous_response_id="resp_1"))
+    with pytest.raises(ValueError, match=r"input\[0\].content\[0\]: 'input_image' parts"):
+        responses.responses_turn(_responses_request(input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "data:"}]}]))
+    with pytest.raises(ValueError, match="'item_reference' are not supported"):
+        responses.responses_turn(_responses_request(input=[{"type": "item_reference", "id": "msg_1"}]))
+    with pytest.raises(ValueError, match="input is empty"):
+        responses.responses_turn(_responses_request(input=[]))
+
+
+def test_a_response_answer_has_a_message_then_function_calls_and_its_status() -> None:
+    request = _responses_request(tools=[{"type": "function", "name": "shell", "parameters": {}}])
+    body = responses.response_body(request, _result("Looking.", [CALL], "tool_calls"), "m")
+    assert body["id"] == "resp_f00d" and body["object"] == "response" and body["created_at"] == 1_700_000_000
+    assert body["status"] == "completed" and body["incomplete_details"] is None and body["error"] is None
+    assert body["output"] == [
+        {"type": "message", "id": "msg_f00d", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Looking.", "annotations": [], "logprobs": []}]},
+        {"type": "function_call", "id": "fc_abc123", "call_id": "call_abc123", "name": "bash",
+         "arguments": '{"command": "ls"}', "status": "completed"}]
+    assert body["usage"]["input_tokens"] == 7 and body["usage"]["output_tokens"] == 3
+    assert body["usage"]["total_tokens"] == 10
+    cut = responses.response_body(request, _result(finish="length"), "m")
+    assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [i["type"] for i in responses.response_body(request, _result("", [CALL], "tool_calls"), "m")
+            ["output"]] == ["function_call"]
+
+
+def test_a_streamed_response_is_the_responses_event_sequence_numbered_from_zero() -> None:
+    body = responses.response_body(_responses_request(), _result("Looking.", [CALL], "tool_calls"), "m")
+    events = _events(responses.response_events(body))
+    assert [name for name, _ in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    assert all(data["type"] == name for name, data in events)
+    assert events[0][1]["response"]["status"] == "in_progress" and events[0][1]["response"]["output"] == []
+    assert events[4][1] == {"type": "response.output_text.delta", "sequence_number": 4, "item_id": "msg_f00d",
+                            "output_index": 0, "content_index": 0, "delta": "Looking.", "logprobs": []}
+    assert events[8][1]["item"]["arguments"] == "" and events[8][1]["item"]["status"] == "in_progress"
+    assert events[10][1]["arguments"] == '{"command": "ls"}' and events[10][1]["name"] == "bash"
+    assert events[-1][1]["response"] == body
+    cut = responses.response_body(_responses_request(), _result(finish="length"), "m")
+    assert _events(responses.response_events(cut))[-1][0] == "response.incomplete"
