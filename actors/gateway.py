@@ -55,7 +55,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from swectl.agent.loop import Engine
+from swectl.agent.loop import Engine, request_seed
 from swectl.agent.trajectory import ChatTokenizer, rendered_ids
 from swectl.engine.wire import GenerateRequest, SamplingParams
 from swectl.errors import EngineError, InfraError
@@ -91,6 +91,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     context_tokens: int = 8192  # prompt + completion of one turn at most
     max_tokens: int = 1024  # a turn's completion when the request gives no max_tokens
     temperature: float = 1.0  # when the request gives none
+    # seeded sampling when the request gives no seed: each turn's seed from (seed, the session's name, its turn), so
+    # a rerun draws the same episodes (the CPU engine; SGLang with deterministic inference). None: fresh randomness
+    seed: str | None = None
     request_timeout_s: float = 600.0  # one turn at most, a wait for a weight update included
     exec_timeout_s: float = 600.0  # one harness command at most, whatever it asks for
     max_body_bytes: int = 16 * 1024 * 1024
@@ -392,6 +395,13 @@ class Gateway:
             session.running.pop(digest, None)
             done.set()
 
+    def _seed(self, session: _Session, turn: TurnRequest) -> int | None:
+        """The request's own seed; else, with ``config.seed``, one per (session name, turn) as swectl's agent loop
+        seeds its turns (the same episodes run after run); else None (fresh randomness)."""
+        if turn.seed is not None or self.config.seed is None:
+            return turn.seed
+        return request_seed(self.config.seed, session.name, session.ledger.turns)
+
     async def _turn(self, session: _Session, turn: TurnRequest) -> TurnResult:
         """Render, clamp, sample, record, decode: the one turn path of every API."""
         cfg = self.config
@@ -405,7 +415,7 @@ class Gateway:
         sampling = SamplingParams(max_new_tokens=min(turn.max_tokens or cfg.max_tokens, room),
                                   temperature=cfg.temperature if turn.temperature is None else turn.temperature,
                                   top_p=1.0 if turn.top_p is None else turn.top_p, stop=turn.stop,
-                                  sampling_seed=turn.seed)
+                                  sampling_seed=self._seed(session, turn))
         turn_id = new_id()
         try:
             with anyio.fail_after(cfg.request_timeout_s):

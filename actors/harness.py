@@ -104,11 +104,13 @@ class MiniSweAgentConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 async def start_harness(tg: anyio.abc.TaskGroup, agent: AgentConfig, rollout: RolloutOptions,
                         engine_for: Callable[[str], Engine], tokenizer: ChatTokenizer, work_dir: Path, *,
-                        temperature: float, templates: AgentTemplates | None = None) -> MiniSweAgent:
+                        temperature: float, seed: str | None = None, templates: AgentTemplates | None = None
+                        ) -> MiniSweAgent:
     """The gateway (started in ``tg``, its turns sampled by ``engine_for(session name)`` within ``rollout``'s token
-    limits at ``temperature``) and ``agent.harness`` running through it, its limits ``rollout``'s."""
+    limits at ``temperature``, seeded by ``seed`` and the session's name) and ``agent.harness`` running through it,
+    its limits ``rollout``'s."""
     gateway = Gateway(GatewayConfig(max_tokens=rollout.max_tokens, context_tokens=rollout.context,
-                                    temperature=temperature), engine_for, tokenizer)
+                                    temperature=temperature, seed=seed), engine_for, tokenizer)
     await tg.start(gateway.run, name="gateway")
     config = MiniSweAgentConfig(config=agent.harness_config, step_limit=rollout.step_limit,
                                 max_format_errors=rollout.max_format_errors, timeout_s=agent.timeout_s)

@@ -299,6 +299,8 @@ async def eval_model(
                                         timeout_s=config.agent.timeout_s)
                     harness = await start_harness(tg, agent, settings.rollout, engines.route, tokenizer,
                                                   out / "harness", temperature=settings.rollout.temperature,
+                                                  seed=None if settings.rollout.seed is None
+                                                  else f"eval:{settings.rollout.seed}",
                                                   templates=agent_templates(settings.rollout.agent_config))
 
                     def engine_for(t: Task, n: int):

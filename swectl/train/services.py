@@ -93,6 +93,7 @@ class RlServices:
         if cfg.agent.harness:  # an external harness, unmodified: its turns through the gateway
             harness = await start_harness(tg, cfg.agent, cfg.rollout, self.engines.route, self._tokenizer(),
                                           self.run_dir / "harness", temperature=cfg.train.sampling.temperature,
+                                          seed=f"train:{cfg.train.seed}",
                                           templates=agent_templates(cfg.rollout.agent_config))
             self.say(f"agent: {cfg.agent.harness} ({cfg.agent.harness_config}) through the gateway at "
                      f"{harness.gateway.url}")

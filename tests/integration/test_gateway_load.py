@@ -107,3 +107,28 @@ async def test_turns_during_a_weight_update_wait_and_record_their_version(served
     versions = [v for key in keys for b in gateway.end_session(key).ledger.branches for v in b.weight_versions]
     assert len(versions) == 16 and set(versions) <= {"", "0", "7"}, versions
     assert versions[-8:] == ["7"] * 8  # every turn after the update is sampled by the new weights
+
+
+async def test_a_seeded_gateway_draws_the_same_turns_for_the_same_session_name(model: Path, tmp_path: Path) -> None:
+    """GatewayConfig.seed: each turn's sampling seed comes from (seed, session name, turn), so a rerun of an episode
+    draws the same tokens at temperature 1, and another episode (another name) draws others."""
+    from openai import AsyncOpenAI
+
+    engines = Engines(EngineConfig(health_interval_s=1.0, start_timeout_s=120), model=str(model), log_dir=tmp_path)
+    gateway = Gateway(GatewayConfig(max_tokens=24, context_tokens=512, temperature=1.0, seed="eval:3"),
+                      engines.route, load_tokenizer(str(model), "model"))
+
+    async def draw(name: str) -> list[int]:
+        key = gateway.open_session(name)
+        async with AsyncOpenAI(base_url=gateway.url, api_key=key, max_retries=0, timeout=120) as client:
+            await client.chat.completions.create(model="swectl-policy", messages=_messages(0))
+        branch = gateway.end_session(key).ledger.branches[0]
+        return [t for t, m in zip(branch.token_ids, branch.loss_mask, strict=True) if m]
+
+    async with anyio.create_task_group() as tg:
+        with anyio.fail_after(120):
+            await tg.start(engines.run)
+            await tg.start(gateway.run)
+            first, again, other = await draw("t#0"), await draw("t#0"), await draw("t#1")
+        tg.cancel_scope.cancel()
+    assert first == again and first != other
