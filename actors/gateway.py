@@ -94,6 +94,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     # seeded sampling when the request gives no seed: each turn's seed from (seed, the session's name, its turn), so
     # a rerun draws the same episodes (the CPU engine; SGLang with deterministic inference). None: fresh randomness
     seed: str | None = None
+    # the bearer token of the session routes (POST /swectl/v1/sessions, /swectl/v1/sessions/end: `swectl gateway`
+    # for a harness the user runs); "": no such routes (sessions are opened in-process, by the rollout)
+    admin_token: str = ""
     request_timeout_s: float = 600.0  # one turn at most, a wait for a weight update included
     exec_timeout_s: float = 600.0  # one harness command at most, whatever it asks for
     max_body_bytes: int = 16 * 1024 * 1024
@@ -150,6 +153,13 @@ class ExecBody(msgspec.Struct, kw_only=True):
     timeout: float = 60.0
 
 
+class SessionBody(msgspec.Struct, kw_only=True):
+    """``POST /swectl/v1/sessions`` (a name) and ``/swectl/v1/sessions/end`` (a key)."""
+
+    name: str = ""
+    key: str = ""
+
+
 @dataclass
 class _Session:
     key: str
@@ -175,8 +185,10 @@ class SessionRecord:
 class Gateway:
     """``await tg.start(gateway.run)``; then ``open_session(name)`` for each episode, ``end_session(key)`` after."""
 
-    def __init__(self, config: GatewayConfig, engine_for: Callable[[str], Engine], tokenizer: ChatTokenizer) -> None:
+    def __init__(self, config: GatewayConfig, engine_for: Callable[[str], Engine], tokenizer: ChatTokenizer, *,
+                 on_end: Callable[[SessionRecord], None] | None = None) -> None:
         self.config = config
+        self._on_end = on_end  # called with each session ended through the session routes
         self._engine_for = engine_for
         self._tok = tokenizer
         self._sessions: dict[str, _Session] = {}
@@ -227,7 +239,50 @@ class Gateway:
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/models", self._models, methods=["GET"]),
             Route("/swectl/v1/exec", self._exec, methods=["POST"]),
+            Route("/swectl/v1/sessions", self._open, methods=["POST"]),
+            Route("/swectl/v1/sessions/end", self._end, methods=["POST"]),
         ])
+
+    def _admin(self, request: Request) -> None:
+        token = self.config.admin_token
+        auth = request.headers.get("authorization", "")
+        if not token:
+            raise _HttpError(404, "this gateway opens its sessions itself (no admin token)", "invalid_request_error")
+        if not (auth.lower().startswith("bearer ") and hmac.compare_digest(auth[7:].strip(), token)):
+            raise _HttpError(401, "the session routes need the gateway's admin token", "authentication_error",
+                             "invalid_api_key")
+
+    async def _open(self, request: Request) -> Response:
+        """``POST /swectl/v1/sessions`` ``{"name": ...}`` (admin token): a new session; ``{"key", "name"}``."""
+        try:
+            self._admin(request)
+            try:
+                body = msgspec.json.decode(await request.body() or b"{}", type=SessionBody)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise _HttpError(400, f"malformed session request: {exc}", "invalid_request_error") from exc
+            name = body.name or f"session-{len(self._sessions) + len(self._ended)}"
+        except _HttpError as exc:
+            return self._error(CHAT, exc)
+        return _json(200, {"key": self.open_session(name), "name": name})
+
+    async def _end(self, request: Request) -> Response:
+        """``POST /swectl/v1/sessions/end`` ``{"key": ...}`` (admin token): the session ended, its ledger handed to
+        ``on_end``; its counts."""
+        try:
+            self._admin(request)
+            try:
+                body = msgspec.json.decode(await request.body(), type=SessionBody)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise _HttpError(400, f"malformed session request: {exc}", "invalid_request_error") from exc
+            if body.key not in self._sessions:
+                raise _HttpError(409 if body.key in self._ended else 404, "no open session has this key",
+                                 "invalid_request_error", "session_ended" if body.key in self._ended else None)
+        except _HttpError as exc:
+            return self._error(CHAT, exc)
+        record = self.end_session(body.key)
+        if self._on_end is not None:
+            self._on_end(record)
+        return _json(200, {"name": record.name, **msgspec.structs.asdict(record.stats)})
 
     async def _exec(self, request: Request) -> Response:
         try:

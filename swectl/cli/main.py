@@ -36,6 +36,7 @@ examples:
   swectl model init                      create the tiny Qwen3 policy (tokenizer trained on local code)
   swectl eval --model runs/models/tiny-qwen3 --slice 0:4   run the agent with it and grade
   swectl serve --port 18090               the sandbox fleet over HTTP for slime / OpenClaw-RL swe-rl rollouts
+  swectl gateway --model runs/m          the policy token-exact to a harness you run (OpenAI, Anthropic APIs)
   swectl plot runs/train-1               draw a training run's learning curves into runs/train-1/plots/
   swectl view runs/train-1               look at a run in a browser: curves, tasks, every episode
   swectl -v eval --gold                  also print what happens inside the run (restarts, retries, ...)
@@ -53,6 +54,7 @@ COMMANDS = {
     "model": "model",
     "plot": "plot",
     "serve": "serve",
+    "gateway": "gateway",
     "view": "view",
 }
 # signals that stop a command like Ctrl-C does

@@ -132,3 +132,50 @@ async def test_a_seeded_gateway_draws_the_same_turns_for_the_same_session_name(m
             first, again, other = await draw("t#0"), await draw("t#0"), await draw("t#1")
         tg.cancel_scope.cancel()
     assert first == again and first != other
+
+
+def test_swectl_gateway_serves_a_harness_the_user_runs(model: Path, tmp_path: Path) -> None:
+    """`swectl gateway --model M`: engines and the gateway from the command line; a session key written at start
+    and one opened over HTTP with the admin token, each used by a real SDK (OpenAI chat, Anthropic Messages); ending
+    a session writes its token record; the session routes refuse a wrong token; Ctrl-C stops it."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from anthropic import Anthropic
+    from openai import OpenAI
+
+    out = tmp_path / "gw"
+    proc = subprocess.Popen([sys.executable, "-m", "swectl.cli.main", "gateway", "--model", str(model), "--port", "0",
+                             "--sessions", "1", "--max-tokens", "8", "--context", "512", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "gateway.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        info = json.loads((out / "gateway.json").read_text())
+        assert (out / "gateway.json").stat().st_mode & 0o777 == 0o600
+        chat = OpenAI(base_url=info["url"], api_key=info["sessions"]["session-0"], max_retries=0)
+        assert chat.chat.completions.create(model="swectl-policy", messages=_messages(0)).choices[0].message
+        admin = {"Authorization": f"Bearer {info['admin_token']}"}
+        assert httpx.post(f"{info['root']}/swectl/v1/sessions", json={"name": "x"},
+                          headers={"Authorization": "Bearer wrong"}).status_code == 401
+        opened = httpx.post(f"{info['root']}/swectl/v1/sessions", json={"name": "claude#0"}, headers=admin).json()
+        messages = Anthropic(base_url=info["root"], api_key=opened["key"], max_retries=0)
+        reply = messages.messages.create(model="swectl-policy", max_tokens=8,
+                                         messages=[{"role": "user", "content": "print hello"}])
+        assert reply.role == "assistant"
+        for key in (info["sessions"]["session-0"], opened["key"]):
+            ended = httpx.post(f"{info['root']}/swectl/v1/sessions/end", json={"key": key}, headers=admin)
+            assert ended.status_code == 200 and ended.json()["turns"] == 1, ended.text
+        for name in ("session-0", "claude#0"):
+            record = json.loads((out / "sessions" / f"{name}.json").read_text())
+            assert record["turns"] == 1 and sum(record["branches"][0]["loss_mask"]) > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
