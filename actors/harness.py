@@ -26,11 +26,13 @@ nothing is trained from it as if it were a submission.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
@@ -91,6 +93,92 @@ def mini_env(home: Path) -> dict[str, str]:
             "MSWEA_GLOBAL_CONFIG_DIR": str(home), "MSWEA_SILENT_STARTUP": "1"}
 
 
+ZYGOTE = HARNESS_DIR / "mini_zygote.py"
+ZYGOTE_START_S = 600.0  # mini's imports, once (about 7 CPU-s; minutes on a loaded 2-core machine)
+KILL_WAIT_S = 30.0  # a killed episode's process group, reaped at most this long
+
+
+class MiniZygote:
+    """mini's ``mini`` command forked from one warm interpreter (swectl/gateway/harness/mini_zygote.py): ``await
+    tg.start(zygote.run)``, then ``await zygote.call(argv, env, cwd, log)`` per episode: its exit status. A call
+    that is cancelled (the episode's time limit) kills the child's process group and waits for it."""
+
+    def __init__(self, python: str, home: Path) -> None:
+        self._python = python
+        self._home = home  # mini's global config folder (read at import: the zygote's)
+        self._send: anyio.abc.ByteSendStream | None = None
+        self._pids: dict[str, int] = {}
+        self._exits: dict[str, int] = {}
+        self._events: dict[str, anyio.Event] = {}
+        self._ids = 0
+        self.failed = ""
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        await anyio.Path(self._home).mkdir(parents=True, exist_ok=True)
+        log = await anyio.open_file(self._home / "zygote.log", "wb")
+        try:
+            async with await anyio.open_process([self._python, str(ZYGOTE)], env=mini_env(self._home),
+                                                stderr=log.wrapped) as proc:  # type: ignore[arg-type]
+                assert proc.stdin is not None and proc.stdout is not None
+                self._send = proc.stdin
+                lines = _lines(proc.stdout)
+                with anyio.fail_after(ZYGOTE_START_S):
+                    first = await anext(lines, b"")
+                if not first.startswith(b'{"ready"'):
+                    raise RuntimeError(f"mini's zygote did not start (log: {self._home / 'zygote.log'})")
+                task_status.started()
+                try:
+                    async for line in lines:
+                        message = json.loads(line)
+                        if "pid" in message:
+                            self._pids[message["id"]] = message["pid"]
+                        elif "exit" in message:
+                            self._exits[message["id"]] = message["exit"]
+                            self._events[message["id"]].set()
+                    self.failed = f"mini's zygote exited (log: {self._home / 'zygote.log'})"
+                finally:
+                    for event in self._events.values():  # callers see the failure, never hang
+                        event.set()
+                    with anyio.CancelScope(shield=True):
+                        await proc.stdin.aclose()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await log.aclose()
+
+    async def call(self, argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> int:
+        """Run mini with ``argv`` (without the command itself); its exit status."""
+        if self._send is None or self.failed:
+            raise RuntimeError(self.failed or "mini's zygote is not running")
+        self._ids += 1
+        rid = str(self._ids)
+        done = self._events[rid] = anyio.Event()
+        request = {"id": rid, "argv": argv, "env": env, "cwd": str(cwd), "log": str(log)}
+        try:
+            await self._send.send(json.dumps(request).encode() + b"\n")
+            await done.wait()
+            if rid not in self._exits:
+                raise RuntimeError(self.failed)
+            return self._exits[rid]
+        finally:
+            if rid not in self._exits and rid in self._pids:  # cancelled: the episode's process group goes
+                with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_WAIT_S):
+                    with contextlib.suppress(OSError):
+                        os.killpg(self._pids[rid], signal.SIGKILL)
+                    await done.wait()
+            for table in (self._events, self._pids, self._exits):
+                table.pop(rid, None)
+
+
+async def _lines(stream: anyio.abc.ByteReceiveStream) -> AsyncIterator[bytes]:
+    buffer = b""
+    async for chunk in stream:
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            if line.strip():
+                yield line
+
+
 class MiniSweAgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How mini-swe-agent is run for each episode."""
 
@@ -100,6 +188,9 @@ class MiniSweAgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_format_errors: int = 0  # agent.max_consecutive_format_errors (0: the config's)
     timeout_s: float = 1800.0  # the whole episode at most
     overrides: list[str] = []  # more `-c KEY=VALUE` for it
+    # each episode's mini forked from one warm interpreter (MiniZygote) instead of started anew: its imports cost
+    # about 7 CPU-s per episode otherwise
+    prefork: bool = True
 
 
 async def start_harness(tg: anyio.abc.TaskGroup, agent: AgentConfig, rollout: RolloutOptions,
@@ -115,7 +206,11 @@ async def start_harness(tg: anyio.abc.TaskGroup, agent: AgentConfig, rollout: Ro
     config = MiniSweAgentConfig(config=agent.harness_config, step_limit=rollout.step_limit,
                                 max_format_errors=rollout.max_format_errors, timeout_s=agent.timeout_s)
     await anyio.Path(work_dir).mkdir(parents=True, exist_ok=True)
-    return MiniSweAgent(config, gateway, work_dir, templates=templates)
+    zygote = None
+    if config.prefork:
+        zygote = MiniZygote(str(Path(config.executable or default_mini()).parent / "python"), work_dir / "mini-home")
+        await tg.start(zygote.run, name="mini zygote")
+    return MiniSweAgent(config, gateway, work_dir, templates=templates, zygote=zygote)
 
 
 class MiniSweAgent:
@@ -123,8 +218,10 @@ class MiniSweAgent:
     kept by episode key in ``records``."""
 
     def __init__(self, config: MiniSweAgentConfig, gateway: Gateway, work_dir: Path, *, tag: str = "",
-                 templates: AgentTemplates | None = None, totals: dict[str, int] | None = None) -> None:
+                 templates: AgentTemplates | None = None, totals: dict[str, int] | None = None,
+                 zygote: MiniZygote | None = None) -> None:
         self.config = config
+        self._zygote = zygote
         self.gateway = gateway
         self._work = work_dir
         self._tag = tag  # the sessions' names are ``<episode key>@<tag>`` (the engine routing key)
@@ -137,7 +234,7 @@ class MiniSweAgent:
     def for_rollout(self, work_dir: Path, tag: str) -> MiniSweAgent:
         """The same harness and gateway for another rollout: its folders under ``work_dir``, its sessions tagged."""
         return MiniSweAgent(self.config, self.gateway, work_dir, tag=tag, templates=self._templates,
-                            totals=self._totals)
+                            totals=self._totals, zygote=self._zygote)
 
     def statistics(self) -> HarnessStatistics:
         return HarnessStatistics(**self._totals, gateway=self.gateway.statistics())
@@ -178,10 +275,15 @@ class MiniSweAgent:
         returncode: int | None = None
         try:
             with anyio.move_on_after(self.config.timeout_s) as scope:  # a hung harness is killed
-                done = await anyio.run_process(self.argv(task, session, traj), input=b"",
-                                               env=mini_env(folder / "home"), cwd=folder, check=False)
-                returncode = done.returncode
-                await anyio.Path(folder / "mini.log").write_bytes(done.stdout + done.stderr)
+                argv = self.argv(task, session, traj)
+                if self._zygote is not None:
+                    returncode = await self._zygote.call(argv[1:], mini_env(folder / "home"), folder,
+                                                         folder / "mini.log")
+                else:
+                    done = await anyio.run_process(argv, input=b"", env=mini_env(folder / "home"), cwd=folder,
+                                                   check=False)
+                    returncode = done.returncode
+                    await anyio.Path(folder / "mini.log").write_bytes(done.stdout + done.stderr)
             timed_out = scope.cancelled_caught
             info = await _read_info(traj)
         finally:
