@@ -258,3 +258,66 @@ def test_grpo_through_mini_swe_agent(model: Path, tmp_path: Path) -> None:
         versions = {v for t in [episode["trajectory"], *episode["branches"]] for v in t["weight_versions"]}
         assert versions == {"1"}, versions
     assert list((run / "episodes" / "step_000002" / "harness").glob("*/mini.traj.json"))
+
+
+async def test_a_hung_harness_is_killed_at_its_time_limit(model: Path, tmp_path: Path) -> None:
+    """mini forked from the warm interpreter (start_harness: the zygote) whose model never answers: the episode
+    ends TimeExceeded at agent.timeout_s, mini's whole process group is killed, and the next episode runs."""
+    from swectl.actors.harness import start_harness
+    from swectl.agent.scripted import ScriptedEngine
+    from swectl.config import AgentConfig, RolloutOptions, load_config
+    from swectl.engine.wire import GenerateRequest
+
+    from .pools import running_pool
+
+    _mini()
+    tokenizer = load_tokenizer(str(model), "model")
+
+    class Hung:
+        async def generate(self, request: GenerateRequest):
+            await anyio.sleep_forever()
+
+    script = ScriptedEngine([_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")], tokenizer)
+    engines = {"hung#0": Hung(), "fine#0": script}
+    agent = AgentConfig(harness="mini-swe-agent", timeout_s=20)
+    async with running_pool(load_config(None, ["env_pool.warm=0"]), "gwz" + uuid.uuid4().hex[:8]) as pool, \
+            anyio.create_task_group() as tg:
+        with anyio.fail_after(600):
+            harness = await start_harness(tg, agent, RolloutOptions(step_limit=3), lambda name: engines[name],
+                                          tokenizer, tmp_path / "harness", temperature=0.0)
+        from swectl.tasks.record import Task
+
+        task = Task(instance_id="hung", repo="r", problem_statement="wait", FAIL_TO_PASS=[])
+        lease = await pool.acquire()
+        try:
+            with anyio.fail_after(300):
+                await lease.exec("mkdir -p /testbed && git -C /testbed init -q", 30)  # a repository to diff
+                hung = await harness.run_episode(task, lease, "hung#0")
+                left = _processes_in(tmp_path / "harness" / "hung#0")
+                patient = harness.for_rollout(tmp_path / "harness", "")  # the same zygote, a longer limit
+                patient.config = msgspec_replace(harness.config, timeout_s=300)
+                fine = await patient.run_episode(msgspec_replace(task, instance_id="fine"), lease, "fine#0")
+        finally:
+            await pool.release(lease)
+        tg.cancel_scope.cancel()
+    assert hung.exit_status == "TimeExceeded" and hung.outcome == "TRUNCATED", hung.reason
+    assert left == []  # mini's process group is gone (a forked mini runs in its episode's folder)
+    assert fine.exit_status == "Submitted", fine.reason
+
+
+def _processes_in(folder: Path) -> list[int]:
+    """The processes whose working folder is ``folder``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and Path(proc / "cwd").resolve() == folder.resolve():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def msgspec_replace(struct, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(struct, **changes)
