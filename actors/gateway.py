@@ -6,7 +6,8 @@ session. It speaks one of three APIs, and every turn takes the same path whichev
 - ``POST /v1/chat/completions``: OpenAI chat completions (mini-swe-agent, SWE-agent, OpenHands through LiteLLM);
 - ``POST /v1/messages``: Anthropic's Messages API (Claude Code); ``POST /v1/messages/count_tokens`` renders a
   prompt the same way and counts it, nothing sampled;
-- ``POST /v1/responses``: OpenAI's Responses API (Codex CLI).
+- ``POST /v1/responses``: OpenAI's Responses API (Codex CLI);
+- ``GET`` / ``HEAD /``: 200 with no key (Claude Code checks its base URL so before its first turn).
 
 Each API's module (swectl/gateway/wire.py, messages.py, responses.py) only decodes its request into a
 ``TurnRequest`` and formats a ``TurnResult`` in its own shape. The turn itself is here: the messages are rendered
@@ -23,8 +24,11 @@ for another model name, 503 when the engine failed (an infrastructure failure: t
 scored). A request that arrives while the engines take new weights waits for them (their generation is paused in
 place), bounded by ``request_timeout_s``.
 
-An SDK retry (the same body again to the same API in one session, e.g. ``x-stainless-retry-count`` > 0) gets the
-recorded answer, or waits for the first request's answer while it runs: a retry never forks the episode. A client
+A retry (the same turn asked again through the same API in one session: the same messages, tools and sampling
+settings, whatever else the body carries or in what key order) gets the recorded answer, or waits for the first
+request's answer while it runs: a retry never forks the episode. The SDKs mark theirs (``x-stainless-retry-count``
+> 0); Claude Code's own retries send the same bytes with the count at 0, and Codex's reconnects the same turn with
+``client_metadata`` in another key order. A client
 that disconnects while its turn runs cancels it: nothing of it reaches the ledger.
 
 A session opened with a workspace (the episode's sandbox lease) also runs the harness's commands there:
@@ -236,6 +240,8 @@ class Gateway:
             Route("/v1/messages/count_tokens", self._count_tokens, methods=["POST"]),
             Route("/v1/responses", openai_responses, methods=["POST"]),
             Route("/responses", openai_responses, methods=["POST"]),
+            # Claude Code checks that its base URL answers (HEAD /) before its first turn
+            Route("/", self._root, methods=["GET", "HEAD"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/models", self._models, methods=["GET"]),
             Route("/swectl/v1/exec", self._exec, methods=["POST"]),
@@ -308,6 +314,10 @@ class Gateway:
                            "exception_info": f"the command timed out after {timeout:g} s" if result.timed_out
                            else ""})
 
+    async def _root(self, request: Request) -> Response:
+        """``GET /`` and ``HEAD /``: the gateway is there (no key needed; it says nothing but its name)."""
+        return _json(200, {"service": "swectl gateway"})
+
     async def _models(self, request: Request) -> Response:
         try:
             self._session_of(request)
@@ -330,7 +340,9 @@ class Gateway:
             raw = await self._body(request)
             body = self._decode(raw, api.request, api.name)
             turn = self._turn_of(api.turn, body)
-            digest = hashlib.sha256(api.name.encode() + b"\n" + raw).hexdigest()
+            # a retry is the same turn again, not the same bytes: Codex 0.171's reconnects re-serialise
+            # client_metadata (a map) in another key order, and that field is not part of the turn
+            digest = hashlib.sha256(api.name.encode() + b"\n" + _JSON.encode(turn)).hexdigest()
             result = await self._unless_disconnected(request, self._answer_once(session, digest, turn))
             if result is None:  # the client went away: its generation was cancelled, nothing recorded
                 return Response(status_code=499)

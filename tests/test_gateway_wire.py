@@ -113,10 +113,41 @@ def test_a_messages_request_needs_max_tokens_and_readable_blocks() -> None:
         messages.messages_turn(_messages_request(messages=[{"role": "user", "content": [image]}]))
     with pytest.raises(ValueError, match="unknown content block type 'mystery'"):
         messages.messages_turn(_messages_request(messages=[{"role": "user", "content": [{"type": "mystery"}]}]))
-    with pytest.raises(ValueError, match="user or assistant"):
-        messages.messages_turn(_messages_request(messages=[{"role": "system", "content": "x"}]))
+    with pytest.raises(ValueError, match="user, assistant or system"):
+        messages.messages_turn(_messages_request(messages=[{"role": "tool", "content": "x"}]))
     with pytest.raises(ValueError, match="at least one message"):
         messages.count_turn(msgspec.convert({"model": "m", "messages": []}, messages.CountTokensRequest))
+
+
+def test_a_system_message_inside_messages_renders_where_it_stands() -> None:
+    """Claude Code 2.1.197 (beta mid-conversation-system-2026-04-07) sends its agent list as a system message after
+    the first user message: it was a 400, and the CLI gave up on the turn."""
+    turn = messages.messages_turn(_messages_request(system="Be brief.", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "<reminder>"}, {"type": "text", "text": "print hello"}]},
+        {"role": "system", "content": "Available agent types: general-purpose."},
+        {"role": "user", "content": [{"type": "text", "text": "go on"}]},
+        {"role": "system", "content": [{"type": "text", "text": "A reminder."}]}]))
+    assert turn.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "<reminder>\n\nprint hello"},
+        {"role": "system", "content": "Available agent types: general-purpose."},
+        {"role": "user", "content": "go on"},
+        {"role": "system", "content": "A reminder."}]
+
+
+def test_claude_codes_billing_block_is_not_part_of_the_system_prompt() -> None:
+    """Claude Code's first system block is its attribution (``x-anthropic-billing-header: cc_version=V.FP;``),
+    whose fingerprint FP changes with the conversation: it is metadata, not the prompt."""
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.beb; cc_entrypoint=sdk-cli;"},
+              {"type": "text", "text": "You are a Claude agent.", "cache_control": {"type": "ephemeral"}},
+              {"type": "text", "text": "Be brief."}]
+    turn = messages.messages_turn(_messages_request(system=system))
+    assert turn.messages[0] == {"role": "system", "content": "You are a Claude agent.\n\nBe brief."}
+    only = messages.messages_turn(_messages_request(system=system[:1]))
+    assert only.messages == [{"role": "user", "content": "hi"}]
+    # a string system prompt is the harness's own words, kept whole
+    assert messages.messages_turn(_messages_request(system=system[0]["text"])).messages[0]["content"] == \
+        system[0]["text"]
 
 
 def test_a_message_answer_has_text_then_tool_use_blocks_and_anthropic_stop_reasons() -> None:
@@ -255,3 +286,68 @@ def test_a_streamed_response_is_the_responses_event_sequence_numbered_from_zero(
     assert events[-1][1]["response"] == body
     cut = responses.response_body(_responses_request(), _result(finish="length"), "m")
     assert _events(responses.response_events(cut))[-1][0] == "response.incomplete"
+
+
+# ------------------------------------------------------------------------------------------------- the server's root
+
+class _CountingEngine:
+    """Answers every turn with the same two tokens, and counts the turns it was asked for."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def generate(self, request: Any) -> Any:
+        from swectl.engine.wire import GenerateResult
+
+        self.calls += 1
+        return GenerateResult(output_ids=[5, 6], output_logprobs=[-0.1, -0.2], finish_reason="stop",
+                              prompt_tokens=len(request.input_ids), completion_tokens=2, weight_version="w0",
+                              e2e_latency_s=0.0, client_latency_s=0.0)
+
+
+class _WordTokenizer:
+    """One id per character of the messages' text: enough for the gateway to render, record and decode."""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        return [ord(c) % 97 for m in messages for c in m["role"] + str(m.get("content", ""))]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "ok"
+
+
+def _gateway_client(engine: _CountingEngine) -> tuple[Any, Any]:
+    from starlette.testclient import TestClient
+
+    from swectl.actors.gateway import Gateway, GatewayConfig
+
+    gateway = Gateway(GatewayConfig(), lambda name: engine, _WordTokenizer())  # type: ignore[arg-type]
+    return gateway, TestClient(gateway.app())
+
+
+def test_the_root_answers_head_and_get_without_a_key() -> None:
+    """Claude Code 2.1.197 sends ``HEAD /`` to its base URL before its first turn (it answered 404)."""
+    engine = _CountingEngine()
+    _, client = _gateway_client(engine)
+    assert client.head("/").status_code == 200
+    assert client.get("/").json() == {"service": "swectl gateway"}
+    assert client.get("/v1/models").status_code == 401  # the rest still needs a session's key
+    assert engine.calls == 0
+
+
+def test_a_retry_is_the_same_turn_whatever_order_its_metadata_keys_come_in() -> None:
+    """Codex 0.171 reconnects with the same input but ``client_metadata`` serialised in another key order: it is
+    the same turn, answered from the record, not sampled again (which would fork the episode)."""
+    engine = _CountingEngine()
+    gateway, client = _gateway_client(engine)
+    key = gateway.open_session("codex")
+    body = {"model": "swectl-policy", "input": [{"type": "message", "role": "user",
+                                                 "content": [{"type": "input_text", "text": "print hello"}]}],
+            "store": False, "stream": False, "client_metadata": {"turn_id": "t1", "x-codex-turn-metadata": "{}"}}
+    again = {**body, "client_metadata": {"x-codex-turn-metadata": "{}", "turn_id": "t1"}}
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    first = client.post("/v1/responses", content=json.dumps(body), headers=headers).json()
+    second = client.post("/v1/responses", content=json.dumps(again), headers=headers).json()
+    assert first["id"] == second["id"] and engine.calls == 1 and gateway.statistics().replayed == 1
+    other = {**body, "input": "print bye"}  # another turn is sampled
+    assert client.post("/v1/responses", content=json.dumps(other), headers=headers).json()["id"] != first["id"]
+    assert engine.calls == 2 and gateway.end_session(key).stats.turns == 2

@@ -3,7 +3,10 @@
 
 A request becomes a ``TurnRequest`` (swectl/gateway/wire.py):
 
-- ``system`` (a string or a list of text blocks) is the first message;
+- ``system`` (a string or a list of text blocks) is the first message, less Claude Code's attribution block
+  (``x-anthropic-billing-header: cc_version=...``, billing metadata whose suffix changes with the conversation);
+- a ``system`` message inside ``messages`` (Claude Code sends one, beta ``mid-conversation-system-2026-04-07``) is a
+  system message where it stands;
 - a user message's ``tool_result`` blocks become ``tool`` messages with their ``tool_call_id``, its text blocks user
   messages, in the order they came;
 - an assistant message's ``tool_use`` blocks become its ``tool_calls`` (``input`` as the arguments object);
@@ -37,6 +40,7 @@ from swectl.gateway.wire import TurnRequest, TurnResult, function_tool, sse, tem
 Block = dict[str, Any]
 _JOIN = "\n\n"  # Claude Code sends separate documents (system reminders, the prompt) as separate text blocks
 _IGNORED = {"thinking", "redacted_thinking"}
+_BILLING = "x-anthropic-billing-header:"
 _UNREADABLE = {"image", "document", "search_result"}
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -90,11 +94,20 @@ def _unknown(kind: Any, where: str) -> ValueError:
     return ValueError(f"{where}: unknown content block type {kind!r}")
 
 
+def _without_billing(system: str | list[Block]) -> str | list[Block]:
+    """The system blocks less Claude Code's attribution block (``x-anthropic-billing-header: cc_version=...``): it is
+    billing metadata sent in the prompt, not text for the policy, and its suffix is a fingerprint that changes with the
+    conversation (``cc_version=2.1.197.beb`` for one first prompt, ``.8a5`` for another)."""
+    if isinstance(system, str):
+        return system
+    return [b for b in system if not (b.get("type") == "text" and str(b.get("text", "")).startswith(_BILLING))]
+
+
 def template_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
     """The request's system prompt and messages as a Hugging Face chat template takes them."""
     out: list[dict[str, Any]] = []
     if request.system:
-        system = _text(request.system, "system")
+        system = _text(_without_billing(request.system), "system")
         if system:
             out.append({"role": "system", "content": system})
     for i, message in enumerate(request.messages):
@@ -103,8 +116,11 @@ def template_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
             out.append(_assistant(message.content, where))
         elif message.role == "user":
             out.extend(_user(message.content, where))
+        elif message.role == "system":  # Claude Code's mid-conversation system messages (its beta
+            # mid-conversation-system-2026-04-07): a system message in its place, as Qwen3's template renders one
+            out.append({"role": "system", "content": _text(message.content, where)})
         else:
-            raise ValueError(f"messages[{i}].role must be user or assistant, not {message.role!r}")
+            raise ValueError(f"messages[{i}].role must be user, assistant or system, not {message.role!r}")
     return out
 
 
