@@ -32,7 +32,7 @@ from swectl.agent.loop import FORMAT_VERSION, Episode
 from swectl.agent.scripted import end_of_turn_id
 from swectl.errors import TaskDataError
 from swectl.rl.batch import TrainSample, pack_sample
-from swectl.rl.groups import mask_turns
+from swectl.rl.groups import mask_turns, span_turns
 from swectl.tasks.sources import RowProblem, RowProblemError, jsonl_lines
 
 _log = logging.getLogger(__name__)
@@ -157,8 +157,9 @@ def _episode_samples(path: Path, episode: Episode, meta: EpisodeMeta | None) -> 
     out = []
     for k, t in enumerate([episode.trajectory, *episode.branches]):  # an external harness's branches: a sample each
         # swectl's loop: span i is turn i (a malformed turn without a span is a broken file); a branch: its own turns
-        spans = [i for i, turn in enumerate(t.turns) if turn in malformed] if t.turns else malformed
         try:
+            spans = ([i for i, turn in enumerate(span_turns(t.loss_mask, t.turns)) if turn in malformed] if t.turns
+                     else malformed)
             mask = mask_turns(t.loss_mask, spans)
             out.append(pack_sample(f"{uid}.b{k}" if k else uid, episode.instance_id, t.token_ids, mask, t.logprobs,
                                    weight_version=_version(t.weight_versions), **fields))

@@ -61,7 +61,7 @@ from swectl.eval.agents import rollout_config
 from swectl.eval.progress import Progress
 from swectl.images.names import ImageResolver
 from swectl.rl.batch import unpack_mask
-from swectl.rl.groups import turn_spans
+from swectl.rl.groups import span_turns, turn_spans
 from swectl.tasks.record import Task
 
 SUMMARY_FORMAT = 1
@@ -310,9 +310,9 @@ def _sampled_in_turn_order(streams: list[dict[str, Any]]) -> list[int]:
     turn by turn."""
     turns: list[tuple[int, list[int]]] = []
     for stream in streams:
-        spans = turn_spans(stream["loss_mask"])
-        numbers = stream.get("turns") or range(len(spans))
-        turns += [(n, stream["token_ids"][a:b]) for n, (a, b) in zip(numbers, spans, strict=True)]
+        numbers = span_turns(stream["loss_mask"], stream.get("turns") or ())
+        turns += [(n, stream["token_ids"][a:b])
+                  for n, (a, b) in zip(numbers, turn_spans(stream["loss_mask"]), strict=True)]
     return [t for _, ids in sorted(turns, key=lambda x: x[0]) for t in ids]
 
 

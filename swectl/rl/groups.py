@@ -149,6 +149,17 @@ def turn_spans(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
     return spans
 
 
+def span_turns(loss_mask: Sequence[int], turns: Sequence[int] = ()) -> list[int]:
+    """The turn number of each trained span of ``loss_mask``: ``turns`` (a gateway branch numbers its spans by the
+    session's turns), or span i is turn i when it is empty. ValueError when ``turns`` does not number every span."""
+    spans = len(turn_spans(loss_mask))
+    if not turns:
+        return list(range(spans))
+    if len(turns) != spans:
+        raise ValueError(f"{spans} trained spans but {len(turns)} turn numbers")
+    return list(turns)
+
+
 def mask_turns(loss_mask: Sequence[int], turns: Iterable[int]) -> list[int]:
     """``loss_mask`` with the trained spans numbered in ``turns`` (0-based agent turns) set to 0. ValueError when
     a turn has no span (the mask does not hold one span per turn)."""
@@ -233,10 +244,10 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
                            turns=episode.turns), *episode.branches]
     out = []
     for k, stream in enumerate(streams):
-        spans = len(turn_spans(stream.loss_mask))
-        numbers = list(stream.turns) if stream.turns else list(range(spans))
-        if len(numbers) != spans:
-            raise ValueError(f"{uid}: {spans} trained spans but {len(numbers)} turn numbers")
+        try:
+            numbers = span_turns(stream.loss_mask, stream.turns)
+        except ValueError as exc:
+            raise ValueError(f"{uid}: {exc}") from exc
         mask = mask_turns(stream.loss_mask, [i for i, turn in enumerate(numbers) if not trained(turn)])
         out.append(pack_sample(f"{uid}.b{k}" if k else uid, episode.instance_id, stream.token_ids, mask,
                                stream.logprobs, **common))

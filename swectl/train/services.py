@@ -88,16 +88,17 @@ class RlServices:
         readings."""
         assert self._pool is not None
         cfg = self.config
+        tokenizer = self._tokenizer()
         judge = await self._start_judge(tg) if cfg.reward.prm.enabled else None
         harness = None
         if cfg.agent.harness:  # an external harness, unmodified: its turns through the gateway
-            harness = await start_harness(tg, cfg.agent, cfg.rollout, self.engines.route, self._tokenizer(),
+            harness = await start_harness(tg, cfg.agent, cfg.rollout, self.engines.route, tokenizer,
                                           self.run_dir / "harness", temperature=cfg.train.sampling.temperature,
                                           seed=f"train:{cfg.train.seed}",
                                           templates=agent_templates(cfg.rollout.agent_config))
             self.say(f"agent: {cfg.agent.harness} ({cfg.agent.harness_config}) through the gateway at "
                      f"{harness.gateway.url}")
-        self._rollouts = TrainRollouts(cfg, self.run_dir, self._pool, self.engines, self._tokenizer(), judge,
+        self._rollouts = TrainRollouts(cfg, self.run_dir, self._pool, self.engines, tokenizer, judge,
                                        harness=harness)
         self._env = EnvReadings(self._pool.statistics)
         self._engine_readings = EngineReadings(self.engines.statistics)
