@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -35,12 +34,6 @@ HARNESS_SETS = ["--set", 'agent.harness="mini-swe-agent"', "--set", 'agent.harne
 
 def say(message: str) -> None:
     print(f"learn_harness: {message}", file=sys.stderr, flush=True)
-
-
-def noise_points(a: dict[str, Any], b: dict[str, Any]) -> float:
-    """One standard error of ``b``'s resolve rate minus ``a``'s, in points (independent binomial readings)."""
-    var = sum(r["resolve_rate"] * (1 - r["resolve_rate"]) / max(r["episodes"], 1) for r in (a, b))
-    return round(100 * math.sqrt(var), 1)
 
 
 def gateway_counts(run: Path) -> dict[str, float]:
@@ -77,7 +70,7 @@ def one_seed(work: Path, seed: int, recipe_overrides: dict[str, Any]) -> dict[st
             "test_pct": round(100 * summary.test_resolve_rate, 1),
             "gain_points": summary.gain_points, "gain_noise_points": summary.gain_noise_points,
             "shuffled_gain_points": round(100 * (control["resolve_rate"] - sft["resolve_rate"]), 1),
-            "shuffled_gain_noise_points": noise_points(sft, control),
+            "shuffled_gain_noise_points": first_run.noise_points(sft, control),
             "episodes_per_reading": sft["episodes"],
             "gateway_grpo": gateway_counts(run_dir / "grpo"),
             "gateway_shuffled": gateway_counts(run_dir / "grpo-shuffled"),

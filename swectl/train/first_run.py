@@ -562,15 +562,21 @@ def sft_speed(run_dir: Path) -> tuple[float, float]:
     return round(statistics.median(steps), 3), round(statistics.median(rates), 1)
 
 
+def noise_points(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """One standard error of reading ``b``'s resolve rate minus reading ``a``'s, in points (two independent binomial
+    readings)."""
+    var = sum(r["resolve_rate"] * (1 - r["resolve_rate"]) / max(r["episodes"], 1) for r in (a, b))
+    return round(100 * math.sqrt(var), 1)
+
+
 def _summary(run_dir: Path, recipe: Recipe, readings: dict[str, dict[str, Any]], phases_s: dict[str, float],
              seconds: float) -> Summary:
     sft, grpo = readings["sft_train"], readings["grpo_train"]
     step_s, tokens_per_s = sft_speed(run_dir)
-    noise = math.sqrt(sum(r["resolve_rate"] * (1 - r["resolve_rate"]) / max(r["episodes"], 1) for r in (sft, grpo)))
     return Summary(seed=recipe.seed, sft_train_resolve_rate=sft["resolve_rate"],
                    grpo_train_resolve_rate=grpo["resolve_rate"], test_resolve_rate=readings["test"]["resolve_rate"],
                    gain_points=round(100 * (grpo["resolve_rate"] - sft["resolve_rate"]), 1),
-                   gain_noise_points=round(100 * noise, 1), minutes=round(seconds / 60, 1), phases_s=phases_s,
+                   gain_noise_points=noise_points(sft, grpo), minutes=round(seconds / 60, 1), phases_s=phases_s,
                    readings=readings, run_dir=str(run_dir), recipe=msgspec.to_builtins(recipe),
                    sft_step_s=step_s, sft_tokens_per_s=tokens_per_s)
 
