@@ -262,10 +262,7 @@ class Gateway:
         """``POST /swectl/v1/sessions`` ``{"name": ...}`` (admin token): a new session; ``{"key", "name"}``."""
         try:
             self._admin(request)
-            try:
-                body = msgspec.json.decode(await request.body() or b"{}", type=SessionBody)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise _HttpError(400, f"malformed session request: {exc}", "invalid_request_error") from exc
+            body = self._decode(await request.body() or b"{}", SessionBody, "session")
             name = body.name or f"session-{len(self._sessions) + len(self._ended)}"
         except _HttpError as exc:
             return self._error(CHAT, exc)
@@ -276,10 +273,7 @@ class Gateway:
         ``on_end``; its counts."""
         try:
             self._admin(request)
-            try:
-                body = msgspec.json.decode(await request.body(), type=SessionBody)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise _HttpError(400, f"malformed session request: {exc}", "invalid_request_error") from exc
+            body = self._decode(await request.body(), SessionBody, "session")
             if body.key not in self._sessions:
                 raise _HttpError(409 if body.key in self._ended else 404, "no open session has this key",
                                  "invalid_request_error", "session_ended" if body.key in self._ended else None)
@@ -296,10 +290,7 @@ class Gateway:
             if session.workspace is None:
                 raise _HttpError(409, "this session has no workspace to run commands in", "invalid_request_error",
                                  "no_workspace")
-            try:
-                body = msgspec.json.decode(await request.body(), type=ExecBody)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise _HttpError(400, f"malformed exec request: {exc}", "invalid_request_error") from exc
+            body = self._decode(await request.body(), ExecBody, "exec")
             timeout = min(max(body.timeout, 1.0), self.config.exec_timeout_s)
             session.commands += 1
             try:
