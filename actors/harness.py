@@ -219,8 +219,9 @@ class MiniSweAgent:
 
     def __init__(self, config: MiniSweAgentConfig, gateway: Gateway, work_dir: Path, *, tag: str = "",
                  templates: AgentTemplates | None = None, totals: dict[str, int] | None = None,
-                 zygote: MiniZygote | None = None) -> None:
+                 zygote: MiniZygote | None = None, config_file: str = "") -> None:
         self.config = config
+        self._config_path = config_file  # mini's -c config once written ("": not yet)
         self._zygote = zygote
         self.gateway = gateway
         self._work = work_dir
@@ -234,20 +235,24 @@ class MiniSweAgent:
     def for_rollout(self, work_dir: Path, tag: str) -> MiniSweAgent:
         """The same harness and gateway for another rollout: its folders under ``work_dir``, its sessions tagged."""
         return MiniSweAgent(self.config, self.gateway, work_dir, tag=tag, templates=self._templates,
-                            totals=self._totals, zygote=self._zygote)
+                            totals=self._totals, zygote=self._zygote, config_file=self._config_file())
 
     def statistics(self) -> HarnessStatistics:
         return HarnessStatistics(**self._totals, gateway=self.gateway.statistics())
 
     def _config_file(self) -> str:
+        """mini's config: the configured one, or swectl's prompt written once (``SWECTL_CONFIG``) and shared with
+        every for_rollout copy."""
         if self.config.config != SWECTL_CONFIG:
             return self.config.config
-        import yaml
+        if not self._config_path:
+            import yaml
 
-        path = self._work / "mini-swectl.yaml"
-        if not path.exists():
+            path = self._work / "mini-swectl.yaml"
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(yaml.safe_dump(mini_config(self._templates), sort_keys=False, width=1000))
-        return str(path)
+            self._config_path = str(path)
+        return self._config_path
 
     def argv(self, task: Task, key: str, traj: Path) -> list[str]:
         cfg, url = self.config, self.gateway.url
