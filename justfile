@@ -24,13 +24,17 @@ test *args:
 lint:
     {{venv}}/ruff check .
 
-# benchmarks: `just bench env`, `just bench gateway` (the latency the gateway adds; --engine cpu), `just bench harness_env` (mini's commands: environment class vs docker shim), `just bench learn_harness` (learning through mini-swe-agent, with its shuffled control), `just bench grade`, `just bench hack` (the grader under GRPO), `just bench chaos` (faults during `swectl up`), `just bench rollout`, `just bench train`, `just bench serve` (--quick), `just bench view`, `just bench engine`, `just bench gpu` (CUDA), `just bench async` (simulated), `just bench images` (root; --quick), `just bench prm --tasks ... --judge-data ... --policy ...` (a trained judge)
+# benchmarks: `just bench env`, `just bench gateway` (the latency the gateway adds; --engine cpu), `just bench harness_env` (mini's commands: environment class vs docker shim), `just bench learn_harness` (learning through mini-swe-agent, with its shuffled control), `just bench grade`, `just bench hack` (the grader under GRPO), `just bench chaos` (faults during `swectl up`), `just bench rollout`, `just bench train`, `just bench serve` (--quick), `just bench view`, `just bench engine`, `just bench gpu` (CUDA), `just bench async` (simulated), `just bench images` (root; --quick)
 bench suite *args:
     {{venv}}/python benchmarks/{{suite}}.py "${@:2}"
 
+# research runs with their controls (experiments/): `just experiment prm --tasks ... --judge-data ... --policy ...` (a trained judge), `just experiment probe_update ...`
+experiment name *args:
+    {{venv}}/python experiments/{{name}}.py "${@:2}"
+
 # the learning demo: gold trajectories, SFT, GRPO and its zero-advantage control run; benchmarks/results/learn.json
 learn *args:
-    {{venv}}/python benchmarks/learn.py "$@"
+    {{venv}}/python experiments/learn.py "$@"
 
 # two sshd test nodes in network namespaces (for examples/two-nodes.toml); `just nodes-down` removes them
 nodes-up count="2":

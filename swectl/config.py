@@ -366,8 +366,8 @@ class RewardHackingConfig(_Section):
 
 
 class ExperimentConfig(_Section):
-    """The [experiment] section: control runs and research knobs, set by `just learn` and the benchmarks' recipes
-    (benchmarks/learn.py, prm.py, probe_update.py), their results in benchmarks/results/. Not the product's tuning
+    """The [experiment] section: control runs and research knobs, set by `just learn` and the experiments' recipes
+    (experiments/learn.py, prm.py, probe_update.py), their results in benchmarks/results/. Not the product's tuning
     surface: each default here is what the product does, and the one line above it says why."""
 
     zero_advantages: bool = False  # the control run: every advantage 0 (the curve must stay flat)

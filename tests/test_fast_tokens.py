@@ -40,7 +40,7 @@ MULTILINGUAL = ("naïve café “quotes” — Straße ÆØÅ ĳ Œ\n中文的�
 
 def repo_texts() -> list[str]:
     """This repository's own source, docs and configs: a few MB of code, prose and tables."""
-    paths = [p for top in ("swectl", "tests", "actors", "remote", "benchmarks", "examples", "scripts")
+    paths = [p for top in ("swectl", "tests", "actors", "remote", "benchmarks", "experiments", "examples", "scripts")
              for p in sorted((REPO / top).rglob("*")) if p.is_file() and p.suffix in (".py", ".md", ".toml", ".sh",
                                                                                       ".txt", ".json", ".yaml")]
     paths += [REPO / "README.md", REPO / "pyproject.toml", REPO / "justfile"]

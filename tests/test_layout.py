@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # source folders and the package each installs as (pyproject.toml's package-dir)
 SOURCE_ROOTS = {"swectl": "swectl", "actors": "swectl.actors", "remote": "swectl.remote"}
-DOCUMENTED_ROOTS = (*SOURCE_ROOTS, "tests", "benchmarks", "examples", "scripts")
+DOCUMENTED_ROOTS = (*SOURCE_ROOTS, "tests", "benchmarks", "experiments", "examples", "scripts")
 SKIPPED_DIRS = {"__pycache__", "results", ".pytest_cache"}
 
 # The layers, lowest first. A module may import its own layer's packages and those of lower layers.
@@ -169,3 +169,17 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     assert [t for _, t in _imports(fake)] == ["swectl.cli.main", "swectl.cli.main.main"]
     assert _layer_of(_package_of("swectl.cli.main")) == "commands"
     assert LAYER_ORDER.index("commands") > LAYER_ORDER.index(_layer_of(_package_of("swectl.actors.grader")))
+
+
+def test_nothing_imports_the_experiments() -> None:
+    """experiments/ (research runs with their controls) import swectl and the benchmarks' helpers; the product, the
+    benchmarks and the scripts never import an experiment (issue 57: the lab lives beside the product)."""
+    experiments = {p.stem for p in (ROOT / "experiments").glob("*.py")}
+    assert {"learn", "prm", "probe_update"} <= experiments
+    wrong = []
+    for top in (*SOURCE_ROOTS, "benchmarks", "scripts"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for line, target in _imports(path):
+                if target.split(".")[0] in {"experiments", *experiments}:
+                    wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not wrong, "\n".join(wrong)

@@ -43,7 +43,7 @@ import msgspec
 from swectl.train import first_run
 from swectl.train.first_run import Recipe, set_flags
 
-RESULTS = Path(__file__).resolve().parent / "results" / "learn.json"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "learn.json"
 RECIPE = Recipe()  # the product's first-run recipe: every flag below that shares a name defaults to it
 # The demo's episodes (prm.py runs its episodes the same way)
 DEMO_ROLLOUT = Recipe().rollout_sets()

@@ -9,7 +9,7 @@ change of the total log-probability of the other half's resolved (and cleanly su
 ones, and of the gold trajectories. A rule that helps raises (or keeps) the successes and lowers the failures; a
 rule whose steps lower the successes by nats will lower the sampled resolve rate, whatever its loss says.
 
-    python benchmarks/probe_update.py --weights RUN/sft/weights/step_000200 --episodes RUN/eval-sft \\
+    python experiments/probe_update.py --weights RUN/sft/weights/step_000200 --episodes RUN/eval-sft \\
         --episodes 'RUN/control/episodes/step_*' --gold RUN/gold --mask first --requires-submit --lr 2e-4
 
 ``--compare-gold`` also reports, for each step's batch before the update, the cosine between its policy gradient

@@ -1,4 +1,4 @@
-"""`just bench prm`: process rewards on this CPU machine, end to end, with a judge that was trained to judge.
+"""`just experiment prm`: process rewards on this CPU machine, end to end, with a judge that was trained to judge.
 
 An untrained tiny model never writes ``\\boxed{...}``, so a PRM run with it only shows that unparseable votes are
 counted. This suite makes a judge whose votes mean something and measures them:
@@ -28,7 +28,8 @@ from pathlib import Path
 import msgspec
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks' host_meta
+sys.path.insert(0, str(REPO / "experiments"))
 
 from common import host_meta  # noqa: E402
 from learn import DEMO_ROLLOUT  # noqa: E402
