@@ -41,6 +41,27 @@ def test_the_recipe_sets_only_keys_the_config_has_and_they_decode(tmp_path: Path
     assert grpo.train.data.split_seed == recipe.seed and grpo.train.data.test_fraction == recipe.test_fraction
     assert grpo.train.data.tasks == recipe.tasks  # GRPO splits the same task file the readings read
     assert "FormatError" in grpo.train.loss.mask_truncated_endings
+    recorded = load_config(None, overrides(recipe.grpo_sets(tmp_path / "w", tmp_path / "train.jsonl")))
+    assert recorded.train.data.tasks == str(tmp_path / "train.jsonl") and recorded.train.data.test_fraction == 0
+
+
+def test_grpo_on_the_recorded_train_split_draws_the_tasks_of_its_own_split(tmp_path: Path) -> None:
+    """The split is made once (train.jsonl): GRPO trained on that file whole draws the same tasks in the same order
+    as GRPO that split the bundled tasks itself with the same seed, so the first run trains as it did."""
+    from swectl.actors.data_source import DataSource, split_tasks
+    from swectl.images.project import BUNDLED_TASKS
+    from swectl.tasks.sources import load_tasks
+
+    recipe = Recipe(seed=3)
+    train, _ = first_run.write_split(tmp_path, recipe)
+    resplit, _ = split_tasks(load_tasks(str(BUNDLED_TASKS)).tasks, recipe.test_fraction, recipe.seed)
+    whole, held_out = split_tasks(load_tasks(str(tmp_path / "train.jsonl")).tasks, 0.0, recipe.seed)
+    assert not held_out and sorted(t.instance_id for t in whole) == sorted(t.instance_id for t in train)
+
+    def drawn(tasks: list) -> list[str]:
+        return [t.instance_id for t in DataSource(tasks, seed=recipe.seed).next(3 * len(tasks))]
+
+    assert drawn(whole) == drawn(resplit)
 
 
 def test_a_short_sft_warms_up_for_fewer_steps_than_it_has(tmp_path: Path) -> None:

@@ -127,7 +127,10 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 "train.optim.schedule": f'"{self.sft_schedule}"', "train.seed": self.seed,
                 "train.save_every": self.sft_steps}
 
-    def grpo_sets(self, sft_weights: Path) -> dict[str, object]:
+    def grpo_sets(self, sft_weights: Path, train_tasks: Path | None = None) -> dict[str, object]:
+        """GRPO's settings from ``sft_weights``. ``train_tasks``: the train split the run folder recorded
+        (``train.jsonl``), trained on whole (test_fraction 0), so the split is made once; None: GRPO makes the same
+        seeded split of ``tasks`` itself (the benchmarks that run GRPO without a first run's folder)."""
         endings = OVERLONG_ENDINGS if self.mask_truncated_endings == "overlong" else [*OVERLONG_ENDINGS, "FormatError"]
         threads = self.grpo_trainer_threads or (1 if self.max_staleness else 0)
         return {**self.trainer_sets(threads), **self.engine_sets(),
@@ -136,9 +139,11 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 "train.steps": self.grpo_steps,
                 "train.optim.lr": self.grpo_lr, "train.optim.schedule": f'"{self.grpo_schedule}"',
                 "train.sampling.tasks_per_step": self.tasks_per_step, "train.sampling.n_samples": self.n_samples,
-                "train.seed": self.seed, "train.data.split_seed": self.seed,
-                "train.data.test_fraction": self.test_fraction, "train.save_every": 5,
-                **({"train.data.tasks": repr(self.tasks)} if self.tasks else {}),
+                "train.seed": self.seed, "train.data.split_seed": self.seed, "train.save_every": 5,
+                **({"train.data.tasks": repr(str(train_tasks)), "train.data.test_fraction": 0.0}
+                   if train_tasks is not None else
+                   {"train.data.test_fraction": self.test_fraction,
+                    **({"train.data.tasks": repr(self.tasks)} if self.tasks else {})}),
                 "train.concurrency": self.concurrency, "train.sampling.max_sampling_rounds": 2,
                 "train.sampling.max_staleness": self.max_staleness,
                 "train.sampling.pass_over_uninformative": str(self.pass_over).lower(),
@@ -307,10 +312,17 @@ def evaluate(recipe: Recipe, model: Path, tasks: Path, out: Path, samples: int, 
 
 def reading(out: Path, model: Path) -> dict[str, Any]:
     """The finished reading in ``out`` (a `swectl eval` folder) of ``model``."""
-    summary = json.loads((out / "summary.json").read_text())
-    return {"resolve_rate": summary["resolve_rate"], "resolved": summary["resolved"], "episodes": summary["finished"],
-            "aborted": summary["infra_errors"], "folder": str(out), "model": str(model),
-            "seed": summary["settings"]["rollout"].get("seed")}
+    from swectl.eval.agents import AgentSummary
+
+    path = out / "summary.json"
+    try:
+        summary = msgspec.json.decode(path.read_bytes(), type=AgentSummary)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise SwectlError(f"{path}: not a finished `swectl eval` reading ({exc}); delete {out} to take it again") \
+            from exc
+    return {"resolve_rate": summary.resolve_rate, "resolved": summary.resolved, "episodes": summary.finished,
+            "aborted": summary.infra_errors, "folder": str(out), "model": str(model),
+            "seed": summary.settings.rollout.seed}
 
 
 def train(out_dir: Path, run_id: str, sets: dict[str, object], say: Say, *, extra: Sequence[str] = (),
@@ -506,7 +518,8 @@ def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say)
           _resumed_at(run_dir / "grpo"))
     sft_argv = eval_argv(recipe, sft_weights, train_file, run_dir / "eval-sft", recipe.eval_samples, extra=config_sets)
     with Beside(sft_argv, "eval eval-sft", run_dir / "eval-sft.log", log) as sft_reading:
-        grpo_weights = timed("grpo", lambda: train(run_dir, "grpo", recipe.grpo_sets(sft_weights), log, extra=extra))
+        grpo_weights = timed("grpo", lambda: train(run_dir, "grpo", recipe.grpo_sets(sft_weights, train_file), log,
+                                                      extra=extra))
     phases_s["sft_reading"] = round(sft_reading.seconds, 1)
     phase(5, f"{recipe.eval_samples} episodes per train task")
     phase(6, f"{recipe.test_samples} episodes per held-out task, beside the GRPO reading")
