@@ -128,7 +128,8 @@ def _first_run(args: argparse.Namespace) -> int:
     recipe = load_recipe(run_dir, recipe_doc.get("recipe", {}))
     agent_templates(recipe.agent_config)  # a wrong recipe.agent_config stops here too
     # and a recipe whose GRPO run the config refuses (recipe.pass_over with asynchronous GRPO), not after SFT
-    load_config(None, [*config_sets, *overrides({**recipe.rollout_sets(), **recipe.grpo_sets(run_dir / "sft", run_dir / "train.jsonl")})])
+    grpo_sets = recipe.grpo_sets(run_dir / "sft", run_dir / "train.jsonl")
+    load_config(None, [*config_sets, *overrides({**recipe.rollout_sets(), **grpo_sets})])
     phase_sets = [x for o in config_sets if o.split("=", 1)[0].strip() not in ("out_dir", "run_id")
                   for x in ("--set", o)]
     summary = run_first(run_dir, recipe, phase_sets, say)
