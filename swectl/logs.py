@@ -68,6 +68,20 @@ def configure(verbosity: int = 0) -> Iterator[None]:
         logger.propagate = saved[1]
 
 
+@contextmanager
+def run_files_scope() -> Iterator[None]:
+    """Run files (``write_run_log``) added while the block runs are closed when it ends: a command run inside this
+    process (a first-run phase) leaves no swectl.log open that would go on taking the next phase's records."""
+    logger = logging.getLogger(ROOT)
+    before = {id(handler) for handler in logger.handlers}
+    try:
+        yield
+    finally:
+        for handler in [h for h in logger.handlers if isinstance(h, _RunFile) and id(h) not in before]:
+            logger.removeHandler(handler)
+            handler.close()
+
+
 def write_run_log(folder: str | Path) -> Path:
     """Append ``swectl.*`` records (info and up) to ``folder/swectl.log`` from now on; returns the path.
 

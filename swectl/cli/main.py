@@ -112,6 +112,26 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INTERRUPTED
 
 
+def run_in_process(argv: list[str]) -> int:
+    """One swectl command run inside this process (the first run's phases): parsed by swectl's own parser and run by
+    the driver its command names, so the phase is exactly that command line. Errors are raised, not printed (the
+    caller's ``main`` reports them); the command's exit status is returned; the run files it opened are closed."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse said what is wrong on stderr
+        raise ConfigError(f"swectl {' '.join(argv)}: not a command line swectl takes (exit {exc.code})") from None
+    with logs.run_files_scope():
+        try:
+            return _command(args.command).run(args)
+        except BaseExceptionGroup as group:
+            if group.subgroup(KeyboardInterrupt) is not None:
+                raise KeyboardInterrupt from group
+            leaf = _first_swectl_error(group)
+            if leaf is None:
+                raise
+            raise leaf from group
+
+
 def interrupted_message(args: argparse.Namespace) -> str:
     """What an interrupted command has left behind: true for the command that was stopped."""
     match args.command:

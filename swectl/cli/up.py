@@ -132,7 +132,9 @@ def _first_run(args: argparse.Namespace) -> int:
     load_config(None, [*config_sets, *overrides({**recipe.rollout_sets(), **grpo_sets})])
     phase_sets = [x for o in config_sets if o.split("=", 1)[0].strip() not in ("out_dir", "run_id")
                   for x in ("--set", o)]
-    summary = run_first(run_dir, recipe, phase_sets, say)
+    from swectl.cli.main import run_in_process
+
+    summary = run_first(run_dir, recipe, phase_sets, say, run_in_process)  # the phases beside others: subprocesses
     print(json.dumps({"run_dir": str(run_dir), "summary": str(run_dir / "summary.json"),
                       "gain_points": summary.gain_points, "minutes": summary.minutes}))
     return 0

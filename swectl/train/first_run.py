@@ -2,7 +2,10 @@
 
 A user of this field on a laptop runs: a small policy, supervised data from a teacher, SFT, then GRPO from the
 SFT weights, then sampled readings of the policy on the train split and on the held-out split. Each phase is one
-swectl command (the same commands a user would type), run in order in one run folder:
+swectl command (the same commands a user would type, said as it starts), run in order in one run folder: inside this
+process by the driver that command line names (`swectl up` passes swectl.cli.main.run_in_process), except the
+phases that run beside another (the SFT reading beside GRPO, the held-out reading and the plot beside the GRPO
+reading), which are subprocesses with their output in a log of their own:
 
 1. ``model/``: the tiny Qwen3 (`swectl model init --seed SEED`); ``train.jsonl`` / ``test.jsonl``: the seeded
    split of the bundled tasks (the split `swectl up` makes with train.data.split_seed = SEED);
@@ -49,6 +52,9 @@ SUMMARY_FILE = "summary.json"
 LOG_FILE = "swectl.log"
 OVERLONG_ENDINGS = [e for e in TRUNCATED_ENDINGS if e != "FormatError"]  # the TRUNCATED endings but FormatError
 Say = Callable[[str], None]
+# runs one swectl command line inside this process and returns its exit status (swectl.cli.main.run_in_process,
+# passed in by `swectl up`); None: the command runs as a subprocess (the benchmarks' way)
+Runner = Callable[[list[str]], int] | None
 
 
 class Recipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -167,16 +173,17 @@ def set_flags(sets: dict[str, object]) -> list[str]:
     return [x for override in overrides(sets) for x in ("--set", override)]
 
 
-def swectl(argv: list[str], what: str, say: Say) -> float:
-    """Run one swectl command (its output goes to this terminal); the seconds it took. A failure stops the run
-    with the command's exit status: the phases before it stay in the run folder."""
-    say(f"{what}: swectl {' '.join(argv)}")
+def swectl(argv: list[str], what: str, say: Say, runner: Runner = None) -> float:
+    """Run one swectl command (its output goes to this terminal): inside this process by ``runner``, else as a
+    subprocess; the seconds it took. A failure stops the run (the command's error, or its exit status): the phases
+    before it stay in the run folder."""
+    say(f"{what}: swectl {' '.join(argv)}" + (" (in this process)" if runner is not None else ""))
     t0 = time.monotonic()
-    done = subprocess.run([*SWECTL, *argv], check=False)
-    if done.returncode == 130:
+    code = runner(argv) if runner is not None else subprocess.run([*SWECTL, *argv], check=False).returncode
+    if code == 130:
         raise KeyboardInterrupt
-    if done.returncode != 0:
-        raise SwectlError(f"{what} failed (exit {done.returncode})")
+    if code != 0:
+        raise SwectlError(f"{what} failed (exit {code})")
     return time.monotonic() - t0
 
 
@@ -233,9 +240,14 @@ class Beside:
 
 
 def make_model(work: Path, seed: int, say: Say) -> Path:
+    """The tiny model in ``work/model``, made in this process by the driver `swectl model init` calls (the phase
+    says that command line)."""
+    from swectl.model.tiny import ModelInitConfig, init_model
+
     model = work / "model"
     if not (model / "config.json").exists():
-        swectl(["model", "init", "--out", str(model), "--seed", str(seed)], "model", say)
+        say(f"model: swectl model init --out {model} --seed {seed} (in this process)")
+        init_model(model, ModelInitConfig(seed=seed), progress=say)
     return model
 
 
@@ -273,14 +285,15 @@ def scripted_data_argv(work: Path, model: Path, recipe: Recipe, scripts: Sequenc
             "--out", str(out), "--concurrency", "4", *set_flags(recipe.rollout_sets()), *extra]
 
 
-def sft_data(work: Path, model: Path, recipe: Recipe, say: Say, extra: Sequence[str] = ()) -> list[str]:
+def sft_data(work: Path, model: Path, recipe: Recipe, say: Say, extra: Sequence[str] = (), runner: Runner = None
+             ) -> list[str]:
     """The SFT data folders: gold, then the noisy teacher's copies (a folder listed K times is read K times). The
     scripts run at once in one process (one interpreter, one sandbox pool, and the gold patch that recover ends with
     graded once: docs/results.md, "2026-11-29 (night) — the first run in 22.2-24.0 minutes")."""
     scripts = {"gold": 1, "give-up": recipe.give_up, "recover": recipe.recover}
     if argv := scripted_data_argv(work, model, recipe, [script for script, copies in scripts.items() if copies],
                                   extra):
-        swectl(argv, "SFT data", say)
+        swectl(argv, "SFT data", say, runner)
     return [path for script, copies in scripts.items() for path in [str(work / script)] * copies]
 
 
@@ -302,11 +315,11 @@ def eval_argv(recipe: Recipe, model: Path, tasks: Path, out: Path, samples: int,
 
 
 def evaluate(recipe: Recipe, model: Path, tasks: Path, out: Path, samples: int, say: Say,
-             seed_offset: int = 0, extra: Sequence[str] = ()) -> dict[str, Any]:
+             seed_offset: int = 0, extra: Sequence[str] = (), runner: Runner = None) -> dict[str, Any]:
     """`swectl eval` of ``model`` on ``tasks`` into ``out`` (see eval_argv), once; the reading."""
     argv = eval_argv(recipe, model, tasks, out, samples, seed_offset, extra)
     if argv is not None:
-        swectl(argv, f"eval {out.name}", say)
+        swectl(argv, f"eval {out.name}", say, runner)
     return reading(out, model)
 
 
@@ -326,7 +339,7 @@ def reading(out: Path, model: Path) -> dict[str, Any]:
 
 
 def train(out_dir: Path, run_id: str, sets: dict[str, object], say: Say, *, extra: Sequence[str] = (),
-          continue_from: Path | None = None) -> Path:
+          continue_from: Path | None = None, runner: Runner = None) -> Path:
     """One `swectl up` run in ``out_dir/run_id``: a new run with ``sets`` (and ``extra`` arguments), or the run
     resumed from its last checkpoint when it has one (it goes on to ``train.steps``, or stops there), or
     (``continue_from``, a finished run folder) a copy of that run resumed with ``sets`` as overrides."""
@@ -340,7 +353,7 @@ def train(out_dir: Path, run_id: str, sets: dict[str, object], say: Say, *, extr
     else:
         argv = ["up", "--single-run", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}",
                 *extra, *set_flags(sets)]
-    swectl(argv, f"train {run_id}", say)
+    swectl(argv, f"train {run_id}", say, runner)
     return final_weights(folder)
 
 
@@ -453,17 +466,17 @@ def harness_sets(config_sets: list[str], say: Say) -> list[str]:
     return [*config_sets, "--set", 'agent.harness_config="swectl"']
 
 
-def run_first(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say) -> Summary:
+def run_first(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say, runner: Runner = None) -> Summary:
     """Every phase of the first run in ``run_dir`` (finished ones are skipped); the summary, also written. A
     failed phase stops the run with its error and where to go on from."""
     try:
-        return _run_phases(run_dir, recipe, config_sets, say)
+        return _run_phases(run_dir, recipe, config_sets, say, runner)
     except SwectlError as exc:
         raise SwectlError(f"{exc}; the phases that finished are kept in {run_dir}: go on with "
                           f"`swectl up --resume {run_dir}`") from exc
 
 
-def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say) -> Summary:
+def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say, runner: Runner) -> Summary:
     run_dir.mkdir(parents=True, exist_ok=True)
     saved = run_dir / RECIPE_FILE
     resumed = saved.exists()
@@ -506,10 +519,11 @@ def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say)
     log(f"{len(train_tasks)} train / {len(test_tasks)} held-out tasks (split seed {recipe.seed})")
     phase(1, f"gold trajectories, {recipe.give_up} give-up and {recipe.recover} recover copies per train task, "
              "made at once")
-    data = timed("sft_data", lambda: sft_data(run_dir, model, recipe, log, config_sets))
+    data = timed("sft_data", lambda: sft_data(run_dir, model, recipe, log, config_sets, runner))
     phase(2, f"{recipe.sft_steps} steps x {recipe.sft_batch_size} samples, lr {recipe.sft_lr:g}" +
           _resumed_at(run_dir / "sft"))
-    sft_weights = timed("sft", lambda: train(run_dir, "sft", recipe.sft_sets(model, data), log, extra=extra))
+    sft_weights = timed("sft", lambda: train(run_dir, "sft", recipe.sft_sets(model, data), log, extra=extra,
+                                                    runner=runner))
     train_file, test_file = run_dir / "train.jsonl", run_dir / "test.jsonl"
     phase(3, f"{recipe.eval_samples} episodes per train task at temperature 1, beside GRPO")
     phase(4, f"{recipe.grpo_steps} steps x {recipe.tasks_per_step} tasks x {recipe.n_samples} samples from the SFT "
@@ -519,7 +533,7 @@ def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say)
     sft_argv = eval_argv(recipe, sft_weights, train_file, run_dir / "eval-sft", recipe.eval_samples, extra=config_sets)
     with Beside(sft_argv, "eval eval-sft", run_dir / "eval-sft.log", log) as sft_reading:
         grpo_weights = timed("grpo", lambda: train(run_dir, "grpo", recipe.grpo_sets(sft_weights, train_file), log,
-                                                      extra=extra))
+                                                      extra=extra, runner=runner))
     phases_s["sft_reading"] = round(sft_reading.seconds, 1)
     phase(5, f"{recipe.eval_samples} episodes per train task")
     phase(6, f"{recipe.test_samples} episodes per held-out task, beside the GRPO reading")
@@ -529,7 +543,7 @@ def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say)
         with Plot(run_dir / "grpo", log):  # the curves, beside the readings
             readings_grpo = timed("grpo_reading", lambda: evaluate(
                 recipe, grpo_weights, train_file, run_dir / "eval-grpo", recipe.eval_samples, log,
-                extra=config_sets))
+                extra=config_sets, runner=runner))
     phases_s["test_reading"] = round(test_reading.seconds, 1)
     readings: dict[str, dict[str, Any]] = {
         "sft_train": reading(run_dir / "eval-sft", sft_weights), "grpo_train": readings_grpo,
