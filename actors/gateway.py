@@ -49,7 +49,7 @@ import secrets
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import anyio
 import anyio.abc
@@ -104,6 +104,48 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     request_timeout_s: float = 600.0  # one turn at most, a wait for a weight update included
     exec_timeout_s: float = 600.0  # one harness command at most, whatever it asks for
     max_body_bytes: int = 16 * 1024 * 1024
+    # a streamed turn opens its stream once the request is checked and rendered, and sends an SSE comment this often
+    # while the turn is sampled: Claude Code and Codex drop a stream idle for 300 s, which one long CPU turn passes
+    stream_keepalive_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+
+
+class _KeptAliveStream(StreamingResponse):
+    """A server-sent-event stream opened before its turn is answered: ``: keepalive`` comments every
+    ``keepalive_s`` (every SSE reader skips them) until ``answer`` gives the events, then those. A client that
+    disconnects cancels the turn (nothing of it is recorded) and ``on_disconnect`` counts it."""
+
+    def __init__(self, answer: Callable[[], Awaitable[list[bytes]]], keepalive_s: float,
+                 on_disconnect: Callable[[], None]) -> None:
+        super().__init__(iter(()), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        self._answer, self._keepalive_s, self._on_disconnect = answer, keepalive_s, on_disconnect
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        chunks: list[bytes] = []
+        gone = False
+        async with anyio.create_task_group() as tg:
+            async def produce() -> None:
+                chunks.extend(await self._answer())
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:
+                nonlocal gone
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                gone = True
+                self._on_disconnect()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(produce)
+            tg.start_soon(watch)
+            while True:
+                await anyio.sleep(self._keepalive_s)
+                await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
+        if gone:
+            return
+        for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _HttpError(Exception):
@@ -334,6 +376,10 @@ class Gateway:
             # a retry is the same turn again, not the same bytes: Codex 0.171's reconnects re-serialise
             # client_metadata (a map) in another key order, and that field is not part of the turn
             digest = hashlib.sha256(api.name.encode() + b"\n" + _JSON.encode(turn)).hexdigest()
+            if body.stream:  # checked and rendered before the 200, so a request the turn cannot take stays a 4xx
+                prompt = self._checked_prompt(turn)
+                return _KeptAliveStream(lambda: self._streamed(api, body, session, digest, turn, prompt),
+                                        self.config.stream_keepalive_s, self._disconnected)
             result = await self._unless_disconnected(request, self._answer_once(session, digest, turn))
             if result is None:  # the client went away: its generation was cancelled, nothing recorded
                 return Response(status_code=499)
@@ -344,15 +390,25 @@ class Gateway:
             _log.exception("gateway: %s %s failed", request.method, request.url.path)
             return self._error(api, _HttpError(500, f"the gateway failed: {type(exc).__name__}: {exc}",
                                                "server_error"))
-        if body.stream:
-            chunks = api.events(answer)
-
-            async def events() -> Any:
-                for chunk in chunks:
-                    yield chunk
-
-            return StreamingResponse(events(), media_type="text/event-stream")
         return _json(200, answer)
+
+    async def _streamed(self, api: _Api, body: Any, session: _Session, digest: str, turn: TurnRequest,
+                        prompt: list[int]) -> list[bytes]:
+        """A streamed turn's events, once it is answered; a failure after the stream opened is an ``error`` event
+        carrying the API's error body (each SDK raises it as the error it would have raised for the status)."""
+        try:
+            result = await self._answer_once(session, digest, turn, prompt)
+            return api.events(api.answer(body, result, self.config.model))
+        except _HttpError as exc:
+            self._counts["engine_failures" if exc.status >= 500 else "rejected"] += 1
+            return [b"event: error\ndata: " + _JSON.encode(api.error(exc)) + b"\n\n"]
+        except Exception as exc:
+            _log.exception("gateway: a streamed %s turn failed", api.name)
+            failed = _HttpError(500, f"the gateway failed: {type(exc).__name__}: {exc}", "server_error")
+            return [b"event: error\ndata: " + _JSON.encode(api.error(failed)) + b"\n\n"]
+
+    def _disconnected(self) -> None:
+        self._counts["disconnected"] += 1
 
     async def _count_tokens(self, request: Request) -> Response:
         """``POST /v1/messages/count_tokens``: the prompt rendered as a turn would render it, counted; nothing is
@@ -430,7 +486,8 @@ class Gateway:
 
     # ------------------------------------------------------------------ one turn
 
-    async def _answer_once(self, session: _Session, digest: str, turn: TurnRequest) -> TurnResult:
+    async def _answer_once(self, session: _Session, digest: str, turn: TurnRequest,
+                           prompt: list[int] | None = None) -> TurnResult:
         """The turn ``digest`` asks for: recorded (a retry), awaited (a retry of a request in flight), or made now."""
         if digest in session.answers:
             self._counts["replayed"] += 1
@@ -446,7 +503,7 @@ class Gateway:
             async with session.lock:
                 if session.ended:
                     raise _HttpError(409, "this episode has ended", "invalid_request_error", "session_ended")
-                result = await self._turn(session, turn)
+                result = await self._turn(session, turn, prompt)
             session.answers[digest] = result
             return result
         finally:
@@ -460,16 +517,24 @@ class Gateway:
             return turn.seed
         return request_seed(self.config.seed, session.name, session.ledger.turns)
 
-    async def _turn(self, session: _Session, turn: TurnRequest) -> TurnResult:
-        """Render, clamp, sample, record, decode: the one turn path of every API."""
+    def _checked_prompt(self, turn: TurnRequest) -> list[int]:
+        """The turn's model checked and its prompt rendered, with room in the context for a reply."""
         cfg = self.config
         self._check_model(turn)
         prompt = self._render(turn)
-        room = cfg.context_tokens - len(prompt)
-        if room <= 0:
+        if len(prompt) >= cfg.context_tokens:
             raise _HttpError(400, f"prompt is too long: {len(prompt)} tokens > {cfg.context_tokens - 1} maximum "
                              f"(the context holds {cfg.context_tokens} tokens, prompt and reply)",
                              "invalid_request_error", "context_length_exceeded")
+        return prompt
+
+    async def _turn(self, session: _Session, turn: TurnRequest, prompt: list[int] | None = None) -> TurnResult:
+        """Render, clamp, sample, record, decode: the one turn path of every API (``prompt``: already checked and
+        rendered, by a streamed turn)."""
+        cfg = self.config
+        if prompt is None:
+            prompt = self._checked_prompt(turn)
+        room = cfg.context_tokens - len(prompt)
         sampling = SamplingParams(max_new_tokens=min(turn.max_tokens or cfg.max_tokens, room),
                                   temperature=cfg.temperature if turn.temperature is None else turn.temperature,
                                   top_p=1.0 if turn.top_p is None else turn.top_p, stop=turn.stop,

@@ -351,3 +351,89 @@ def test_a_retry_is_the_same_turn_whatever_order_its_metadata_keys_come_in() -> 
     other = {**body, "input": "print bye"}  # another turn is sampled
     assert client.post("/v1/responses", content=json.dumps(other), headers=headers).json()["id"] != first["id"]
     assert engine.calls == 2 and gateway.end_session(key).stats.turns == 2
+
+
+# ------------------------------------------------------------------------------------------------- streamed turns
+
+class _SlowEngine(_CountingEngine):
+    """Takes ``delay_s`` a turn; with ``fail`` set it fails after that, as a dead engine does."""
+
+    def __init__(self, delay_s: float, fail: bool = False) -> None:
+        super().__init__()
+        self.delay_s, self.fail = delay_s, fail
+
+    async def generate(self, request: Any) -> Any:
+        import anyio
+
+        from swectl.errors import EngineUnavailableError
+
+        await anyio.sleep(self.delay_s)
+        if self.fail:
+            raise EngineUnavailableError("http://engine", "the engine server went away")
+        return await super().generate(request)
+
+
+def _slow_client(engine: _CountingEngine, **config: Any) -> tuple[Any, Any]:
+    from starlette.testclient import TestClient
+
+    from swectl.actors.gateway import Gateway, GatewayConfig
+
+    gateway = Gateway(GatewayConfig(stream_keepalive_s=0.05, **config), lambda name: engine,  # type: ignore[arg-type]
+                      _WordTokenizer())
+    return gateway, TestClient(gateway.app())
+
+
+def test_a_streamed_turn_opens_at_once_and_keeps_alive_until_its_events() -> None:
+    """Claude Code and Codex drop a stream idle for 300 s, and one CPU turn can take longer: the stream opens
+    before sampling and carries SSE comments until the turn's events, which the real SDKs read through."""
+    import anthropic
+    import openai
+
+    engine = _SlowEngine(0.3)
+    gateway, client = _slow_client(engine)
+    key = gateway.open_session("s")
+    headers = {"authorization": f"Bearer {key}"}
+    body = {"model": "swectl-policy", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as streamed:
+        assert streamed.status_code == 200
+        raw = b"".join(streamed.iter_bytes())
+    assert raw.startswith(b": keepalive\n\n") and raw.count(b": keepalive") >= 2 and raw.endswith(b"data: [DONE]\n\n")
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=client, max_retries=0)
+    chunks = list(sdk.chat.completions.create(model="swectl-policy", messages=[{"role": "user", "content": "yo"}],
+                                              stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "ok"
+    claude = anthropic.Anthropic(base_url="http://testserver", api_key=key, http_client=client, max_retries=0)
+    with claude.messages.stream(model="swectl-policy", max_tokens=8,
+                                messages=[{"role": "user", "content": "hey"}]) as stream:
+        assert stream.get_final_message().content[0].text == "ok"
+    assert engine.calls == 3 and gateway.end_session(key).stats.turns == 3
+
+
+def test_a_streamed_turn_that_fails_after_the_stream_opened_is_an_error_event_each_sdk_raises() -> None:
+    import anthropic
+    import openai
+
+    gateway, client = _slow_client(_SlowEngine(0.1, fail=True))
+    key = gateway.open_session("s")
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=client, max_retries=0)
+    with pytest.raises(openai.APIError, match="the engine failed"):
+        list(sdk.chat.completions.create(model="swectl-policy", messages=[{"role": "user", "content": "hi"}],
+                                         stream=True))
+    claude = anthropic.Anthropic(base_url="http://testserver", api_key=key, http_client=client, max_retries=0)
+    with pytest.raises(anthropic.APIError, match="the engine failed"):
+        with claude.messages.stream(model="swectl-policy", max_tokens=8,
+                                    messages=[{"role": "user", "content": "hey"}]) as stream:
+            stream.get_final_message()
+    assert gateway.statistics().engine_failures == 2 and gateway.end_session(key).stats.turns == 0
+
+
+def test_a_streamed_request_the_turn_cannot_take_is_still_refused_with_its_status() -> None:
+    engine = _SlowEngine(0.0)
+    gateway, client = _slow_client(engine, context_tokens=8)
+    key = gateway.open_session("s")
+    body = {"model": "swectl-policy", "stream": True, "messages": [{"role": "user", "content": "a long prompt"}]}
+    answer = client.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
+    other = client.post("/v1/chat/completions", json={**body, "model": "gpt-5"},
+                        headers={"authorization": f"Bearer {key}"})
+    assert other.status_code == 404 and engine.calls == 0

@@ -128,11 +128,14 @@ async def test_keys_models_and_bad_bodies_get_openai_errors(served: tuple[Gatewa
         assert ended.status_code == 409 and ended.json()["error"]["code"] == "session_ended"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("api", list(BODIES))
-async def test_a_client_that_disconnects_cancels_its_turn_and_records_nothing(model: Path, api: str) -> None:
+async def test_a_client_that_disconnects_cancels_its_turn_and_records_nothing(model: Path, api: str,
+                                                                            stream: bool) -> None:
     """The harness gives up on a turn (its timeout) and closes the connection: the gateway cancels the turn within
     DISCONNECT_POLL_S, the engine request is cancelled, and the ledger has nothing of it; the harness's retry is
-    then answered as a fresh turn. The same through each API: they share the turn path."""
+    then answered as a fresh turn. The same through each API: they share the turn path; and streamed, where the
+    stream was open (keepalives only) when the client went."""
     from swectl.agent.scripted import ScriptedEngine
 
     tokenizer = load_tokenizer(str(model), "model")
@@ -155,6 +158,7 @@ async def test_a_client_that_disconnects_cancels_its_turn_and_records_nothing(mo
         await tg.start(gateway.run)
         key = gateway.open_session("task#gone")
         path, body = BODIES[api]
+        body = {**body, "stream": stream}
         with pytest.raises(httpx.ReadTimeout):
             async with httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": f"Bearer {key}"},
                                          timeout=0.5) as client:
