@@ -83,7 +83,7 @@ def collect(top: int) -> dict[str, Any]:
             layers[layer] = layers.get(layer, 0) + lines
             files.append((lines, str(path.relative_to(ROOT))))
             functions.extend(_functions(path, ast.parse(text)))
-    for extra in ("benchmarks", "tests"):
+    for extra in ("benchmarks", "experiments", "tests"):
         layers[extra] = sum(_code_lines(p.read_text()) for p in (ROOT / extra).rglob("*.py"))
         for path in (ROOT / extra).rglob("*.py"):
             files.append((_code_lines(path.read_text()), str(path.relative_to(ROOT))))
