@@ -109,6 +109,11 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     stream_keepalive_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
 
+def _own_fault(exc: Exception) -> _HttpError:
+    """A fault of the gateway's own, as the 500 it answers."""
+    return _HttpError(500, f"the gateway failed: {type(exc).__name__}: {exc}", "server_error")
+
+
 class _KeptAliveStream(StreamingResponse):
     """A server-sent-event stream opened before its turn is answered: ``: keepalive`` comments every
     ``keepalive_s`` (every SSE reader skips them) until ``answer`` gives the events, then those. A client that
@@ -388,8 +393,7 @@ class Gateway:
             return self._error(api, exc)
         except Exception as exc:  # a fault of the gateway's own: said in the API's shape, and logged whole
             _log.exception("gateway: %s %s failed", request.method, request.url.path)
-            return self._error(api, _HttpError(500, f"the gateway failed: {type(exc).__name__}: {exc}",
-                                               "server_error"))
+            return self._error(api, _own_fault(exc))
         return _json(200, answer)
 
     async def _streamed(self, api: _Api, body: Any, session: _Session, digest: str, turn: TurnRequest,
@@ -400,12 +404,12 @@ class Gateway:
             result = await self._answer_once(session, digest, turn, prompt)
             return api.events(api.answer(body, result, self.config.model))
         except _HttpError as exc:
-            self._counts["engine_failures" if exc.status >= 500 else "rejected"] += 1
-            return [b"event: error\ndata: " + _JSON.encode(api.error(exc)) + b"\n\n"]
+            failed = exc
         except Exception as exc:
             _log.exception("gateway: a streamed %s turn failed", api.name)
-            failed = _HttpError(500, f"the gateway failed: {type(exc).__name__}: {exc}", "server_error")
-            return [b"event: error\ndata: " + _JSON.encode(api.error(failed)) + b"\n\n"]
+            failed = _own_fault(exc)
+        self._count_refusal(failed)
+        return [b"event: error\ndata: " + _JSON.encode(api.error(failed)) + b"\n\n"]
 
     def _disconnected(self) -> None:
         self._counts["disconnected"] += 1
@@ -481,8 +485,11 @@ class Gateway:
         raise _HttpError(401, "unknown API key", "authentication_error", "invalid_api_key")
 
     def _error(self, api: _Api, exc: _HttpError) -> Response:
-        self._counts["engine_failures" if exc.status >= 500 else "rejected"] += 1
+        self._count_refusal(exc)
         return _json(exc.status, api.error(exc))
+
+    def _count_refusal(self, exc: _HttpError) -> None:
+        self._counts["engine_failures" if exc.status >= 500 else "rejected"] += 1
 
     # ------------------------------------------------------------------ one turn
 

@@ -94,15 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with logs.configure(-1 if args.quiet else args.verbose), _stop_signals_interrupt():
         try:
-            try:
-                return _command(args.command).run(args)
-            except BaseExceptionGroup as group:  # a task group's failure: report the error inside it
-                if group.subgroup(KeyboardInterrupt) is not None:  # stopped: whatever failed on the way out
-                    raise KeyboardInterrupt from group
-                leaf = _first_swectl_error(group)
-                if leaf is None:
-                    raise
-                raise leaf from group
+            return _run_command(args)
         except SwectlError as exc:
             label, code = next((label, code) for kind, label, code in EXIT_CODES if isinstance(exc, kind))
             print(f"swectl: {label}{exc}", file=sys.stderr)
@@ -121,15 +113,21 @@ def run_in_process(argv: list[str]) -> int:
     except SystemExit as exc:  # argparse said what is wrong on stderr
         raise ConfigError(f"swectl {' '.join(argv)}: not a command line swectl takes (exit {exc.code})") from None
     with logs.run_files_scope():
-        try:
-            return _command(args.command).run(args)
-        except BaseExceptionGroup as group:
-            if group.subgroup(KeyboardInterrupt) is not None:
-                raise KeyboardInterrupt from group
-            leaf = _first_swectl_error(group)
-            if leaf is None:
-                raise
-            raise leaf from group
+        return _run_command(args)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """The parsed command run; a task group's failure raised as the error inside it (a stop as KeyboardInterrupt,
+    whatever failed on the way out)."""
+    try:
+        return _command(args.command).run(args)
+    except BaseExceptionGroup as group:
+        if group.subgroup(KeyboardInterrupt) is not None:
+            raise KeyboardInterrupt from group
+        leaf = _first_swectl_error(group)
+        if leaf is None:
+            raise
+        raise leaf from group
 
 
 def interrupted_message(args: argparse.Namespace) -> str:
