@@ -7,7 +7,8 @@
 #   3. the offline base image localhost/swectl-base:bookworm (debootstrap + podman import; en_US.UTF-8 locale)
 #   4. with --with-vllm: vLLM's CPU build in .venv-vllm for `[engine] kind = "vllm"` (scripts/setup_vllm.sh;
 #      the test command passes it, so vLLM's tests run against the real server)
-#   5. with --with-harnesses: the agent harnesses the gateway is tested with (mini-swe-agent) in .venv-harness
+#   5. with --with-harnesses: the agent harnesses the gateway is tested with (mini-swe-agent) in .venv-harness,
+#      and Harbor (its ATIF validator, task loader, oracle and no-op agents) in .venv-harbor (Python 3.12)
 #      (scripts/setup_harnesses.sh; the test command passes it too)
 # Podman is configured through CONTAINERS_CONF=remote/nodes/containers.conf for swectl's own calls only;
 # the user's /etc/containers configuration is never modified.

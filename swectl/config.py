@@ -288,7 +288,8 @@ class DataConfig(_Section):
     # the seed of that train/held-out split, apart from train.seed: repeats of a run with other seeds train on the
     # same tasks and hold out the same ones (a seed that also moved the split would train on the other run's tasks)
     split_seed: int = 0
-    sft_data: list[str] = []  # sft: traj.json run folders, traj.json files or OpenAI-messages JSONL files
+    # sft: traj.json run folders or files, OpenAI-messages JSONL files, ATIF trajectories (files or folders of them)
+    sft_data: list[str] = []
     # grpo: the first sft_steps steps are SFT on sft_data (default: gold trajectories of the train split, made
     # at the start by running each task's gold patch as agent turns), then GRPO from there
     sft_steps: NonNegative = 0

@@ -1,6 +1,7 @@
 """`swectl data prepare`: a task source -> prompts.jsonl + images.txt for slime / miles (swectl/data/prepare.py);
 `swectl data gold`: gold trajectories for SFT (swectl/eval/gold.py);
-`swectl data judge`: labelled step verdicts from episodes, to train a process-reward judge (swectl/data/judge.py)."""
+`swectl data judge`: labelled step verdicts from episodes, to train a process-reward judge (swectl/data/judge.py);
+`swectl data atif`: episodes as ATIF trajectories, Harbor's interchange format (swectl/data/atif.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ examples:
 
 labels: a malformed reply is bad; every well-formed step of a resolved episode is good; the last step of
 an episode that submitted without resolving is bad; the other steps of unresolved episodes are left out.
+"""
+
+
+ATIF_EPILOG = """\
+examples:
+  swectl data atif runs/eval-model-1 --out atif/
+  swectl data atif runs/up-1/episodes/step_000003 --out atif/ --model-name tiny
+  python -m harbor.utils.trajectory_validator atif/calc-1__0.atif.json   # Harbor's own check
 """
 
 
@@ -85,6 +94,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _judge_arguments(judge_parser)
+    atif_parser = actions.add_parser(
+        "atif",
+        help="write recorded episodes as ATIF-v1.7 trajectories (Harbor's format), token ids and logprobs included",
+        description="Write each episode (traj.json) of swectl runs as OUT/<episode folder>.atif.json, an ATIF-v1.7\n"
+        "document (Harbor's Agent Trajectory Interchange Format): system and user steps, one agent step per model\n"
+        "turn with its bash command as a tool call and the observation, and per step prompt_token_ids,\n"
+        "completion_token_ids and logprobs exactly as the engine saw and emitted them. The loss mask and weight\n"
+        "version are in the steps' extra; the grade and patch in the document's extra. train.data.sft_data reads\n"
+        "ATIF files back (and Harbor's own), and `swectl view` opens a folder of them.",
+        epilog=ATIF_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    atif_parser.add_argument("runs", nargs="+", metavar="RUN",
+                             help="run folders (their <instance_id>__<n>/ episode folders), episode folders or "
+                             "traj.json files")
+    atif_parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write the .atif.json files to")
+    atif_parser.add_argument("--model-name", default=None, help="the model's name in the documents (agent.model_name)")
+    atif_parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                             help="decode turns recorded by tokens only (an external harness's) with this model "
+                             "folder's tokenizer")
     return data
 
 
@@ -188,12 +217,30 @@ def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``swectl data prepare`` or ``swectl data gold``."""
+    """Run ``swectl data prepare``, ``gold``, ``judge`` or ``atif``."""
+    if args.data_command == "atif":
+        return _run_atif(args)
     if args.data_command == "gold":
         return _run_gold(args)
     if args.data_command == "judge":
         return _run_judge(args)
     return _run_prepare(args)
+
+
+def _run_atif(args: argparse.Namespace) -> int:
+    """``swectl data atif``: 0 when every episode was written. Bad input raises (exit 2 through cli.main)."""
+    from pathlib import Path
+
+    from swectl.data.atif import export_runs
+
+    decode = None
+    if args.tokenizer:
+        from swectl.model.tokenizer import load_tokenizer
+        tok = load_tokenizer(args.tokenizer, "--tokenizer")
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    written = export_runs(args.runs, Path(args.out), model_name=args.model_name, decode=decode)
+    say(f"wrote {len(written)} ATIF trajectories to {args.out}")
+    return 0
 
 
 def _run_judge(args: argparse.Namespace) -> int:

@@ -198,7 +198,7 @@ def samples_from_messages_jsonl(path: str | os.PathLike[str], tokenizer: Any, *,
             if isinstance(row, RowProblem):
                 raise RowProblemError(row)
             conversation = _conversation(row, location)
-            samples.append(_conversation_sample(conversation, tokenizer, eot, _uid(row, source, number),
+            samples.append(conversation_sample(conversation, tokenizer, eot, _uid(row, source, number),
                                                 location))
         except RowProblemError as exc:
             if strict:
@@ -297,20 +297,21 @@ def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     return low
 
 
-def _conversation_sample(conversation: list[dict[str, str]], tokenizer: Any, eot: int, uid: str,
-                         location: str) -> TrainSample:
+def conversation_sample(conversation: list[dict[str, str]], tokenizer: Any, eot: int, uid: str,
+                        location: str, *, skip: frozenset[int] | set[int] = frozenset()) -> TrainSample:
     """The tokens of the whole conversation as the chat template renders them, mask 1 on what a model emits for
-    each assistant message: its tokens up to and including the first end-of-turn token, not what the template
-    adds after it (ChatML's newline), which the model never emits."""
+    each assistant message (but those whose index is in ``skip``): its tokens up to and including the first
+    end-of-turn token, not what the template adds after it (ChatML's newline), which the model never emits."""
     ids = _render(tokenizer, conversation, generation_prompt=False)
-    mask = _mask_by_text(conversation, tokenizer, eot, ids)
+    mask = _mask_by_text(conversation, tokenizer, eot, ids, skip)
     if mask is None:
-        mask = _mask_by_tokens(conversation, tokenizer, eot, ids, location)
+        mask = _mask_by_tokens(conversation, tokenizer, eot, ids, location, skip)
     group = uid.rsplit("#", 1)[0]
     return pack_sample(uid, group, ids, mask, [0.0] * len(ids), advantage=1.0, reward=1.0)
 
 
-def _mask_by_text(conversation: list[dict[str, str]], tokenizer: Any, eot: int, ids: list[int]) -> list[int] | None:
+def _mask_by_text(conversation: list[dict[str, str]], tokenizer: Any, eot: int, ids: list[int],
+                  skip: frozenset[int] | set[int] = frozenset()) -> list[int] | None:
     """The fast way (one rendering per prefix as text, one tokenization of the whole): each assistant turn's text
     starts where the text of the conversation before it (with the generation prompt) stops matching and ends where
     the text up to it does; the pieces between those bounds are tokenized one by one. None when the pieces'
@@ -318,7 +319,7 @@ def _mask_by_text(conversation: list[dict[str, str]], tokenizer: Any, eot: int, 
     text = _render_text(tokenizer, conversation, generation_prompt=False)
     bounds = []
     for i, message in enumerate(conversation):
-        if message["role"] == "assistant":
+        if message["role"] == "assistant" and i not in skip:
             start = _common_prefix(text, _render_text(tokenizer, conversation[:i], generation_prompt=True))
             end = _common_prefix(text, _render_text(tokenizer, conversation[: i + 1], generation_prompt=False))
             if end <= start:
@@ -341,13 +342,13 @@ def _mask_by_text(conversation: list[dict[str, str]], tokenizer: Any, eot: int, 
 
 
 def _mask_by_tokens(conversation: list[dict[str, str]], tokenizer: Any, eot: int, ids: list[int],
-                    location: str) -> list[int]:
+                    location: str, skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """The exact way: each assistant turn starts where the tokens of the conversation before it (with the
     generation prompt) stop matching, and ends at its first end-of-turn token (else where the tokens up to it
     stop matching)."""
     mask = [0] * len(ids)
     for i, message in enumerate(conversation):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i in skip:
             continue
         start = _common_prefix(ids, _render(tokenizer, conversation[:i], generation_prompt=True)) if i else 0
         end = _common_prefix(ids, _render(tokenizer, conversation[: i + 1], generation_prompt=False))

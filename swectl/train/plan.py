@@ -14,7 +14,8 @@ import msgspec
 from swectl.actors.data_source import split_tasks
 from swectl.actors.engine_kinds import engine_kind
 from swectl.config import ClusterConfig
-from swectl.data.trajectories import samples_from_messages_jsonl, samples_from_runs
+from swectl.data.atif import is_atif, samples_from_atif
+from swectl.data.trajectories import TRAJ_FILE, samples_from_messages_jsonl, samples_from_runs
 from swectl.errors import ConfigError, TaskDataError
 from swectl.images.project import BUNDLED_TASKS
 from swectl.model.tokenizer import load_tokenizer
@@ -143,18 +144,30 @@ def _gold_to_make(out: Path, say: Say) -> bool:
     return True
 
 
+def _is_atif_source(path: Path) -> bool:
+    """An ATIF file, or a folder of them that is not a swectl run folder (no traj.json episodes in it)."""
+    if path.is_file():
+        return is_atif(path)
+    return (path.is_dir() and not (path / TRAJ_FILE).is_file() and not any(path.glob(f"*/{TRAJ_FILE}"))
+            and any(is_atif(p) for p in path.rglob("*.json")))
+
+
 def _sft_samples(config: ClusterConfig, model: str) -> list[TrainSample]:
     data = config.train.data
     if not data.sft_data:
         raise ConfigError('train.algorithm = "sft" needs train.data.sft_data: traj.json run folders (a `swectl eval` '
-                          "or `swectl data gold` output) or OpenAI-messages JSONL files")
+                          "or `swectl data gold` output), OpenAI-messages JSONL files or ATIF trajectories "
+                          "(files, or folders holding them such as a Harbor job folder)")
     samples: list[TrainSample] = []
     tokenizer = None
     for item in data.sft_data:
         path = Path(item)
         if not path.exists():
             raise ConfigError(f"train.data.sft_data: {path} does not exist")
-        if path.is_file() and path.suffix in (".jsonl", ".json") and path.name != "traj.json":
+        if _is_atif_source(path):  # Harbor's (and any tool's) ATIF trajectories: token-exact where they carry ids
+            tokenizer = tokenizer or load_tokenizer(model, "train.model")
+            samples += samples_from_atif([path], tokenizer)
+        elif path.is_file() and path.suffix in (".jsonl", ".json") and path.name != "traj.json":
             tokenizer = tokenizer or load_tokenizer(model, "train.model")
             samples += samples_from_messages_jsonl(path, tokenizer, strict=data.sft_strict)
         else:

@@ -1,10 +1,13 @@
 """What `swectl view` knows of a run folder: its curves, its episodes, one episode in full.
 
-A run folder is a `swectl up` run (``metrics.jsonl``, ``steps.jsonl``, ``episodes/``, ``eval/``) or a `swectl eval`
-output (``results.jsonl``, ``<instance_id>__<n>/``). The index is built once and brought up to date by ``refresh``:
-new lines of ``metrics.jsonl`` and ``steps.jsonl`` are read from where the last read stopped (a partial last line
-waits for its end), and only episode folders not seen before are read (their ``meta.json``; trajectories are read
-when an episode is opened, or asked for its weight version). Nothing here writes to the run folder.
+A run folder is a `swectl up` run (``metrics.jsonl``, ``steps.jsonl``, ``episodes/``, ``eval/``), a `swectl eval`
+output (``results.jsonl``, ``<instance_id>__<n>/``), or a folder of ATIF trajectories written by any tool (a Harbor
+job folder, `swectl data atif`'s output; one ATIF file alone too): each document is an episode, its reward the
+verifier's from the Harbor trial's ``result.json`` where there is one. The index is built once and brought up to
+date by ``refresh``: new lines of ``metrics.jsonl`` and ``steps.jsonl`` are read from where the last read stopped
+(a partial last line waits for its end), and only episode folders not seen before are read (their ``meta.json``;
+trajectories are read when an episode is opened, or asked for its weight version).
+Nothing here writes to the run folder.
 
 An episode's reward is not in its meta.json: the training loop records each step's group rewards in
 ``steps.jsonl`` (``{"step": N, "rewards": {instance_id: [one per scored episode, by sample]}}``), matched here to
@@ -22,7 +25,8 @@ from typing import Any
 
 import msgspec
 
-from swectl.errors import ConfigError
+from swectl.data.atif import conversation_of, is_atif, read_atif
+from swectl.errors import ConfigError, TaskDataError
 from swectl.rl.groups import REWARDS_FILE
 
 OBSERVATION_SHOWN_CHARS = 20_000  # a message longer than this is shown cut, with its full size
@@ -84,15 +88,22 @@ class RunIndex:
 
     def __init__(self, path: Path) -> None:
         path = path.resolve()
+        self._only: Path | None = None  # one ATIF file given alone
+        if path.is_file() and is_atif(path):
+            self._only, path = path, path.parent
         if not path.is_dir():
             raise ConfigError(f"{path}: no such folder")
-        if (path / "metrics.jsonl").exists() or (path / "episodes").is_dir():
+        if self._only is not None:
+            self.kind = "atif"
+        elif (path / "metrics.jsonl").exists() or (path / "episodes").is_dir():
             self.kind = "up"
         elif (path / "results.jsonl").exists() or (path / "summary.json").exists():
             self.kind = "eval"
+        elif any(is_atif(p) for p in path.rglob("*.json")):
+            self.kind = "atif"
         else:
             raise ConfigError(f"{path}: not a run folder (no metrics.jsonl or episodes/ of `swectl up`, no "
-                              "results.jsonl of `swectl eval`)")
+                              "results.jsonl of `swectl eval`, no ATIF trajectory)")
         self.path = path
         self.name = path.name
         self.metrics: list[dict[str, Any]] = []
@@ -109,6 +120,9 @@ class RunIndex:
     # ------------------------------------------------------------ keeping up
 
     def refresh(self) -> None:
+        if self.kind == "atif":
+            self._scan_atif()
+            return
         self.metrics += self._read_lines("metrics.jsonl")
         for record in self._read_lines("steps.jsonl"):
             rewards = record.get("rewards")
@@ -202,6 +216,17 @@ class RunIndex:
                 self._groups.setdefault(key, []).append(row)
                 self._touched.add(key)
 
+    def _scan_atif(self) -> None:
+        """Each ATIF document not listed yet is an episode (its id: the file, relative to the folder)."""
+        files = [self._only] if self._only is not None else sorted(self.path.rglob("*.json"))
+        for file in files:
+            rel = str(file.relative_to(self.path))
+            if rel in self.episodes or not is_atif(file):
+                continue
+            row = _atif_row(file, rel)
+            self.episodes[rel] = row
+            self._groups.setdefault((_parent(rel), row.instance_id), []).append(row)
+
     # ------------------------------------------------------------ what the page asks
 
     def summary(self) -> RunSummary:
@@ -275,6 +300,9 @@ class RunIndex:
         if self.path not in folder.parents or rel not in self.episodes:
             raise KeyError(rel)
         row = self.episodes[rel]
+        if self.kind == "atif":
+            return _atif_episode(folder, row, [r.id for r in self._groups[(_parent(rel), row.instance_id)]
+                                               if r.id != rel])
         out: dict[str, Any] = {"messages": [], "steps": [], "patch": "", "grade": None, "log": "", "problems": [],
                                "samples": [], "context_cuts": [], "format_errors": [],
                                "group": [r.id for r in sorted(self._groups[(_parent(rel), row.instance_id)],
@@ -367,3 +395,86 @@ def _shown_message(message: Any) -> dict[str, Any]:
     shown = content[:OBSERVATION_SHOWN_CHARS // 2] + "\n[... cut ...]\n" + content[-OBSERVATION_SHOWN_CHARS // 2:] \
         if cut else content
     return {"role": message.get("role", "?"), "content": shown, "chars": len(content), "cut": cut}
+
+
+# ---------------------------------------------------------------------------------------------- ATIF documents
+
+
+def _harbor_trial(file: Path) -> Path | None:
+    """The Harbor trial folder of a trajectory at ``<trial>/agent/trajectory.json`` (it holds result.json)."""
+    trial = file.parent.parent
+    return trial if file.parent.name == "agent" and (trial / "result.json").is_file() else None
+
+
+def _harbor_reward(trial: Path | None) -> float | None:
+    if trial is None:
+        return None
+    try:
+        result = json.loads((trial / "result.json").read_text(errors="replace"))
+        rewards = (result.get("verifier_result") or {}).get("rewards") or {}
+        reward = rewards.get("reward")
+        return float(reward) if isinstance(reward, int | float) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _atif_row(file: Path, rel: str) -> EpisodeRow:
+    trial = _harbor_trial(file)
+    try:
+        doc = read_atif(file)
+    except TaskDataError:
+        return EpisodeRow(id=rel, phase="run", step=0, instance_id=file.stem, sample=0, outcome="unreadable",
+                          scored=False)
+    ours = (doc.extra or {}).get("swectl") or {}
+    name = str(ours.get("instance_id") or (trial.name.rsplit("__", 1)[0] if trial else file.name.split(".")[0]))
+    reward = _harbor_reward(trial)
+    resolved = bool(ours.get("resolved")) if ours else reward is not None and reward >= 1.0
+    return EpisodeRow(id=rel, phase="run", step=0, instance_id=name, sample=int(ours.get("sample", 0) or 0),
+                      exit_status=str(ours.get("exit_status", "")), outcome=str(ours.get("outcome", "")),
+                      resolved=resolved, grade=str(ours.get("grade", "")),
+                      turns=sum(s.source == "agent" for s in doc.steps),
+                      total_time_s=float(ours.get("total_time_s", 0) or 0), reward=reward,
+                      weight_versions=sorted({str(((s.extra or {}).get("swectl") or {}).get("weight_version", ""))
+                                              for s in doc.steps if s.source == "agent"} - {""}, key=_version_order))
+
+
+def _atif_episode(file: Path, row: EpisodeRow, group: list[str]) -> dict[str, Any]:
+    """An ATIF document as the page shows an episode: its messages, one step per agent step (the command of its
+    tool calls), the patch and grade swectl recorded in its extra, or the Harbor trial's verifier output."""
+    out: dict[str, Any] = {"messages": [], "steps": [], "patch": "", "grade": None, "log": "", "problems": [],
+                           "samples": [], "context_cuts": [], "format_errors": [], "group": group,
+                           "row": msgspec.to_builtins(row), "format": "ATIF"}
+    try:
+        doc = read_atif(file)
+    except TaskDataError as exc:
+        out["problems"].append(str(exc))
+        return out
+    out["messages"] = [_shown_message(m) for m, _ in conversation_of(doc)]
+    for s in doc.steps:
+        if s.source != "agent":
+            continue
+        ours = (s.extra or {}).get("swectl") or {}
+        calls = s.tool_calls or []
+        action = "\n".join(str(c.arguments.get("command")) if set(c.arguments) == {"command"}
+                           else f"{c.function_name}({json.dumps(c.arguments)})" for c in calls)
+        out["steps"].append({"action": action, "returncode": ours.get("returncode"),
+                             "format_error": bool(ours.get("format_error")),
+                             "copied_context": bool(s.is_copied_context),
+                             "output_tokens": len((s.metrics.completion_token_ids or []) if s.metrics else [])})
+    out["format_errors"] = [i + 1 for i, s in enumerate(out["steps"]) if s["format_error"]]
+    out["weight_versions"] = row.weight_versions or []
+    ours = (doc.extra or {}).get("swectl") or {}
+    out["patch"] = str(ours.get("patch", ""))
+    out["reason"] = str(ours.get("reason", ""))
+    if ours.get("grade"):
+        out["grade"] = {"status": ours["grade"]}
+    trial = _harbor_trial(file)
+    if trial is not None:
+        out["grade"] = {"status": "resolved" if row.resolved else "unresolved", "reward": row.reward}
+        for name in ("verifier/test-stdout.txt", "verifier/stdout.txt"):
+            try:
+                out["log"] = (trial / name).read_bytes().decode("utf-8", errors="replace")[-LOG_TAIL_CHARS:]
+                break
+            except OSError:
+                continue
+    return out
