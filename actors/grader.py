@@ -30,6 +30,7 @@ Produces: ``GradeResult``s, eval logs under ``log_dir``, ``statistics()`` (a ``G
 from __future__ import annotations
 
 import hashlib
+import re
 import shlex
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -43,12 +44,13 @@ from swectl.actors.env_pool import EnvPool, Lease
 from swectl.errors import InfraError, NodeLostError, SandboxLostError, SwectlError
 from swectl.grading.canaries import Canaries, plan_canaries, pythonpath_of, with_canaries
 from swectl.grading.eval_script import eval_script_for, log_parser_for, test_files_of, with_exit_code
-from swectl.grading.patch_policy import PolicyVerdict, review_patch
+from swectl.grading.patch_policy import PolicyVerdict, review_harbor_patch, review_patch
 from swectl.grading.rules import INFRA_REASONS, GradeStatus, TestVerdict, grade_log, test_exit_code
 from swectl.grading.runner_config import changed_runner_sections
 from swectl.images.names import ImageResolver
 from swectl.images.project import GIT_IDENTITY
 from swectl.schema import GraderStatistics
+from swectl.tasks.harbor import REWARD_JSON, REWARD_TXT, HarborTaskError, harbor_meta, is_harbor, parse_reward
 from swectl.tasks.record import TESTBED, Task
 
 PATCH_FILE = "/tmp/swectl-patch.diff"
@@ -65,6 +67,7 @@ APPLY_LADDER = (
     ("patch --fuzz", f"patch --batch --forward --fuzz=5 -p1 -i {PATCH_FILE}"),
 )
 RESET = "git checkout -q -- . && git clean -fdq"
+_HARBOR_EXIT = re.compile(r"^SWECTL_HARBOR_TEST_EXIT=(\d+)$", re.MULTILINE)
 
 
 class GraderConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,6 +99,7 @@ class GradeResult(msgspec.Struct, kw_only=True):
     log_path: str = ""
     shortcut: str = ""  # why no sandbox ran ("empty patch", "same patch as <label>"); "" when it was graded
     canaries: str = ""  # the file the canary tests were planted in; "" when none were (docs/grading.md)
+    reward: float | None = None  # a Harbor task's verifier reward (resolved when >= 1); None for test-graded tasks
 
     @property
     def tampered(self) -> bool:
@@ -216,6 +220,8 @@ class Grader:
         return result
 
     async def _grade_fresh(self, task: Task, patch: str, label: str, timeout_s: float | None) -> GradeResult:
+        if is_harbor(task):
+            return await self._grade_harbor(task, patch, label, timeout_s)
         result = GradeResult(instance_id=task.instance_id, status="error")
         async with self._grading(result):
             script = with_exit_code(eval_script_for(task, self._specs))
@@ -230,6 +236,50 @@ class Grader:
                 await self._grade_in(lease, task, policy, script, parser, result, label,
                                      timeout_s or self._timeout_s)
         return result
+
+    async def _grade_harbor(self, task: Task, patch: str, label: str, timeout_s: float | None) -> GradeResult:
+        """A Harbor task: the patch applied to the work folder of a fresh sandbox (same policy and ladder), the
+        task's verifier run (its tests from the task, /logs/verifier emptied first), its reward file read."""
+        result = GradeResult(instance_id=task.instance_id, status="error")
+        meta = harbor_meta(task)
+        async with self._grading(result):
+            policy = review_harbor_patch(patch)
+            self._refuse(policy)
+            async with self._pool.lease(self._resolver.resolve(task), grading=True) as lease:
+                result.node = lease.node
+                await self._check_shadows(lease, policy, TESTBED)
+                result.apply_method = await self._apply(lease, policy.patch, TESTBED)
+                await self._check_runner_configs(lease, policy, TESTBED)
+                await self._run_verifier(lease, task, meta.workdir, timeout_s or meta.verifier_timeout_s, label,
+                                         result)
+        return result
+
+    async def _run_verifier(self, lease: Lease, task: Task, workdir: str, timeout_s: float, label: str,
+                            result: GradeResult) -> None:
+        await lease.write_file(EVAL_FILE, task.eval_script.encode("utf-8", errors="surrogateescape"))
+        run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", timeout_s, cwd=workdir)
+        if run.timed_out:
+            raise _GradeError("eval_timeout", f"the verifier ran past its timeout ({timeout_s:g} s)")
+        log = (await lease.read_file(LOG_FILE)).decode("utf-8", errors="replace")
+        result.log_path = self._save_log(task.instance_id, label, log)
+        if run.exit_code in (90, 91, 92, 93):
+            raise InfraError(f"the verifier could not set up /tests or enter {workdir} (exit {run.exit_code}): "
+                             f"{log[-400:]}")
+        found = _HARBOR_EXIT.findall(log)
+        result.test_exit_code = int(found[-1]) if found else None
+        reward_read = await lease.exec(
+            f"for f in {REWARD_TXT} {REWARD_JSON}; do [ -f $f ] && {{ echo \"=={{$f}}==\"; head -c 65536 $f; "
+            "exit 0; }; done; exit 1", STEP_TIMEOUT_S)
+        if reward_read.exit_code != 0 or not reward_read.output.startswith("=={"):
+            raise _GradeError("no_test_output", f"the verifier wrote neither {REWARD_TXT} nor {REWARD_JSON} "
+                              f"(test.sh exit {result.test_exit_code}); tail:\n{log[-800:]}")
+        name, _, text = reward_read.output[3:].partition("}==\n")
+        try:
+            result.reward = parse_reward(text, name)
+        except HarborTaskError as exc:
+            raise _GradeError("no_test_output", f"the verifier's reward file is unreadable: {exc}") from None
+        result.status = "resolved" if result.reward >= 1.0 else "unresolved"
+        result.detail = f"reward {result.reward:g} ({name})"
 
     def _refuse(self, policy: PolicyVerdict) -> None:
         if self._config.defences and policy.is_tampered:

@@ -47,6 +47,10 @@ def load_task_set(source: str) -> list[Task]:
     from swectl.tasks.sources import load_tasks
 
     loaded = load_tasks(source)
+    if any(t.source == "harbor" for t in loaded.tasks):  # Harbor task folders: their images built, gold made
+        from swectl.images.harbor import prepare_harbor_tasks
+        loaded.tasks, built_problems = prepare_harbor_tasks(loaded.tasks, say=say)
+        loaded.problems += built_problems
     for p in loaded.problems[:SHOWN_SKIPPED_ROWS]:
         say(f"skipped row {p.location}: {p.field}: {p.message}")
     if len(loaded.problems) > SHOWN_SKIPPED_ROWS:

@@ -6,6 +6,12 @@ modules, git metadata, symlinks) or shadow a module the runner imports have no p
 ``tampered`` (no reward, counted). Each rule was checked against the gold patches of the 500 SWE-bench Verified rows
 (tests/test_patch_policy.py): none of them trips it.
 
+A Harbor task's patch (``review_harbor_patch``) is reviewed by a narrower policy: its verifier is the task's own
+``tests/test.sh``, run from ``/tests`` (outside the work folder the patch edits), so a Makefile, a tests folder, a
+symlink or a compiled file may be the task itself. What stays ``tampered``: git metadata, interpreter start-up hooks,
+a new top-level module shadowing the test runner (pytest and its plugins), pytest's own configuration at the root
+of the work folder, and added lines that reach into pytest (its plugin hooks, ``PYTEST_*``, ``report.outcome``).
+
 Three files mix runner settings with project metadata (``setup.cfg``, ``tox.ini``, ``pyproject.toml``): an honest fix
 may add a dependency there. They are applied, and the grader compares their runner sections before and after
 (swectl.grading.runner_config); a change there is ``tampered``.
@@ -155,3 +161,35 @@ def review_patch(patch: str, extra_test_files: frozenset[str] = frozenset(), *,
     mixed = [f.path for f in kept if f.path.rsplit("/", 1)[-1] in MIXED_CONFIG_FILES]
     return PolicyVerdict("".join(f.text for f in kept), dropped=dropped, tampered=tampered, check_configs=mixed,
                          shadows=list(dict.fromkeys(shadows)))
+
+
+# The pytest-facing part of SUSPICIOUS_TOKENS: what a Harbor verifier that runs pytest can be reached through.
+HARBOR_TOKENS = tuple(t for t in SUSPICIOUS_TOKENS if "pytest" in t.lower() or t in (
+    "report.outcome", "pluginmanager", "sitecustomize", "usercustomize", "PYTHONSTARTUP"))
+HARBOR_RUNNER_FILES = frozenset({"pytest.ini", ".pytest.ini", "conftest.py"})
+
+
+def review_harbor_patch(patch: str) -> PolicyVerdict:
+    """The policy for a Harbor task's patch of its work folder: nothing dropped; ``tampered`` for git metadata,
+    start-up hooks, runner shadows, pytest configuration at the root and lines that reach into pytest."""
+    tampered: list[str] = []
+    shadows: list[tuple[str, str]] = []
+    for f in file_diffs(patch):
+        for path in dict.fromkeys(p for p in (f.old, f.new, f.path) if p):
+            parts = path.split("/")
+            if ".git" in parts or parts[-1] in GIT_METADATA:
+                tampered.append(f"{path}: edits git metadata")
+            elif parts[-1] in STARTUP_FILES or parts[-1].endswith(".pth"):
+                tampered.append(f"{path}: adds or edits an interpreter start-up hook")
+            elif path in HARBOR_RUNNER_FILES:
+                tampered.append(f"{path}: configures pytest at the root of the work folder")
+        for line in _added_lines(f.text):
+            if token := next((t for t in HARBOR_TOKENS if t in line), None):
+                tampered.append(f"{f.path}: adds a line that reaches into the test run ({token!r})")
+                break
+        head = f.path.split("/", 1)[0].removesuffix(".py")
+        if f.old is None and (head in RUNNER_MODULES - set(sys.stdlib_module_names) or head.startswith("pytest")):
+            shadows.append((f.path.split("/", 1)[0], f"{f.path}: creates a module that shadows {head!r}"))
+    if not file_diffs(patch) and patch.strip():
+        tampered.append("(plain diff): a Harbor task's patch must be a git diff of its work folder")
+    return PolicyVerdict(patch, tampered=tampered, shadows=list(dict.fromkeys(shadows)))

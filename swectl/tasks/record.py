@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
-TaskSource = Literal["swe-bench", "swe-gym", "swe-smith", "swectl-synth"]
+TaskSource = Literal["swe-bench", "swe-gym", "swe-smith", "swectl-synth", "harbor"]
 
 # Where the repository lives inside every task image (SWE-bench's convention).
 TESTBED = "/testbed"
@@ -35,7 +35,8 @@ class Task(msgspec.Struct, kw_only=True, frozen=True):
     hints_text: str = ""
     created_at: str = ""
     # Rows that carry their environment (SWE-bench 5.x, SWE-smith, factory): image, eval script, parser name
-    # (a key of swebench's PARSER_REGISTRY) and eval type ("pass_and_fail" or "fail_only").
+    # (a key of swebench's PARSER_REGISTRY) and eval type ("pass_and_fail" or "fail_only"). A Harbor task
+    # (swectl.tasks.harbor): its verifier as eval_script, log_parser "harbor", eval_type "reward" (its reward file).
     image: str = ""
     eval_script: str = ""
     log_parser: str = ""

@@ -34,6 +34,7 @@ import msgspec
 
 from swectl.errors import TaskDataError
 from swectl.tasks.diffs import DiffError, reverse_diff
+from swectl.tasks.harbor import HarborTaskError, is_harbor_dir, read_task, task_folders
 from swectl.tasks.record import Task, TaskSource
 
 TASK_SOURCES: tuple[str, ...] = get_args(TaskSource)
@@ -74,7 +75,7 @@ _OPTIONAL_STR = (
     "log_parser",
     "setup_patch",
 )
-_EVAL_TYPES = ("pass_and_fail", "fail_only")
+_EVAL_TYPES = ("pass_and_fail", "fail_only", "reward")  # reward: a Harbor task's reward file
 _HF_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(?::[\w.-]+)?$")
 _FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
@@ -125,6 +126,8 @@ def load_tasks(
     if source_hint is not None and source_hint not in TASK_SOURCES:
         raise TaskDataError(f"source hint {source_hint!r}: expected one of {', '.join(TASK_SOURCES)}")
     result = LoadResult(tasks=[], problems=[], source=str(source))
+    if is_harbor_dir(Path(source)):
+        return _harbor_tasks(Path(source), result, strict=strict, on_problem=on_problem)
     first_seen: dict[str, str] = {}
     for location, row in read_rows(source, split=split):
         result.rows_read += 1
@@ -149,6 +152,23 @@ def load_tasks(
     return result
 
 
+def _harbor_tasks(folder: Path, result: LoadResult, *, strict: bool, on_problem: ProblemCallback | None) -> LoadResult:
+    """A folder of Harbor task folders (or one): each a Task, or a problem naming the folder (swectl.tasks.harbor).
+    Their images are built, and their gold patches made, by swectl.images.harbor.prepare_harbor_tasks."""
+    for task_folder in task_folders(folder):
+        result.rows_read += 1
+        try:
+            result.tasks.append(read_task(task_folder))
+        except HarborTaskError as exc:
+            problem = RowProblem(str(task_folder), "task", str(exc))
+            if on_problem is not None:
+                on_problem(problem)
+            if strict:
+                raise RowProblemError(problem, "fix the task folder, or load without strict mode to skip it") from None
+            result.problems.append(problem)
+    return result
+
+
 # ---------------------------------------------------------------------------------------------- reading rows
 
 RawRow = tuple[str, Any]  # (location, decoded row or a RowProblem for a line that could not be decoded)
@@ -158,7 +178,8 @@ def read_rows(source: str | os.PathLike[str], *, split: str = "test") -> Iterato
     """Yield ``(location, row)`` for every row of a file or a Hugging Face dataset, in order."""
     path = Path(source)
     if path.is_dir():
-        raise TaskDataError(f"{source}: is a directory; pass one .jsonl, .json or .parquet file")
+        raise TaskDataError(f"{source}: is a directory and holds no Harbor task folders (task.toml); pass one .jsonl, "
+                            ".json or .parquet file, or a folder of Harbor tasks")
     if path.exists():
         return _file_rows(path, str(source))
     text = str(source)
@@ -386,7 +407,7 @@ def normalise_row(row: Mapping[str, Any], location: str, source_hint: TaskSource
     extra = {key: value for key, value in row.items() if key not in consumed}
     if style == "swe-smith":
         _smith(fields, extra, row, location)
-    _check_environment(fields, style, location)
+    _check_environment(fields, style, location, extra)
     return Task(**fields, source=style, extra=extra)
 
 
@@ -412,7 +433,7 @@ def _smith(fields: dict[str, Any], extra: dict[str, Any], row: Mapping[str, Any]
         fields["base_commit"] = ""
 
 
-def _check_environment(fields: dict[str, Any], style: str, location: str) -> None:
+def _check_environment(fields: dict[str, Any], style: str, location: str, extra: dict[str, Any]) -> None:
     if style == "swectl-synth":
         for name in ("image", "eval_script", "log_parser", "setup_patch"):
             if not fields[name]:
@@ -421,6 +442,11 @@ def _check_environment(fields: dict[str, Any], style: str, location: str) -> Non
         for name in ("image", "log_parser"):
             if not fields[name]:
                 raise _problem(location, name, f"a row with an eval_script (SWE-bench 5.x style) must also set {name}")
+    if style == "harbor":  # a Harbor task read back from a row: its verifier and settings must have come along
+        if fields["log_parser"] != "harbor" or not fields["eval_script"] or not isinstance(extra.get("harbor"), dict):
+            raise _problem(location, "source", "a harbor row must carry its verifier (eval_script, log_parser "
+                           "'harbor') and extra.harbor; read Harbor tasks from their task folders")
+        return
     parser = fields["log_parser"]
     known = _known_log_parsers() if parser else frozenset()
     if known and parser not in known:

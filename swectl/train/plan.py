@@ -59,6 +59,11 @@ async def build_plan(config: ClusterConfig, run_dir: Path, *, say: Say) -> Train
         return TrainPlan(model=model, sft_samples=_sft_samples(config, model))
     source = data.tasks or str(BUNDLED_TASKS)
     loaded = load_tasks(source)
+    if any(task.source == "harbor" for task in loaded.tasks):  # Harbor task folders: images built, gold made
+        from swectl.images.harbor import prepare_harbor_tasks
+        loaded.tasks, problems = prepare_harbor_tasks(loaded.tasks, say=say)
+        for problem in problems:
+            say(f"skipped task {problem.location}: {problem.field}: {problem.message}")
     if not loaded.tasks:
         raise TaskDataError(f"train.data.tasks {source}: no usable task in it")
     train, test = split_tasks(loaded.tasks, data.test_fraction, data.split_seed)
