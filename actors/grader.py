@@ -268,10 +268,10 @@ class Grader:
         found = _HARBOR_EXIT.findall(log)
         result.test_exit_code = int(found[-1]) if found else None
         reward_read = await lease.exec(
-            f"for f in {REWARD_TXT} {REWARD_JSON}; do [ -f $f ] && {{ echo \"=={{$f}}==\"; head -c 65536 $f; "
+            f"for f in {REWARD_JSON} {REWARD_TXT}; do [ -f $f ] && {{ echo \"=={{$f}}==\"; head -c 65536 $f; "
             "exit 0; }; done; exit 1", STEP_TIMEOUT_S)
         if reward_read.exit_code != 0 or not reward_read.output.startswith("=={"):
-            raise _GradeError("no_test_output", f"the verifier wrote neither {REWARD_TXT} nor {REWARD_JSON} "
+            raise _GradeError("no_test_output", f"the verifier wrote neither {REWARD_JSON} nor {REWARD_TXT} "
                               f"(test.sh exit {result.test_exit_code}); tail:\n{log[-800:]}")
         name, _, text = reward_read.output[3:].partition("}==\n")
         try:

@@ -5,11 +5,12 @@ A folder of Harbor tasks (each a subfolder with a task.toml; or one task folder 
 building anything: each task's image name is a hash of its environment folder and of swectl's layer on top
 (swectl.images.harbor builds it, offline, and makes the gold patch by running solve.sh). The task's verifier is its
 ``eval_script``: a self-contained bash script that recreates ``/tests`` from the task's tests folder (carried inside
-the script, so a Task row travels whole), empties ``/logs/verifier``, and runs ``bash /tests/test.sh`` in the
-environment's work folder; the grader (actors/grader.py) then reads ``/logs/verifier/reward.txt`` or
-``reward.json``. The agent never sees the tests: they are not in the image, only in the grading sandbox, which is
-fresh and holds the agent's final state as its patch of the work folder (applied like any patch, under the same
-patch policy), so nothing the agent wrote elsewhere (a reward file, a test script) reaches the verifier.
+the script, so a Task row travels whole), empties ``/logs/verifier``, and runs ``/tests/test.sh`` in the
+environment's work folder as Harbor does; the grader (actors/grader.py) then reads ``/logs/verifier/reward.json``, else
+``reward.txt`` (Harbor's order). The agent never sees the tests: they are not in the image, only in the grading
+sandbox, which is fresh and holds the agent's final state as its patch of the work folder (applied like any patch,
+under the Harbor patch policy), so nothing the agent wrote elsewhere (a reward file, a test script)
+reaches the verifier.
 
 What swectl does not take (a clear problem per task, the task skipped): multi-step tasks (``steps``), a
 docker-compose environment, MCP servers, GPUs or TPUs, Windows tasks, a verifier in a separate environment, and a
@@ -182,7 +183,8 @@ def tests_archive(tests: Path) -> bytes:
 
 def verifier_script(tests: Path, workdir: str, env: dict[str, str]) -> str:
     """The grading sandbox's verifier: /tests from the task's files (never the sandbox's), /logs/verifier emptied,
-    then ``bash /tests/test.sh`` from the work folder, its exit code printed last."""
+    then ``/tests/test.sh`` from the work folder as Harbor runs it (its output also in
+    /logs/verifier/test-stdout.txt), its exit code printed last (Harbor ignores it; the reward file decides)."""
     archive = tests_archive(tests)
     if len(archive) > MAX_TESTS_BYTES:
         raise HarborTaskError(f"{tests}: {len(archive)} bytes compressed; a task's tests may be at most "
@@ -198,8 +200,8 @@ def verifier_script(tests: Path, workdir: str, env: dict[str, str]) -> str:
         f"tar -xzf /tmp/swectl-tests.tgz -C {TESTS_DIR} --no-same-owner && rm -f /tmp/swectl-tests.tgz || exit 92\n"
         f"{exports}"
         f"cd {_shell_quote(workdir)} || exit 93\n"
-        f"bash {TESTS_DIR}/test.sh\n"
-        "code=$?\n"
+        f"chmod +x {TESTS_DIR}/test.sh && ({TESTS_DIR}/test.sh) 2>&1 | tee /logs/verifier/test-stdout.txt\n"
+        "code=${PIPESTATUS[0]}\n"
         'echo "SWECTL_HARBOR_TEST_EXIT=$code"\n'
     )
 

@@ -1,0 +1,130 @@
+"""Harbor task folders as swectl tasks (swectl/tasks/harbor.py, swectl/images/harbor.py, the Grader's Harbor path):
+the bundled terminal tasks build offline, their solve.sh makes a gold patch that scores 1 and the empty patch scores 0,
+and nothing an agent can plant scores: a reward file or a test script in the work folder, the same written outside it
+in the agent's own sandbox (the grader sees only the diff), a path out of the work folder, pytest configuration, git
+metadata. The same tasks run through `swectl eval --gold` / `--empty` and an agent episode of the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import anyio
+import pytest
+
+from swectl.actors.env_pool import running_pool
+from swectl.actors.grader import Grader, GraderConfig, GradeResult
+from swectl.config import load_config
+from swectl.images.harbor import prepare_harbor_tasks
+from swectl.tasks.record import TESTBED, Task
+from swectl.tasks.sources import load_tasks
+
+pytestmark = [pytest.mark.integration]
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUNDLED_HARBOR = REPO_ROOT / "swectl" / "data" / "bundled" / "harbor"
+
+
+@pytest.fixture(scope="module")
+def harbor_tasks() -> dict[str, Task]:
+    loaded = load_tasks(BUNDLED_HARBOR, strict=True)
+    tasks, problems = prepare_harbor_tasks(loaded.tasks)
+    assert not problems, problems
+    return {t.instance_id: t for t in tasks}
+
+
+def _new_file(path: str, text: str) -> str:
+    lines = text.splitlines()
+    body = "".join(f"+{line}\n" for line in lines)
+    return (f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
+            f"@@ -0,0 +1,{len(lines)} @@\n{body}")
+
+
+PLANT_REWARD = "#!/bin/bash\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n"
+
+
+def attacks() -> dict[str, str]:
+    return {
+        "reward_in_workdir": _new_file("logs/verifier/reward.txt", "1"),
+        "test_script_in_workdir": _new_file("tests/test.sh", PLANT_REWARD),
+        "path_out_of_workdir": _new_file("../logs/verifier/reward.txt", "1"),
+        "root_conftest": _new_file("conftest.py", "def pytest_runtest_makereport(item, call):\n    pass"),
+        "pytest_ini": _new_file("pytest.ini", "[pytest]\naddopts = -p hack"),
+        "gitattributes_filter": _new_file(".gitattributes", "* filter=hack"),
+        "shadow_pytest": _new_file("pytest.py", "import sys\nsys.exit(0)"),
+        "sitecustomize": _new_file("sitecustomize.py", "import os\nos.environ['X'] = '1'"),
+    }
+
+
+async def grade_all(pairs: dict[str, tuple[Task, str]]) -> dict[str, GradeResult]:
+    config = load_config(None, ["env_pool.warm=0"])
+    results: dict[str, GradeResult] = {}
+    async with running_pool(config, "hb" + uuid.uuid4().hex[:10]) as pool:
+        grader = Grader(GraderConfig(concurrency=4), pool)
+
+        async def one(name: str, task: Task, patch: str) -> None:
+            results[name] = await grader.grade(task, patch, label=name)
+
+        async with anyio.create_task_group() as tg:
+            for name, (task, patch) in pairs.items():
+                tg.start_soon(one, name, task, patch)
+    return results
+
+
+async def planted_in_the_agents_sandbox(task: Task) -> str:
+    """An agent that writes a reward file and a test script where the verifier reads them, in its own sandbox
+    (outside the work folder), and the answer's reward file inside it: what the grader gets is the diff."""
+    config = load_config(None, ["env_pool.warm=0"])
+    async with running_pool(config, "hb" + uuid.uuid4().hex[:10]) as pool, pool.lease(task.image) as lease:
+        script = ("mkdir -p /logs/verifier /tests && echo 1 > /logs/verifier/reward.txt && "
+                  f"printf '%s' {json.dumps(PLANT_REWARD)} > /tests/test.sh && echo 1 > {TESTBED}/reward.txt")
+        r = await lease.exec(script, 60, cwd=TESTBED)
+        assert r.exit_code == 0, r.output
+        return (await lease.diff(TESTBED)).decode()
+
+
+@pytest.mark.anyio
+async def test_harbor_tasks_gold_scores_and_nothing_planted_does(harbor_tasks: dict[str, Task]) -> None:
+    target = harbor_tasks["log-error-counts"]
+    planted = await planted_in_the_agents_sandbox(target)
+    assert "reward.txt" in planted and "/logs" not in planted  # only the work folder's file came along
+    pairs = {f"gold:{n}": (t, t.patch) for n, t in harbor_tasks.items()}
+    pairs |= {f"empty:{n}": (t, "") for n, t in harbor_tasks.items()}
+    pairs |= {name: (target, patch) for name, patch in attacks().items()}
+    pairs["planted_in_sandbox"] = (target, planted)
+    results = await grade_all(pairs)
+    table = "\n".join(f"{n:<24} {r.status:<10} {r.reason:<16} {r.reward} {(r.detail or '')[:90]}"
+                      for n, r in results.items())
+    for name in harbor_tasks:
+        assert results[f"gold:{name}"].status == "resolved" and results[f"gold:{name}"].reward == 1.0, table
+        assert results[f"empty:{name}"].status == "unresolved" and results[f"empty:{name}"].reward == 0.0, table
+    for name in ("reward_in_workdir", "test_script_in_workdir", "planted_in_sandbox"):
+        assert results[name].status == "unresolved" and results[name].reward == 0.0, table  # the verifier ran
+    assert results["path_out_of_workdir"].status == "error", table
+    assert results["path_out_of_workdir"].reason == "patch_apply_failed", table
+    for name in ("root_conftest", "pytest_ini", "gitattributes_filter", "shadow_pytest", "sitecustomize"):
+        assert results[name].status == "tampered", table
+    assert not any(r.infra for r in results.values()), table
+
+
+def test_swectl_eval_runs_harbor_tasks_gold_empty_and_an_agent(harbor_tasks: dict[str, Task],
+                                                               model: Path, tmp_path: Path) -> None:
+    swectl = [sys.executable, "-m", "swectl.cli.main"]
+    for mode in ("--gold", "--empty"):
+        out = tmp_path / mode.strip("-")
+        run = subprocess.run([*swectl, "eval", mode, "--tasks", str(BUNDLED_HARBOR), "--out", str(out)],
+                             capture_output=True, text=True, timeout=600, check=False)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        report = json.loads((out / "report.json").read_text())
+        assert report["resolved"] == (3 if mode == "--gold" else 0) and report["errors"] == 0, report
+    out = tmp_path / "agent"
+    run = subprocess.run([*swectl, "eval", "--model", str(model), "--tasks", str(BUNDLED_HARBOR), "--instances",
+                          "log-error-counts", "--step-limit", "2", "--max-tokens", "24", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode in (0, 1), run.stdout[-2000:] + run.stderr[-2000:]
+    row = json.loads((out / "results.jsonl").read_text().splitlines()[0])
+    assert row["grade"]["reward"] is not None and not row["grade"]["infra"], row  # graded by the task's verifier
+    prompt = json.loads((out / "log-error-counts__0" / "traj.json").read_text())["episode"]["trajectory"]
+    assert "errors.json" in prompt["messages"][1]["content"]  # the task's instruction.md reached the agent
