@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The agent harnesses swectl's gateway is tested with, unmodified, in a venv of their own (.venv-harness;
 # idempotent, about a minute and 750 MiB the first time): mini-swe-agent (PyPI, pinned); and Harbor (PyPI
-# `harbor`, pinned; Python >= 3.12, so pyenv's 3.12 in .venv-harbor, about two minutes and 430 MiB), whose ATIF
-# validator, task loader, oracle and no-op agents the tests run against swectl's files. Run by
+# `harbor`, pinned; Python >= 3.12, so pyenv's 3.12 in .venv-harbor, about two minutes and 430 MiB) with
+# podman-compose, whose ATIF validator, linter, oracle and no-op agents and podman environment the tests run. Run by
 # `bash scripts/setup.sh --with-harnesses` (the test command does; CI runs it), or alone.
 #   - its own venv: mini-swe-agent pulls litellm and the openai SDK, which swectl does not need;
 #   - tests run it with LITELLM_LOCAL_MODEL_COST_MAP=True and MSWEA_CONFIGURED=true, so it asks nothing and
@@ -16,10 +16,13 @@ say() { printf '\033[1m[setup harnesses]\033[0m %s\n' "$*"; }
 
 HARBOR_VENV=${SWECTL_HARBOR_VENV:-.venv-harbor}
 HARBOR_VERSION=0.25.0
+# Harbor's podman environment drives podman through compose; podman 4.3 has no `podman compose`, so podman-compose
+# (PyPI) goes into Harbor's venv, whose bin/ the tests put on PATH.
+PODMAN_COMPOSE_VERSION=1.6.0
 
 setup_harbor() {
-    local check='import importlib.metadata as m, sys; sys.exit(m.version("harbor") != sys.argv[1])'
-    if [ -x "$HARBOR_VENV/bin/harbor" ] && "$HARBOR_VENV/bin/python" -c "$check" "$HARBOR_VERSION" 2>/dev/null; then
+    local check='import importlib.metadata as m, sys; sys.exit(m.version("harbor") != sys.argv[1] or m.version("podman-compose") != sys.argv[2])'
+    if [ -x "$HARBOR_VENV/bin/harbor" ] && "$HARBOR_VENV/bin/python" -c "$check" "$HARBOR_VERSION" "$PODMAN_COMPOSE_VERSION" 2>/dev/null; then
         say "harbor $HARBOR_VERSION is ready in $HARBOR_VENV"
         return 0
     fi
@@ -39,7 +42,7 @@ setup_harbor() {
     [ -x "$HARBOR_VENV/bin/python" ] || "$py" -m venv "$HARBOR_VENV"
     say "installing harbor $HARBOR_VERSION into $HARBOR_VENV with $py (about two minutes)"
     local log="$HARBOR_VENV/pip-install.log"
-    if ! "$HARBOR_VENV/bin/pip" install -q "harbor==$HARBOR_VERSION" >"$log" 2>&1; then
+    if ! "$HARBOR_VENV/bin/pip" install -q "harbor==$HARBOR_VERSION" "podman-compose==$PODMAN_COMPOSE_VERSION" >"$log" 2>&1; then
         tail -40 "$log" >&2; echo "setup harnesses: pip install harbor failed (full log: $log)" >&2; exit 1
     fi
     say "harbor $HARBOR_VERSION is ready in $HARBOR_VENV"

@@ -1,4 +1,6 @@
-"""`swectl tasks synth`: SWE-smith-style tasks from real projects (swectl/synth/)."""
+"""`swectl tasks synth`: SWE-smith-style tasks from real projects (swectl/synth/); `swectl tasks validate`: which
+tasks of a set can be trusted; `swectl tasks export --harbor`: a task set as Harbor task folders
+(swectl/tasks/harbor_export.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     synth.add_argument("--max-fail", type=int, default=30, help="keep a mutant if 1..N tests fail (default 30)")
     synth.add_argument("--concurrency", type=int, default=2, help="sandboxes running mutants at once")
     synth.add_argument("--out", type=Path, default=Path("tasks.jsonl"), help="output JSONL (default tasks.jsonl)")
+
+    export = tsub.add_parser(
+        "export",
+        help="write a task set as Harbor task folders that Harbor runs unmodified (its oracle agent applies the gold "
+        "patch, its verifier runs the task's tests)",
+        description="Write each task of --tasks as a Harbor task folder under --harbor DIR: task.toml,\n"
+        "instruction.md, environment/Dockerfile (FROM the task's image on this machine, its setup patch committed),\n"
+        "tests/test.sh "
+        "(the task's eval script, then SWE-bench's FAIL_TO_PASS / PASS_TO_PASS rule on pytest's results -> reward 1\n"
+        "or 0 in /logs/verifier/reward.txt) and solution/solve.sh (the gold patch). Harbor tasks are copied as they\n"
+        "are. Rows graded by a parser other than pytest's are skipped with the reason. Run them with Harbor, e.g.\n"
+        "  harbor run -p DIR -a oracle -e podman --no-delete",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("--tasks", default=None, metavar="SOURCE",
+                        help="task set: JSONL/JSON/parquet, a Harbor task folder, or an HF name (default: the bundled "
+                        "set)")
+    export.add_argument("--harbor", required=True, type=Path, metavar="DIR", help="the folder to write the tasks to")
+    export.add_argument("--instances", nargs="+", default=[], metavar="ID", help="only these instance ids")
+    export.add_argument("--slice", default="", metavar="A:B", help="only tasks[A:B] (after --instances)")
+    export.add_argument("--image-map", type=Path, default=None, metavar="FILE",
+                        help="JSON/TOML instance_id -> image (as swectl eval)")
+    export.add_argument("--image-template", default=None, metavar="T", help="image name template (as swectl eval)")
+    export.add_argument("--timeout", type=float, default=1800.0, help="the verifier's timeout, seconds")
 
     validate = tsub.add_parser(
         "validate",
@@ -70,6 +96,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.tasks_command == "validate":
         return _validate(args)
+    if args.tasks_command == "export":
+        return _export(args)
     config = load_config(args.config, args.overrides)
     from swectl.synth.factory import SynthConfig, synth_project
 
@@ -96,6 +124,30 @@ def run(args: argparse.Namespace) -> int:
     args.out.write_bytes(b"".join(msgspec.json.encode(t.row()) + b"\n" for t in tasks))
     say(f"wrote {len(tasks)} tasks to {args.out}")
     return 0 if tasks else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    """``swectl tasks export --harbor``: 0 when every chosen task was written, 1 when some were skipped."""
+    from swectl.cli.common import load_task_set
+    from swectl.cli.eval import select_tasks
+    from swectl.errors import TaskDataError
+    from swectl.images.names import ImageResolver
+    from swectl.images.project import BUNDLED_TASKS
+    from swectl.tasks.harbor_export import export_task
+
+    tasks = select_tasks(load_task_set(args.tasks or str(BUNDLED_TASKS)), args.instances, args.slice)
+    resolver = ImageResolver.from_options(args.image_template, args.image_map)
+    args.harbor.mkdir(parents=True, exist_ok=True)
+    written, skipped = 0, 0
+    for task in tasks:
+        try:
+            export_task(task, resolver.resolve(task), args.harbor, timeout_s=args.timeout)
+            written += 1
+        except TaskDataError as exc:
+            say(f"skipped {task.instance_id}: {exc}")
+            skipped += 1
+    say(f"wrote {written} Harbor task folders to {args.harbor}" + (f" ({skipped} skipped)" if skipped else ""))
+    return 0 if not skipped else 1
 
 
 def _validate(args: argparse.Namespace) -> int:
