@@ -7,6 +7,8 @@ Classes defined elsewhere are marked with their module (they live next to the co
     +-- TaskDataError                task rows unreadable or malformed (file:line, field, expected); a ValueError
     |   +-- RowProblemError          one malformed row, with its RowProblem (swectl.tasks.sources)
     |   +-- EvalSetError             an evaluation set would become training prompts (swectl.data.prepare)
+    |   +-- HarborTaskError          a Harbor task folder swectl cannot use; names the folder and the field
+    |                                (swectl.tasks.harbor)
     +-- DiffError                    a diff cannot be parsed or reversed; a ValueError (swectl.tasks.diffs)
     +-- SpecError                    SWE-bench repo specs missing, or no spec / eval script for a task
     +-- ImageBuildError              an image build step failed; names the step and its log (swectl.images.project)

@@ -1,22 +1,12 @@
-"""Harbor (PyPI `harbor` 0.25.0, unmodified, in .venv-harbor from `bash scripts/setup.sh --with-harnesses`) as the
-tests run it: its interpreter, and its ATIF validator on a file."""
+"""Harbor's ATIF validator and interpreter as the unit tests run them (the rest of Harbor's tooling, shared with
+the benchmarks, is swectl/testing/harbor.py)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def harbor_python() -> Path:
-    """Harbor's interpreter; an AssertionError saying how to install it when it is not there (never a skip: CI
-    installs it)."""
-    venv = Path(os.environ.get("SWECTL_HARBOR_VENV", REPO_ROOT / ".venv-harbor"))
-    python = venv / "bin" / "python"
-    assert python.is_file(), f"{python} is missing: run `bash scripts/setup.sh --with-harnesses` (installs Harbor)"
-    return python
+from swectl.testing.harbor import harbor_python
 
 
 def harbor_validates(path: Path) -> tuple[bool, str]:

@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE_ROOTS = {"swectl": "swectl", "actors": "swectl.actors", "remote": "swectl.remote"}
 DOCUMENTED_ROOTS = (*SOURCE_ROOTS, "tests", "benchmarks", "experiments", "examples", "scripts")
 SKIPPED_DIRS = {"__pycache__", "results", ".pytest_cache"}
+# Folders of task data (Harbor task folders: their own layout, named by the README above them), not of code
+DATA_DIRS = ("swectl/data/bundled/harbor",)
 
 # The layers, lowest first. A module may import its own layer's packages and those of lower layers.
 BASE = "base"
@@ -35,7 +37,10 @@ TEST_ONLY = "swectl.testing"
 def _folders() -> Iterator[Path]:
     for top in DOCUMENTED_ROOTS:
         for folder in [ROOT / top, *sorted((ROOT / top).rglob("*"))]:
-            if folder.is_dir() and not SKIPPED_DIRS & set(folder.relative_to(ROOT).parts):
+            rel = folder.relative_to(ROOT)
+            if any(str(rel).startswith(d + "/") for d in DATA_DIRS):
+                continue
+            if folder.is_dir() and not SKIPPED_DIRS & set(rel.parts):
                 yield folder
 
 

@@ -1,6 +1,6 @@
 """`swectl tasks synth`: SWE-smith-style tasks from real projects (swectl/synth/); `swectl tasks validate`: which
 tasks of a set can be trusted; `swectl tasks export --harbor`: a task set as Harbor task folders
-(swectl/tasks/harbor_export.py)."""
+(swectl/eval/harbor_export.py)."""
 
 from __future__ import annotations
 
@@ -131,9 +131,9 @@ def _export(args: argparse.Namespace) -> int:
     from swectl.cli.common import load_task_set
     from swectl.cli.eval import select_tasks
     from swectl.errors import TaskDataError
+    from swectl.eval.harbor_export import export_task
     from swectl.images.names import ImageResolver
     from swectl.images.project import BUNDLED_TASKS
-    from swectl.tasks.harbor_export import export_task
 
     tasks = select_tasks(load_task_set(args.tasks or str(BUNDLED_TASKS)), args.instances, args.slice)
     resolver = ImageResolver.from_options(args.image_template, args.image_map)

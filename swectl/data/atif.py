@@ -43,6 +43,7 @@ ATIF_SUFFIX = ".atif.json"
 
 
 class AtifAgent(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """ATIF's agent: who produced the trajectory (name, version, model, tool definitions)."""
     name: str
     version: str
     model_name: str | None = None
@@ -51,6 +52,7 @@ class AtifAgent(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class AtifToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One tool call of an agent step (its id, function name and arguments)."""
     tool_call_id: str
     function_name: str
     arguments: dict[str, Any]
@@ -58,16 +60,19 @@ class AtifToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class AtifObservationResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One result in an observation (the output of a tool call, by its call id)."""
     source_call_id: str | None = None
     content: str | list[dict[str, Any]] | None = None
     extra: dict[str, Any] | None = None
 
 
 class AtifObservation(msgspec.Struct, kw_only=True):
+    """What the environment answered to an agent step."""
     results: list[AtifObservationResult]
 
 
 class AtifMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One model call's metrics: token counts, and the token ids and logprobs that make RL data of it."""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
@@ -79,6 +84,7 @@ class AtifMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class AtifStep(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One step: a system, user or agent message, with an agent step's tool calls, observation and metrics."""
     step_id: int
     source: Literal["system", "user", "agent"]
     message: str | list[dict[str, Any]]
@@ -93,6 +99,7 @@ class AtifStep(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class AtifFinalMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Totals over the trajectory."""
     total_prompt_tokens: int | None = None
     total_completion_tokens: int | None = None
     total_steps: int | None = None
@@ -100,6 +107,7 @@ class AtifFinalMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class AtifTrajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An ATIF document (v1.0 to v1.8 read; v1.7 written)."""
     schema_version: str
     agent: AtifAgent
     steps: list[AtifStep]

@@ -41,10 +41,6 @@ HEARTBEAT_S = 30.0
 HTTP_SLACK_S = 60.0  # the HTTP call's bound beyond the command's own timeout
 
 
-class SwectlServeError(RuntimeError):
-    """The service refused or could not run a request (its status and message)."""
-
-
 class SwectlEnvironment(BaseEnvironment):
     """Harbor's BaseEnvironment over a `swectl serve` lease."""
 
@@ -81,10 +77,10 @@ class SwectlEnvironment(BaseEnvironment):
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
-            raise SwectlServeError(f"swectl serve {path}: HTTP {exc.code}: "
+            raise RuntimeError(f"swectl serve {path}: HTTP {exc.code}: "
                                    f"{exc.read()[:2000].decode(errors='replace')}") from exc
         except urllib.error.URLError as exc:
-            raise SwectlServeError(f"swectl serve at {self._url} does not answer ({exc.reason}); start it with "
+            raise RuntimeError(f"swectl serve at {self._url} does not answer ({exc.reason}); start it with "
                                    "`swectl serve --tasks TASKS_DIR` and set SWECTL_SERVE_URL") from exc
 
     async def _post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
@@ -95,7 +91,7 @@ class SwectlEnvironment(BaseEnvironment):
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 await self._post("/heartbeat", {"lease_id": self._lease}, timeout=30.0)
-            except SwectlServeError as exc:
+            except RuntimeError as exc:
                 self.logger.warning(f"swectl lease heartbeat failed: {exc}")
 
     # ------------------------------------------------------------------ the lifecycle
@@ -107,7 +103,7 @@ class SwectlEnvironment(BaseEnvironment):
         got = await self._post("/allocate", body, timeout=900.0)
         if not got.get("task_known") and not body.get("image"):
             await self._post("/close", {"lease_id": got["lease_id"]})
-            raise SwectlServeError(f"swectl serve does not know the task {self.environment_name!r}: start it with "
+            raise RuntimeError(f"swectl serve does not know the task {self.environment_name!r}: start it with "
                                    "--tasks naming the folder that holds this task")
         self._lease = got["lease_id"]
         self._heartbeat = asyncio.create_task(self._beat())
@@ -124,7 +120,7 @@ class SwectlEnvironment(BaseEnvironment):
     async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
                    timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
         if not self._lease:
-            raise SwectlServeError("exec before start (no swectl lease)")
+            raise RuntimeError("exec before start (no swectl lease)")
         timeout = float(timeout_sec) if timeout_sec else DEFAULT_TIMEOUT_S
         env = self._merge_env(env) if hasattr(self, "_merge_env") else env
         user = self._resolve_user(user) if hasattr(self, "_resolve_user") else user
@@ -143,7 +139,7 @@ class SwectlEnvironment(BaseEnvironment):
     async def _checked(self, command: str, what: str) -> str:
         result = await self.exec(command, timeout_sec=600)
         if result.return_code != 0:
-            raise SwectlServeError(f"{what} failed (exit {result.return_code}): {(result.stdout or '')[-1000:]}")
+            raise RuntimeError(f"{what} failed (exit {result.return_code}): {(result.stdout or '')[-1000:]}")
         return result.stdout or ""
 
     async def _put(self, data: bytes, target: str) -> None:

@@ -44,6 +44,7 @@ HARBOR_RECIPE = "1"
 
 
 class HarborVerifier(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """task.toml's [verifier] section."""
     timeout_sec: float = 600.0
     env: dict[str, str] = {}
     environment_mode: str | None = None
@@ -51,10 +52,12 @@ class HarborVerifier(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 
 
 class HarborAgent(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """task.toml's [agent] section."""
     timeout_sec: float | None = None
 
 
 class HarborEnvironment(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """task.toml's [environment] section."""
     build_timeout_sec: float = 600.0
     docker_image: str | None = None
     os: str = "linux"
@@ -70,6 +73,7 @@ class HarborEnvironment(msgspec.Struct, kw_only=True, forbid_unknown_fields=Fals
 
 
 class HarborSolution(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """task.toml's [solution] section."""
     env: dict[str, str] = {}
 
 

@@ -128,3 +128,24 @@ def test_swectl_eval_runs_harbor_tasks_gold_empty_and_an_agent(harbor_tasks: dic
     assert row["grade"]["reward"] is not None and not row["grade"]["infra"], row  # graded by the task's verifier
     prompt = json.loads((out / "log-error-counts__0" / "traj.json").read_text())["episode"]["trajectory"]
     assert "errors.json" in prompt["messages"][1]["content"]  # the task's instruction.md reached the agent
+
+
+def test_swectl_up_trains_on_harbor_tasks(harbor_tasks: dict[str, Task], model: Path, tmp_path: Path) -> None:
+    """A GRPO step of `swectl up` whose task set is the Harbor folder: its episodes graded by the tasks' verifiers."""
+    sets = {"out_dir": repr(str(tmp_path)), "run_id": "'harbor-up'", "train.model": repr(str(model)),
+            "train.data.tasks": repr(str(BUNDLED_HARBOR)), "train.data.test_fraction": 0.34,
+            "train.sampling.tasks_per_step": 2, "train.sampling.n_samples": 2,
+            "train.sampling.dynamic_sampling": "false", "rollout.step_limit": 1, "rollout.max_tokens": 16,
+            "env_pool.warm": 0}
+    argv = [sys.executable, "-m", "swectl.cli.main", "up", "--single-run", "--steps", "1"]
+    for key, value in sets.items():
+        argv += ["--set", f"{key}={value}"]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    step = json.loads((tmp_path / "harbor-up" / "steps.jsonl").read_text().splitlines()[0])
+    assert set(step["tasks"]) <= set(harbor_tasks) and len(step["rewards"]) == 2, step
+    metas = sorted((tmp_path / "harbor-up" / "episodes" / "step_000001").glob("*__*/meta.json"))
+    assert len(metas) == 4
+    for meta in metas:
+        grade = json.loads(meta.read_text())["grade"]
+        assert grade["reward"] is not None and not grade["infra"], grade  # the task's own verifier ran
