@@ -256,26 +256,29 @@ class EnvPool:
                     await self._shutdown()
                 tg.cancel_scope.cancel("env pool stopped")
 
-    async def acquire(self, image: str | None = None, *, grading: bool = False) -> Lease:
+    async def acquire(self, image: str | None = None, *, grading: bool = False, cpus: float | None = None,
+                      memory: str | None = None) -> Lease:
         """A lease on a fresh sandbox. Waits for capacity; bound the wait with a cancel scope. ``grading``: a
-        sandbox for a grading, with ``sandbox.grading_cpus`` (where set) instead of ``sandbox.cpus``."""
+        sandbox for a grading, with ``sandbox.grading_cpus`` (where set) instead of ``sandbox.cpus``. ``cpus`` and
+        ``memory`` are a task's own limits (a Harbor task's ``[environment]``), in place of the section's."""
         image = image or self._sandbox.image
         key = image_key(image)
         self._wanted[key] += 1  # a pending lease's image is never evicted
         try:
-            return await self._acquire(image, self.cpus_for(grading))
+            return await self._acquire(image, cpus if cpus is not None else self.cpus_for(grading), memory)
         finally:
             self._wanted[key] -= 1
             if not self._wanted[key]:
                 del self._wanted[key]
 
-    async def _acquire(self, image: str, cpus: float) -> Lease:
+    async def _acquire(self, image: str, cpus: float, memory: str | None = None) -> Lease:
         attempts = 0
         waited = 0.0  # seconds this lease waited for pulls of its image
         while True:
             if self._closed:
                 raise PoolClosedError("the env pool is shut down")
-            warm_fits = image == self._sandbox.image and cpus == self._sandbox.cpus
+            warm_fits = image == self._sandbox.image and cpus == self._sandbox.cpus and memory in (None,
+                                                                                                self._sandbox.memory)
             if warm_fits and (lease := await self._take_warm()):
                 self._counts["warm_hits"] += 1
                 return lease
@@ -288,7 +291,7 @@ class EnvPool:
                 if not self._has_image(slot, image):
                     waited += await self._wait_for_image(slot, image)
                     continue  # placed again: the node holds the image now, and the start caps apply
-                sandbox = await self._create(slot, image, cpus)
+                sandbox = await self._create(slot, image, cpus, memory)
             except InfraError as exc:
                 attempts += 1
                 if attempts > self._config.start_retries:
@@ -323,8 +326,9 @@ class EnvPool:
         return self._sandbox.cpus
 
     @asynccontextmanager
-    async def lease(self, image: str | None = None, *, grading: bool = False) -> AsyncIterator[Lease]:
-        held = await self.acquire(image, grading=grading)
+    async def lease(self, image: str | None = None, *, grading: bool = False, cpus: float | None = None,
+                    memory: str | None = None) -> AsyncIterator[Lease]:
+        held = await self.acquire(image, grading=grading, cpus=cpus, memory=memory)
         try:
             yield held
         finally:
@@ -367,10 +371,10 @@ class EnvPool:
         chosen = choose_node([slot.view(image, anywhere) for slot in self._slots])
         return None if chosen is None else self._slots[chosen]
 
-    def _spec(self, slot: _NodeSlot, image: str, cpus: float) -> SandboxSpec:
+    def _spec(self, slot: _NodeSlot, image: str, cpus: float, memory: str | None = None) -> SandboxSpec:
         cfg = self._sandbox
         return SandboxSpec(
-            image=image, workdir=cfg.workdir, network=cfg.network, memory=cfg.memory,
+            image=image, workdir=cfg.workdir, network=cfg.network, memory=memory or cfg.memory,
             pids_limit=cfg.pids_limit, cpus=cpus,
             labels={
                 LABEL_MANAGED: "1", LABEL_RUN: self.run_id, LABEL_NODE: slot.config.name,
@@ -378,10 +382,10 @@ class EnvPool:
             },
         )
 
-    async def _create(self, slot: _NodeSlot, image: str, cpus: float) -> Sandbox:
+    async def _create(self, slot: _NodeSlot, image: str, cpus: float, memory: str | None = None) -> Sandbox:
         slot.starting += 1
         try:
-            return await slot.backend.create(self._spec(slot, image, cpus))
+            return await slot.backend.create(self._spec(slot, image, cpus, memory))
         except InfraError as exc:
             slot.failures += 1
             self._counts["start_failures"] += 1

@@ -50,7 +50,15 @@ from swectl.grading.runner_config import changed_runner_sections
 from swectl.images.names import ImageResolver
 from swectl.images.project import GIT_IDENTITY
 from swectl.schema import GraderStatistics
-from swectl.tasks.harbor import REWARD_JSON, REWARD_TXT, HarborTaskError, harbor_meta, is_harbor, parse_reward
+from swectl.tasks.harbor import (
+    REWARD_JSON,
+    REWARD_TXT,
+    HarborTaskError,
+    harbor_meta,
+    is_harbor,
+    parse_reward,
+    sandbox_limits,
+)
 from swectl.tasks.record import TESTBED, Task
 
 PATCH_FILE = "/tmp/swectl-patch.diff"
@@ -245,7 +253,7 @@ class Grader:
         async with self._grading(result):
             policy = review_harbor_patch(patch)
             self._refuse(policy)
-            async with self._pool.lease(self._resolver.resolve(task), grading=True) as lease:
+            async with self._pool.lease(self._resolver.resolve(task), grading=True, **sandbox_limits(task)) as lease:
                 result.node = lease.node
                 await self._check_shadows(lease, policy, TESTBED)
                 result.apply_method = await self._apply(lease, policy.patch, TESTBED)

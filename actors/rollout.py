@@ -39,6 +39,7 @@ from swectl.errors import InfraError
 from swectl.images.names import ImageResolver
 from swectl.rl.prm import StepJudgement, StepView
 from swectl.schema import RolloutStatistics
+from swectl.tasks.harbor import harbor_meta, is_harbor, sandbox_limits
 from swectl.tasks.record import Task
 
 
@@ -72,6 +73,15 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
 EngineFor = Callable[[Task, int], "Engine | ChatEngine | MiniSweAgent"]
 # Waits until an engine can take requests (Engines.wait_routable); returns the seconds waited, raises InfraError
 EngineReady = Callable[[], Awaitable[float]]
+
+
+def episode_config_for(task: Task, config: EpisodeConfig) -> EpisodeConfig:
+    """The episode settings for ``task``: a Harbor task's ``[agent] timeout_sec`` bounds its wall time (the shorter
+    of it and ``rollout.episode``'s)."""
+    timeout = harbor_meta(task).agent_timeout_s if is_harbor(task) else None
+    if not timeout or timeout >= config.limits.wall_time_s:
+        return config
+    return msgspec.structs.replace(config, limits=msgspec.structs.replace(config.limits, wall_time_s=float(timeout)))
 
 
 def _write_artifacts(out_dir: Path, ep: Episode, cfg: RolloutConfig, result: EpisodeResult) -> None:
@@ -169,18 +179,19 @@ class Rollout:
                 if waited > 0:
                     self._counts["engine_waits"] += 1
                     self._engine_wait_s += waited
-            async with self._pool.lease(self._resolver.resolve(task)) as lease:
+            async with self._pool.lease(self._resolver.resolve(task), **sandbox_limits(task)) as lease:
                 if not await prepare_task(lease, task):
                     raise InfraError("the task's setup patch did not apply in a fresh sandbox")
                 match self._engine_for(task, sample):
                     case Engine() as engine:
                         assert self._tok is not None, "a token-in/token-out engine needs the tokenizer"
-                        return await run_episode(task, lease, engine, self._tok, self._cfg.episode,
+                        return await run_episode(task, lease, engine, self._tok,
+                                                 episode_config_for(task, self._cfg.episode),
                                                  key=f"{task.instance_id}#{sample}", on_step=on_step)
                     case MiniSweAgent() as harness:  # an external harness, unmodified, through the gateway
                         return await harness.run_episode(task, lease, f"{task.instance_id}#{sample}")
                     case ChatEngine() as chat:  # an OpenAI-compatible chat endpoint: messages only
-                        return await run_chat_episode(task, lease, chat, self._cfg.episode)
+                        return await run_chat_episode(task, lease, chat, episode_config_for(task, self._cfg.episode))
                     case other:
                         raise TypeError(f"engine_for returned {type(other).__name__}, not an Engine or ChatEngine")
         except InfraError as exc:

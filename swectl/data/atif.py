@@ -174,7 +174,7 @@ def _trajectory_doc(t: Trajectory, episode: Episode, *, model_name: str | None, 
         tool_calls = ([AtifToolCall(tool_call_id=call_id, function_name="bash", arguments={"command": step.action})]
                       if step is not None and step.action else None)
         observation = observations[k] if k < len(observations) else ""
-        trained = 0 if own_loop and turn in malformed else 1
+        trained = 0 if turn in malformed else 1  # a reply the loop (or the harness) rejected: never trained
         version = t.weight_versions[k] if k < len(t.weight_versions) else ""
         step_extra: dict[str, Any] = {"weight_version": version, "turn": turn}
         if step is not None:

@@ -59,6 +59,7 @@ from swectl.serve.wire import (
     ExecRequest,
     LeaseRequest,
 )
+from swectl.tasks.harbor import sandbox_limits
 from swectl.tasks.record import Task
 
 _log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class Fleet:
         image = self._image_for(req, task)
         try:
             with anyio.fail_after(self._allocate_timeout_s):
-                lease = await self._pool.acquire(image)
+                lease = await self._pool.acquire(image, **(sandbox_limits(task) if task is not None else {}))
         except TimeoutError:
             raise ApiError(503, f"no sandbox slot came free within {self._allocate_timeout_s:g} s "
                            f"({self._pool.statistics().leased} leased); close leases or raise the nodes' "

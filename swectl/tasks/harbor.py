@@ -233,8 +233,10 @@ def parse_reward(text: str, name: str) -> float:
     if isinstance(data, int | float) and not isinstance(data, bool):
         return float(data)
     if isinstance(data, dict):
-        if isinstance(data.get("reward"), int | float):
-            return float(data["reward"])
+        if "reward" in data:
+            if isinstance(data["reward"], int | float) and not isinstance(data["reward"], bool):
+                return float(data["reward"])
+            raise HarborTaskError(f"{name}: 'reward' is {data['reward']!r}, not a number")
         numbers = [v for v in data.values() if isinstance(v, int | float) and not isinstance(v, bool)]
         if len(numbers) == 1:
             return float(numbers[0])
@@ -307,3 +309,17 @@ def harbor_meta(task: Task) -> HarborMeta:
 
 def is_harbor(task: Task) -> bool:
     return task.source == "harbor"
+
+
+def sandbox_limits(task: Task) -> dict[str, Any]:
+    """The env pool's lease limits a task asks for (``EnvPool.lease(image, **sandbox_limits(task))``): a Harbor task's
+    ``[environment] cpus`` and ``memory_mb``; nothing for other tasks (the ``[sandbox]`` section's limits)."""
+    if not is_harbor(task):
+        return {}
+    meta = harbor_meta(task)
+    out: dict[str, Any] = {}
+    if meta.cpus:
+        out["cpus"] = float(meta.cpus)
+    if meta.memory_mb:
+        out["memory"] = f"{int(meta.memory_mb)}m"
+    return out

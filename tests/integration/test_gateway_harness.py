@@ -226,6 +226,21 @@ def test_scripted_teachers_act_through_mini_swe_agent_and_a_slip_is_a_branch(mod
     well_formed = sum(any(not e["steps"][n]["format_error"] for n in t["turns"])
                       for e in recovered for t in [e["trajectory"], *e["branches"]])
     assert sum(bool(unpack_mask(s).any()) for s in samples) == well_formed > 0
+    # the same episodes as ATIF (branches as embedded subagents): Harbor's validator passes them, and they read back
+    # as the same trained tokens, branch by branch
+    from swectl.data.atif import export_runs, samples_from_atif
+    from swectl.model.tokenizer import load_tokenizer
+    from swectl.rl.batch import unpack_tokens
+    from tests.harbor_tools import harbor_validates
+
+    tok = load_tokenizer(str(model), "model")
+    written = export_runs([out / "recover"], tmp_path / "atif", decode=lambda ids: tok.decode(ids))
+    for path in written:
+        valid, said = harbor_validates(path)
+        assert valid, said
+    trained = lambda s: [int(t) for t, m in zip(unpack_tokens(s), unpack_mask(s), strict=True) if m]  # noqa: E731
+    back = {s.uid: trained(s) for s in samples_from_atif(written)}
+    assert back == {s.uid: trained(s) for s in samples}
 
 
 def test_grpo_through_mini_swe_agent(model: Path, tmp_path: Path) -> None:

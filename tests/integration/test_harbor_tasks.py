@@ -149,3 +149,30 @@ def test_swectl_up_trains_on_harbor_tasks(harbor_tasks: dict[str, Task], model: 
     for meta in metas:
         grade = json.loads(meta.read_text())["grade"]
         assert grade["reward"] is not None and not grade["infra"], grade  # the task's own verifier ran
+
+
+@pytest.mark.anyio
+async def test_a_harbor_tasks_cpus_and_memory_bound_its_sandboxes(harbor_tasks: dict[str, Task]) -> None:
+    """``[environment] cpus`` and ``memory_mb`` reach the sandbox's cgroup (here 0.5 CPU and 512 MiB, against the
+    [sandbox] section's 1 CPU and 2 GiB for a task that sets none)."""
+    import re
+
+    import msgspec
+
+    from swectl.tasks.harbor import sandbox_limits
+
+    task = harbor_tasks["csv-region-totals"]
+    extra = {**task.extra, "harbor": {**task.extra["harbor"], "cpus": 0.5, "memory_mb": 512}}
+    limited = msgspec.structs.replace(task, extra=extra)
+    config = load_config(None, ["env_pool.warm=0"])
+    seen = []
+    async with running_pool(config, "hb" + uuid.uuid4().hex[:10]) as pool:
+        for t in (limited, msgspec.structs.replace(task, source="swectl-synth")):
+            async with pool.lease(t.image, **sandbox_limits(t)) as lease:
+                groups = (await lease.exec("cat /proc/self/cgroup", 30)).output
+                memory = re.search(r":memory:(\S+)", groups).group(1)
+                cpu = re.search(r":cpu:(\S+)", groups).group(1)
+                limit = await anyio.Path(f"/sys/fs/cgroup/memory{memory}/memory.limit_in_bytes").read_text()
+                quota = await anyio.Path(f"/sys/fs/cgroup/cpu{cpu}/cpu.cfs_quota_us").read_text()
+                seen.append((int(limit), int(quota)))
+    assert seen == [(512 << 20, 50_000), (2 << 30, 100_000)], seen
