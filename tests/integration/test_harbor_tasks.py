@@ -176,3 +176,25 @@ async def test_a_harbor_tasks_cpus_and_memory_bound_its_sandboxes(harbor_tasks: 
                 quota = await anyio.Path(f"/sys/fs/cgroup/cpu{cpu}/cpu.cfs_quota_us").read_text()
                 seen.append((int(limit), int(quota)))
     assert seen == [(512 << 20, 50_000), (2 << 30, 100_000)], seen
+
+
+def test_tasks_validate_and_an_environment_this_machine_cannot_build(harbor_tasks: dict[str, Task],
+                                                                     tmp_path: Path) -> None:
+    """`swectl tasks validate` on the Harbor folder: gold (solve.sh) scores 1 in every run, doing nothing does not.
+    A task FROM an image this machine cannot pull is one problem naming the image, the others still prepared."""
+    import shutil
+
+    out = tmp_path / "validate"
+    run = subprocess.run([sys.executable, "-m", "swectl.cli.main", "tasks", "validate", "--tasks", str(BUNDLED_HARBOR),
+                          "--runs", "2", "--out", str(out)], capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert sorted((out / "validated.txt").read_text().split()) == sorted(harbor_tasks)
+    folder = tmp_path / "tasks"
+    shutil.copytree(BUNDLED_HARBOR / "log-error-counts", folder / "log-error-counts")
+    shutil.copytree(BUNDLED_HARBOR / "log-error-counts", folder / "on-ubuntu")
+    dockerfile = folder / "on-ubuntu" / "environment" / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text().replace("debian:bookworm-slim", "ubuntu:24.04"))
+    tasks, problems = prepare_harbor_tasks(load_tasks(folder, strict=True).tasks)
+    assert [t.instance_id for t in tasks] == ["log-error-counts"] and tasks[0].patch
+    assert len(problems) == 1 and problems[0].location.endswith("on-ubuntu"), problems
+    assert "FROM ubuntu:24.04: not on this machine" in problems[0].message, problems
