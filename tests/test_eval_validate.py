@@ -55,7 +55,8 @@ def test_same_failures_every_run_are_drift_network_or_cpu(tmp_path: Path) -> Non
     conda_only = [grade("unresolved", failed=("t::cdms2",), tmp=tmp_path,
                         log="SKIPPED [1] t.py:3783: could not import 'cdms2': No module named 'cdms2'")] * 2
     v = classify(TASK, None, conda_only, grade("unresolved"))
-    assert v.reason == "env_drift" and v.detail.endswith("modules the tests could not import: cdms2"), v.detail
+    assert v.reason == "missing_dependency", v
+    assert v.detail.endswith("modules the tests could not import: cdms2"), v.detail
     net = [grade("unresolved", failed=("t::a",), tmp=tmp_path,
                  log="requests.exceptions.ConnectionError: Failed to establish a new connection") for _ in range(2)]
     assert classify(TASK, None, net, grade("unresolved")).reason == "network"
@@ -107,3 +108,28 @@ def test_failed_run_step_reads_podman_builds_last_step() -> None:
     assert failed_run_step(out) == "install_deps"
     assert failed_run_step(out + "STEP 8/9: RUN bash /opt/swectl/setup.sh\nexit 2\n") == "setup"
     assert failed_run_step("Error: no such image") == "podman_build"
+
+
+def test_a_missing_c_library_or_dependency_is_named_not_drift(tmp_path: Path) -> None:
+    """xarray 0.12 without the build's apt steps: cfgrib's RuntimeError for ecCodes fails every test module's
+    collection; pylint 2.10: the gold patch imports appdirs, which the environment lacks."""
+    eccodes = [grade("unresolved", failed=("t::a",), tmp=tmp_path, log=(
+        "ERROR xarray/tests/test_backends.py - RuntimeError: ecCodes library not found using ['eccodes', "
+        "'libeccodes.so', 'libeccodes']"))] * 2
+    skipped = InstanceOutcome(instance_id=TASK.instance_id, status="cached", warnings=[
+        "the compiler and C libraries the project needs come from apt (libeccodes-dev): not installed without "
+        "--allow-network"])
+    v = classify(TASK, skipped, eccodes, grade("unresolved"))
+    assert v.reason == "missing_library" and "ecCodes" in v.detail and "--allow-network" in v.detail, v.detail
+    shared = [grade("unresolved", failed=("t::a",), tmp=tmp_path,
+                    log="ImportError: libGL.so.1: cannot open shared object file: No such file or directory")] * 2
+    v = classify(TASK, None, shared, grade("unresolved"))
+    assert v.reason == "missing_library" and "libGL.so.1" in v.detail and "allow-network" not in v.detail
+    task = msgspec.structs.replace(TASK, patch="diff --git a/p.py b/p.py\n--- a/p.py\n+++ b/p.py\n@@ -1 +1,2 @@\n"
+                                   " x\n+import appdirs\n")
+    appdirs = [grade("unresolved", failed=("t::a",), tmp=tmp_path,
+                     log="E   ModuleNotFoundError: No module named 'appdirs'")] * 2
+    v = classify(task, None, appdirs, grade("unresolved"))
+    assert v.reason == "missing_dependency" and "the gold or test patch imports appdirs" in v.detail, v.detail
+    v = classify(TASK, None, appdirs, grade("unresolved"))
+    assert v.reason == "missing_dependency" and "patch imports" not in v.detail

@@ -15,8 +15,14 @@ task gets exactly one reason (:func:`classify`, first match wins):
 - ``cpu_count``: gold's failing tests depend on the number of CPUs (parallel jobs, ``cpu_count``, tests skipped
   for want of cores): the official harness sets no CPU limit; ``--set sandbox.grading_cpus=N`` gives gradings N
   cores (0: no limit, which tools that read cgroup v1's ``cpu.shares``, as pylint does, count as one core);
-- ``env_drift``: gold fails the same tests every run: the environment differs from the one the dataset's
-  test lists were recorded in (``tests`` names them);
+- ``missing_library``: gold fails the same tests every run and the log says a C library is missing (``ecCodes
+  library not found``, ``cannot open shared object file``): a system library the official (conda) environment
+  brings; when the build skipped its apt steps, the detail says to build with ``--allow-network``;
+- ``missing_dependency``: the same, and the tests could not import a module (``No module named``): a dependency
+  the environment lacks; the detail names it and says whether the gold or the test patch imports it (a dependency
+  the fix adds, which the official image, built at the environment setup commit, has);
+- ``env_drift``: gold fails the same tests every run, nothing is missing: the environment differs from the one the
+  dataset's test lists were recorded in (a newer package changing behaviour; ``tests`` names them);
 - ``empty_resolves``: the empty patch resolves: the tests do not see the bug.
 
 Outputs in ``--out``: ``grades.jsonl`` (every grading as it finishes: a rerun with the same ``--out`` grades only
@@ -49,7 +55,7 @@ from swectl.tasks.record import Task
 
 VALIDATION_FORMAT = 1
 Reason = Literal["build_failed", "infra", "timeout", "gold_patch_failed", "flaky", "network", "cpu_count",
-                 "env_drift", "empty_resolves"]
+                 "missing_library", "missing_dependency", "env_drift", "empty_resolves"]
 GradeKind = Literal["gold", "empty"]
 
 # What a test log says when a test wanted the network (sandboxes run with none).
@@ -66,6 +72,10 @@ CPU_LOG = re.compile(r"\bcpu_count\b|sched_getaffinity|PYTEST_XDIST_AUTO_NUM_WOR
                      r"\b(?:\d+|two) or more (?:cores|cpus)\b|needs?_two_cores", re.IGNORECASE)
 # A test skipped or failed on an import (pytest.importorskip, ImportError): the module is not in the environment.
 MISSING_MODULE = re.compile(r"No module named '([\w.]+)'")
+# What a test log says when a C library is missing: the library's name in the first group that matched.
+MISSING_LIBRARY = re.compile(
+    r"([\w.+-]+\.so[\w.]*): cannot open shared object file|(\w+) library not found|cannot load library '([^']+)'|"
+    r"Library not loaded: (\S+)|Could not find (?:the )?(\w+) (?:shared )?library", re.IGNORECASE)
 LOG_TAIL_BYTES = 4 << 20  # of a test log read for markers
 
 
@@ -147,12 +157,36 @@ def _log_text(result: GradeResult) -> str:
 
 def _failure_kind(logs: list[str], tests: set[str]) -> Reason:
     """Why gold fails the same tests in every run (``logs``: the failing runs' test logs): the network, the CPU
-    count, or the environment."""
+    count, a missing C library, a missing dependency, or the environment's drift."""
     if any(NETWORK_MARKERS.search(log) for log in logs):
         return "network"
     if (tests and all(CPU_TESTS.search(t) for t in tests)) or any(CPU_LOG.search(log) for log in logs):
         return "cpu_count"
+    if any(MISSING_LIBRARY.search(log) for log in logs):
+        return "missing_library"
+    if any(MISSING_MODULE.search(log) for log in logs):
+        return "missing_dependency"
     return "env_drift"
+
+
+def _missing_library_detail(logs: list[str], build: InstanceOutcome | None) -> str:
+    names = sorted({next(g for g in m.groups() if g) for log in logs for m in MISSING_LIBRARY.finditer(log)})
+    detail = f"; a C library is missing: {', '.join(names[:5])} (a system library the official environment has)"
+    skipped = [w for w in (build.warnings if build else []) if "allow-network" in w or "apt steps skipped" in w]
+    if skipped:
+        detail += f"; the build skipped its apt steps ({skipped[0][:200]}): build again with --allow-network"
+    return detail
+
+
+def _missing_dependency_detail(task: Task, modules: list[str]) -> str:
+    tops = sorted({m.split(".")[0] for m in modules})
+    needed = [top for top in tops for patch, name in ((task.patch, "gold"), (task.test_patch, "test"))
+              if re.search(rf"^\+\s*(?:import|from)\s+{re.escape(top)}\b", patch, re.MULTILINE)]
+    detail = f"; modules the tests could not import: {', '.join(modules[:10])}"
+    if needed:
+        detail += (f"; the gold or test patch imports {', '.join(sorted(set(needed)))}: a dependency the fix adds, "
+                   "which the official image (built at the environment setup commit) has")
+    return detail
 
 
 def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult], empty: GradeResult | None, *,
@@ -200,9 +234,11 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
         v.detail = (f"{first.status}{f' ({first.reason})' if first.reason else ''}: {len(first.f2p_failed)} of "
                     f"{first.f2p_total} FAIL_TO_PASS and {len(first.p2p_failed)} of {first.p2p_total} PASS_TO_PASS "
                     "tests fail")
-        missing = sorted({m for log in logs for m in MISSING_MODULE.findall(log)}) if v.reason == "env_drift" else []
-        if missing:  # e.g. cdms2: a conda-only package pip cannot install
-            v.detail += f"; modules the tests could not import: {', '.join(missing[:10])}"
+        if v.reason == "missing_library":  # e.g. cfgrib's ecCodes without the build's apt steps
+            v.detail += _missing_library_detail(logs, build)
+        elif v.reason == "missing_dependency":  # e.g. cdms2 (conda-only), appdirs (pylint 2.10's gold adds it)
+            modules = sorted({m for log in logs for m in MISSING_MODULE.findall(log)})
+            v.detail += _missing_dependency_detail(task, modules)
         if v.reason == "cpu_count":
             v.detail += ("; they need more CPUs than the sandbox has (the official harness sets no CPU limit): "
                          "validate again with --set sandbox.grading_cpus=N (N cores for the gradings; 0 = no "
