@@ -44,13 +44,10 @@ def say(msg: str) -> None:
 def load_task_set(source: str) -> list[Task]:
     """The usable tasks of ``--tasks source``; skipped rows are named on stderr (the first few), and a set with no
     usable task is a TaskDataError that says why."""
+    from swectl.images.harbor import with_harbor_prepared
     from swectl.tasks.sources import load_tasks
 
-    loaded = load_tasks(source)
-    if any(t.source == "harbor" for t in loaded.tasks):  # Harbor task folders: their images built, gold made
-        from swectl.images.harbor import prepare_harbor_tasks
-        loaded.tasks, built_problems = prepare_harbor_tasks(loaded.tasks, say=say)
-        loaded.problems += built_problems
+    loaded = with_harbor_prepared(load_tasks(source), say=say)  # Harbor task folders: images built, gold made
     for p in loaded.problems[:SHOWN_SKIPPED_ROWS]:
         say(f"skipped row {p.location}: {p.field}: {p.message}")
     if len(loaded.problems) > SHOWN_SKIPPED_ROWS:

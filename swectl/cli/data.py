@@ -278,7 +278,9 @@ def _run_gold(args: argparse.Namespace) -> int:
 
     config = load_run_config(args.config, args.overrides)
     tokenizer = load_tokenizer(args.model, "--model")
-    loaded = load_tasks(args.tasks)
+    from swectl.images.harbor import with_harbor_prepared
+
+    loaded = with_harbor_prepared(load_tasks(args.tasks), say=say)  # Harbor tasks: images built, gold made
     for problem in loaded.problems[:SHOWN_PROBLEMS]:
         say(f"skipped row {problem}")
     if not loaded.tasks:

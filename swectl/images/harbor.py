@@ -29,7 +29,7 @@ from swectl.images.project import DEFAULT_BASE, ImageBuildError, cache_dir, imag
 from swectl.remote.nodes.podman import run_local_podman
 from swectl.tasks.harbor import HarborMeta, harbor_meta, is_harbor
 from swectl.tasks.record import TESTBED, Task
-from swectl.tasks.sources import RowProblem
+from swectl.tasks.sources import LoadResult, RowProblem
 
 # Images Harbor tasks start FROM that swectl's offline base stands in for (Debian 12; names without a registry are
 # Docker Hub's library images).
@@ -144,3 +144,12 @@ def prepare_harbor_tasks(tasks: list[Task], *, say: Say | None = None,
                 problems.append(RowProblem(meta.folder, "solution", str(exc)))
         out.append(msgspec.structs.replace(task, patch=patch))
     return out, problems
+
+
+def with_harbor_prepared(loaded: LoadResult, *, say: Say | None = None) -> LoadResult:
+    """``loaded`` (swectl.tasks.sources.load_tasks's result) with its Harbor tasks' images built and gold patches
+    made (``prepare_harbor_tasks``), the tasks that failed moved to its problems; as it is without Harbor tasks."""
+    if any(is_harbor(t) for t in loaded.tasks):
+        loaded.tasks, problems = prepare_harbor_tasks(loaded.tasks, say=say)
+        loaded.problems += problems
+    return loaded

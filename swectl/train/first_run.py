@@ -254,11 +254,12 @@ def make_model(work: Path, seed: int, say: Say) -> Path:
 def write_split(work: Path, recipe: Recipe) -> tuple[list[Any], list[Any]]:
     """The seeded train / held-out split of the bundled tasks, written to ``train.jsonl`` and ``test.jsonl``."""
     from swectl.actors.data_source import split_tasks
+    from swectl.images.harbor import with_harbor_prepared
     from swectl.images.project import BUNDLED_TASKS
     from swectl.tasks.sources import load_tasks
 
     source = recipe.tasks or str(BUNDLED_TASKS)
-    loaded = load_tasks(source)
+    loaded = with_harbor_prepared(load_tasks(source))  # Harbor task folders: images built, gold patches made
     if not loaded.tasks:
         raise ConfigError(f"recipe.tasks {source}: no usable task in it")
     train, test = split_tasks(loaded.tasks, recipe.test_fraction, recipe.seed)
@@ -266,7 +267,7 @@ def write_split(work: Path, recipe: Recipe) -> tuple[list[Any], list[Any]]:
         raise ConfigError(f"recipe.test_fraction {recipe.test_fraction}: {len(train)} train and {len(test)} held-out "
                           f"tasks of {len(loaded.tasks)}; both splits need one")
     for name, tasks in (("train", train), ("test", test)):
-        (work / f"{name}.jsonl").write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t in tasks))
+        (work / f"{name}.jsonl").write_bytes(b"".join(msgspec.json.encode(t.row()) + b"\n" for t in tasks))
     return train, test
 
 

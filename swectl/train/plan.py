@@ -17,6 +17,7 @@ from swectl.config import ClusterConfig
 from swectl.data.atif import is_atif, samples_from_atif
 from swectl.data.trajectories import TRAJ_FILE, samples_from_messages_jsonl, samples_from_runs
 from swectl.errors import ConfigError, TaskDataError
+from swectl.images.harbor import with_harbor_prepared
 from swectl.images.project import BUNDLED_TASKS
 from swectl.model.tokenizer import load_tokenizer
 from swectl.rl.batch import TrainSample
@@ -58,12 +59,9 @@ async def build_plan(config: ClusterConfig, run_dir: Path, *, say: Say) -> Train
     if t.algorithm == "sft":
         return TrainPlan(model=model, sft_samples=_sft_samples(config, model))
     source = data.tasks or str(BUNDLED_TASKS)
-    loaded = load_tasks(source)
-    if any(task.source == "harbor" for task in loaded.tasks):  # Harbor task folders: images built, gold made
-        from swectl.images.harbor import prepare_harbor_tasks
-        loaded.tasks, problems = prepare_harbor_tasks(loaded.tasks, say=say)
-        for problem in problems:
-            say(f"skipped task {problem.location}: {problem.field}: {problem.message}")
+    loaded = with_harbor_prepared(load_tasks(source), say=say)  # Harbor task folders: images built, gold made
+    for problem in loaded.problems:
+        say(f"skipped task {problem.location}: {problem.field}: {problem.message}")
     if not loaded.tasks:
         raise TaskDataError(f"train.data.tasks {source}: no usable task in it")
     train, test = split_tasks(loaded.tasks, data.test_fraction, data.split_seed)
