@@ -67,7 +67,9 @@ def containerfile(dockerfile: str, base_ref: str, base: str, meta: HarborMeta) -
             lines[i] = line.replace(base_ref, base, 1)
             break
     workdir = meta.workdir
-    link = f" && ln -sfn {workdir} {TESTBED}" if workdir != TESTBED else ""
+    # /testbed a link to the work folder; a /testbed the base image has (an image of another task) is moved aside
+    link = (f" && {{ [ -L {TESTBED} ] || [ ! -e {TESTBED} ] || mv {TESTBED} {TESTBED}.base; }} && "
+            f"ln -sfn {workdir} {TESTBED}" if workdir != TESTBED else "")
     git = "git -c user.name=swectl -c user.email=swectl@localhost -c init.defaultBranch=main"
     return "\n".join([
         *lines, "",
