@@ -133,3 +133,14 @@ def test_a_missing_c_library_or_dependency_is_named_not_drift(tmp_path: Path) ->
     assert v.reason == "missing_dependency" and "the gold or test patch imports appdirs" in v.detail, v.detail
     v = classify(TASK, None, appdirs, grade("unresolved"))
     assert v.reason == "missing_dependency" and "patch imports" not in v.detail
+
+
+def test_the_patches_that_declare_dependencies_are_found() -> None:
+    from swectl.images.instance import dependency_patches
+
+    cfg = "diff --git a/setup.cfg b/setup.cfg\n--- a/setup.cfg\n+++ b/setup.cfg\n@@ -1 +1,2 @@\n x\n+    appdirs\n"
+    code = "diff --git a/src/a.py b/src/a.py\n--- a/src/a.py\n+++ b/src/a.py\n@@ -1 +1 @@\n-x\n+y\n"
+    reqs = cfg.replace("setup.cfg", "requirements_test.txt")
+    assert dependency_patches(msgspec.structs.replace(TASK, patch=cfg + code, test_patch=code)) == [cfg + code]
+    assert dependency_patches(msgspec.structs.replace(TASK, patch=code, test_patch=reqs)) == [reqs]
+    assert dependency_patches(msgspec.structs.replace(TASK, patch=code, test_patch=code)) == []

@@ -13,6 +13,10 @@ instance image per task on it (``localhost/swectl-inst.<id>``: the testbed and t
   installed offline.
 - pip stays offline in the image, ``/opt/miniconda3/bin/activate`` is a conda shim, and the spec's
   ``pre_install`` and ``install`` run at build time (recipe.py), so the official eval scripts run unchanged.
+  Those scripts reinstall the project after applying the patch (the official harness does it with the network):
+  where the gold or test patch declares a dependency (setup.py / setup.cfg / pyproject.toml / requirements), the
+  wheels the patched project needs are carried in the wheel folder, not installed, so that reinstall finds them
+  offline (pylint 2.10's gold adds appdirs).
 
 Unpinned requirements resolve as of a date (wheels.py: ``uploaded_prior_to``, the ``official`` cut-off by
 default), recorded in the label ``swectl.uploaded_prior_to``.
@@ -39,6 +43,7 @@ it changes. Builds of one environment image wait for each other (a file lock in 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -197,7 +202,7 @@ class _Plan(msgspec.Struct, frozen=True):
 
 
 def _fetch_all(reqs: Requirements, testbed: Testbed, log: Path, target: Target, spec: RepoSpec,
-               image: str) -> list[StageWheels]:
+               image: str, task: Task) -> list[StageWheels]:
     stages = [fetch_stage(stage, log, target) for stage in reqs.stages]
     if reqs.project_extras is not None:
         edits = _offline_pre_install(spec)
@@ -207,7 +212,46 @@ def _fetch_all(reqs: Requirements, testbed: Testbed, log: Path, target: Target, 
 
         stages.append(fetch_project_dependencies(testbed, reqs.project_extras, log, target, edits,
                                                  edit if edits else None))
+        if (carried := _patch_dependencies(task, testbed, reqs.project_extras, log, target, stages)) is not None:
+            stages.append(carried)
     return stages
+
+
+# Files where a patch declares the project's dependencies.
+_DEPENDENCY_FILE = re.compile(r"(?:^|/)(?:setup\.py|setup\.cfg|pyproject\.toml|requirements[^/]*\.txt)$")
+_DIFF_PATH = re.compile(r"^\+\+\+ b/(\S+)", re.MULTILINE)
+
+
+def dependency_patches(task: Task) -> list[str]:
+    """The task's gold and test patches that edit a file declaring the project's dependencies."""
+    return [p for p in (task.patch, task.test_patch)
+            if p and any(_DEPENDENCY_FILE.search(path) for path in _DIFF_PATH.findall(p))]
+
+
+def _patch_dependencies(task: Task, testbed: Testbed, extras: list[str], log: Path, target: Target,
+                        stages: list[StageWheels]) -> StageWheels | None:
+    """The distributions the project needs once the gold and test patches are applied, beyond the stages': carried
+    in the image's wheel folder, not installed. The eval script reinstalls the project after the patch
+    (``pip install -e .``, as the official one does with the network), so a dependency the fix adds (pylint 2.10's
+    appdirs) installs from there offline. None when no patch edits a file that declares dependencies."""
+    patches = dependency_patches(task)
+    if not patches:
+        return None
+
+    def edit(checkout: Path) -> None:
+        for patch in patches:
+            subprocess.run(["patch", "--batch", "--forward", "-p1", "-s"], input=patch.encode(), cwd=checkout,
+                           capture_output=True, timeout=120, check=False)
+
+    key = hashlib.sha256("\0".join(patches).encode()).hexdigest()[:16]
+    got = fetch_project_dependencies(testbed, extras, log, target, [f"swectl: the gold and test patches {key}"], edit)
+    have = {f for stage in stages for f in stage.files}
+    files = [f for f in got.files if f not in have]
+    if not files:
+        return None
+    return StageWheels(name="patch_dependencies", install=[], files=files,
+                       notes=[f"wheels carried for the dependencies the gold / test patch declares (not installed): "
+                              f"{', '.join(files[:8])}"])
 
 
 def _offline_pre_install(spec: RepoSpec) -> list[str]:
@@ -350,7 +394,7 @@ def _plan(task: Task, spec: RepoSpec, testbed: Testbed, base: str, allow_network
     say(f"{task.instance_id}: wheels for {', '.join(s.name for s in reqs.stages)}"
         + (", project dependencies" if reqs.project_extras is not None else "")
         + f" for python {target.python}" + (f", uploaded before {date}" if date else ""))
-    stages = _fetch_all(reqs, testbed, log, target, spec, base)
+    stages = _fetch_all(reqs, testbed, log, target, spec, base, task)
     setup, setup_warnings = setup_script(spec, allow_network=allow_network, apt_layer=apt == "ran")
     _apt_steps, other, _ = split_pre_install(spec.pre_install)
     network = allow_network and any(needs_network(step) for step in other)
