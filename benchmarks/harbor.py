@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,22 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import host_meta
-from swectl.testing.harbor import CONTAINERS_CONF, REPO_ROOT, harbor_trials, swectl_serving
+from swectl.testing.harbor import REPO_ROOT, export_bundled, harbor_trials, removing_new_images, swectl_serving
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "harbor.json"
-
-
-def _export(out: Path) -> None:
-    swectl = [sys.executable, "-m", "swectl.cli.main", "tasks", "export", "--harbor", str(out)]
-    for extra in (["--slice", "0:2"], ["--tasks", str(REPO_ROOT / "swectl/data/bundled/harbor"), "--instances",
-                                       "log-error-counts"]):
-        subprocess.run([*swectl, *extra], check=True, capture_output=True, timeout=900)
-
-
-def _images() -> set[str]:
-    out = subprocess.run(["podman", "images", "--format", "{{.Repository}}"], capture_output=True, text=True,
-                         env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}, timeout=120, check=True)
-    return set(out.stdout.split())
 
 
 def main() -> int:
@@ -55,28 +40,22 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="swectl-bench-harbor-"))
     tasks = work / "tasks"
-    _export(tasks)
-    before = _images()
+    export_bundled(tasks)
     seconds: dict[str, list[float]] = {"podman": [], "swectl": []}
     walls: dict[str, list[float]] = {"podman": [], "swectl": []}
-    try:
-        with swectl_serving(tasks, work / "serve") as url:
-            for r in range(args.rounds):
-                for env in ("podman", "swectl") if r % 2 == 0 else ("swectl", "podman"):
-                    started = time.monotonic()
-                    trials, run = harbor_trials(tasks, "oracle", work / f"jobs-{env}", home=work, environment=env,
-                                                serve_url=url, n=1)
-                    walls[env].append(time.monotonic() - started)
-                    bad = [t for t in trials if t.reward != 1.0 or t.exception]
-                    if run.returncode != 0 or len(trials) != 3 or bad:
-                        print(run.stdout[-3000:], run.stderr[-3000:], bad, file=sys.stderr)
-                        return 1
-                    seconds[env] += [t.seconds for t in trials]
-                    print(f"round {r + 1} {env}: " + ", ".join(f"{t.task[:24]} {t.seconds:.2f}s" for t in trials))
-    finally:
-        if built := sorted(_images() - before):
-            subprocess.run(["podman", "rmi", "-f", *built], capture_output=True, timeout=300, check=False,
-                           env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)})
+    with removing_new_images(), swectl_serving(tasks, work / "serve") as url:
+        for r in range(args.rounds):
+            for env in ("podman", "swectl") if r % 2 == 0 else ("swectl", "podman"):
+                started = time.monotonic()
+                trials, run = harbor_trials(tasks, "oracle", work / f"jobs-{env}", home=work, environment=env,
+                                            serve_url=url, n=1)
+                walls[env].append(time.monotonic() - started)
+                bad = [t for t in trials if t.reward != 1.0 or t.exception]
+                if run.returncode != 0 or len(trials) != 3 or bad:
+                    print(run.stdout[-3000:], run.stderr[-3000:], bad, file=sys.stderr)
+                    return 1
+                seconds[env] += [t.seconds for t in trials]
+                print(f"round {r + 1} {env}: " + ", ".join(f"{t.task[:24]} {t.seconds:.2f}s" for t in trials))
     summary = {env: {"trials": len(v), "trial_mean_s": round(statistics.mean(v), 3),
                      "trial_p50_s": round(statistics.median(v), 3), "trial_max_s": round(max(v), 3),
                      "job_wall_mean_s": round(statistics.mean(walls[env]), 2)} for env, v in seconds.items()}

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from swectl import __version__
 from swectl.agent.loop import Episode
 from swectl.agent.trajectory import Trajectory
 from swectl.errors import TaskDataError
@@ -153,6 +154,24 @@ def _text_steps(messages: Sequence[Any]) -> tuple[list[tuple[str, str]], list[st
     return head, replies, observations
 
 
+def _agent_step(step_id: int, k: int, text: str, action: str, observation: str, prompt: list[int],
+                completion: list[int], logprobs: list[float], trained: int, extra: dict[str, Any],
+                model_name: str | None) -> AtifStep:
+    """Model turn ``k`` as an agent step: its text, its bash command as a tool call, the observation that answered
+    it, the call's token ids and logprobs, and the completion's loss mask (``trained`` on every token)."""
+    call_id = f"call_{k + 1}"
+    tool_calls = ([AtifToolCall(tool_call_id=call_id, function_name="bash", arguments={"command": action})]
+                  if action else None)
+    return AtifStep(
+        step_id=step_id, source="agent", message=text, model_name=model_name, tool_calls=tool_calls,
+        observation=AtifObservation(results=[AtifObservationResult(
+            source_call_id=call_id if tool_calls else None, content=observation)]) if observation else None,
+        metrics=AtifMetrics(prompt_tokens=len(prompt), completion_tokens=len(completion), prompt_token_ids=prompt,
+                            completion_token_ids=completion, logprobs=logprobs,
+                            extra={"loss_mask": [trained] * len(completion)}),
+        extra={"swectl": extra})
+
+
 def _trajectory_doc(t: Trajectory, episode: Episode, *, model_name: str | None, trajectory_id: str | None,
                     session_id: str, decode: Any) -> AtifTrajectory:
     head, replies, observations = _text_steps(t.messages)
@@ -170,9 +189,6 @@ def _trajectory_doc(t: Trajectory, episode: Episode, *, model_name: str | None, 
         own_loop = not t.turns and turn < len(episode.steps)
         step = episode.steps[turn] if own_loop else None
         text = replies[k] if k < len(replies) else (decode(t.token_ids[start:end]) if decode else "")
-        call_id = f"call_{k + 1}"
-        tool_calls = ([AtifToolCall(tool_call_id=call_id, function_name="bash", arguments={"command": step.action})]
-                      if step is not None and step.action else None)
         observation = observations[k] if k < len(observations) else ""
         trained = 0 if turn in malformed else 1  # a reply the loop (or the harness) rejected: never trained
         version = t.weight_versions[k] if k < len(t.weight_versions) else ""
@@ -181,17 +197,12 @@ def _trajectory_doc(t: Trajectory, episode: Episode, *, model_name: str | None, 
             step_extra |= {"format_error": step.format_error, "returncode": step.returncode,
                            "timed_out": step.timed_out, "model_time_s": step.model_time_s,
                            "env_time_s": step.env_time_s}
-        steps.append(AtifStep(
-            step_id=len(steps) + 1, source="agent", message=text, model_name=model_name, tool_calls=tool_calls,
-            observation=AtifObservation(results=[AtifObservationResult(
-                source_call_id=call_id if tool_calls else None, content=observation)]) if observation else None,
-            metrics=AtifMetrics(prompt_tokens=start, completion_tokens=end - start,
-                                prompt_token_ids=t.token_ids[:start], completion_token_ids=t.token_ids[start:end],
-                                logprobs=t.logprobs[start:end], extra={"loss_mask": [trained] * (end - start)}),
-            extra={"swectl": step_extra}))
+        steps.append(_agent_step(len(steps) + 1, k, text, step.action if step is not None else "", observation,
+                                 t.token_ids[:start], t.token_ids[start:end], t.logprobs[start:end], trained,
+                                 step_extra, model_name))
     return AtifTrajectory(
         schema_version=SCHEMA_VERSION, session_id=session_id, trajectory_id=trajectory_id,
-        agent=AtifAgent(name=AGENT_NAME, version=_version(), model_name=model_name, tool_definitions=[BASH_TOOL]),
+        agent=AtifAgent(name=AGENT_NAME, version=__version__, model_name=model_name, tool_definitions=[BASH_TOOL]),
         steps=steps,
         final_metrics=AtifFinalMetrics(
             total_prompt_tokens=sum(s.metrics.prompt_tokens or 0 for s in steps if s.metrics),
@@ -209,23 +220,15 @@ def _per_step_doc(episode: Episode, *, model_name: str | None, session_id: str) 
         k = s.step
         observation = observations[k] if k < len(observations) else ""
         action = episode.steps[k].action if k < len(episode.steps) else ""
-        call_id = f"call_{k + 1}"
-        steps.append(AtifStep(
-            step_id=len(steps) + 1, source="agent", message=replies[k] if k < len(replies) else "",
-            model_name=model_name,
-            tool_calls=[AtifToolCall(tool_call_id=call_id, function_name="bash", arguments={"command": action})]
-            if action else None,
-            observation=AtifObservation(results=[AtifObservationResult(source_call_id=call_id if action else None,
-                                                                       content=observation)]) if observation else None,
-            metrics=AtifMetrics(prompt_tokens=len(s.prompt_ids), completion_tokens=len(s.output_ids),
-                                prompt_token_ids=list(s.prompt_ids), completion_token_ids=list(s.output_ids),
-                                logprobs=list(s.output_logprobs),
-                                extra={"loss_mask": [0 if k in malformed else 1] * len(s.output_ids)}),
-            extra={"swectl": {"weight_version": s.weight_version, "turn": k, "omitted_turns": s.omitted_turns}}))
+        steps.append(_agent_step(len(steps) + 1, k, replies[k] if k < len(replies) else "", action, observation,
+                                 list(s.prompt_ids), list(s.output_ids), list(s.output_logprobs),
+                                 0 if k in malformed else 1,
+                                 {"weight_version": s.weight_version, "turn": k, "omitted_turns": s.omitted_turns},
+                                 model_name))
     if not steps:
         steps.append(AtifStep(step_id=1, source="user", message=""))
     return AtifTrajectory(schema_version=SCHEMA_VERSION, session_id=session_id,
-                          agent=AtifAgent(name=AGENT_NAME, version=_version(), model_name=model_name,
+                          agent=AtifAgent(name=AGENT_NAME, version=__version__, model_name=model_name,
                                           tool_definitions=[BASH_TOOL]), steps=steps,
                           final_metrics=AtifFinalMetrics(total_steps=len(steps)))
 
@@ -251,14 +254,6 @@ def episode_to_atif(episode: Episode, *, session_id: str, meta: dict[str, Any] |
         "resolved": bool((meta or {}).get("resolved", False)), "grade": grade.get("status", ""),
         "sample": (meta or {}).get("sample", 0), "total_time_s": episode.total_time_s}}
     return doc
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("swectl")
-    except PackageNotFoundError:  # an uninstalled checkout still writes a valid document
-        return "0"
 
 
 def encode(doc: AtifTrajectory) -> bytes:

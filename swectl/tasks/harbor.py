@@ -23,6 +23,7 @@ import base64
 import hashlib
 import io
 import re
+import shlex
 import tarfile
 import tomllib
 from pathlib import Path
@@ -195,7 +196,7 @@ def verifier_script(tests: Path, workdir: str, env: dict[str, str]) -> str:
                               f"{MAX_TESTS_BYTES >> 20} MiB")
     encoded = base64.b64encode(archive).decode()
     lines = "\n".join(encoded[i:i + 76] for i in range(0, len(encoded), 76))
-    exports = "".join(f"export {k}={_shell_quote(v)}\n" for k, v in sorted(env.items()) if _is_name(k))
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items()) if _is_name(k))
     return (
         "#!/bin/bash\n"
         "# swectl: the Harbor task's verifier (tests/ recreated from the task, never from the sandbox)\n"
@@ -203,7 +204,7 @@ def verifier_script(tests: Path, workdir: str, env: dict[str, str]) -> str:
         f"base64 -d > /tmp/swectl-tests.tgz <<'SWECTL_TESTS_END' || exit 91\n{lines}\nSWECTL_TESTS_END\n"
         f"tar -xzf /tmp/swectl-tests.tgz -C {TESTS_DIR} --no-same-owner && rm -f /tmp/swectl-tests.tgz || exit 92\n"
         f"{exports}"
-        f"cd {_shell_quote(workdir)} || exit 93\n"
+        f"cd {shlex.quote(workdir)} || exit 93\n"
         f"chmod +x {TESTS_DIR}/test.sh && ({TESTS_DIR}/test.sh) 2>&1 | tee /logs/verifier/test-stdout.txt\n"
         "code=${PIPESTATUS[0]}\n"
         'echo "SWECTL_HARBOR_TEST_EXIT=$code"\n'
@@ -212,10 +213,6 @@ def verifier_script(tests: Path, workdir: str, env: dict[str, str]) -> str:
 
 def _is_name(key: str) -> bool:
     return re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) is not None
-
-
-def _shell_quote(text: str) -> str:
-    return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
 def parse_reward(text: str, name: str) -> float:

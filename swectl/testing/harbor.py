@@ -21,6 +21,7 @@ import msgspec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONTAINERS_CONF = REPO_ROOT / "remote" / "nodes" / "containers.conf"
+BUNDLED_HARBOR = REPO_ROOT / "swectl" / "data" / "bundled" / "harbor"
 SWECTL_ENV = "swectl.serve.harbor_env:SwectlEnvironment"
 # Harbor's podman environment: its container with an init (a stop then takes no 10 s) and no network.
 PODMAN_OVERLAY = "services:\n  main:\n    init: true\n    network_mode: none\n"
@@ -86,6 +87,35 @@ def _trial(path: Path) -> Trial:
     return Trial(task=str(result.get("task_name", path.parent.name)), reward=rewards.get("reward"),
                  exception=str(info.get("exception_type", "")) if info else "",
                  seconds=(finished - started).total_seconds())
+
+
+def podman_repositories() -> set[str]:
+    """The repository names of this machine's podman images (swectl's containers.conf)."""
+    out = subprocess.run(["podman", "images", "--format", "{{.Repository}}"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}, check=True)
+    return set(out.stdout.split())
+
+
+@contextlib.contextmanager
+def removing_new_images() -> Iterator[None]:
+    """Remove, afterwards, the podman images that appeared meanwhile: the ones Harbor's podman environment builds
+    per trial and keeps under ``--no-delete``."""
+    before = podman_repositories()
+    try:
+        yield
+    finally:
+        if built := sorted(podman_repositories() - before):
+            subprocess.run(["podman", "rmi", "-f", *built], capture_output=True, timeout=300, check=False,
+                           env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)})
+
+
+def export_bundled(out: Path) -> None:
+    """`swectl tasks export --harbor OUT` of two bundled SWE tasks and the bundled terminal task log-error-counts
+    (what the export tests and `benchmarks/harbor.py` run Harbor on)."""
+    swectl = [sys.executable, "-m", "swectl.cli.main", "tasks", "export", "--harbor", str(out)]
+    for extra in (["--slice", "0:2"], ["--tasks", str(BUNDLED_HARBOR), "--instances", "log-error-counts"]):
+        run = subprocess.run([*swectl, *extra], capture_output=True, text=True, timeout=900, check=False)
+        assert run.returncode == 0, run.stdout + run.stderr
 
 
 def free_port() -> int:

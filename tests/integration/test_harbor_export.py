@@ -9,33 +9,26 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from swectl.testing.harbor import CONTAINERS_CONF, REPO_ROOT, harbor_trials, run_harbor, swectl_serving
+from swectl.testing.harbor import (
+    BUNDLED_HARBOR,
+    export_bundled,
+    harbor_trials,
+    removing_new_images,
+    run_harbor,
+    swectl_serving,
+)
 
 pytestmark = [pytest.mark.integration]
-BUNDLED_HARBOR = REPO_ROOT / "swectl" / "data" / "bundled" / "harbor"
-
-
-def _podman_images() -> set[str]:
-    env = {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
-    out = subprocess.run(["podman", "images", "--format", "{{.Repository}}"], capture_output=True, text=True,
-                         timeout=120, env=env, check=False)
-    return set(out.stdout.split())
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("harbor-export")
-    swectl = [sys.executable, "-m", "swectl.cli.main", "tasks", "export", "--harbor", str(out)]
-    for extra in (["--slice", "0:2"], ["--tasks", str(BUNDLED_HARBOR), "--instances", "log-error-counts"]):
-        run = subprocess.run([*swectl, *extra], capture_output=True, text=True, timeout=600, check=False)
-        assert run.returncode == 0, run.stdout + run.stderr
+    export_bundled(out)
     return out
 
 
@@ -48,15 +41,10 @@ def test_harbor_lint_passes_the_exported_tasks(exported: Path, tmp_path: Path) -
 
 @pytest.mark.parametrize(("agent", "reward"), [("oracle", 1.0), ("nop", 0.0)])
 def test_harbor_runs_the_exported_tasks(exported: Path, tmp_path: Path, agent: str, reward: float) -> None:
-    before = _podman_images()
-    try:
+    with removing_new_images():  # the images Harbor built (kept by --no-delete)
         trials, run = harbor_trials(exported, agent, tmp_path / "jobs", home=tmp_path)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert len(trials) == 3 and all(t.reward == reward and not t.exception for t in trials), trials
-    finally:  # the images Harbor built (kept by --no-delete)
-        if built := sorted(_podman_images() - before):
-            subprocess.run(["podman", "rmi", "-f", *built], capture_output=True, timeout=300, check=False,
-                           env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)})
 
 
 def test_harbor_runs_in_swectl_sandboxes(tmp_path: Path) -> None:

@@ -21,10 +21,10 @@ from swectl.config import load_config
 from swectl.images.harbor import prepare_harbor_tasks
 from swectl.tasks.record import TESTBED, Task
 from swectl.tasks.sources import load_tasks
+from swectl.testing.harbor import BUNDLED_HARBOR
 
 pytestmark = [pytest.mark.integration]
-REPO_ROOT = Path(__file__).resolve().parents[2]
-BUNDLED_HARBOR = REPO_ROOT / "swectl" / "data" / "bundled" / "harbor"
+
 
 
 @pytest.fixture(scope="module")

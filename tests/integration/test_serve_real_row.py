@@ -115,9 +115,7 @@ def test_a_real_row_exported_to_harbor_scores_its_oracle_1_and_its_no_op_0(
         real_row: tuple[dict, Path, Path], tmp_path: Path) -> None:
     """`swectl tasks export --harbor` of the Verified row (its eval script as swectl grades it, SWE-bench's rule in the
     exported judge), run by Harbor itself (0.25.0) in its podman environment: oracle 1.0, no-op 0.0."""
-    import os
-
-    from swectl.testing.harbor import CONTAINERS_CONF, harbor_trials
+    from swectl.testing.harbor import harbor_trials, removing_new_images
 
     _, tasks, image_map = real_row
     out = tmp_path / "harbor"
@@ -125,18 +123,8 @@ def test_a_real_row_exported_to_harbor_scores_its_oracle_1_and_its_no_op_0(
                                "--tasks", str(tasks), "--image-map", str(image_map)], capture_output=True, text=True,
                               timeout=300, check=False)
     assert exported.returncode == 0, exported.stdout + exported.stderr
-    env = {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
-
-    def images() -> set[str]:
-        return set(subprocess.run(["podman", "images", "--format", "{{.Repository}}"], capture_output=True, text=True,
-                                  timeout=120, env=env, check=False).stdout.split())
-
-    before = images()
-    try:
+    with removing_new_images():  # the images Harbor built (kept by --no-delete)
         for agent, reward in (("oracle", 1.0), ("nop", 0.0)):
             trials, run = harbor_trials(out, agent, tmp_path / "jobs", home=tmp_path, n=1)
             assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
             assert [(t.task, t.reward, t.exception) for t in trials] == [(INSTANCE, reward, "")], trials
-    finally:
-        if built := sorted(images() - before):
-            subprocess.run(["podman", "rmi", "-f", *built], capture_output=True, timeout=300, env=env, check=False)
