@@ -22,13 +22,13 @@ import logging
 import math
 import numbers
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
+from swectl import logs
 from swectl.schema import EngineStatistics, HarnessStatistics, MetricsStatistics, PoolStatistics
 
 if TYPE_CHECKING:
@@ -310,7 +310,7 @@ class StepProgress:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.total_steps = total_steps
         self.start_step = start_step
-        self._stream = stream if stream is not None else sys.stderr
+        self._stream = stream if stream is not None else logs.err()
         self._tty = self._stream.isatty()
         self._clock = clock
         self._started = clock()

@@ -176,7 +176,7 @@ def soak(args: argparse.Namespace, kinds: list[str], work: Path, disk: Path | No
     weights = args.weights.resolve() if args.weights else first_run.make_model(work, args.seed, say)
     recipe = Recipe(seed=args.seed, grpo_steps=args.steps)
     sets = {**recipe.grpo_sets(weights), "train.save_every": 2}
-    up = ["up", "--single-run", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}",
+    up = ["up", "--recipe", "train", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}",
           *set_flags(recipe.rollout_sets()), *set_flags(sets)]
     if nodes is not None:  # the sandboxes on the test nodes; engine and trainer on the local node
         cluster = work / f"{run_id}.toml"

@@ -67,7 +67,7 @@ def up(work: Path, run_id: str, values: dict[str, object]) -> Path:
     if (folder / "checkpoints" / "latest").exists():
         swectl(["up", "--resume", str(folder), "--steps", str(values["train.steps"])], f"train {run_id}")
     else:
-        swectl(["up", "--single-run", *set_flags({"out_dir": repr(str(work)), "run_id": repr(run_id), **values})],
+        swectl(["up", "--recipe", "train", *set_flags({"out_dir": repr(str(work)), "run_id": repr(run_id), **values})],
                f"train {run_id}")
     return final_weights(folder)
 

@@ -8,7 +8,13 @@ commands print them (``swectl.cli.common.say``).
 ``configure(verbosity)`` wraps one command (``swectl.cli.main``); ``write_run_log(folder)`` adds the run's
 file once the command knows its output folder. Both only attach handlers to the ``swectl`` logger, and
 ``configure`` takes off everything it or ``write_run_log`` attached when the command ends, so two commands in
-one process (tests) do not share a file or print twice. There is no state beyond stdlib logging's own.
+one process (tests) do not share a file or print twice.
+
+Several commands can run at once in one event loop (a recipe's sibling phases, swectl/train/recipe.py). Each runs
+in a ``run_files_scope``: the run files it adds take the records logged inside that scope only (the scope is a
+context variable, which every task and worker thread started inside inherits), and ``output_to(stream)`` sends what
+the command prints (``out()``, ``err()``: progress lines, results, terminal log records) to a file of its own
+instead of the terminal. There is no state beyond stdlib logging's own and these context variables.
 """
 
 from __future__ import annotations
@@ -17,13 +23,40 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
+from typing import TextIO
 
 ROOT = "swectl"
 RUN_LOG = "swectl.log"
 # -q, (none), -v, -vv: what reaches the terminal
 _TERMINAL_LEVELS = {-1: logging.ERROR, 0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 _FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# where the running command's printed output goes (None: the terminal's stdout and stderr)
+_OUTPUT: ContextVar[TextIO | None] = ContextVar("swectl_output", default=None)
+# the run-files scopes the running code is inside, outermost first (each an object of its own)
+_SCOPES: ContextVar[tuple[object, ...]] = ContextVar("swectl_run_file_scopes", default=())
+
+
+def out() -> TextIO:
+    """Where the running command prints its results: stdout, or the stream ``output_to`` gave it."""
+    return _OUTPUT.get() or sys.stdout
+
+
+def err() -> TextIO:
+    """Where the running command prints progress and status lines: stderr, or the stream ``output_to`` gave it."""
+    return _OUTPUT.get() or sys.stderr
+
+
+@contextmanager
+def output_to(stream: TextIO) -> Iterator[None]:
+    """What the code inside the block prints through ``out()`` and ``err()`` (and its terminal log records) goes to
+    ``stream``: a command that runs beside another keeps the terminal for that one."""
+    token = _OUTPUT.set(stream)
+    try:
+        yield
+    finally:
+        _OUTPUT.reset(token)
 
 
 class _TerminalFormatter(logging.Formatter):
@@ -38,7 +71,25 @@ class _TerminalFormatter(logging.Formatter):
 
 
 class _RunFile(logging.FileHandler):
-    """A run's swectl.log; the type marks the handlers ``configure`` takes off at the end."""
+    """A run's swectl.log; the type marks the handlers ``configure`` takes off at the end. It takes the records
+    logged inside the run-files scope it was added in (``scopes``), and inside scopes opened within that one."""
+
+    def __init__(self, path: Path, scopes: tuple[object, ...]) -> None:
+        super().__init__(path, encoding="utf-8")
+        self.scopes = scopes
+        self.addFilter(lambda record: _SCOPES.get()[:len(self.scopes)] == self.scopes)
+
+
+class _Terminal(logging.StreamHandler):  # type: ignore[type-arg]
+    """Log records on the running command's ``err()`` stream (stderr unless ``output_to`` says otherwise)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return err()
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:  # StreamHandler sets it; the stream is looked up per record
+        pass
 
 
 def _terminal_level(verbosity: int) -> int:
@@ -50,7 +101,7 @@ def configure(verbosity: int = 0) -> Iterator[None]:
     """Log records of ``swectl.*`` to stderr at the level ``verbosity`` picks (-1 errors only, 0 warnings,
     1 info, 2 debug) while the block runs; run files added meanwhile are closed when it ends."""
     logger = logging.getLogger(ROOT)
-    terminal = logging.StreamHandler(sys.stderr)
+    terminal = _Terminal()
     terminal.setLevel(_terminal_level(verbosity))
     terminal.setFormatter(_TerminalFormatter())
     saved = logger.level, logger.propagate
@@ -70,14 +121,17 @@ def configure(verbosity: int = 0) -> Iterator[None]:
 
 @contextmanager
 def run_files_scope() -> Iterator[None]:
-    """Run files (``write_run_log``) added while the block runs are closed when it ends: a command run inside this
-    process (a first-run phase) leaves no swectl.log open that would go on taking the next phase's records."""
+    """A scope for run files: those ``write_run_log`` adds inside the block take only the records logged inside it
+    (a sibling phase's records stay out of this phase's swectl.log), and are closed when it ends, so a command run
+    inside this process (a recipe's phase) leaves no swectl.log open that would go on taking the next one's."""
     logger = logging.getLogger(ROOT)
-    before = {id(handler) for handler in logger.handlers}
+    scopes = (*_SCOPES.get(), object())
+    token = _SCOPES.set(scopes)
     try:
         yield
     finally:
-        for handler in [h for h in logger.handlers if isinstance(h, _RunFile) and id(h) not in before]:
+        _SCOPES.reset(token)
+        for handler in [h for h in logger.handlers if isinstance(h, _RunFile) and h.scopes == scopes]:
             logger.removeHandler(handler)
             handler.close()
 
@@ -90,10 +144,12 @@ def write_run_log(folder: str | Path) -> Path:
     path = Path(folder) / RUN_LOG
     path.parent.mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger(ROOT)
+    scopes = _SCOPES.get()
     for handler in logger.handlers:
-        if isinstance(handler, _RunFile) and Path(handler.baseFilename) == path.resolve():
+        if isinstance(handler, _RunFile) and Path(handler.baseFilename) == path.resolve() and \
+                handler.scopes == scopes:
             return path
-    handler = _RunFile(path, encoding="utf-8")
+    handler = _RunFile(path, scopes)
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(logging.Formatter(_FILE_FORMAT))
     logger.addHandler(handler)

@@ -1,18 +1,16 @@
-"""The first run's recipe (swectl/train/first_run.py) without running it: its settings are keys the config has,
+"""The first run's phase helpers that benchmarks/ and experiments/ still use (swectl/train/first_run.py; `swectl up`
+runs the recipe file, tests/test_recipe.py) without running them: its settings are keys the config has,
 its numbers come from ``--set recipe.KEY=VALUE`` and a resumed run's recipe.json, its table and the `swectl up`
 choices around it. The whole run, shrunk, is tests/integration/test_first_run.py."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from swectl.cli import up
-from swectl.cli.main import main
 from swectl.config import load_config
 from swectl.errors import ConfigError
 from swectl.images.project import BUNDLED_TASKS
@@ -131,45 +129,6 @@ def test_the_machine_speed_comes_from_the_sft_steps_and_shows_in_the_table(tmp_p
 
 def test_set_flags_pairs_each_key_with_its_value() -> None:
     assert set_flags({"a.b": 1, "c": '"x"'}) == ["--set", "a.b=1", "--set", 'c="x"']
-
-
-def _args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    up.add_parser(parser.add_subparsers())
-    return parser.parse_args(["up", *argv])
-
-
-def test_which_runs_are_first_runs(tmp_path: Path) -> None:
-    assert up._first_run_asked(_args([]))
-    assert up._first_run_asked(_args(["--set", "recipe.seed=1"]))
-    assert not up._first_run_asked(_args(["--single-run"]))
-    assert not up._first_run_asked(_args(["cluster.toml"]))
-    single = tmp_path / "single"
-    single.mkdir()
-    assert not up._first_run_asked(_args(["--resume", str(single)]))
-    (tmp_path / "first").mkdir()
-    (tmp_path / "first" / first_run.RECIPE_FILE).write_text("{}")
-    assert up._first_run_asked(_args(["--resume", str(tmp_path / "first")]))
-
-
-def test_steps_without_a_file_says_which_recipe_keys_to_set(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["up", "--steps", "3"]) == 2
-    assert "recipe.sft_steps" in capsys.readouterr().err
-
-
-def test_a_bad_config_key_stops_the_first_run_before_any_phase(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["up", "--set", f"out_dir={str(tmp_path)!r}", "--set", "run_id='r'", "--set", "train.lr=1"]) == 2
-    assert "train.optim.lr" in capsys.readouterr().err
-    assert not (tmp_path / "r").exists()
-
-
-def test_a_recipe_its_grpo_run_would_refuse_stops_before_any_phase(tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["up", "--set", f"out_dir={str(tmp_path)!r}", "--set", "run_id='r'", "--set", "recipe.pass_over=true"]
-    assert main(argv) == 2
-    assert "pass_over_uninformative is for synchronous grpo" in capsys.readouterr().err
-    assert not (tmp_path / "r").exists()
 
 
 def test_a_recipe_naming_a_split_with_an_empty_side_is_refused(tmp_path: Path) -> None:

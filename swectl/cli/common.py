@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from swectl import logs
 from swectl.errors import ConfigError, TaskDataError
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def read_key_file(path: Path) -> str:
 
 def say(msg: str) -> None:
     """A status line on stderr (stdout stays for results)."""
-    print(f"swectl: {msg}", file=sys.stderr, flush=True)
+    print(f"swectl: {msg}", file=logs.err(), flush=True)
 
 
 def load_task_set(source: str) -> list[Task]:

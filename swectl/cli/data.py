@@ -221,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
     if args.data_command == "atif":
         return _run_atif(args)
     if args.data_command == "gold":
-        return _run_gold(args)
+        import anyio
+
+        return anyio.run(gold, args)
     if args.data_command == "judge":
         return _run_judge(args)
     return _run_prepare(args)
@@ -266,11 +268,12 @@ def _run_judge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_gold(args: argparse.Namespace) -> int:
-    """``swectl data gold``: 0 when at least one gold trajectory was kept, 1 when none was."""
-    import anyio
+async def gold(args: argparse.Namespace) -> int:
+    """``swectl data gold`` inside a running event loop (a recipe's phases await it): 0 when at least one gold
+    trajectory was kept, 1 when none was."""
     import msgspec
 
+    from swectl import logs
     from swectl.cli.eval import select_tasks
     from swectl.eval.gold import check_out_dir, make_scripted
     from swectl.logs import write_run_log
@@ -295,11 +298,11 @@ def _run_gold(args: argparse.Namespace) -> int:
         write_run_log(folder)
     # every sandbox is for one task image: warm base-image sandboxes would be wasted
     config = msgspec.structs.replace(config, env_pool=msgspec.structs.replace(config.env_pool, warm=0))
-    summaries = anyio.run(lambda: make_scripted(config, tasks, outs, tokenizer, tokenizer_path=args.model,
-                                                concurrency=args.concurrency, grade_timeout_s=args.timeout,
-                                                tasks_source=str(args.tasks), status=say))
+    summaries = await make_scripted(config, tasks, outs, tokenizer, tokenizer_path=args.model,
+                                    concurrency=args.concurrency, grade_timeout_s=args.timeout,
+                                    tasks_source=str(args.tasks), status=say)
     for script, summary in summaries.items():
-        print(msgspec.json.format(msgspec.json.encode(summary)).decode())
+        print(msgspec.json.format(msgspec.json.encode(summary)).decode(), file=logs.out())
         say(f"{summary.kept} of {summary.total} {script} trajectories kept, {len(summary.excluded)} excluded; "
             f"wrote {outs[script] / 'summary.json'}")
         for e in summary.excluded:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
+from swectl import logs
 from swectl.cli.common import config_args, load_run_config, load_task_set, output_dir, say
 from swectl.config import ClusterConfig
 from swectl.errors import ConfigError, TaskDataError
@@ -109,6 +110,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    return anyio.run(drive, args)
+
+
+async def drive(args: argparse.Namespace) -> int:
+    """`swectl eval` inside a running event loop (``run`` is this under ``anyio.run``; a recipe's phases await it)."""
     config = load_run_config(args.config, [*args.overrides, *rollout_overrides(args)])
     agent = bool(args.model or args.endpoint or args.openai_url)
     settings = _agent_settings(args, config) if agent else None
@@ -130,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
 
     resolver = ImageResolver.from_options(args.image_template, args.image_map)
     if settings is not None:
-        return _eval_agent(args, config, settings, tasks, out, resolver)
-    return _eval_patches(args, config, mode, jobs, model, out, resolver)
+        return await _eval_agent(args, config, settings, tasks, out, resolver)
+    return await _eval_patches(args, config, mode, jobs, model, out, resolver)
 
 
 def rollout_overrides(args: argparse.Namespace) -> list[str]:
@@ -167,18 +173,18 @@ def _agent_settings(args: argparse.Namespace, config: ClusterConfig) -> RunSetti
                        model_name=args.model_name or args.model, rollout=config.rollout, **harness)
 
 
-def _eval_agent(args: argparse.Namespace, config: ClusterConfig, settings: RunSettings, tasks: list[Task],
+async def _eval_agent(args: argparse.Namespace, config: ClusterConfig, settings: RunSettings, tasks: list[Task],
                 out: Path, resolver: ImageResolver) -> int:
     from swectl.eval.agents import eval_model
 
     if args.engines is not None:
         config = msgspec.structs.replace(config, engine=msgspec.structs.replace(config.engine, replicas=args.engines))
     say(f"{len(tasks)} tasks x {settings.rollout.samples} samples, concurrency {args.concurrency}, output {out}")
-    summary = anyio.run(lambda: eval_model(config, tasks, out, settings, concurrency=args.concurrency,
-                                           grade_timeout_s=args.timeout, resolver=resolver,
-                                           api_key=os.environ.get("OPENAI_API_KEY"), tasks_source=str(args.tasks),
-                                           fresh=args.fresh, status=say))
-    print(msgspec.json.format(msgspec.json.encode(summary)).decode())
+    summary = await eval_model(config, tasks, out, settings, concurrency=args.concurrency,
+                               grade_timeout_s=args.timeout, resolver=resolver,
+                               api_key=os.environ.get("OPENAI_API_KEY"), tasks_source=str(args.tasks),
+                               fresh=args.fresh, status=say)
+    print(msgspec.json.format(msgspec.json.encode(summary)).decode(), file=logs.out())
     say(f"wrote {out / 'summary.json'}, results.jsonl, preds.jsonl")
     return 0
 
@@ -209,15 +215,14 @@ def _patch_jobs(args: argparse.Namespace, mode: str, every: list[Task], tasks: l
     return jobs, ", ".join(sorted({p.model_name_or_path for p in predictions.values() if p.model_name_or_path}))
 
 
-def _eval_patches(args: argparse.Namespace, config: ClusterConfig, mode: str, jobs: list, model: str, out: Path,
+async def _eval_patches(args: argparse.Namespace, config: ClusterConfig, mode: str, jobs: list, model: str, out: Path,
                   resolver: ImageResolver) -> int:
     from swectl.eval.patches import evaluate_patches, format_table, write_report
 
     say(f"grading {len(jobs)} tasks ({mode}), concurrency {args.concurrency}, output {out}")
-    report = anyio.run(lambda: evaluate_patches(config, jobs, mode, out, concurrency=args.concurrency,  # type: ignore[arg-type]
-                                                timeout_s=args.timeout, resolver=resolver, model=model,
-                                                tasks=str(args.tasks)))
-    print(format_table(report))
+    report = await evaluate_patches(config, jobs, mode, out, concurrency=args.concurrency,  # type: ignore[arg-type]
+                                    timeout_s=args.timeout, resolver=resolver, model=model, tasks=str(args.tasks))
+    print(format_table(report), file=logs.out())
     say(f"wrote {write_report(report, out)}")
     if mode == "predictions":
         return 0

@@ -69,7 +69,8 @@ EXIT_CODES: tuple[tuple[type[SwectlError], str, int], ...] = (
 )
 
 
-def _command(name: str):
+def command_module(name: str):
+    """The module of swectl command ``name`` (its ``add_parser`` and ``run``)."""
     return importlib.import_module(f"swectl.cli.{COMMANDS[name]}")
 
 
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"log only errors to the terminal (a run's {logs.RUN_LOG} still gets everything)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        _command(name).add_parser(sub)
+        command_module(name).add_parser(sub)
     return parser
 
 
@@ -104,23 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INTERRUPTED
 
 
-def run_in_process(argv: list[str]) -> int:
-    """One swectl command run inside this process (the first run's phases): parsed by swectl's own parser and run by
-    the driver its command names, so the phase is exactly that command line. Errors are raised, not printed (the
-    caller's ``main`` reports them); the command's exit status is returned; the run files it opened are closed."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # argparse said what is wrong on stderr
-        raise ConfigError(f"swectl {' '.join(argv)}: not a command line swectl takes (exit {exc.code})") from None
-    with logs.run_files_scope():
-        return _run_command(args)
-
-
 def _run_command(args: argparse.Namespace) -> int:
     """The parsed command run; a task group's failure raised as the error inside it (a stop as KeyboardInterrupt,
     whatever failed on the way out)."""
     try:
-        return _command(args.command).run(args)
+        return command_module(args.command).run(args)
     except BaseExceptionGroup as group:
         if group.subgroup(KeyboardInterrupt) is not None:
             raise KeyboardInterrupt from group

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from swectl import logs
 from swectl.cli.common import say
 from swectl.errors import ConfigError
 from swectl.model.tiny import DEFAULT_OUT, ModelInitConfig, init_model
@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown model action {args.model_command!r}; the actions: init")
     info = init_model(args.out, config_from_args(args), overwrite=args.overwrite, progress=say)
     if args.json:
-        sys.stdout.write(msgspec.json.encode(info).decode() + "\n")
+        logs.out().write(msgspec.json.encode(info).decode() + "\n")
     else:
-        print(f"{info.path}: {info.parameters:,} parameters, vocab {info.tokenizer_vocab_size}/{info.vocab_size}")
+        print(f"{info.path}: {info.parameters:,} parameters, vocab {info.tokenizer_vocab_size}/{info.vocab_size}",
+              file=logs.out())
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from swectl import logs
 from swectl.eval.curves import PLOTS_DIR, plot_run
 
 _DESCRIPTION = f"""\
@@ -26,5 +27,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     for path in plot_run(args.run_dir, args.out):
-        print(path)
+        print(path, file=logs.out())
     return 0

@@ -1,23 +1,31 @@
 """`swectl up`: train the policy on a cluster (the RL loop of docs/architecture.md 8.1; swectl/train/controller.py).
 
-With no config file it runs the first run (swectl/train/first_run.py) on the embedded default (one local node, the
-CPU engine, a torchrun trainer on gloo): the tiny model, SFT data from a teacher, SFT, GRPO, and readings of the
-policy on the train and held-out splits, ending with a table and summary.json. ``--single-run`` runs the embedded
-default's [train] section alone instead; a config FILE always runs exactly what it says.
+With a config FILE it runs that config's [train] section, exactly what it says. With no FILE it runs a recipe
+(swectl/train/recipe.py, run by swectl/cli/phases.py): the bundled first run by default (one local node, the CPU
+engine, a torchrun trainer on gloo: the tiny model, SFT data from a teacher, SFT, GRPO, and readings of the policy on
+the train and held-out splits, ending with a table and summary.json), or ``--recipe NAME|FILE``. ``--recipe train``
+runs the embedded default's [train] section alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
-from swectl.agent.protocol import agent_templates
 from swectl.cli.common import config_args, load_run_config, say
 from swectl.config import ClusterConfig, apply_override, decode_config, load_config
 from swectl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from swectl.train.checkpoint import RunState
+    from swectl.train.recipe import Recipe
+
+Say = Callable[[str], None]
 
 EPILOG = """\
 examples:
@@ -25,13 +33,18 @@ examples:
                                          minutes on 2 cores: README.md); ends with a table and <run>/summary.json
   swectl up --set recipe.seed=3 --set recipe.grpo_steps=10
                                          the first run with another seed and fewer GRPO steps
+  swectl up --recipe train --steps 5     the embedded default's [train] section alone (GRPO from the untrained
+                                         tiny model), in <out_dir>/<run_id>
+  swectl up --recipe my-recipe.toml      your recipe: phases (model, data, train, eval, plot), each a command
+                                         with its own overlay of the config (docs/recipes.md)
   swectl up cluster.toml --set train.data.sft_steps=200
                                          your cluster file: SFT on gold trajectories of the train split, then GRPO
-  swectl up --resume runs/<run_id>       go on from where the run stopped (a first run: its first unfinished phase)
+  swectl up --resume runs/<run_id>       go on from where the run stopped (a recipe: its unfinished phases)
 
-first run (no FILE): <run>/model, gold/ give-up/ recover/ (SFT data), sft/ and grpo/ (training runs, as below),
-  eval-sft/ eval-grpo/ eval-test/ (readings), summary.json, recipe.json, swectl.log. `--set recipe.KEY=VALUE` sets
-  its numbers (keys: swectl/train/first_run.py Recipe); other --set keys apply to its SFT and GRPO runs.
+first run (no FILE): <run>/model, sft-data/ (gold/ give-up/ recover/), sft/ and grpo/ (training runs, as below),
+  eval-sft/ eval-grpo/ eval-test/ (readings), train.jsonl test.jsonl split.json (the split, made once),
+  summary.json, recipe.json, phases.json, swectl.log. `--set recipe.NAME=VALUE` sets one of the recipe's [vars]
+  (swectl/data/bundled/recipes/first-run.toml); other --set keys apply to every phase that takes a config.
 
 outputs of one training run (in <out_dir>/<run_id>/, or the --resume folder):
   metrics.jsonl, tensorboard/   per-step loss, reward, resolve rate, clip fractions, grad norm, timings
@@ -48,16 +61,19 @@ Plot the curves with `swectl plot RUN_DIR`; go on after a stop with `swectl up [
 def add_parser(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser(
         "up", help="train the policy: rollouts, grading, FSDP2 steps on torchrun workers, weight sync",
-        description="Train the policy. With no FILE: the first run (tiny model, teacher data, SFT, GRPO, readings on "
-                    "the train and held-out splits). With a FILE: the [train] section (grpo or sft) on its nodes.",
+        description="Train the policy. With a FILE: the [train] section (grpo or sft) on its nodes. With no FILE: a "
+                    "recipe of phases, by default the first run (tiny model, teacher data, SFT, GRPO, readings on the "
+                    "train and held-out splits).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     config_args(up)
+    up.add_argument("--recipe", metavar="NAME|FILE", default=None,
+                    help="with no FILE: the recipe to run, a bundled one's name (first-run, the default; train: the "
+                         "embedded default's [train] section alone) or a recipe TOML file")
     up.add_argument("--resume", metavar="RUN_DIR", default=None,
-                    help="go on from the latest checkpoint of this run folder (same config)")
-    up.add_argument("--steps", type=int, default=None, metavar="N", help="shorthand for --set train.steps=N")
-    up.add_argument("--single-run", action="store_true",
-                    help="with no FILE: run the embedded default's [train] section alone (GRPO from the untrained "
-                         "tiny model), not the first run")
+                    help="go on from the latest checkpoint of this run folder (same config); a recipe's run folder: "
+                         "from its unfinished phases")
+    up.add_argument("--steps", type=int, default=None, metavar="N",
+                    help="shorthand for --set train.steps=N (a recipe: only one with a single train phase)")
     up.add_argument("--strict", action="store_true",
                     help="a malformed row of train.data.sft_data stops the run (exit 2) instead of being skipped "
                          "with a warning naming file:line and field (shorthand for --set train.data.sft_strict=true)")
@@ -69,12 +85,13 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"train.steps={args.steps}")
     if args.strict:
         overrides.append("train.data.sft_strict=true")
-    from swectl.train.checkpoint import RunState
-    from swectl.train.controller import new_run_dir, run_training
-    from swectl.train.plan import build_plan
+    from swectl.train.controller import new_run_dir
 
-    if _first_run_asked(args):
-        return _first_run(args)
+    if args.config and args.recipe:
+        raise ConfigError("--recipe runs a recipe, FILE a config: give one (a recipe's phases may start from a config "
+                          "FILE: its `base`)")
+    if _recipe_asked(args):
+        return _run_recipe(args, overrides)
     if args.resume:
         run_dir = Path(args.resume)
         if not run_dir.is_dir():
@@ -83,61 +100,75 @@ def run(args: argparse.Namespace) -> int:
     else:
         config = load_run_config(args.config, overrides)
         run_dir = new_run_dir(config)
-    t = config.train
-
-    async def main() -> RunState:  # the plan (gold trajectories, when it makes them) and the run in one event loop
-        plan = await build_plan(config, run_dir, say=say)
-        say(f"run {run_dir}: {t.algorithm}, {t.steps} steps, model {plan.model}; "
-            + (f"{len(plan.train_tasks)} train / {len(plan.test_tasks)} held-out tasks (split seed "
-               f"{t.data.split_seed}), {t.sampling.tasks_per_step} tasks x {t.sampling.n_samples} samples per step"
-               if t.algorithm == "grpo"
-               else f"{len(plan.sft_samples)} SFT samples"))
-        return await run_training(config, plan, run_dir, resume=bool(args.resume), say=say)
-
-    state = anyio.run(main)
-    print(json.dumps({"run_dir": str(run_dir), "steps": state.step, "weights": state.weights,
-                      "skipped_steps": state.skipped_steps}))
+    anyio.run(lambda: train(config, run_dir, resume=bool(args.resume), say=say))
     return 0
 
 
-def _first_run_asked(args: argparse.Namespace) -> bool:
+async def train(config: ClusterConfig, run_dir: Path, *, resume: bool, say: Say) -> RunState:
+    """One training run of ``config`` in ``run_dir`` (its plan, then the run, in the running event loop): the driver
+    `swectl up FILE` and a recipe's train phases call. Its final state (a RunState), also printed as one JSON line."""
+    from swectl import logs
+    from swectl.train.controller import run_training
+    from swectl.train.plan import build_plan
+
+    t = config.train
+    plan = await build_plan(config, run_dir, say=say)  # gold trajectories, when it makes them
+    say(f"run {run_dir}: {t.algorithm}, {t.steps} steps, model {plan.model}; "
+        + (f"{len(plan.train_tasks)} train / {len(plan.test_tasks)} held-out tasks (split seed "
+           f"{t.data.split_seed}), {t.sampling.tasks_per_step} tasks x {t.sampling.n_samples} samples per step"
+           if t.algorithm == "grpo"
+           else f"{len(plan.sft_samples)} SFT samples"))
+    state = await run_training(config, plan, run_dir, resume=resume, say=say)
+    print(json.dumps({"run_dir": str(run_dir), "steps": state.step, "weights": state.weights,
+                      "skipped_steps": state.skipped_steps}), file=logs.out())
+    return state
+
+
+def _recipe_asked(args: argparse.Namespace) -> bool:
     if args.resume:
         return (Path(args.resume) / "recipe.json").is_file() and not args.config
-    return not args.config and not args.single_run
+    return not args.config
 
 
-def _first_run(args: argparse.Namespace) -> int:
-    """No FILE: the first run (swectl/train/first_run.py), new or resumed."""
+def _run_recipe(args: argparse.Namespace, overrides: list[str]) -> int:
+    """No FILE: a recipe (the first run unless --recipe names another), new or resumed."""
+    from swectl.cli.phases import run_recipe
+    from swectl.train import recipe as recipes
     from swectl.train.controller import new_run_dir
-    from swectl.train.first_run import load_recipe, overrides, run_first
 
-    if args.steps is not None:
-        raise ConfigError("--steps: the first run has SFT and GRPO steps: --set recipe.sft_steps=N or "
-                          "recipe.grpo_steps=N (or give a config FILE, or --single-run)")
     recipe_doc: dict = {}
     config_sets: list[str] = []
-    for override in args.overrides:
+    for override in overrides:
         if override.strip().startswith("recipe."):
             apply_override(recipe_doc, override)
         else:
             config_sets.append(override)
-    if args.strict:
-        config_sets.append("train.data.sft_strict=true")
-    config = load_config(None, config_sets)  # a wrong key or value stops here, before any phase
+    wanted = recipe_doc.get("recipe", {})
+    saved = recipes.saved_recipe(Path(args.resume), wanted) if args.resume else None
+    recipe = saved or recipes.load(args.recipe or recipes.DEFAULT_RECIPE, wanted)
+    if args.steps is not None and len(recipe.trains) != 1:
+        raise ConfigError(f"--steps: recipe {recipe.name} has {len(recipe.trains)} train phases; set the steps of "
+                          f"each by its vars (--set recipe.NAME=N; {recipe.source})")
+    config_sets = _harness_sets(recipe, config_sets, say)
+    config = load_config(recipe.file.base or None, config_sets)  # a wrong key or value stops here
     run_dir = Path(args.resume) if args.resume else new_run_dir(config)
-    recipe = load_recipe(run_dir, recipe_doc.get("recipe", {}))
-    agent_templates(recipe.agent_config)  # a wrong recipe.agent_config stops here too
-    # and a recipe whose GRPO run the config refuses (recipe.pass_over with asynchronous GRPO), not after SFT
-    grpo_sets = recipe.grpo_sets(run_dir / "sft", run_dir / "train.jsonl")
-    load_config(None, [*config_sets, *overrides({**recipe.rollout_sets(), **grpo_sets})])
-    phase_sets = [x for o in config_sets if o.split("=", 1)[0].strip() not in ("out_dir", "run_id")
-                  for x in ("--set", o)]
-    from swectl.cli.main import run_in_process
-
-    summary = run_first(run_dir, recipe, phase_sets, say, run_in_process)  # the phases beside others: subprocesses
-    print(json.dumps({"run_dir": str(run_dir), "summary": str(run_dir / "summary.json"),
-                      "gain_points": summary.gain_points, "minutes": summary.minutes}))
+    phase_sets = [o for o in config_sets if o.split("=", 1)[0].strip() not in ("out_dir", "run_id")]
+    summary = anyio.run(lambda: run_recipe(recipe, run_dir, phase_sets, say))
+    if recipe.file.report is not None:
+        print(json.dumps({"run_dir": str(run_dir), "summary": str(run_dir / recipes.SUMMARY_FILE),
+                          "gain_points": summary.gain_points, "minutes": summary.minutes}))
     return 0
+
+
+def _harness_sets(recipe: Recipe, config_sets: list[str], say: Say) -> list[str]:
+    """The user's ``KEY=VALUE`` overrides, with the recipe's ``harness_config`` added when they name an external
+    harness (``agent.harness``) and no config for it."""
+    keys = {flag.split("=", 1)[0].strip() for flag in config_sets}
+    if not recipe.file.harness_config or "agent.harness" not in keys or "agent.harness_config" in keys:
+        return list(config_sets)
+    say(f"agent.harness is set: the harness runs with the recipe's harness config "
+        f"(agent.harness_config = {recipe.file.harness_config!r})")
+    return [*config_sets, f"agent.harness_config={json.dumps(recipe.file.harness_config)}"]
 
 
 def _recorded_config(run_dir: Path, overrides: list[str]) -> ClusterConfig:

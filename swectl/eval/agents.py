@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ import anyio
 import anyio.abc
 import msgspec
 
+from swectl import logs
 from swectl.actors.engines import Engines, engine_hosts
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GraderConfig
@@ -55,7 +55,7 @@ Status = Callable[[str], None]
 
 
 def _stderr(message: str) -> None:
-    print(f"swectl: {message}", file=sys.stderr, flush=True)
+    print(f"swectl: {message}", file=logs.err(), flush=True)
 
 
 class RunSettings(msgspec.Struct, frozen=True, kw_only=True):

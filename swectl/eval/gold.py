@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import shutil
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -47,6 +46,7 @@ import anyio
 import anyio.abc
 import msgspec
 
+from swectl import logs
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GraderConfig, GradeResult
 from swectl.actors.harness import SWECTL_CONFIG, MiniSweAgent, start_harness
@@ -78,7 +78,7 @@ WANTED: dict[str, Literal["resolved", "unresolved", "any"]] = {"gold": "resolved
 
 
 def _stderr(message: str) -> None:
-    print(f"swectl: {message}", file=sys.stderr, flush=True)
+    print(f"swectl: {message}", file=logs.err(), flush=True)
 
 
 class GoldExclusion(msgspec.Struct, frozen=True):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import TextIO
+
+from swectl import logs
 
 
 class Progress:
@@ -15,7 +16,7 @@ class Progress:
         self.label = label
         self.done = 0
         self.counts: dict[str, int] = {}
-        self._stream = stream or sys.stderr
+        self._stream = stream or logs.err()
         self._tty = self._stream.isatty()
         self._started = time.monotonic()
         self._last_plain = 0.0

@@ -1,4 +1,9 @@
-"""The first run: what `swectl up` does with no config file, and the recipe `just learn` measures with controls.
+"""The first run's phases as code: what benchmarks/ (hack, learn_harness, chaos) and experiments/ (learn, prm) still
+call. `swectl up` with no config file runs the recipe file swectl/data/bundled/recipes/first-run.toml instead
+(swectl/train/recipe.py, swectl/cli/phases.py), whose settings tests/test_recipe.py checks equal these; this module
+goes once those callers move onto recipes (issue 57). Its training runs are `swectl up --recipe train` subprocesses.
+
+The text below is how the first run worked as code (the recipe file keeps its phases and numbers):
 
 A user of this field on a laptop runs: a small policy, supervised data from a teacher, SFT, then GRPO from the
 SFT weights, then sampled readings of the policy on the train split and on the held-out split. Each phase is one
@@ -348,11 +353,13 @@ def train(out_dir: Path, run_id: str, sets: dict[str, object], say: Say, *, extr
     if continue_from is not None:
         if not folder.exists():
             shutil.copytree(continue_from, folder)
+            for record in ("recipe.json", "phases.json", "summary.json"):  # resumed as the training run it holds
+                (folder / record).unlink(missing_ok=True)
         argv = ["up", "--resume", str(folder), *extra, *set_flags(sets)]
     elif (folder / "checkpoints" / "latest").exists():
         argv = ["up", "--resume", str(folder), "--steps", str(sets["train.steps"])]
     else:
-        argv = ["up", "--single-run", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}",
+        argv = ["up", "--recipe", "train", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}",
                 *extra, *set_flags(sets)]
     swectl(argv, f"train {run_id}", say, runner)
     return final_weights(folder)

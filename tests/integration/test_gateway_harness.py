@@ -253,7 +253,7 @@ def test_grpo_through_mini_swe_agent(model: Path, tmp_path: Path) -> None:
             "train.sampling.tasks_per_step": 2, "train.sampling.n_samples": 2,
             "train.sampling.dynamic_sampling": "false", "rollout.step_limit": 2, "rollout.max_tokens": 16,
             "train.concurrency": 4}
-    argv = ["up", "--single-run", "--steps", "2", *HARNESS]
+    argv = ["up", "--recipe", "train", "--steps", "2", *HARNESS]
     for key, value in sets.items():
         argv += ["--set", f"{key}={value}"]
     err = _swectl(*argv)

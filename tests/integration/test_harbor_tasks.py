@@ -137,7 +137,7 @@ def test_swectl_up_trains_on_harbor_tasks(harbor_tasks: dict[str, Task], model: 
             "train.sampling.tasks_per_step": 2, "train.sampling.n_samples": 2,
             "train.sampling.dynamic_sampling": "false", "rollout.step_limit": 1, "rollout.max_tokens": 16,
             "env_pool.warm": 0}
-    argv = [sys.executable, "-m", "swectl.cli.main", "up", "--single-run", "--steps", "1"]
+    argv = [sys.executable, "-m", "swectl.cli.main", "up", "--recipe", "train", "--steps", "1"]
     for key, value in sets.items():
         argv += ["--set", f"{key}={value}"]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)

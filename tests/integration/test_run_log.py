@@ -31,7 +31,7 @@ def test_reaped_orphans_are_in_the_run_log(tmp_path: Path, model: Path, capsys: 
     orphan = podman("run", "-d", *[f"--label={k}={v}" for k, v in labels.items()], BASE_IMAGE,
                     "sleep", "300").stdout.decode().strip()
     assert orphan
-    code = main(["up", "--single-run", "--steps", "1", "--set", f"out_dir={str(tmp_path)!r}",
+    code = main(["up", "--recipe", "train", "--steps", "1", "--set", f"out_dir={str(tmp_path)!r}",
                  "--set", "run_id='logged'",
                  "--set", "sandbox.backend='podman'",  # the orphan is a podman container
                  "--set", "env_pool.warm=0", "--set", f"train.model={str(model)!r}",

@@ -37,7 +37,7 @@ def _argv(model: Path, out: Path, run_id: str, *extra: str) -> list[str]:
             "train.sampling.dynamic_sampling": "false",
             "train.save_every": 1, "rollout.step_limit": 1, "rollout.max_tokens": 16, "env_pool.warm": 0,
             "train.concurrency": 4}
-    argv = [sys.executable, "-m", "swectl.cli.main", "up", "--single-run", "--steps", str(STEPS)]
+    argv = [sys.executable, "-m", "swectl.cli.main", "up", "--recipe", "train", "--steps", str(STEPS)]
     for key, value in sets.items():
         argv += ["--set", f"{key}={value}"]
     return argv + list(extra)
@@ -192,7 +192,7 @@ def test_a_model_the_trainer_cannot_load_stops_the_run_at_once(model: Path, tmp_
                         {"role": "assistant", "content": "THOUGHT: look.\n\n```bash\nls\n```"}]}
     data.write_text(json.dumps(row) + "\n")
     done = subprocess.run(
-        [sys.executable, "-m", "swectl.cli.main", "up", "--single-run", "--steps", "2",
+        [sys.executable, "-m", "swectl.cli.main", "up", "--recipe", "train", "--steps", "2",
          "--set", f"out_dir={str(tmp_path)!r}",
          "--set", "run_id='broken'", "--set", "train.algorithm='sft'", "--set", f"train.model={str(broken)!r}",
          "--set", f"train.data.sft_data=[{str(data)!r}]"], capture_output=True, text=True, timeout=300)
@@ -231,7 +231,7 @@ def test_a_malformed_sft_row_is_skipped_with_its_line_or_stops_the_run_with_stri
     good = {"messages": [{"role": "user", "content": "list the files"},
                          {"role": "assistant", "content": "THOUGHT: look.\n\n```bash\nls\n```"}]}
     data.write_text(json.dumps(good) + "\n" + json.dumps({"messages": "not a list"}) + "\n")
-    argv = [sys.executable, "-m", "swectl.cli.main", "up", "--single-run", "--steps", "1",
+    argv = [sys.executable, "-m", "swectl.cli.main", "up", "--recipe", "train", "--steps", "1",
             "--set", f"out_dir={str(tmp_path)!r}",
             "--set", "train.algorithm='sft'", "--set", f"train.model={str(model)!r}",
             "--set", f"train.data.sft_data=[{str(data)!r}]"]

@@ -292,7 +292,7 @@ def test_a_short_training_run_on_vllm(vllm_python: str, untied: Path, tmp_path: 
             "train.sampling.tasks_per_step": 2,
             "train.sampling.n_samples": 2, "train.sampling.dynamic_sampling": "false", "rollout.step_limit": 1,
             "rollout.max_tokens": 16, "env_pool.warm": 0, "train.concurrency": 4}
-    argv = [sys.executable, "-m", "swectl.cli.main", "up", "--single-run", "--steps", "2"]
+    argv = [sys.executable, "-m", "swectl.cli.main", "up", "--recipe", "train", "--steps", "2"]
     for key, value in sets.items():
         argv += ["--set", f"{key}={value}"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1500)

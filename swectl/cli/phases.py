@@ -1,0 +1,411 @@
+"""A recipe's phases run (swectl/train/recipe.py says what a recipe is): one event loop, each phase awaiting the driver
+its swectl command calls, inside this process; phases whose ``after`` have finished run at once, siblings in one task
+group. The trainer and the engines keep their processes (torchrun ranks, engine servers), as under the commands.
+
+Each phase logs the command line it is (what a user would type to run it alone), runs in a run-files scope of its own
+(its swectl.log takes its records only) and, when its ``output`` is ``log``, prints into ``NAME.log`` in the run
+folder instead of the terminal (one terminal holds one progress line). A finished phase is recorded in phases.json
+and kept when the run is resumed (`swectl up --resume RUN`); an unfinished train phase resumes from its last
+checkpoint, any other starts again in an empty folder. A failed phase stops the run (its siblings are cancelled) and
+says where to go on from; an ``optional`` one is said and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from swectl import logs
+from swectl.errors import ConfigError, SwectlError
+from swectl.train.recipe import (
+    LOG_FILE,
+    PHASES_FILE,
+    RECIPE_FILE,
+    SUMMARY_FILE,
+    Phase,
+    PhaseRecord,
+    Reading,
+    Recipe,
+    Summary,
+    arg_flags,
+    expected_s,
+    leaves,
+    names_for,
+    overlay,
+    previous_run,
+    read_records,
+    seconds_left,
+    set_flags,
+    size,
+    toml_value,
+    write_records,
+)
+
+Say = Callable[[str], None]
+POSITIONAL = {"plot": ("run_dir",)}  # phase args that are the command's positional arguments, by kind
+
+
+class PhaseCommand(msgspec.Struct, frozen=True, kw_only=True):
+    """A phase as a swectl command: its command line (also what the phase runs: parsed by swectl's own parser), and
+    for a train phase the config overrides its driver is given."""
+
+    argv: list[str]
+    config_sets: list[str] = []  # KEY=VALUE
+    size: float = 1.0
+
+
+def command_of(recipe: Recipe, phase: Phase, run_dir: Path, names: dict[str, Any], user_sets: list[str]
+               ) -> PhaseCommand:
+    """The swectl command line ``phase`` is, with ``names`` filled in and the user's ``--set``s last (they win)."""
+    from swectl.train.recipe import fill
+
+    folder = phase.path(run_dir)
+    args = fill(phase.args, names, f"{phase.name}.args")
+    document = overlay(recipe, phase, names)
+    sets = [*set_flags(document), *[x for s in user_sets for x in ("--set", s)]]
+    match phase.kind:
+        case "model":
+            argv = ["model", "init", "--out", str(folder), *arg_flags(args)]
+        case "data":
+            argv = ["data", "gold", *arg_flags(args), "--out", str(folder), *sets]
+        case "eval":
+            argv = ["eval", *arg_flags(args), "--out", str(folder), *sets]
+        case "plot":
+            positional = [str(args.pop(key)) for key in POSITIONAL["plot"] if key in args]
+            argv = ["plot", *positional, *arg_flags(args)]
+        case "train":
+            where = [f"out_dir={toml_value(str(folder.parent))}", f"run_id={toml_value(folder.name)}"]
+            config_sets = [*where, *(f"{k}={toml_value(v)}" for k, v in leaves(document)), *user_sets]
+            base = [recipe.file.base] if recipe.file.base else ["--recipe", "train"]
+            argv = ["up", *base, *[x for s in config_sets for x in ("--set", s)]]
+            return PhaseCommand(argv=argv, config_sets=config_sets, size=size(document))
+    return PhaseCommand(argv=argv, size=size({**document, "rollout": {**document.get("rollout", {}),
+                                                                       **_samples(args)}}))
+
+
+def _samples(args: dict[str, Any]) -> dict[str, Any]:
+    return {"samples": args["samples"]} if isinstance(args.get("samples"), int) else {}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    from swectl.cli.main import build_parser
+
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse said what is wrong on stderr
+        raise ConfigError(f"swectl {shlex.join(argv)}: not a command line swectl takes (exit {exc.code})") from None
+
+
+def check(recipe: Recipe, run_dir: Path, user_sets: list[str]) -> dict[str, PhaseCommand]:
+    """Every phase's command line built and checked before any phase runs: its flags parse, and its config (the
+    recipe's overlays and the user's ``--set``s) decodes and passes the config's checks. Phases not run yet stand in
+    for their outputs by where they will be."""
+    from swectl.cli.common import load_run_config
+    from swectl.cli.eval import rollout_overrides
+
+    commands: dict[str, PhaseCommand] = {}
+    base = recipe.file.base or None
+    for phase in recipe.file.phase:
+        command = command_of(recipe, phase, run_dir, names_for(recipe, run_dir, {}, phase), user_sets)
+        if phase.kind == "train":
+            load_run_config(base, command.config_sets)
+        else:
+            args = _parse(command.argv)
+            if phase.kind in ("data", "eval"):
+                load_run_config(base, [*args.overrides, *(rollout_overrides(args) if phase.kind == "eval" else [])])
+        commands[phase.name] = command
+    return commands
+
+
+# ---------------------------------------------------------------- the run
+
+
+class _Log:
+    """Says a line and adds it to the run's swectl.log."""
+
+    def __init__(self, path: Path, say: Say) -> None:
+        self.path = path
+        self.say = say
+
+    def __call__(self, line: str) -> None:
+        self.say(line)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} recipe: {line}\n")
+
+
+async def run_recipe(recipe: Recipe, run_dir: Path, user_sets: list[str], say: Say) -> Summary:
+    """Every phase of ``recipe`` in ``run_dir`` (the finished ones kept); the summary, also written. A failed phase
+    stops the run with its error and where to go on from."""
+    try:
+        return await _run(recipe, run_dir, user_sets, say)
+    except SwectlError as exc:
+        raise type(exc)(f"{exc}; the phases that finished are kept in {run_dir}: go on with "
+                        f"`swectl up --resume {run_dir}`") from exc
+
+
+async def _run(recipe: Recipe, run_dir: Path, user_sets: list[str], say: Say) -> Summary:
+    commands = check(recipe, run_dir, user_sets)  # a wrong key, value or flag stops here, before any phase
+    resumed = _record_recipe(recipe, run_dir)
+    log = _Log(run_dir / LOG_FILE, say)
+    records = read_records(run_dir)
+    if resumed:
+        log(f"resuming {run_dir}: {len(records)} finished phases are kept")
+    started = time.monotonic()
+    sizes = {name: command.size for name, command in commands.items()}
+    past = previous_run(run_dir.parent, recipe, run_dir)
+    expected = expected_s(recipe, sizes, past[0]) if past is not None else None
+    if past is not None:
+        log(f"time left: estimated from the run in {past[1]}, scaled to this recipe's numbers")
+    _split(recipe, run_dir, log)
+    done: set[str] = set(records)
+    total = len(recipe.file.phase)
+
+    def phase_line(index: int, phase: Phase, about: str) -> None:
+        spent = time.monotonic() - started
+        if expected is None:
+            log(f"[{index + 1}/{total}] {phase.name}: {about} (elapsed {spent / 60:.1f} min; no earlier run of "
+                f"recipe {recipe.name} in {run_dir.parent} to estimate the time left from)")
+            return
+        expected_spent = seconds_left(recipe, expected, set()) - seconds_left(recipe, expected, done)
+        scale = spent / expected_spent if expected_spent > 0 and spent > 60 else 1.0
+        left = seconds_left(recipe, expected, done) * scale
+        log(f"[{index + 1}/{total}] {phase.name}: {about} (elapsed {spent / 60:.1f} min, about {left / 60:.0f} min "
+            "left)")
+
+    finished = {phase.name: anyio.Event() for phase in recipe.file.phase}
+
+    async def one(index: int, phase: Phase) -> None:
+        for before in phase.after:
+            await finished[before].wait()
+        if phase.name in records:
+            finished[phase.name].set()
+            return
+        names = names_for(recipe, run_dir, records, phase)
+        from swectl.train.recipe import fill
+
+        phase_line(index, phase, str(fill(phase.about, names, f"{phase.name}.about")) or phase.kind)
+        command = command_of(recipe, phase, run_dir, names, user_sets)
+        try:
+            record = await _run_phase(recipe, phase, command, run_dir, log)
+        except SwectlError as exc:
+            if not phase.optional:
+                raise
+            log(f"{phase.name}: {exc} (optional: the run goes on)")
+        else:
+            records[phase.name] = record
+            write_records(run_dir, records)
+        done.add(phase.name)
+        finished[phase.name].set()
+
+    async with anyio.create_task_group() as tg:
+        for index, phase in enumerate(recipe.file.phase):
+            tg.start_soon(one, index, phase, name=f"phase {phase.name}")
+    summary = _summary(recipe, run_dir, records, time.monotonic() - started)
+    (run_dir / SUMMARY_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
+    for line in summary_table(recipe, summary):
+        log(line)
+    return summary
+
+
+def _record_recipe(recipe: Recipe, run_dir: Path) -> bool:
+    """The run folder made, with the recipe it runs in recipe.json; whether it had one (a resumed run)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resumed = (run_dir / RECIPE_FILE).exists()
+    (run_dir / RECIPE_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(recipe)) + b"\n")
+    return resumed
+
+
+def _phase_folder(phase: Phase, run_dir: Path) -> tuple[Path, bool]:
+    """The phase's folder, emptied unless it is a train phase with a checkpoint to resume from (the second value)
+    or the run folder itself: an interrupted phase's partial output would be refused."""
+    folder = phase.path(run_dir)
+    resume = phase.kind == "train" and (folder / "checkpoints" / "latest").exists()
+    if folder.resolve() != run_dir.resolve() and folder.exists() and not resume:
+        shutil.rmtree(folder)
+    return folder, resume
+
+
+def _split(recipe: Recipe, run_dir: Path, log: Say) -> None:
+    """The recipe's train / held-out split, made once: kept when the run folder has it."""
+    spec = recipe.file.split
+    if spec is None or all((run_dir / f"{name}.jsonl").is_file() for name in ("train", "test")):
+        return
+    from swectl.actors.data_source import split_tasks
+    from swectl.images.harbor import with_harbor_prepared
+    from swectl.images.project import BUNDLED_TASKS
+    from swectl.tasks.sources import load_tasks
+    from swectl.train.recipe import fill
+
+    names = names_for(recipe, run_dir, {}, recipe.file.phase[0])
+    source = str(fill(spec.tasks, names, "split.tasks")) or str(BUNDLED_TASKS)
+    fraction, seed = fill(spec.test_fraction, names, "split.test_fraction"), fill(spec.seed, names, "split.seed")
+    loaded = with_harbor_prepared(load_tasks(source))  # Harbor task folders: images built, gold patches made
+    if not loaded.tasks:
+        raise ConfigError(f"split.tasks {source}: no usable task in it")
+    train, test = split_tasks(loaded.tasks, fraction, seed)
+    if not train or not test:
+        raise ConfigError(f"split.test_fraction {fraction}: {len(train)} train and {len(test)} held-out tasks of "
+                          f"{len(loaded.tasks)}; both splits need one")
+    for name, tasks in (("train", train), ("test", test)):
+        (run_dir / f"{name}.jsonl").write_bytes(b"".join(msgspec.json.encode(t.row()) + b"\n" for t in tasks))
+    (run_dir / "split.json").write_text(json.dumps({"tasks": source, "test_fraction": fraction, "seed": seed,
+                                                    "train": [t.instance_id for t in train],
+                                                    "test": [t.instance_id for t in test]}, indent=1) + "\n")
+    log(f"{len(train)} train / {len(test)} held-out tasks of {source} (split seed {seed})")
+
+
+async def _run_phase(recipe: Recipe, phase: Phase, command: PhaseCommand, run_dir: Path, log: Say) -> PhaseRecord:
+    """One phase run by its command's driver; its record."""
+    from swectl.train.checkpoint import latest_checkpoint
+
+    folder, resume = _phase_folder(phase, run_dir)
+    beside = phase.output == "log"
+    where = f"beside; output in {run_dir / (phase.name + '.log')}" if beside else "in this process"
+    log(f"{phase.name}: swectl {shlex.join(command.argv)} ({where}" + (", resuming from its checkpoint)"
+                                                                      if resume else ")"))
+    started = time.monotonic()
+    if beside:
+        with (run_dir / f"{phase.name}.log").open("w", encoding="utf-8") as out, logs.output_to(out):
+            code = await _drive(recipe, phase, command, folder, resume, log)
+    else:
+        code = await _drive(recipe, phase, command, folder, resume, log)
+    if code != 0:
+        tail = ""
+        if beside:
+            tail = "; the end of its log:\n" + (run_dir / f"{phase.name}.log").read_text(errors="replace")[-2000:]
+        raise SwectlError(f"phase {phase.name} failed (exit {code}){tail}")
+    weights = ""
+    if phase.kind == "train":
+        latest = latest_checkpoint(folder)
+        if latest is None:
+            raise SwectlError(f"phase {phase.name}: {folder} ended without a checkpoint")
+        weights = latest[1].weights
+    return PhaseRecord(seconds=round(time.monotonic() - started, 1), argv=command.argv, size=command.size,
+                       weights=weights)
+
+
+async def _drive(recipe: Recipe, phase: Phase, command: PhaseCommand, folder: Path, resume: bool, log: Say) -> int:
+    """The phase awaited by the driver its command calls, in a run-files scope of its own."""
+    from swectl.cli.common import load_run_config, say
+
+    with logs.run_files_scope():
+        if phase.kind == "train":
+            from swectl.cli.up import train
+
+            config = load_run_config(recipe.file.base or None, command.config_sets)
+            await train(config, folder, resume=resume, say=say)
+            return 0
+        args = _parse(command.argv)
+        if phase.kind == "eval":
+            from swectl.cli.eval import drive
+
+            return await drive(args)
+        if phase.kind == "data":
+            from swectl.cli.data import gold
+
+            return await gold(args)
+        from swectl.cli.main import command_module
+
+        run = command_module(args.command).run  # model init and plot: sync drivers, in a worker thread
+        return await anyio.to_thread.run_sync(run, args)
+
+
+# ---------------------------------------------------------------- the report
+
+
+def reading(folder: Path) -> Reading:
+    """A finished eval phase's reading (its summary.json, as eval's AgentSummary)."""
+    from swectl.eval.agents import AgentSummary
+
+    path = folder / "summary.json"
+    try:
+        summary = msgspec.json.decode(path.read_bytes(), type=AgentSummary)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise SwectlError(f"{path}: not a finished `swectl eval` reading ({exc}); delete {folder} and "
+                          f"{folder.parent / PHASES_FILE}'s entry for it to take it again") from exc
+    return Reading(resolve_rate=summary.resolve_rate, resolved=summary.resolved, episodes=summary.finished,
+                   aborted=summary.infra_errors, folder=str(folder), model=summary.settings.model,
+                   seed=summary.settings.rollout.seed)
+
+
+def noise_points(a: Reading, b: Reading) -> float:
+    """One standard error of reading ``b``'s resolve rate minus reading ``a``'s, in points (two independent binomial
+    readings)."""
+    var = sum(r.resolve_rate * (1 - r.resolve_rate) / max(r.episodes, 1) for r in (a, b))
+    return round(100 * math.sqrt(var), 1)
+
+
+def train_speed(run_dir: Path) -> tuple[float, float]:
+    """A training run's median seconds a step and training tokens a second (its metrics.jsonl); zeros when unknown."""
+    from swectl.actors.metrics import METRICS_FILE, read_metrics
+
+    try:
+        records, _ = read_metrics(run_dir / METRICS_FILE)
+    except OSError:
+        return 0.0, 0.0
+    timed = [r for r in records if isinstance(r.get("step_s"), float | int) and
+             isinstance(r.get("train_tokens_per_s"), float | int)]
+    if not timed:
+        return 0.0, 0.0
+    return (round(statistics.median(float(r["step_s"]) for r in timed), 3),
+            round(statistics.median(float(r["train_tokens_per_s"]) for r in timed), 1))
+
+
+def _summary(recipe: Recipe, run_dir: Path, records: dict[str, PhaseRecord], seconds: float) -> Summary:
+    report = recipe.file.report
+    readings = {spec.name: reading(recipe.phase(spec.phase).path(run_dir)) for spec in (report.reading if report
+                                                                                        else [])}
+    gain = noise = None
+    if report is not None and report.gain:
+        before, after = readings[report.gain[0]], readings[report.gain[1]]
+        gain = round(100 * (after.resolve_rate - before.resolve_rate), 1)
+        noise = noise_points(before, after)
+    step_s, tokens_per_s = (train_speed(recipe.phase(report.speed).path(run_dir))
+                            if report is not None and report.speed else (0.0, 0.0))
+    seed = recipe.vars.get("seed")
+    return Summary(recipe=recipe.name, seed=seed if isinstance(seed, int) else None, readings=readings,
+                   gain_points=gain, gain_noise_points=noise, minutes=round(seconds / 60, 1),
+                   phases_s={name: r.seconds for name, r in records.items()}, run_dir=str(run_dir),
+                   vars=recipe.vars, sft_step_s=step_s, sft_tokens_per_s=tokens_per_s)
+
+
+def summary_table(recipe: Recipe, s: Summary) -> list[str]:
+    """The lines a recipe run ends with."""
+    report = recipe.file.report
+    run = Path(s.run_dir)
+    seed = f" (seed {s.seed})" if s.seed is not None else ""
+    lines = ["", f"{recipe.name} {run}: {s.minutes} min{seed}"]
+    if report is not None and report.reading:
+        lines.append("  sampled resolve rate")
+        for spec in report.reading:
+            r = s.readings[spec.name]
+            lines.append(f"  {spec.label or spec.name:<28} {100 * r.resolve_rate:5.1f}%  ({r.resolved}/{r.episodes} "
+                         "episodes)")
+    if s.gain_points is not None:
+        lines.append(f"  {report.gain_label if report else 'gain'}: {s.gain_points:+.1f} points (one standard error "
+                     f"{s.gain_noise_points:.1f})")
+    lines.append("  minutes per phase: " + ", ".join(f"{k} {round(v / 60, 1)}" for k, v in s.phases_s.items()))
+    if report is not None and report.note:
+        lines.append(f"  ({report.note})")
+    if s.sft_step_s:
+        lines.append(f"  machine speed: {report.speed if report else 'training'} took {s.sft_step_s:.2f} s a step "
+                     f"({s.sft_tokens_per_s / 1000:.1f}k tokens/s); the minutes scale with it")
+    trains = [p for p in recipe.trains if p.path(run) != run]
+    lines.append(f"  run folder {run}: summary.json, phases.json, " + ", ".join(f"{p.folder or p.name}/"
+                                                                              for p in recipe.file.phase
+                                                                              if p.path(run) != run))
+    if trains:
+        last = trains[-1].path(run)
+        lines.append(f"  look at it: swectl view {last}   curves: swectl plot {last}")
+    return [*lines, ""]

@@ -1,0 +1,254 @@
+"""Recipes (swectl/train/recipe.py, run by swectl/cli/phases.py) without training: the bundled recipes' phases check
+against the config, the first run's file says what the first run's code said, templates and vars, the refusals, the
+ETA's critical path, and a small recipe of real commands (plot) run with siblings, logs and a resume. The whole first
+run, shrunk, is tests/integration/test_first_run.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+import anyio
+import pytest
+
+from swectl import logs
+from swectl.cli import up
+from swectl.cli.main import main
+from swectl.cli.phases import check, run_recipe
+from swectl.config import load_config
+from swectl.errors import ConfigError
+from swectl.train import recipe as recipes
+from swectl.train.first_run import Recipe as CodeRecipe
+from swectl.train.first_run import overrides
+
+RUN = Path("/runs/r")
+
+
+def _phase_config(recipe: recipes.Recipe, name: str):
+    command = check(recipe, RUN, [])[name]
+    return load_config(None, command.config_sets)
+
+
+def test_every_bundled_recipe_checks_against_the_config() -> None:
+    for path in sorted(recipes.RECIPES_DIR.glob("*.toml")):
+        recipe = recipes.load(path.stem, {})
+        assert set(check(recipe, RUN, [])) == {p.name for p in recipe.file.phase}
+
+
+def test_the_first_run_file_trains_as_the_first_runs_code_did() -> None:
+    """The recipe file's SFT and GRPO configs equal what the first run's code (swectl/train/first_run.py Recipe,
+    which the benchmarks still use) gave, key by key that matters."""
+    recipe = recipes.load("first-run", {})
+    code = CodeRecipe()
+    folders = [str(RUN / "sft-data" / s) for s in ("gold", "give-up", "recover")]
+    old_sft = load_config(None, overrides({**code.rollout_sets(), **code.sft_sets(RUN / "model", folders)}))
+    new_sft = _phase_config(recipe, "sft")
+    for section in ("train", "rollout"):
+        assert getattr(new_sft, section) == getattr(old_sft, section)
+    assert new_sft.trainer.threads_per_rank == (os.cpu_count() or 1)
+    weights = RUN / "sft" / "weights" / "final"
+    old_grpo = load_config(None, overrides({**code.rollout_sets(), **code.grpo_sets(weights, RUN / "train.jsonl")}))
+    new_grpo = _phase_config(recipe, "grpo")
+    for section in ("train", "rollout", "engine"):
+        assert getattr(new_grpo, section) == getattr(old_grpo, section)
+    assert new_grpo.trainer.threads_per_rank == 1 and new_grpo.env_pool.warm == 0
+    commands = check(recipe, RUN, [])
+    reading = commands["eval-sft"].argv
+    assert reading[:2] == ["eval", "--model"] and reading[2] == str(weights) and "--fresh" in reading
+    assert reading[reading.index("--samples") + 1] == str(code.eval_samples)
+    assert commands["sft-data"].argv[:6] == ["data", "gold", "--script", "gold", "--script", "give-up"]
+
+
+def test_templates_keep_types_fill_strings_and_escape_braces() -> None:
+    names = {"steps": 4, "run": "/r", "tags": ["a"]}
+    assert recipes.fill("{steps}", names, "x") == 4
+    assert recipes.fill("{run}/sft after {steps}", names, "x") == "/r/sft after 4"
+    assert recipes.fill({"a": ["{tags}", "{{literal}}"]}, names, "x") == {"a": [["a"], "{literal}"]}
+    with pytest.raises(ConfigError, match=r"where: \{nope\} is not a var"):
+        recipes.fill("{nope}", names, "where")
+
+
+def test_vars_are_overridden_by_name_and_type_and_may_name_each_other() -> None:
+    recipe = recipes.load("first-run", {"seed": 3, "sft_steps": 7})
+    assert (recipe.vars["seed"], recipe.vars["eval_seed"], recipe.vars["sft_steps"]) == (3, 3, 7)
+    assert recipe.vars["sft_trainer_threads"] == (os.cpu_count() or 1)  # {cores}
+    with pytest.raises(ConfigError, match=r"no var sft_stepz \(its vars: seed, tasks"):
+        recipes.load("first-run", {"sft_stepz": 7})
+    with pytest.raises(ConfigError, match=r"sft_steps.*is int"):
+        recipes.load("first-run", {"sft_steps": "many"})
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "r.toml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ('[[phase]]\nname = "a"\nkind = "plot"\nafter = ["b"]\n', "waits for 'b', which is not a phase above it"),
+    ('[[phase]]\nname = "a"\nkind = "plot"\n[[phase]]\nname = "a"\nkind = "plot"\n', "not used twice"),
+    ('[[phase]]\nname = "t"\nkind = "train"\n[[phase]]\nname = "e"\nkind = "eval"\nargs = {model = "{t.weights}"}\n',
+     r"names \{t.weights\} but does not wait for t"),
+    ('[[phase]]\nname = "a"\nkind = "shell"\n', "Invalid enum value 'shell'"),
+    ('[[phase]]\nname = "a"\nkind = "plot"\n[report]\nreading = [{name = "x", phase = "a"}]\n', "not an eval phase"),
+    ("description = 1\n", "Expected `str`"),
+    ("[[phase]\n", "invalid TOML"),
+])
+def test_a_malformed_recipe_is_refused_saying_what(tmp_path: Path, text: str, error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        recipes.read_recipe(_write(tmp_path, text))
+
+
+def test_a_phase_whose_config_or_flags_are_wrong_stops_the_check(tmp_path: Path) -> None:
+    bad_key = recipes.load(_write(tmp_path, '[[phase]]\nname = "t"\nkind = "train"\nconfig = {train = {lr = 1}}\n'),
+                           {})
+    with pytest.raises(ConfigError, match=r"train\.optim\.lr"):
+        check(bad_key, tmp_path, [])
+    bad_flag = recipes.load(_write(tmp_path, '[[phase]]\nname = "e"\nkind = "eval"\nargs = {no_such = 1}\n'), {})
+    with pytest.raises(ConfigError, match="not a command line swectl takes"):
+        check(bad_flag, tmp_path, [])
+
+
+def test_the_time_left_follows_the_critical_path() -> None:
+    recipe = recipes.load("first-run", {})
+    seconds = {p.name: 10.0 for p in recipe.file.phase}
+    seconds["grpo"] = 100.0
+    # model, sft-data, sft, then grpo (100) beside eval-sft (10), then the GRPO reading (10): 140
+    assert recipes.seconds_left(recipe, seconds, set()) == 140.0
+    done = {"model", "sft-data", "sft", "eval-sft", "grpo"}
+    assert recipes.seconds_left(recipe, seconds, done) == 10.0
+    past = {name: recipes.PhaseRecord(seconds=s, argv=[], size=2.0) for name, s in seconds.items()}
+    assert recipes.expected_s(recipe, {name: 1.0 for name in seconds}, past)["grpo"] == 50.0
+
+
+def _metrics_run(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    rows = [{"step": n, "loss": 1.0 / n, "step_s": 1.0, "train_tokens_per_s": 10.0} for n in range(1, 4)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+RECIPE = """
+[vars]
+who = "a"
+[[phase]]
+name = "plot-a"
+kind = "plot"
+args = { run_dir = "{run}/../metrics-{who}" }
+[[phase]]
+name = "plot-b"
+kind = "plot"
+output = "log"
+args = { run_dir = "{run}/../metrics-a", out = "{run}/curves-b" }
+[[phase]]
+name = "broken"
+kind = "plot"
+after = ["plot-a", "plot-b"]
+optional = true
+args = { run_dir = "{run}/../no-such-run" }
+"""
+
+
+def test_a_recipe_runs_its_phases_records_them_and_keeps_them_on_resume(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    _metrics_run(tmp_path / "metrics-a")
+    recipe = recipes.load(_write(tmp_path, RECIPE), {})
+    run = tmp_path / "run"
+    said: list[str] = []
+    with logs.configure(0):
+        summary = anyio.run(run_recipe, recipe, run, [], said.append)
+    records = recipes.read_records(run)
+    assert set(records) == {"plot-a", "plot-b"}  # the optional one failed, was said, and the run went on
+    assert records["plot-b"].argv[:2] == ["plot", str(run / "../metrics-a")]
+    assert any(line.startswith("[1/3] plot-a:") for line in said)
+    assert any("broken:" in line and "optional: the run goes on" in line for line in said)
+    assert "curves-b" in (run / "plot-b.log").read_text()  # the beside phase printed into its log
+    assert "curves-b" not in capsys.readouterr().out
+    assert summary.readings == {} and set(summary.phases_s) == {"plot-a", "plot-b"}
+    assert json.loads((run / recipes.RECIPE_FILE).read_text())["vars"] == {"who": "a"}
+    said.clear()
+    with logs.configure(0):
+        anyio.run(run_recipe, recipes.saved_recipe(run, {}), run, [], said.append)
+    assert any("2 finished phases are kept" in line for line in said)
+    assert not [line for line in said if line.startswith(("[1/3]", "[2/3]"))]  # nothing ran again
+
+
+def test_sibling_phases_keep_their_records_and_output_apart(tmp_path: Path) -> None:
+    """Two commands at once in one event loop: each run file takes its own scope's records, and each output stream
+    its own lines."""
+    log = logging.getLogger("swectl.test")
+    streams = {name: (tmp_path / f"{name}.out").open("w") for name in ("a", "b")}
+
+    async def phase(name: str, started: anyio.Event, other: anyio.Event) -> None:
+        with logs.run_files_scope(), logs.output_to(streams[name]):
+            logs.write_run_log(tmp_path / name)
+            started.set()
+            await other.wait()  # both scopes are open at once
+            log.info("record of %s", name)
+            print(f"line of {name}", file=logs.err())
+
+    async def both() -> None:
+        a, b = anyio.Event(), anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(phase, "a", a, b)
+            tg.start_soon(phase, "b", b, a)
+
+    with logs.configure(0):
+        anyio.run(both)
+    for stream in streams.values():
+        stream.close()
+    for name, other in (("a", "b"), ("b", "a")):
+        text = (tmp_path / name / logs.RUN_LOG).read_text()
+        assert f"record of {name}" in text and f"record of {other}" not in text
+        printed = (tmp_path / f"{name}.out").read_text()
+        assert f"line of {name}" in printed and f"line of {other}" not in printed
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    up.add_parser(parser.add_subparsers())
+    return parser.parse_args(["up", *argv])
+
+
+def test_which_runs_are_recipe_runs(tmp_path: Path) -> None:
+    assert up._recipe_asked(_args([]))
+    assert up._recipe_asked(_args(["--recipe", "train"]))
+    assert not up._recipe_asked(_args(["cluster.toml"]))
+    single = tmp_path / "single"
+    single.mkdir()
+    assert not up._recipe_asked(_args(["--resume", str(single)]))
+    (tmp_path / "first").mkdir()
+    (tmp_path / "first" / recipes.RECIPE_FILE).write_text("{}")
+    assert up._recipe_asked(_args(["--resume", str(tmp_path / "first")]))
+
+
+def test_steps_with_the_first_run_says_which_vars_to_set(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--steps", "3"]) == 2
+    assert "has 2 train phases" in capsys.readouterr().err
+
+
+def test_a_recipe_and_a_config_file_at_once_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "cluster.toml", "--recipe", "train"]) == 2
+    assert "give one" in capsys.readouterr().err
+
+
+def test_an_unknown_recipe_names_the_bundled_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--recipe", "no-such"]) == 2
+    assert "first-run, train" in capsys.readouterr().err
+
+
+def test_a_bad_config_key_stops_the_first_run_before_any_phase(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--set", f"out_dir={str(tmp_path)!r}", "--set", "run_id='r'", "--set", "train.lr=1"]) == 2
+    assert "train.optim.lr" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_recipe_its_grpo_run_would_refuse_stops_before_any_phase(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["up", "--set", f"out_dir={str(tmp_path)!r}", "--set", "run_id='r'", "--set", "recipe.pass_over=true"]
+    assert main(argv) == 2
+    assert "pass_over_uninformative is for synchronous grpo" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
