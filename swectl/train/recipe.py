@@ -75,6 +75,8 @@ class Split(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
 
 class ReadingSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One reading the report shows: an eval phase under a name and a label."""
+
     name: str  # its key in summary.json's readings
     phase: str  # an eval phase
     label: str = ""  # its row in the table
