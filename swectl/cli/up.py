@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
+import msgspec
 
 from swectl.cli.common import config_args, load_run_config, say
 from swectl.config import ClusterConfig, apply_override, decode_config, load_config
@@ -150,9 +151,12 @@ def _run_recipe(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--steps: recipe {recipe.name} has {len(recipe.trains)} train phases; set the steps of "
                           f"each by its vars (--set recipe.NAME=N; {recipe.source})")
     config_sets = _harness_sets(recipe, config_sets, say)
-    config = load_config(recipe.file.base or None, config_sets)  # a wrong key or value stops here
+    config = load_config(recipe.file.base or None, [*(saved.sets if saved else []), *config_sets])  # a wrong
+    # key or value stops here
     run_dir = Path(args.resume) if args.resume else new_run_dir(config)
-    phase_sets = [o for o in config_sets if o.split("=", 1)[0].strip() not in ("out_dir", "run_id")]
+    phase_sets = [*(saved.sets if saved else []),
+                  *(o for o in config_sets if o.split("=", 1)[0].strip() not in ("out_dir", "run_id"))]
+    recipe = msgspec.structs.replace(recipe, sets=phase_sets)  # recorded: a resume applies them again
     summary = anyio.run(lambda: run_recipe(recipe, run_dir, phase_sets, say))
     if recipe.file.report is not None:
         print(json.dumps({"run_dir": str(run_dir), "summary": str(run_dir / recipes.SUMMARY_FILE),

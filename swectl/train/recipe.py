@@ -113,6 +113,8 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True):
     source: str
     file: RecipeFile
     vars: dict[str, Any]
+    # the user's other --set KEY=VALUE overrides (every phase's, last): a resumed run applies them again, then its own
+    sets: list[str] = []
 
     def phase(self, name: str) -> Phase:
         return next(p for p in self.file.phase if p.name == name)
