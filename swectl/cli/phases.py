@@ -17,7 +17,6 @@ import json
 import math
 import shlex
 import shutil
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,7 @@ from swectl.train.recipe import (
     PhaseRecord,
     Reading,
     Recipe,
+    RunLog,
     Summary,
     arg_flags,
     expected_s,
@@ -49,6 +49,7 @@ from swectl.train.recipe import (
     set_flags,
     size,
     toml_value,
+    train_speed,
     write_records,
 )
 
@@ -131,19 +132,6 @@ def check(recipe: Recipe, run_dir: Path, user_sets: list[str]) -> dict[str, Phas
 # ---------------------------------------------------------------- the run
 
 
-class _Log:
-    """Says a line and adds it to the run's swectl.log."""
-
-    def __init__(self, path: Path, say: Say) -> None:
-        self.path = path
-        self.say = say
-
-    def __call__(self, line: str) -> None:
-        self.say(line)
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} recipe: {line}\n")
-
-
 async def run_recipe(recipe: Recipe, run_dir: Path, user_sets: list[str], say: Say) -> Summary:
     """Every phase of ``recipe`` in ``run_dir`` (the finished ones kept); the summary, also written. A failed phase
     stops the run with its error and where to go on from."""
@@ -157,7 +145,7 @@ async def run_recipe(recipe: Recipe, run_dir: Path, user_sets: list[str], say: S
 async def _run(recipe: Recipe, run_dir: Path, user_sets: list[str], say: Say) -> Summary:
     commands = check(recipe, run_dir, user_sets)  # a wrong key, value or flag stops here, before any phase
     resumed = _record_recipe(recipe, run_dir)
-    log = _Log(run_dir / LOG_FILE, say)
+    log = RunLog(run_dir / LOG_FILE, say, "recipe")
     records = read_records(run_dir)
     if resumed:
         log(f"resuming {run_dir}: {len(records)} finished phases are kept")
@@ -344,22 +332,6 @@ def noise_points(a: Reading, b: Reading) -> float:
     readings)."""
     var = sum(r.resolve_rate * (1 - r.resolve_rate) / max(r.episodes, 1) for r in (a, b))
     return round(100 * math.sqrt(var), 1)
-
-
-def train_speed(run_dir: Path) -> tuple[float, float]:
-    """A training run's median seconds a step and training tokens a second (its metrics.jsonl); zeros when unknown."""
-    from swectl.actors.metrics import METRICS_FILE, read_metrics
-
-    try:
-        records, _ = read_metrics(run_dir / METRICS_FILE)
-    except OSError:
-        return 0.0, 0.0
-    timed = [r for r in records if isinstance(r.get("step_s"), float | int) and
-             isinstance(r.get("train_tokens_per_s"), float | int)]
-    if not timed:
-        return 0.0, 0.0
-    return (round(statistics.median(float(r["step_s"]) for r in timed), 3),
-            round(statistics.median(float(r["train_tokens_per_s"]) for r in timed), 1))
 
 
 def _summary(recipe: Recipe, run_dir: Path, records: dict[str, PhaseRecord], seconds: float) -> Summary:

@@ -35,7 +35,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -46,10 +45,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from swectl.actors.metrics import METRICS_FILE, read_metrics
 from swectl.config import TRUNCATED_ENDINGS
 from swectl.errors import ConfigError, SwectlError
 from swectl.train.checkpoint import latest_checkpoint
+from swectl.train.recipe import RunLog, train_speed
 
 SWECTL = [sys.executable, "-m", "swectl.cli.main"]
 RECIPE_FILE = "recipe.json"
@@ -491,7 +490,7 @@ def _run_phases(run_dir: Path, recipe: Recipe, config_sets: list[str], say: Say,
     saved.write_bytes(msgspec.json.format(msgspec.json.encode(recipe)) + b"\n")
     started = time.monotonic()
     phases_s: dict[str, float] = {}
-    log = _Log(run_dir / LOG_FILE, say)
+    log = RunLog(run_dir / LOG_FILE, say, "first-run")
 
     past = previous_run(run_dir.parent, run_dir)  # the ETA: an earlier first run on this machine, scaled
     expected = expected_s(recipe, past[0], past[1]) if past is not None else None
@@ -584,17 +583,7 @@ class Plot(Beside):
 
 def sft_speed(run_dir: Path) -> tuple[float, float]:
     """SFT's median seconds a step and training tokens a second (from ``sft/metrics.jsonl``); zeros when unknown."""
-    try:
-        records, _ = read_metrics(run_dir / "sft" / METRICS_FILE)
-    except OSError:
-        return 0.0, 0.0
-    timed = [r for r in records if isinstance(r.get("step_s"), float | int) and
-             isinstance(r.get("train_tokens_per_s"), float | int)]
-    if not timed:
-        return 0.0, 0.0
-    steps = [float(r["step_s"]) for r in timed]
-    rates = [float(r["train_tokens_per_s"]) for r in timed]
-    return round(statistics.median(steps), 3), round(statistics.median(rates), 1)
+    return train_speed(run_dir / "sft")
 
 
 def noise_points(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -639,16 +628,3 @@ def summary_table(s: Summary) -> list[str]:
                "the minutes scale with it"] if s.sft_step_s else []),
             f"  run folder {run}: summary.json, sft/ and grpo/ (metrics.jsonl, tensorboard/), grpo/plots/, eval-*/",
             f"  look at it: swectl view {run / 'grpo'}   curves: swectl plot {run / 'grpo'}", ""]
-
-
-class _Log:
-    """Says a line and adds it to the run's swectl.log."""
-
-    def __init__(self, path: Path, say: Say) -> None:
-        self.path = path
-        self.say = say
-
-    def __call__(self, line: str) -> None:
-        self.say(line)
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} first-run: {line}\n")

@@ -28,7 +28,10 @@ from __future__ import annotations
 import math
 import os
 import re
+import statistics
+import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -356,8 +359,7 @@ def names_for(recipe: Recipe, run_dir: Path, records: dict[str, PhaseRecord], ph
 
 def overlay(recipe: Recipe, phase: Phase, names: dict[str, Any]) -> dict[str, Any]:
     """The phase's config overlay: the recipe's [config] with the phase's own on top, templates filled."""
-    merged = _merge(fill(recipe.file.config, names, "config"), fill(phase.config, names, f"{phase.name}.config"))
-    return merged
+    return _merge(fill(recipe.file.config, names, "config"), fill(phase.config, names, f"{phase.name}.config"))
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -481,3 +483,33 @@ def seconds_left(recipe: Recipe, expected: dict[str, float], done: set[str]) -> 
     """Expected seconds until every phase has ended, given the phases ``done`` (critical path over the rest)."""
     remaining = {name: (0.0 if name in done else s) for name, s in expected.items()}
     return max(finish_times(recipe, remaining).values(), default=0.0)
+
+
+class RunLog:
+    """Says a line and adds it, timestamped and labelled, to a run's swectl.log."""
+
+    def __init__(self, path: Path, say: Callable[[str], None], label: str) -> None:
+        self.path = path
+        self.say = say
+        self.label = label
+
+    def __call__(self, line: str) -> None:
+        self.say(line)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.label}: {line}\n")
+
+
+def train_speed(run_dir: Path) -> tuple[float, float]:
+    """A training run's median seconds a step and training tokens a second (its metrics.jsonl); zeros when unknown."""
+    from swectl.actors.metrics import METRICS_FILE, read_metrics
+
+    try:
+        records, _ = read_metrics(run_dir / METRICS_FILE)
+    except OSError:
+        return 0.0, 0.0
+    timed = [r for r in records if isinstance(r.get("step_s"), float | int) and
+             isinstance(r.get("train_tokens_per_s"), float | int)]
+    if not timed:
+        return 0.0, 0.0
+    return (round(statistics.median(float(r["step_s"]) for r in timed), 3),
+            round(statistics.median(float(r["train_tokens_per_s"]) for r in timed), 1))
