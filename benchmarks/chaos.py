@@ -1,10 +1,11 @@
 """`just bench chaos`: a seeded chaos soak of `swectl up` (issue 62).
 
-The first run's GRPO phase (its recipe: asynchronous GRPO, the CPU engine, namespace sandboxes, torchrun ranks)
-runs from ``--weights`` (an SFT checkpoint's weights folder; default: a fresh tiny model) while faults from a
-seeded schedule hit it, one at a time, ``--gap`` seconds apart on average (swectl/testing/chaos.py: engine server
-killed, its supervisor killed, engine SIGSTOPped for 30 s, trainer rank killed, nsbox daemon killed, a sandbox
-killed, the run's disk filled to its last 1% for 30 s, the controller killed and then `swectl up --resume`).
+The first run's GRPO phase (the recipe benchmarks/recipes/chaos.toml: asynchronous GRPO, the CPU engine, namespace
+sandboxes, torchrun ranks) runs from ``--weights`` (an SFT checkpoint's weights folder; default: a fresh tiny model)
+while faults from a seeded schedule hit it, one at a time, ``--gap`` seconds apart on average
+(swectl/testing/chaos.py: engine server killed, its supervisor killed, engine SIGSTOPped for 30 s, trainer rank
+killed, nsbox daemon killed, a sandbox killed, the run's disk filled to its last 1% for 30 s, the controller killed
+and then `swectl up --resume`).
 
 For each fault: what the user saw (the first warning line after it), whether the run went on by itself (for the
 controller's death: after `--resume`), how long until the next step, and at the end: steps redone (the records a
@@ -28,10 +29,11 @@ import sys
 import time
 from pathlib import Path
 
+import recipe_run
+
 from swectl.testing import chaos
 from swectl.testing import nodes as testnodes
-from swectl.train import first_run
-from swectl.train.first_run import Recipe, set_flags
+from swectl.train.recipe import toml_value
 
 RESULTS = Path(__file__).resolve().parent / "results" / "chaos.json"
 SWECTL = [sys.executable, "-m", "swectl.cli.main"]
@@ -173,11 +175,10 @@ def soak(args: argparse.Namespace, kinds: list[str], work: Path, disk: Path | No
     run_dir = out_dir / run_id
     if run_dir.exists():
         raise SystemExit(f"chaos: {run_dir} exists: pick another --work or --seed, or delete it")
-    weights = args.weights.resolve() if args.weights else first_run.make_model(work, args.seed, say)
-    recipe = Recipe(seed=args.seed, grpo_steps=args.steps)
-    sets = {**recipe.grpo_sets(weights), "train.save_every": 2}
-    up = ["up", "--recipe", "train", "--set", f"out_dir={str(out_dir)!r}", "--set", f"run_id={run_id!r}",
-          *set_flags(recipe.rollout_sets()), *set_flags(sets)]
+    lines = []  # what chaos.toml's vars do not say, in a recipe file extending it
+    if args.weights:  # GRPO from those weights: no model phase
+        lines += ['drop = ["model"]', "", "[[phase]]", 'name = "grpo"', "after = []",
+                  f"config = {{ train = {{ model = {toml_value(str(args.weights.resolve()))} }} }}"]
     if nodes is not None:  # the sandboxes on the test nodes; engine and trainer on the local node
         cluster = work / f"{run_id}.toml"
         names = json.dumps([n.name for n in nodes.nodes])
@@ -185,7 +186,10 @@ def soak(args: argparse.Namespace, kinds: list[str], work: Path, disk: Path | No
                                               "keepalive_interval_s = 2") +
                            f'\n[env_pool]\nnodes = {names}\n\n[engine]\nnodes = ["local"]\n\n'
                            '[trainer]\nnodes = ["local"]\n')
-        up = ["up", str(cluster), *up[2:]]
+        lines.insert(0, f"base = {toml_value(str(cluster))}")
+    recipe = recipe_run.derived(work / f"{run_id}.recipe.toml", "chaos", lines)
+    up = recipe_run.up_argv(recipe, run_dir, recipe_run.var_sets({"seed": args.seed, "grpo_steps": args.steps}))
+    train_dir = run_dir / "grpo"
     log = work / f"{run_id}.log"
     rng = random.Random(args.seed)
     order = [kinds[i % len(kinds)] for i in range(args.faults)]
@@ -194,9 +198,9 @@ def soak(args: argparse.Namespace, kinds: list[str], work: Path, disk: Path | No
     before = chaos.footprint()
     started = time.monotonic()
     proc = start(up, log)
-    run = chaos.Run(controller=proc.pid, run_dir=run_dir, disk=disk, rng=rng,
+    run = chaos.Run(controller=proc.pid, run_dir=train_dir, disk=disk, rng=rng,
                     nodes=list(nodes.nodes) if nodes is not None else [])
-    steps = Steps(run_dir)
+    steps = Steps(train_dir)
     table: list[dict] = []
     resumes = 0
     while steps.last() < 1 and proc.poll() is None:  # faults start once the run trains
@@ -259,11 +263,11 @@ def soak(args: argparse.Namespace, kinds: list[str], work: Path, disk: Path | No
     after = chaos.footprint()
     left = chaos.leaks(before, after)
     text = log.read_text(errors="replace")
-    state_file = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip() / \
-        "controller.json" if (run_dir / "checkpoints" / "latest").exists() else None
+    state_file = train_dir / "checkpoints" / (train_dir / "checkpoints" / "latest").read_text().strip() / \
+        "controller.json" if (train_dir / "checkpoints" / "latest").exists() else None
     state = json.loads(state_file.read_text()) if state_file else {}
-    recorded = [json.loads(line)["step"] for line in (run_dir / "steps.jsonl").read_text().splitlines()
-                if line.strip()] if (run_dir / "steps.jsonl").exists() else []
+    recorded = [json.loads(line)["step"] for line in (train_dir / "steps.jsonl").read_text().splitlines()
+                if line.strip()] if (train_dir / "steps.jsonl").exists() else []
     summary = {
         "faults": len(table), "kinds": sorted({r["kind"] for r in table}),
         "run_finished": exit_code == 0 and recorded == list(range(1, args.steps + 1)),
@@ -276,7 +280,7 @@ def soak(args: argparse.Namespace, kinds: list[str], work: Path, disk: Path | No
         # steps GRPO trained nothing on because every group had equal rewards (not a fault's doing)
         "steps_without_signal": list(state.get("skipped_steps", [])),
         "episodes_aborted": len(re.findall(r"episode \S+ aborted", text)),
-        "infra_scored": scored_infra(run_dir), "leaks": left, "minutes": round((time.monotonic() - started) / 60, 1),
+        "infra_scored": scored_infra(train_dir), "leaks": left, "minutes": round((time.monotonic() - started) / 60, 1),
     }
     say(json.dumps(summary))
     kept = work / run_id  # the run folder off the soak's own file system

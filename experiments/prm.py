@@ -32,13 +32,14 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks' host_meta
 sys.path.insert(0, str(REPO / "experiments"))
 
 from common import host_meta  # noqa: E402
-from learn import DEMO_ROLLOUT  # noqa: E402
 
 from swectl.agent.loop import Episode  # noqa: E402
+from swectl.config import apply_override  # noqa: E402
 from swectl.data.judge import step_labels  # noqa: E402
 from swectl.data.trajectories import META_FILE, read_meta  # noqa: E402
 from swectl.rl.prm import StepJudgement  # noqa: E402
-from swectl.train.first_run import final_weights, set_flags  # noqa: E402
+from swectl.train import recipe as recipes  # noqa: E402
+from swectl.train.checkpoint import latest_checkpoint  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "prm.json"
 SWECTL = [sys.executable, "-m", "swectl.cli.main"]
@@ -61,15 +62,38 @@ def swectl(argv: list[str], what: str) -> None:
         raise SystemExit(f"prm: {what} failed")
 
 
-def up(work: Path, run_id: str, values: dict[str, object]) -> Path:
-    """One `swectl up` run in ``work/run_id`` (resumed, or left as it is, when it has a checkpoint)."""
+def first_run_episodes() -> dict[str, object]:
+    """The first run's episode settings (its overlay's [rollout] and [env_pool]: step limit, tokens, context,
+    prompts), as a nested table: this suite's GRPO plays its episodes the same way."""
+    first = recipes.load("first-run", {})
+    overlay = recipes.fill(first.file.config, first.vars, "config")
+    return {key: overlay[key] for key in ("rollout", "env_pool")}
+
+
+def up(work: Path, run_id: str, document: dict[str, object]) -> Path:
+    """One `swectl up` run of the config ``document`` (a nested overlay) in ``work/run_id`` (resumed, or left as it
+    is, when it has a checkpoint); its final weights."""
     folder = work / run_id
     if (folder / "checkpoints" / "latest").exists():
-        swectl(["up", "--resume", str(folder), "--steps", str(values["train.steps"])], f"train {run_id}")
+        steps = document["train"]["steps"]  # type: ignore[index]
+        swectl(["up", "--resume", str(folder), "--steps", str(steps)], f"train {run_id}")
     else:
-        swectl(["up", "--recipe", "train", *set_flags({"out_dir": repr(str(work)), "run_id": repr(run_id), **values})],
+        swectl(["up", "--recipe", "train", *recipes.set_flags({"out_dir": str(work), "run_id": run_id, **document})],
                f"train {run_id}")
-    return final_weights(folder)
+    latest = latest_checkpoint(folder)
+    if latest is None:
+        raise SystemExit(f"prm: {folder} ended without a checkpoint")
+    return Path(latest[1].weights)
+
+
+def merge(*documents: dict[str, object]) -> dict[str, object]:
+    """Nested overlays merged key by key, the later winning."""
+    out: dict[str, object] = {}
+    for document in documents:
+        for key, value in document.items():
+            old = out.get(key)
+            out[key] = merge(old, value) if isinstance(value, dict) and isinstance(old, dict) else value
+    return out
 
 
 def agreement(run_dir: Path) -> dict[str, object]:
@@ -167,31 +191,26 @@ def main() -> int:
                "judge data")
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     labels = {"good": sum(r["label"] > 0 for r in rows), "bad": sum(r["label"] < 0 for r in rows)}
-    judge = up(work, "judge", {
-        "train.algorithm": '"sft"', "train.model": repr(str(args.judge_base or args.policy)),
-        "train.data.sft_data": json.dumps([str(data)]), "train.steps": args.judge_steps, "train.data.sft_batch_size": 8,
-        "train.optim.lr": args.judge_lr, "train.optim.warmup_steps": 3, "train.optim.schedule": '"constant"',
-        "train.seed": args.seed,
-        "train.save_every": args.judge_steps})
+    judge = up(work, "judge", {"train": {
+        "algorithm": "sft", "model": str(args.judge_base or args.policy), "steps": args.judge_steps,
+        "data": {"sft_data": [str(data)], "sft_batch_size": 8}, "seed": args.seed, "save_every": args.judge_steps,
+        "optim": {"lr": args.judge_lr, "warmup_steps": 3, "schedule": "constant"}}})
     timings["judge_sft_s"] = time.monotonic() - t0
 
     extra: dict[str, object] = {}
-    for item in args.grpo_set:
-        key, sep, value = item.partition("=")
-        if not sep:
+    for item in args.grpo_set:  # values parse as TOML, as `swectl up --set` takes them
+        if "=" not in item:
             parser.error(f"--grpo-set wants KEY=VALUE, got {item!r}")
-        extra[key] = value
+        apply_override(extra, item)
     run_id = "grpo-prm" + (f"-{args.tag}" if args.tag else "")
     t0 = time.monotonic()
-    grpo = up(work, run_id, {
-        **DEMO_ROLLOUT, "train.algorithm": '"grpo"', "train.model": repr(str(args.policy)),
-        "train.data.tasks": repr(str(args.tasks)), "train.data.test_fraction": 0.0,
-        "train.steps": args.grpo_steps, "train.optim.lr": 2e-4, "train.sampling.tasks_per_step": 4,
-        "train.sampling.n_samples": 4,
-        "train.seed": args.seed, "train.concurrency": 8, "train.sampling.max_sampling_rounds": 1, "train.save_every": 0,
-        "train.loss.mask_truncated": "true", "train.loss.mask_format_errors": "true",
-        "reward.prm.enabled": "true", "reward.prm.model": repr(str(judge)), "reward.prm.samples": args.samples,
-        "reward.prm.step_coef": args.step_coef, "reward.prm.max_tokens": 16, **extra})
+    grpo = up(work, run_id, merge(first_run_episodes(), {
+        "train": {"algorithm": "grpo", "model": str(args.policy), "steps": args.grpo_steps, "seed": args.seed,
+                  "concurrency": 8, "save_every": 0, "data": {"tasks": str(args.tasks), "test_fraction": 0.0},
+                  "optim": {"lr": 2e-4}, "sampling": {"tasks_per_step": 4, "n_samples": 4, "max_sampling_rounds": 1},
+                  "loss": {"mask_truncated": True, "mask_format_errors": True}},
+        "reward": {"prm": {"enabled": True, "model": str(judge), "samples": args.samples,
+                           "step_coef": args.step_coef, "max_tokens": 16}}}, extra))
     timings["grpo_prm_s"] = time.monotonic() - t0
 
     result = {"settings": json.loads(json.dumps(vars(args), default=str)),  # Paths as strings

@@ -1,7 +1,7 @@
-"""Recipes (swectl/train/recipe.py, run by swectl/cli/phases.py) without training: the bundled recipes' phases check
-against the config, the first run's file says what the first run's code said, templates and vars, the refusals, the
-ETA's critical path, and a small recipe of real commands (plot) run with siblings, logs and a resume. The whole first
-run, shrunk, is tests/integration/test_first_run.py."""
+"""Recipes (swectl/train/recipe.py, run by swectl/cli/phases.py) without training: the bundled and the suites' recipes
+check against the config, the first run's file pins the first run's settings, extends / like / drop, templates and
+vars, the refusals, the ETA's critical path, and a small recipe of real commands (plot) run with siblings, logs and a
+resume. The whole first run, shrunk, is tests/integration/test_first_run.py."""
 
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ from swectl.cli.phases import check, run_recipe
 from swectl.config import load_config
 from swectl.errors import ConfigError
 from swectl.train import recipe as recipes
-from swectl.train.first_run import Recipe as CodeRecipe
-from swectl.train.first_run import overrides
 
 RUN = Path("/runs/r")
 
@@ -32,34 +30,100 @@ def _phase_config(recipe: recipes.Recipe, name: str):
     return load_config(None, command.config_sets)
 
 
-def test_every_bundled_recipe_checks_against_the_config() -> None:
-    for path in sorted(recipes.RECIPES_DIR.glob("*.toml")):
-        recipe = recipes.load(path.stem, {})
-        assert set(check(recipe, RUN, [])) == {p.name for p in recipe.file.phase}
+SUITE_RECIPES = sorted([*Path("benchmarks/recipes").glob("*.toml"), *Path("experiments/recipes").glob("*.toml")])
 
 
-def test_the_first_run_file_trains_as_the_first_runs_code_did() -> None:
-    """The recipe file's SFT and GRPO configs equal what the first run's code (swectl/train/first_run.py Recipe,
-    which the benchmarks still use) gave, key by key that matters."""
+def test_every_bundled_and_suite_recipe_checks_against_the_config() -> None:
+    paths = [*sorted(recipes.RECIPES_DIR.glob("*.toml")), *SUITE_RECIPES]
+    assert len(SUITE_RECIPES) >= 3  # hack, chaos, learn
+    for path in paths:
+        recipe = recipes.load(str(path), {})
+        assert set(check(recipe, RUN, [])) == {p.name for p in recipe.file.phase}, path
+
+
+def test_the_first_run_file_pins_the_first_runs_settings() -> None:
+    """The numbers the first run was measured with (docs/results.md), as the SFT and GRPO phases' configs get them:
+    a change to first-run.toml that moves one is a new first run, and its results entry must say so."""
     recipe = recipes.load("first-run", {})
-    code = CodeRecipe()
-    folders = [str(RUN / "sft-data" / s) for s in ("gold", "give-up", "recover")]
-    old_sft = load_config(None, overrides({**code.rollout_sets(), **code.sft_sets(RUN / "model", folders)}))
-    new_sft = _phase_config(recipe, "sft")
-    for section in ("train", "rollout"):
-        assert getattr(new_sft, section) == getattr(old_sft, section)
-    assert new_sft.trainer.threads_per_rank == (os.cpu_count() or 1)
-    weights = RUN / "sft" / "weights" / "final"
-    old_grpo = load_config(None, overrides({**code.rollout_sets(), **code.grpo_sets(weights, RUN / "train.jsonl")}))
-    new_grpo = _phase_config(recipe, "grpo")
-    for section in ("train", "rollout", "engine"):
-        assert getattr(new_grpo, section) == getattr(old_grpo, section)
-    assert new_grpo.trainer.threads_per_rank == 1 and new_grpo.env_pool.warm == 0
+    sft = _phase_config(recipe, "sft")
+    assert (sft.train.algorithm, sft.train.steps, sft.train.model) == ("sft", 400, str(RUN / "model"))
+    assert sft.train.data.sft_data == [str(RUN / "sft-data" / s) for s in ("gold", "give-up", "recover")]
+    assert (sft.train.data.sft_batch_size, sft.train.data.sft_resolved_only) == (8, False)
+    assert (sft.train.optim.lr, sft.train.optim.warmup_steps, sft.train.optim.schedule) == (2e-3, 3, "constant")
+    assert sft.trainer.threads_per_rank == (os.cpu_count() or 1)
+    grpo = _phase_config(recipe, "grpo")
+    assert (grpo.train.algorithm, grpo.train.steps, grpo.train.model) == (
+        "grpo", 20, str(RUN / "sft" / "weights" / "final"))
+    assert (grpo.train.optim.lr, grpo.train.optim.schedule, grpo.train.loss.kl_coef) == (2e-4, "cosine", 0.5)
+    sampling = grpo.train.sampling
+    assert (sampling.tasks_per_step, sampling.n_samples, sampling.max_staleness) == (4, 4, 1)
+    assert (grpo.train.data.tasks, grpo.train.data.test_fraction) == (str(RUN / "train.jsonl"), 0.0)
+    assert grpo.train.loss.mask_truncated and grpo.train.loss.mask_format_errors
+    assert (grpo.trainer.threads_per_rank, grpo.env_pool.warm, grpo.engine.max_batch) == (1, 0, 16)
+    assert (grpo.rollout.step_limit, grpo.rollout.max_tokens, grpo.rollout.agent_config) == (6, 192, "compact")
     commands = check(recipe, RUN, [])
     reading = commands["eval-sft"].argv
-    assert reading[:2] == ["eval", "--model"] and reading[2] == str(weights) and "--fresh" in reading
-    assert reading[reading.index("--samples") + 1] == str(code.eval_samples)
+    assert reading[:3] == ["eval", "--model", str(RUN / "sft" / "weights" / "final")] and "--fresh" in reading
+    assert reading[reading.index("--samples") + 1] == "4"
     assert commands["sft-data"].argv[:6] == ["data", "gold", "--script", "gold", "--script", "give-up"]
+
+
+def test_a_recipe_extends_another_changing_copying_and_dropping_phases(tmp_path: Path) -> None:
+    child = tmp_path / "child.toml"
+    child.write_text('''extends = "first-run"
+drop = ["eval-test", "plot"]
+[vars]
+grpo_steps = 3
+extra = 7
+[[phase]]
+name = "sft"
+config = { train = { optim = { lr = 1e-3 } } }
+[[phase]]
+name = "grpo-zero"
+like = "grpo"
+config = { experiment = { zero_advantages = true } }
+[report]
+reading = [{ name = "grpo_train", phase = "eval-grpo", label = "renamed" }]
+''')
+    recipe = recipes.load(str(child), {})
+    names = [p.name for p in recipe.file.phase]
+    assert names == ["model", "sft-data", "sft", "eval-sft", "grpo", "eval-grpo", "grpo-zero"]
+    assert (recipe.vars["grpo_steps"], recipe.vars["extra"], recipe.vars["sft_steps"]) == (3, 7, 400)
+    sft = _phase_config(recipe, "sft")
+    assert (sft.train.optim.lr, sft.train.optim.schedule, sft.train.steps) == (1e-3, "constant", 400)  # merged
+    zero = _phase_config(recipe, "grpo-zero")
+    grpo = _phase_config(recipe, "grpo")
+    assert zero.experiment.zero_advantages and not grpo.experiment.zero_advantages
+    assert zero.train.steps == grpo.train.steps == 3 and recipe.phase("grpo-zero").after == ["sft"]
+    report = recipe.file.report
+    assert report is not None and [r.name for r in report.reading] == ["sft_train", "grpo_train"]  # test dropped
+    assert report.reading[1].label == "renamed" and report.gain == ["sft_train", "grpo_train"]
+
+
+def test_extends_refuses_what_it_cannot_mean(tmp_path: Path) -> None:
+    def refused(text: str, match: str) -> None:
+        (tmp_path / "r.toml").write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            recipes.load(str(tmp_path / "r.toml"), {})
+
+    refused('extends = "first-run"\ndrop = ["nope"]\n', r"drop names nope, not phases of the recipe it extends")
+    refused('extends = "first-run"\n[[phase]]\nname = "x"\nlike = "nope"\n', r"like names 'nope'")
+    refused('extends = "first-run"\n[[phase]]\nname = "grpo"\nlike = "sft"\n', r"like makes a new phase")
+    refused('drop = ["sft"]\n[[phase]]\nname = "a"\nkind = "plot"\n', r"extends none")
+    refused('extends = "r.toml"\n', r"extends itself")
+    refused('extends = "missing.toml"\n', r"recipe missing.toml: no such file")
+    # dropping what a kept phase waits for is the phases' own check
+    refused('extends = "first-run"\ndrop = ["sft"]\n', r"phase eval-sft waits for 'sft', which is not a phase")
+    (tmp_path / "base.toml").write_text('[[phase]]\nname = "a"\nkind = "plot"\nargs = { run_dir = "/x" }\n')
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "r.toml").write_text('extends = "../base.toml"\n')  # relative to the file that extends
+    assert [p.name for p in recipes.load(str(tmp_path / "sub" / "r.toml"), {}).file.phase] == ["a"]
+
+
+def test_load_drops_phases_for_a_caller() -> None:
+    recipe = recipes.load("first-run-control", {}, drop=["grpo-shuffled", "eval-shuffled"])
+    assert "grpo-shuffled" not in {p.name for p in recipe.file.phase}
+    assert recipe.file.report is not None and recipe.file.report.control == []
 
 
 def test_templates_keep_types_fill_strings_and_escape_braces() -> None:
@@ -236,7 +300,7 @@ def test_a_recipe_and_a_config_file_at_once_are_refused(capsys: pytest.CaptureFi
 
 def test_an_unknown_recipe_names_the_bundled_ones(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["up", "--recipe", "no-such"]) == 2
-    assert "first-run, train" in capsys.readouterr().err
+    assert "first-run, first-run-control, train" in capsys.readouterr().err
 
 
 def test_a_bad_config_key_stops_the_first_run_before_any_phase(tmp_path: Path,

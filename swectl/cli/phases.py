@@ -338,18 +338,24 @@ def _summary(recipe: Recipe, run_dir: Path, records: dict[str, PhaseRecord], sec
     report = recipe.file.report
     readings = {spec.name: reading(recipe.phase(spec.phase).path(run_dir)) for spec in (report.reading if report
                                                                                         else [])}
-    gain = noise = None
-    if report is not None and report.gain:
-        before, after = readings[report.gain[0]], readings[report.gain[1]]
-        gain = round(100 * (after.resolve_rate - before.resolve_rate), 1)
-        noise = noise_points(before, after)
+    gain, noise = _gain(readings, report.gain if report else [])
+    control, control_noise = _gain(readings, report.control if report else [])
     step_s, tokens_per_s = (train_speed(recipe.phase(report.speed).path(run_dir))
                             if report is not None and report.speed else (0.0, 0.0))
     seed = recipe.vars.get("seed")
     return Summary(recipe=recipe.name, seed=seed if isinstance(seed, int) else None, readings=readings,
                    gain_points=gain, gain_noise_points=noise, minutes=round(seconds / 60, 1),
                    phases_s={name: r.seconds for name, r in records.items()}, run_dir=str(run_dir),
-                   vars=recipe.vars, sft_step_s=step_s, sft_tokens_per_s=tokens_per_s)
+                   vars=recipe.vars, sft_step_s=step_s, sft_tokens_per_s=tokens_per_s, control_gain_points=control,
+                   control_noise_points=control_noise)
+
+
+def _gain(readings: dict[str, Reading], pair: list[str]) -> tuple[float | None, float | None]:
+    """Reading ``pair[1]`` minus reading ``pair[0]`` in points, and one standard error of it; Nones with no pair."""
+    if not pair:
+        return None, None
+    before, after = readings[pair[0]], readings[pair[1]]
+    return round(100 * (after.resolve_rate - before.resolve_rate), 1), noise_points(before, after)
 
 
 def summary_table(recipe: Recipe, s: Summary) -> list[str]:
@@ -367,6 +373,9 @@ def summary_table(recipe: Recipe, s: Summary) -> list[str]:
     if s.gain_points is not None:
         lines.append(f"  {report.gain_label if report else 'gain'}: {s.gain_points:+.1f} points (one standard error "
                      f"{s.gain_noise_points:.1f})")
+    if s.control_gain_points is not None:
+        lines.append(f"  {report.control_label if report else 'control'}: {s.control_gain_points:+.1f} points (one "
+                     f"standard error {s.control_noise_points:.1f})")
     lines.append("  minutes per phase: " + ", ".join(f"{k} {round(v / 60, 1)}" for k, v in s.phases_s.items()))
     if report is not None and report.note:
         lines.append(f"  ({report.note})")

@@ -91,6 +91,9 @@ class Report(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     reading: list[ReadingSpec] = []
     gain: list[str] = []  # [before, after]: two reading names
     gain_label: str = "gain"
+    # [before, after] of a control (the same training with the signal removed): its gain must stay within noise
+    control: list[str] = []
+    control_label: str = "control"
     speed: str = ""  # a train phase whose median step time the table shows (the machine's speed that run)
     note: str = ""  # a line the table adds
 
@@ -165,37 +168,131 @@ class Summary(msgspec.Struct, kw_only=True):
     # on one machine"), so the minutes are read beside these
     sft_step_s: float = 0.0
     sft_tokens_per_s: float = 0.0
+    control_gain_points: float | None = None  # the report's control: its after reading minus its before reading
+    control_noise_points: float | None = None
 
 
 # ---------------------------------------------------------------- reading a recipe
 
 
-def recipe_path(name: str) -> Path:
-    """A bundled recipe's name (``first-run``) or a recipe FILE."""
+def recipe_path(name: str, relative_to: Path | None = None) -> Path:
+    """A bundled recipe's name (``first-run``) or a recipe FILE (relative to ``relative_to``, when given: where the
+    recipe that names it lives)."""
     bundled = RECIPES_DIR / f"{name}.toml"
     if "/" not in name and not name.endswith(".toml") and bundled.is_file():
         return bundled
-    path = Path(name)
+    path = relative_to / name if relative_to is not None and not Path(name).is_absolute() else Path(name)
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.toml")))
-        raise ConfigError(f"--recipe {name}: no such file, and not a bundled recipe (those: {known})")
+        raise ConfigError(f"recipe {name}: no such file{f' (in {relative_to})' if relative_to else ''}, and not a "
+                          f"bundled recipe (those: {known})")
     return path
 
 
-def read_recipe(name: str) -> RecipeFile:
-    """The recipe FILE (or bundled name), decoded and checked for its own consistency."""
+def read_recipe(name: str, drop: list[str] | tuple[str, ...] = ()) -> RecipeFile:
+    """The recipe FILE (or bundled name), what it extends merged in, the phases ``drop`` names left out, decoded and
+    checked for its own consistency."""
     path = recipe_path(name)
+    document = _document(path, ())
+    if drop:
+        document = extend(document, {}, list(drop), str(path))
     try:
-        document = tomllib.loads(path.read_text(encoding="utf-8"))
         recipe = msgspec.convert(document, RecipeFile)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"recipe {path}: cannot read it ({exc})") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"recipe {path}: invalid TOML: {exc}") from exc
     except msgspec.ValidationError as exc:
         raise ConfigError(f"recipe {path}: {exc}") from exc
     check_phases(recipe, str(path))
     return recipe
+
+
+def _document(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    """A recipe file's TOML table with the recipe it ``extends`` merged under it."""
+    if path.resolve() in chain:
+        raise ConfigError(f"recipe {path}: extends itself (through {' -> '.join(str(p) for p in chain)})")
+    try:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"recipe {path}: cannot read it ({exc})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"recipe {path}: invalid TOML: {exc}") from exc
+    parent = document.pop("extends", None)
+    drop = document.pop("drop", [])
+    if parent is None:
+        if drop:
+            raise ConfigError(f"recipe {path}: drop names phases of the recipe it extends, and it extends none")
+        if any(isinstance(p, dict) and "like" in p for p in document.get("phase", [])):
+            raise ConfigError(f"recipe {path}: a phase's like names a phase of the recipe it extends, and it "
+                              "extends none")
+        return document
+    if not isinstance(parent, str) or not isinstance(drop, list) or not all(isinstance(d, str) for d in drop):
+        raise ConfigError(f"recipe {path}: extends is a recipe's name or file, drop a list of phase names")
+    base = _document(recipe_path(parent, path.parent), (*chain, path.resolve()))
+    return extend(base, document, drop, str(path))
+
+
+def extend(base: dict[str, Any], child: dict[str, Any], drop: list[str], source: str) -> dict[str, Any]:
+    """``child`` (a recipe's TOML table) on top of the recipe it extends (``base``, already merged):
+
+    - its tables (vars, split, config, report) merge key by key into base's, its own values winning; its other
+      values (description, base, harness_config) replace base's;
+    - ``drop``: base's phases left out, with the report's readings of them (and a gain or speed naming them);
+    - each ``[[phase]]``: one of base's names changes that phase (its tables merged, its other fields replaced);
+      ``like = "NAME"`` makes a new phase from a copy of base's NAME (dropped or not), changed the same way; any other
+      is a new phase, after base's.
+    """
+    phases = [dict(p) for p in base.get("phase", [])]
+    originals = {p["name"]: p for p in phases if isinstance(p.get("name"), str)}
+    unknown = [name for name in drop if name not in originals]
+    if unknown:
+        raise ConfigError(f"recipe {source}: drop names {', '.join(unknown)}, not phases of the recipe it extends "
+                          f"({', '.join(originals)})")
+    phases = [p for p in phases if p.get("name") not in drop]
+    out = {k: v for k, v in base.items() if k != "phase"}
+    for key, value in child.items():
+        if key == "phase":
+            continue
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    _drop_from_report(out, base.get("report"), child.get("report"), drop)
+    for new in child.get("phase", []):
+        if not isinstance(new, dict) or not isinstance(new.get("name"), str):
+            raise ConfigError(f"recipe {source}: each [[phase]] needs a name")
+        new = dict(new)
+        like = new.pop("like", None)
+        names = [p["name"] for p in phases]
+        if like is not None:
+            if like not in originals and like not in names:
+                raise ConfigError(f"recipe {source}: phase {new['name']}: like names {like!r}, not a phase of the "
+                                  f"recipe it extends ({', '.join(originals)})")
+            if new["name"] in names:
+                raise ConfigError(f"recipe {source}: phase {new['name']}: like makes a new phase, and "
+                                  f"{new['name']!r} is one already (change it by its name, without like)")
+            template = next((p for p in phases if p["name"] == like), None) or originals[like]
+            phases.append(_merge(template, new))
+        elif new["name"] in names:
+            index = names.index(new["name"])
+            phases[index] = _merge(phases[index], new)
+        else:
+            phases.append(new)
+    out["phase"] = phases
+    return out
+
+
+def _drop_from_report(out: dict[str, Any], base: Any, child: Any, drop: list[str]) -> None:
+    """The merged report without the readings of dropped phases (readings merged by name, base's first)."""
+    if not isinstance(out.get("report"), dict):
+        return
+    report = out["report"]
+    readings: dict[str, Any] = {}
+    for table in (base, child):
+        for spec in (table or {}).get("reading", []) if isinstance(table, dict) else []:
+            if isinstance(spec, dict) and isinstance(spec.get("name"), str):
+                readings[spec["name"]] = {**readings.get(spec["name"], {}), **spec}
+    kept = {name: spec for name, spec in readings.items() if spec.get("phase") not in drop}
+    report["reading"] = list(kept.values())
+    for key in ("gain", "control"):
+        if any(name not in kept for name in report.get(key, [])):
+            report[key] = []
+    if report.get("speed") in drop:
+        report["speed"] = ""
 
 
 def check_phases(recipe: RecipeFile, source: str) -> None:
@@ -228,8 +325,10 @@ def check_phases(recipe: RecipeFile, source: str) -> None:
             if spec.phase not in seen or seen[spec.phase].kind != "eval":
                 raise ConfigError(f"recipe {source}: report reading {spec.name} names {spec.phase!r}, not an eval "
                                   "phase")
-        if report.gain and (len(report.gain) != 2 or not set(report.gain) <= names):
-            raise ConfigError(f"recipe {source}: report.gain must name two of the readings ({', '.join(names)})")
+        for key, pair in (("gain", report.gain), ("control", report.control)):
+            if pair and (len(pair) != 2 or not set(pair) <= names):
+                raise ConfigError(f"recipe {source}: report.{key} must name two of the readings "
+                                  f"({', '.join(names)})")
         if report.speed and (report.speed not in seen or seen[report.speed].kind != "train"):
             raise ConfigError(f"recipe {source}: report.speed names {report.speed!r}, not a train phase")
 
@@ -270,10 +369,10 @@ def resolve_vars(recipe: RecipeFile, overrides: dict[str, Any], source: str) -> 
     raise ConfigError(f"recipe {source}: vars {', '.join(missing)} name each other or an unknown name")
 
 
-def load(name: str, overrides: dict[str, Any]) -> Recipe:
-    """A bundled recipe or FILE with ``recipe.NAME`` overrides."""
+def load(name: str, overrides: dict[str, Any], drop: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """A bundled recipe or FILE with ``recipe.NAME`` overrides (and the phases ``drop`` names left out)."""
     path = recipe_path(name)
-    file = read_recipe(name)
+    file = read_recipe(name, drop)
     return Recipe(name=path.stem, source=str(path), file=file, vars=resolve_vars(file, overrides, str(path)))
 
 
