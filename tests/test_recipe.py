@@ -139,6 +139,10 @@ def test_vars_are_overridden_by_name_and_type_and_may_name_each_other() -> None:
     recipe = recipes.load("first-run", {"seed": 3, "sft_steps": 7})
     assert (recipe.vars["seed"], recipe.vars["eval_seed"], recipe.vars["sft_steps"]) == (3, 3, 7)
     assert recipe.vars["sft_trainer_threads"] == (os.cpu_count() or 1)  # {cores}
+    # a var that names another has that one's type: eval_seed ("{seed}") takes an integer
+    assert recipes.load("first-run", {"seed": 3, "eval_seed": 9}).vars["eval_seed"] == 9
+    with pytest.raises(ConfigError, match=r"eval_seed.*is int"):
+        recipes.load("first-run", {"eval_seed": "nine"})
     with pytest.raises(ConfigError, match=r"no var sft_stepz \(its vars: seed, tasks"):
         recipes.load("first-run", {"sft_stepz": 7})
     with pytest.raises(ConfigError, match=r"sft_steps.*is int"):
@@ -316,3 +320,28 @@ def test_a_recipe_its_grpo_run_would_refuse_stops_before_any_phase(tmp_path: Pat
     assert main(argv) == 2
     assert "pass_over_uninformative is for synchronous grpo" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def _reading(folder: Path, seed: int, resolved: list[bool], aborted: tuple[int, ...] = ()) -> recipes.Reading:
+    folder.mkdir(parents=True)
+    rows = [{"instance_id": f"t{i // 2}", "sample": i % 2, "resolved": r,
+             "outcome": "ABORTED" if i in aborted else "COMPLETED"} for i, r in enumerate(resolved)]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scored = [r for i, r in enumerate(resolved) if i not in aborted]
+    return recipes.Reading(resolve_rate=sum(scored) / len(scored), resolved=sum(scored), episodes=len(scored),
+                           aborted=len(aborted), folder=str(folder), model="m", seed=seed)
+
+
+def test_a_gain_between_readings_of_one_seed_is_paired_episode_by_episode(tmp_path: Path) -> None:
+    from swectl.cli.phases import noise_points, paired_noise_points
+
+    before = _reading(tmp_path / "a", 0, [True, False, True, False, False, False, True, True])
+    after = _reading(tmp_path / "b", 0, [True, True, True, False, True, False, True, True])
+    # differences 0,1,0,0,1,0,0,0: mean 0.25, sample variance 0.2143, over 8 pairs
+    assert paired_noise_points(before, after) == round(100 * (0.5 / 7 * 3 / 8) ** 0.5, 1) == 16.4
+    # the same numbers as independent readings: more noise
+    assert noise_points(before, after) == round(100 * (0.25 / 8 + 0.1875 / 8) ** 0.5, 1) == 23.4
+    other_seed = _reading(tmp_path / "c", 1, [True, True, True, False, True, False, True, True])
+    assert paired_noise_points(before, other_seed) is None  # other random numbers: not paired
+    aborted = _reading(tmp_path / "d", 0, [True, True, True, False, True, False, True, True], aborted=(3,))
+    assert paired_noise_points(before, aborted) is None  # an episode missing from one side

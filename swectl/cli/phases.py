@@ -334,12 +334,51 @@ def noise_points(a: Reading, b: Reading) -> float:
     return round(100 * math.sqrt(var), 1)
 
 
+class _Outcome(msgspec.Struct):
+    """The part of an eval episode's results.jsonl line a paired difference reads."""
+
+    instance_id: str
+    sample: int
+    resolved: bool
+    outcome: str = ""
+
+
+def outcomes(folder: Path) -> dict[tuple[str, int], bool]:
+    """A finished reading's scored episodes (aborted ones left out, as its resolve rate leaves them): resolved or not,
+    by task and sample."""
+    out: dict[tuple[str, int], bool] = {}
+    path = folder / "results.jsonl"
+    for line in path.read_bytes().splitlines() if path.is_file() else []:
+        if line.strip():
+            row = msgspec.json.decode(line, type=_Outcome)
+            if row.outcome != "ABORTED":
+                out[(row.instance_id, row.sample)] = row.resolved
+    return out
+
+
+def paired_noise_points(a: Reading, b: Reading) -> float | None:
+    """One standard error of ``b`` minus ``a`` from their differences episode by episode, when the two readings are
+    paired: the same tasks and samples under the same sampling seed (each request of sample k of a task draws the same
+    random numbers in both), so a task both policies solve, or neither, adds no noise. The standard deviation is over
+    every pair, so differences between tasks count as noise too (the conservative side of a stratified estimate).
+    None when the readings are not paired (another seed, other tasks or samples, an episode aborted in one)."""
+    if a.seed != b.seed:
+        return None
+    first, second = outcomes(Path(a.folder)), outcomes(Path(b.folder))
+    if len(first) < 2 or set(first) != set(second):
+        return None
+    diffs = [int(second[k]) - int(first[k]) for k in first]
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return round(100 * math.sqrt(var / len(diffs)), 1)
+
+
 def _summary(recipe: Recipe, run_dir: Path, records: dict[str, PhaseRecord], seconds: float) -> Summary:
     report = recipe.file.report
     readings = {spec.name: reading(recipe.phase(spec.phase).path(run_dir)) for spec in (report.reading if report
                                                                                         else [])}
-    gain, noise = _gain(readings, report.gain if report else [])
-    control, control_noise = _gain(readings, report.control if report else [])
+    gain, noise, paired = _gain(readings, report.gain if report else [])
+    control, control_noise, control_paired = _gain(readings, report.control if report else [])
     step_s, tokens_per_s = (train_speed(recipe.phase(report.speed).path(run_dir))
                             if report is not None and report.speed else (0.0, 0.0))
     seed = recipe.vars.get("seed")
@@ -347,15 +386,18 @@ def _summary(recipe: Recipe, run_dir: Path, records: dict[str, PhaseRecord], sec
                    gain_points=gain, gain_noise_points=noise, minutes=round(seconds / 60, 1),
                    phases_s={name: r.seconds for name, r in records.items()}, run_dir=str(run_dir),
                    vars=recipe.vars, sft_step_s=step_s, sft_tokens_per_s=tokens_per_s, control_gain_points=control,
-                   control_noise_points=control_noise)
+                   control_noise_points=control_noise, gain_paired=paired, control_paired=control_paired)
 
 
-def _gain(readings: dict[str, Reading], pair: list[str]) -> tuple[float | None, float | None]:
-    """Reading ``pair[1]`` minus reading ``pair[0]`` in points, and one standard error of it; Nones with no pair."""
+def _gain(readings: dict[str, Reading], pair: list[str]) -> tuple[float | None, float | None, bool]:
+    """Reading ``pair[1]`` minus reading ``pair[0]`` in points, one standard error of it (paired episode by episode
+    where the readings are), and whether it is paired; Nones with no pair."""
     if not pair:
-        return None, None
+        return None, None, False
     before, after = readings[pair[0]], readings[pair[1]]
-    return round(100 * (after.resolve_rate - before.resolve_rate), 1), noise_points(before, after)
+    paired = paired_noise_points(before, after)
+    return (round(100 * (after.resolve_rate - before.resolve_rate), 1),
+            paired if paired is not None else noise_points(before, after), paired is not None)
 
 
 def summary_table(recipe: Recipe, s: Summary) -> list[str]:
@@ -372,10 +414,10 @@ def summary_table(recipe: Recipe, s: Summary) -> list[str]:
                          "episodes)")
     if s.gain_points is not None:
         lines.append(f"  {report.gain_label if report else 'gain'}: {s.gain_points:+.1f} points (one standard error "
-                     f"{s.gain_noise_points:.1f})")
+                     f"{s.gain_noise_points:.1f}{', paired by task and sample' if s.gain_paired else ''})")
     if s.control_gain_points is not None:
         lines.append(f"  {report.control_label if report else 'control'}: {s.control_gain_points:+.1f} points (one "
-                     f"standard error {s.control_noise_points:.1f})")
+                     f"standard error {s.control_noise_points:.1f}{', paired' if s.control_paired else ''})")
     lines.append("  minutes per phase: " + ", ".join(f"{k} {round(v / 60, 1)}" for k, v in s.phases_s.items()))
     if report is not None and report.note:
         lines.append(f"  ({report.note})")

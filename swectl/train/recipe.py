@@ -158,7 +158,9 @@ class Summary(msgspec.Struct, kw_only=True):
     seed: int | None
     readings: dict[str, Reading]
     gain_points: float | None  # the report's after reading minus its before reading, in percentage points
-    gain_noise_points: float | None  # one standard error of that difference (two independent binomial readings)
+    # one standard error of that difference: from the episode-by-episode differences when the two readings are paired
+    # (same tasks, samples and sampling seed: gain_paired), else as two independent binomial readings
+    gain_noise_points: float | None
     minutes: float
     phases_s: dict[str, float]
     run_dir: str
@@ -170,6 +172,8 @@ class Summary(msgspec.Struct, kw_only=True):
     sft_tokens_per_s: float = 0.0
     control_gain_points: float | None = None  # the report's control: its after reading minus its before reading
     control_noise_points: float | None = None
+    gain_paired: bool = False
+    control_paired: bool = False
 
 
 # ---------------------------------------------------------------- reading a recipe
@@ -349,14 +353,18 @@ def resolve_vars(recipe: RecipeFile, overrides: dict[str, Any], source: str) -> 
     unknown = sorted(set(overrides) - set(recipe.vars))
     if unknown:
         raise ConfigError(f"recipe {source}: no var {', '.join(unknown)} (its vars: {', '.join(recipe.vars)})")
+    typed = _resolve(recipe.vars, source) if overrides else {}  # a var "{other}" has the type of what it names
     for key, value in overrides.items():
-        default = recipe.vars[key]
+        default = typed[key]
         if isinstance(default, bool) != isinstance(value, bool) or (
                 isinstance(default, int | float) and not isinstance(value, int | float)) or (
                 isinstance(default, str) and not isinstance(value, str)):
             raise ConfigError(f"recipe.{key}={value!r}: the recipe's {key} is {type(default).__name__} "
                               f"({default!r})")
-    raw = {**recipe.vars, **overrides}
+    return _resolve({**recipe.vars, **overrides}, source)
+
+
+def _resolve(raw: dict[str, Any], source: str) -> dict[str, Any]:
     resolved: dict[str, Any] = builtins()
     for _ in range(len(raw) + 1):  # vars may name vars; each pass resolves one more level
         pending = {k: v for k, v in raw.items() if k not in resolved}
