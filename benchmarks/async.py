@@ -14,8 +14,8 @@ agents run), the case the goal is written for. Writes benchmarks/results/async.j
 with a ``demo_`` prefix, and the drop-stale rows in meta.
 
 ``--runs SYNC_RUN ASYNC_RUN`` adds the real thing: two `swectl up` GRPO run folders of one setting on this machine,
-synchronous and asynchronous (e.g. `just learn`'s grpo run and the same with
-``--grpo-set train.sampling.max_staleness=1``):
+synchronous and asynchronous (e.g. the grpo folders of `just learn --set recipe.max_staleness=0` and of
+`just learn`, whose recipe is asynchronous):
 GRPO steps per hour of each (from the steps' wall times), their ratio, and the async run's mean staleness and
 trainer wait (``real_*`` keys).
 """
