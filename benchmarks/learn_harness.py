@@ -23,6 +23,8 @@ from typing import Any
 
 import recipe_run
 
+from swectl.actors.metrics import METRICS_FILE, read_metrics
+
 RESULTS = Path(__file__).resolve().parent / "results" / "learn_harness.json"
 RECIPE = "first-run-control"
 HARNESS_SETS = ['agent.harness="mini-swe-agent"', 'agent.harness_config="swectl"']
@@ -35,7 +37,8 @@ def say(message: str) -> None:
 def gateway_counts(run: Path) -> dict[str, float]:
     """A training run's gateway readings summed over its steps (metrics.jsonl)."""
     totals: dict[str, float] = {}
-    for row in recipe_run.metrics(run):
+    records, _ = read_metrics(run / METRICS_FILE) if (run / METRICS_FILE).exists() else ([], [])
+    for row in records:
         for key, value in row.items():
             if key.startswith("gateway/"):
                 totals[key] = totals.get(key, 0.0) + value

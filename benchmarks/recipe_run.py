@@ -8,7 +8,6 @@ suite says which recipe, which vars and which config keys, and reads the run fol
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -71,9 +70,3 @@ def run(recipe: str, run_dir: Path, sets: list[str], say: Callable[[str], None])
 
 def read_summary(run_dir: Path) -> Summary:
     return msgspec.json.decode((run_dir / SUMMARY_FILE).read_bytes(), type=Summary)
-
-
-def metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """A training run's metrics.jsonl records (none when it has none)."""
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

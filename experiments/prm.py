@@ -86,16 +86,6 @@ def up(work: Path, run_id: str, document: dict[str, object]) -> Path:
     return Path(latest[1].weights)
 
 
-def merge(*documents: dict[str, object]) -> dict[str, object]:
-    """Nested overlays merged key by key, the later winning."""
-    out: dict[str, object] = {}
-    for document in documents:
-        for key, value in document.items():
-            old = out.get(key)
-            out[key] = merge(old, value) if isinstance(value, dict) and isinstance(old, dict) else value
-    return out
-
-
 def agreement(run_dir: Path) -> dict[str, object]:
     """The judge's verdicts in a run's episodes against the outcome rules' labels (swectl/data/judge.py)."""
     counts = {"episodes": 0, "steps": 0, "judged": 0, "scored": 0, "votes": 0, "unparseable": 0, "failures": 0,
@@ -204,13 +194,13 @@ def main() -> int:
         apply_override(extra, item)
     run_id = "grpo-prm" + (f"-{args.tag}" if args.tag else "")
     t0 = time.monotonic()
-    grpo = up(work, run_id, merge(first_run_episodes(), {
+    grpo = up(work, run_id, recipes.merge(recipes.merge(first_run_episodes(), {
         "train": {"algorithm": "grpo", "model": str(args.policy), "steps": args.grpo_steps, "seed": args.seed,
                   "concurrency": 8, "save_every": 0, "data": {"tasks": str(args.tasks), "test_fraction": 0.0},
                   "optim": {"lr": 2e-4}, "sampling": {"tasks_per_step": 4, "n_samples": 4, "max_sampling_rounds": 1},
                   "loss": {"mask_truncated": True, "mask_format_errors": True}},
         "reward": {"prm": {"enabled": True, "model": str(judge), "samples": args.samples,
-                           "step_coef": args.step_coef, "max_tokens": 16}}}, extra))
+                           "step_coef": args.step_coef, "max_tokens": 16}}}), extra))
     timings["grpo_prm_s"] = time.monotonic() - t0
 
     result = {"settings": json.loads(json.dumps(vars(args), default=str)),  # Paths as strings

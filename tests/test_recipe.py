@@ -324,7 +324,7 @@ def test_a_recipe_its_grpo_run_would_refuse_stops_before_any_phase(tmp_path: Pat
 
 def _reading(folder: Path, seed: int, resolved: list[bool], aborted: tuple[int, ...] = ()) -> recipes.Reading:
     folder.mkdir(parents=True)
-    rows = [{"instance_id": f"t{i // 2}", "sample": i % 2, "resolved": r,
+    rows = [{"instance_id": f"t{i // 2}", "sample": i % 2, "resolved": r, "exit_status": "Submitted",
              "outcome": "ABORTED" if i in aborted else "COMPLETED"} for i, r in enumerate(resolved)]
     (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     scored = [r for i, r in enumerate(resolved) if i not in aborted]

@@ -334,26 +334,12 @@ def noise_points(a: Reading, b: Reading) -> float:
     return round(100 * math.sqrt(var), 1)
 
 
-class _Outcome(msgspec.Struct):
-    """The part of an eval episode's results.jsonl line a paired difference reads."""
-
-    instance_id: str
-    sample: int
-    resolved: bool
-    outcome: str = ""
-
-
 def outcomes(folder: Path) -> dict[tuple[str, int], bool]:
     """A finished reading's scored episodes (aborted ones left out, as its resolve rate leaves them): resolved or not,
     by task and sample."""
-    out: dict[tuple[str, int], bool] = {}
-    path = folder / "results.jsonl"
-    for line in path.read_bytes().splitlines() if path.is_file() else []:
-        if line.strip():
-            row = msgspec.json.decode(line, type=_Outcome)
-            if row.outcome != "ABORTED":
-                out[(row.instance_id, row.sample)] = row.resolved
-    return out
+    from swectl.eval.agents import read_results
+
+    return {(r.instance_id, r.sample): r.resolved for r in read_results(folder) if r.outcome != "ABORTED"}
 
 
 def paired_noise_points(a: Reading, b: Reading) -> float | None:

@@ -86,7 +86,8 @@ class AgentSummary(RunReport, kw_only=True):
     settings: RunSettings
 
 
-def _done(out: Path) -> list[EpisodeResult]:
+def read_results(out: Path) -> list[EpisodeResult]:
+    """The finished episodes of an eval run folder (its results.jsonl, in the order they finished)."""
     path = out / "results.jsonl"
     if not path.exists():
         return []
@@ -155,7 +156,7 @@ def _clear(out: Path) -> None:
 
 def _done_lenient(out: Path) -> list[EpisodeResult]:
     try:
-        return _done(out)
+        return read_results(out)
     except TaskDataError:
         return []
 
@@ -243,7 +244,7 @@ async def eval_model(
     ``endpoint``: the same against a running SGLang-API server. ``openai``: messages-only episodes on an
     OpenAI-compatible endpoint (evaluation only). Episode settings come from ``settings.rollout``."""
     prepare_run_dir(out, settings, fresh=fresh)
-    previous = _done(out)
+    previous = read_results(out)
     skip = {(r.instance_id, r.sample) for r in previous}
     rollout = rollout_config(settings.rollout, concurrency)
     total = len(tasks) * rollout.samples_per_task

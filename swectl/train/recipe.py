@@ -254,7 +254,7 @@ def extend(base: dict[str, Any], child: dict[str, Any], drop: list[str], source:
     for key, value in child.items():
         if key == "phase":
             continue
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     _drop_from_report(out, base.get("report"), child.get("report"), drop)
     for new in child.get("phase", []):
         if not isinstance(new, dict) or not isinstance(new.get("name"), str):
@@ -270,10 +270,10 @@ def extend(base: dict[str, Any], child: dict[str, Any], drop: list[str], source:
                 raise ConfigError(f"recipe {source}: phase {new['name']}: like makes a new phase, and "
                                   f"{new['name']!r} is one already (change it by its name, without like)")
             template = next((p for p in phases if p["name"] == like), None) or originals[like]
-            phases.append(_merge(template, new))
+            phases.append(merge(template, new))
         elif new["name"] in names:
             index = names.index(new["name"])
-            phases[index] = _merge(phases[index], new)
+            phases[index] = merge(phases[index], new)
         else:
             phases.append(new)
     out["phase"] = phases
@@ -466,13 +466,14 @@ def names_for(recipe: Recipe, run_dir: Path, records: dict[str, PhaseRecord], ph
 
 def overlay(recipe: Recipe, phase: Phase, names: dict[str, Any]) -> dict[str, Any]:
     """The phase's config overlay: the recipe's [config] with the phase's own on top, templates filled."""
-    return _merge(fill(recipe.file.config, names, "config"), fill(phase.config, names, f"{phase.name}.config"))
+    return merge(fill(recipe.file.config, names, "config"), fill(phase.config, names, f"{phase.name}.config"))
 
 
-def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Overlay ``b`` on ``a``: tables merged key by key, any other value of ``b`` winning."""
     out = dict(a)
     for key, value in b.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
