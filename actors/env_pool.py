@@ -33,7 +33,7 @@ import os
 import socket
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -56,7 +56,7 @@ from swectl.sandbox import (
     Sandbox,
     SandboxBackend,
 )
-from swectl.schema import ExecResult, NodeStatistics, PoolStatistics, SandboxSpec
+from swectl.schema import ExecResult, Mount, NodeStatistics, PoolStatistics, SandboxSpec
 
 _log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 60.0
@@ -182,6 +182,13 @@ class Lease:
         async with self.in_use():
             await self.sandbox.ping()
 
+    @asynccontextmanager
+    async def forward_port(self, port: int, connect: Callable[[], Awaitable[anyio.abc.ByteStream]]
+                           ) -> AsyncIterator[None]:
+        """``Sandbox.forward_port``; the lease is in use (it cannot expire) while the block runs."""
+        async with self.in_use(), self.sandbox.forward_port(port, connect):
+            yield
+
 
 class EnvPool:
     """The env pool actor: keeps warm sandboxes on healthy nodes and leases them to episodes and graders."""
@@ -194,8 +201,12 @@ class EnvPool:
         *,
         run_id: str,
         image_stores: Mapping[str, ImageStore | None] | None = None,
+        mounts: Sequence[Mount] = (),
     ) -> None:
-        """``image_stores``: each node's image store by node name (tests); by default the backend's Podman store."""
+        """``image_stores``: each node's image store by node name (tests); by default the backend's Podman store.
+        ``mounts``: folders of the nodes bound read-only into every sandbox that is not a grading's (a CLI agent's
+        tools)."""
+        self._mounts = list(mounts)
         if not nodes:
             raise ValueError("EnvPool needs at least one node")
         self._config = config
@@ -265,20 +276,22 @@ class EnvPool:
         key = image_key(image)
         self._wanted[key] += 1  # a pending lease's image is never evicted
         try:
-            return await self._acquire(image, cpus if cpus is not None else self.cpus_for(grading), memory)
+            return await self._acquire(image, cpus if cpus is not None else self.cpus_for(grading), memory,
+                                       [] if grading else self._mounts)
         finally:
             self._wanted[key] -= 1
             if not self._wanted[key]:
                 del self._wanted[key]
 
-    async def _acquire(self, image: str, cpus: float, memory: str | None = None) -> Lease:
+    async def _acquire(self, image: str, cpus: float, memory: str | None = None, mounts: list[Mount] | None = None
+                       ) -> Lease:
         attempts = 0
         waited = 0.0  # seconds this lease waited for pulls of its image
         while True:
             if self._closed:
                 raise PoolClosedError("the env pool is shut down")
-            warm_fits = image == self._sandbox.image and cpus == self._sandbox.cpus and memory in (None,
-                                                                                                self._sandbox.memory)
+            warm_fits = (image == self._sandbox.image and cpus == self._sandbox.cpus and not mounts
+                         and memory in (None, self._sandbox.memory))
             if warm_fits and (lease := await self._take_warm()):
                 self._counts["warm_hits"] += 1
                 return lease
@@ -291,7 +304,7 @@ class EnvPool:
                 if not self._has_image(slot, image):
                     waited += await self._wait_for_image(slot, image)
                     continue  # placed again: the node holds the image now, and the start caps apply
-                sandbox = await self._create(slot, image, cpus, memory)
+                sandbox = await self._create(slot, image, cpus, memory, mounts)
             except InfraError as exc:
                 attempts += 1
                 if attempts > self._config.start_retries:
@@ -371,21 +384,23 @@ class EnvPool:
         chosen = choose_node([slot.view(image, anywhere) for slot in self._slots])
         return None if chosen is None else self._slots[chosen]
 
-    def _spec(self, slot: _NodeSlot, image: str, cpus: float, memory: str | None = None) -> SandboxSpec:
+    def _spec(self, slot: _NodeSlot, image: str, cpus: float, memory: str | None = None,
+              mounts: list[Mount] | None = None) -> SandboxSpec:
         cfg = self._sandbox
         return SandboxSpec(
             image=image, workdir=cfg.workdir, network=cfg.network, memory=memory or cfg.memory,
-            pids_limit=cfg.pids_limit, cpus=cpus,
+            pids_limit=cfg.pids_limit, cpus=cpus, mounts=list(mounts or ()),
             labels={
                 LABEL_MANAGED: "1", LABEL_RUN: self.run_id, LABEL_NODE: slot.config.name,
                 LABEL_CONTROLLER: self._controller,
             },
         )
 
-    async def _create(self, slot: _NodeSlot, image: str, cpus: float, memory: str | None = None) -> Sandbox:
+    async def _create(self, slot: _NodeSlot, image: str, cpus: float, memory: str | None = None,
+                      mounts: list[Mount] | None = None) -> Sandbox:
         slot.starting += 1
         try:
-            return await slot.backend.create(self._spec(slot, image, cpus, memory))
+            return await slot.backend.create(self._spec(slot, image, cpus, memory, mounts))
         except InfraError as exc:
             slot.failures += 1
             self._counts["start_failures"] += 1
@@ -742,6 +757,7 @@ async def running_pool(
     backends: Backends | None = None,
     start_timeout_s: float | None = None,
     close_timeout_s: float | None = None,
+    mounts: Sequence[Mount] = (),
 ) -> AsyncIterator[EnvPool]:
     """An EnvPool started on every sandbox node; on exit (or Ctrl-C) every container of the run is removed and
     the backends (``make_backends(config)`` unless given) are closed. A failure inside the block is re-raised
@@ -752,7 +768,8 @@ async def running_pool(
     ``start_timeout_s`` or the backends have not closed within ``close_timeout_s``.
     """
     backends = make_backends(config) if backends is None else backends
-    pool = EnvPool(config.env_pool, config.sandbox, backends, run_id=run_id or config.run_id or new_run_id())
+    pool = EnvPool(config.env_pool, config.sandbox, backends, run_id=run_id or config.run_id or new_run_id(),
+                   mounts=mounts)
     failure: Exception | None = None
     try:
         async with anyio.create_task_group() as tg:

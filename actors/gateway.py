@@ -109,6 +109,16 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     stream_keepalive_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
 
+def _mark(session: _Session | None, exc: _HttpError) -> None:
+    """What a refused or failed turn says about its episode: it reached a limit, or the infrastructure failed."""
+    if session is None:
+        return
+    if exc.code in ("context_length_exceeded", "turn_limit_reached"):
+        session.limited = True
+    elif exc.status >= 500:
+        session.failed = True
+
+
 def _own_fault(exc: Exception) -> _HttpError:
     """A fault of the gateway's own, as the 500 it answers."""
     return _HttpError(500, f"the gateway failed: {type(exc).__name__}: {exc}", "server_error")
@@ -217,6 +227,10 @@ class _Session:
     name: str
     workspace: Workspace | None = None
     commands: int = 0
+    max_turns: int = 0  # the episode's turns at most (0: no limit); one more is refused with a 400
+    limited: bool = False  # a turn was refused for a limit: the turns' (max_turns) or the context's
+    failed: bool = False  # a turn failed on the infrastructure's side (the engine, the sandbox: a 5xx)
+    last_finish: str = ""  # why the last sampled turn ended ("stop", "length", "tool_calls")
     ledger: Ledger = field(default_factory=Ledger)
     ended: bool = False
     answers: dict[str, TurnResult] = field(default_factory=dict)  # API and body hash -> the recorded turn
@@ -231,6 +245,9 @@ class SessionRecord:
     name: str
     ledger: Ledger
     stats: LedgerStats
+    limited: bool = False  # a turn was refused for a limit (the session's max_turns, or the context)
+    failed: bool = False  # a turn failed on the infrastructure's side (a 5xx: the engine or the sandbox)
+    last_finish: str = ""  # why its last sampled turn ended ("stop", "length", "tool_calls"; "": none sampled)
 
 
 class Gateway:
@@ -259,11 +276,12 @@ class Gateway:
         self.url = f"http://{host}:{port}/v1"
         await serve_http(self.app(), sock, task_status=task_status)
 
-    def open_session(self, name: str, workspace: Workspace | None = None) -> str:
-        """A new session for one episode (``workspace``: where its commands run); its key (the harness's API
-        key)."""
+    def open_session(self, name: str, workspace: Workspace | None = None, *, max_turns: int = 0) -> str:
+        """A new session for one episode (``workspace``: where its commands run; ``max_turns``: its turns at most,
+        a turn past them refused with a 400 ``turn_limit_reached``, which ends a CLI agent's run); its key (the
+        harness's API key)."""
         key = "sk-swectl-" + secrets.token_urlsafe(24)
-        self._sessions[key] = _Session(key=key, name=name, workspace=workspace)
+        self._sessions[key] = _Session(key=key, name=name, workspace=workspace, max_turns=max_turns)
         return key
 
     def end_session(self, key: str) -> SessionRecord:
@@ -271,7 +289,8 @@ class Gateway:
         session = self._sessions.pop(key)
         session.ended = True
         self._ended.add(key)
-        return SessionRecord(name=session.name, ledger=session.ledger, stats=session.ledger.stats())
+        return SessionRecord(name=session.name, ledger=session.ledger, stats=session.ledger.stats(),
+                             limited=session.limited, failed=session.failed, last_finish=session.last_finish)
 
     def statistics(self) -> GatewayStatistics:
         return GatewayStatistics(sessions_open=len(self._sessions), sessions_ended=len(self._ended), **self._counts)
@@ -373,6 +392,7 @@ class Gateway:
         """One turn asked for through ``api``: the session by key, the body decoded into a turn, the turn answered
         once (a retry of the same body gets the recorded turn), then formatted in the API's shape."""
         self._counts["requests"] += 1
+        session: _Session | None = None
         try:
             session = self._session_of(request)
             raw = await self._body(request)
@@ -381,6 +401,7 @@ class Gateway:
             # a retry is the same turn again, not the same bytes: Codex 0.171's reconnects re-serialise
             # client_metadata (a map) in another key order, and that field is not part of the turn
             digest = hashlib.sha256(api.name.encode() + b"\n" + _JSON.encode(turn)).hexdigest()
+            self._check_turn_limit(session, digest)
             if body.stream:  # checked and rendered before the 200, so a request the turn cannot take stays a 4xx
                 prompt = self._checked_prompt(turn)
                 return _KeptAliveStream(lambda: self._streamed(api, body, session, digest, turn, prompt),
@@ -390,6 +411,7 @@ class Gateway:
                 return Response(status_code=499)
             answer = api.answer(body, result, self.config.model)
         except _HttpError as exc:
+            _mark(session, exc)
             return self._error(api, exc)
         except Exception as exc:  # a fault of the gateway's own: said in the API's shape, and logged whole
             _log.exception("gateway: %s %s failed", request.method, request.url.path)
@@ -408,6 +430,7 @@ class Gateway:
         except Exception as exc:
             _log.exception("gateway: a streamed %s turn failed", api.name)
             failed = _own_fault(exc)
+        _mark(session, failed)
         self._count_refusal(failed)
         return [b"event: error\ndata: " + _JSON.encode(api.error(failed)) + b"\n\n"]
 
@@ -517,6 +540,16 @@ class Gateway:
             session.running.pop(digest, None)
             done.set()
 
+    @staticmethod
+    def _check_turn_limit(session: _Session, digest: str) -> None:
+        """A new turn past the session's ``max_turns`` is refused (a retry of a recorded one is not)."""
+        if not session.max_turns or digest in session.answers or digest in session.running:
+            return
+        if session.ledger.turns >= session.max_turns:
+            session.limited = True
+            raise _HttpError(400, f"this episode's turn limit ({session.max_turns}) is reached",
+                             "invalid_request_error", "turn_limit_reached")
+
     def _seed(self, session: _Session, turn: TurnRequest) -> int | None:
         """The request's own seed; else, with ``config.seed``, one per (session name, turn) as swectl's agent loop
         seeds its turns (the same episodes run after run); else None (fresh randomness)."""
@@ -563,6 +596,7 @@ class Gateway:
         text = self._tok.decode(list(result.output_ids), skip_special_tokens=True)
         content, calls = split_tool_calls(text) if turn.tools else (text, [])
         finish = "tool_calls" if calls else ("length" if result.finish_reason == "length" else "stop")
+        session.last_finish = finish
         matched = result.matched_stop
         stop_sequence = matched if isinstance(matched, str) and turn.stop and matched in turn.stop else None
         return TurnResult(id=turn_id, created=now(), content=content, tool_calls=calls, finish=finish,

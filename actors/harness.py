@@ -32,7 +32,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -40,10 +40,10 @@ import anyio.abc
 import msgspec
 
 from swectl.actors.env_pool import Lease
-from swectl.actors.gateway import Gateway, GatewayConfig, SessionRecord
-from swectl.agent.loop import Engine, Episode, Step
+from swectl.actors.gateway import Gateway, SessionRecord
+from swectl.agent.loop import Episode, Step
 from swectl.agent.protocol import SUBMIT_SENTINEL, AgentTemplates
-from swectl.agent.trajectory import ChatTokenizer, Message, Trajectory
+from swectl.agent.trajectory import Message, Trajectory
 from swectl.config import AgentConfig, RolloutOptions
 from swectl.schema import HarnessStatistics
 from swectl.tasks.record import TESTBED, Task
@@ -193,16 +193,10 @@ class MiniSweAgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefork: bool = True
 
 
-async def start_harness(tg: anyio.abc.TaskGroup, agent: AgentConfig, rollout: RolloutOptions,
-                        engine_for: Callable[[str], Engine], tokenizer: ChatTokenizer, work_dir: Path, *,
-                        temperature: float, seed: str | None = None, templates: AgentTemplates | None = None
-                        ) -> MiniSweAgent:
-    """The gateway (started in ``tg``, its turns sampled by ``engine_for(session name)`` within ``rollout``'s token
-    limits at ``temperature``, seeded by ``seed`` and the session's name) and ``agent.harness`` running through it,
-    its limits ``rollout``'s."""
-    gateway = Gateway(GatewayConfig(max_tokens=rollout.max_tokens, context_tokens=rollout.context,
-                                    temperature=temperature, seed=seed), engine_for, tokenizer)
-    await tg.start(gateway.run, name="gateway")
+async def start_mini(tg: anyio.abc.TaskGroup, agent: AgentConfig, rollout: RolloutOptions, gateway: Gateway,
+                     work_dir: Path, *, templates: AgentTemplates | None = None) -> MiniSweAgent:
+    """mini-swe-agent through ``gateway`` (already started), its limits ``rollout``'s, its zygote started in
+    ``tg``."""
     config = MiniSweAgentConfig(config=agent.harness_config, step_limit=rollout.step_limit,
                                 max_format_errors=rollout.max_format_errors, timeout_s=agent.timeout_s)
     await anyio.Path(work_dir).mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ import msgspec
 
 from swectl.actors.env_pool import EnvPool
 from swectl.actors.grader import Grader, GradeResult, prepare_task
-from swectl.actors.harness import MiniSweAgent
+from swectl.actors.harnesses import Harness
 from swectl.actors.judge import Judge
 from swectl.agent.loop import ChatEngine, Engine, Episode, EpisodeConfig, OnStep, run_chat_episode, run_episode
 from swectl.agent.trajectory import ChatTokenizer
@@ -70,7 +70,7 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
     episode: EpisodeConfig = EpisodeConfig()
 
 
-EngineFor = Callable[[Task, int], "Engine | ChatEngine | MiniSweAgent"]
+EngineFor = Callable[[Task, int], "Engine | ChatEngine | Harness"]
 # Waits until an engine can take requests (Engines.wait_routable); returns the seconds waited, raises InfraError
 EngineReady = Callable[[], Awaitable[float]]
 
@@ -188,7 +188,7 @@ class Rollout:
                         return await run_episode(task, lease, engine, self._tok,
                                                  episode_config_for(task, self._cfg.episode),
                                                  key=f"{task.instance_id}#{sample}", on_step=on_step)
-                    case MiniSweAgent() as harness:  # an external harness, unmodified, through the gateway
+                    case Harness() as harness:  # an external harness, unmodified, through the gateway
                         return await harness.run_episode(task, lease, f"{task.instance_id}#{sample}")
                     case ChatEngine() as chat:  # an OpenAI-compatible chat endpoint: messages only
                         return await run_chat_episode(task, lease, chat, episode_config_for(task, self._cfg.episode))

@@ -65,6 +65,7 @@ from common import (
     write_results,
 )
 
+from swectl.actors.cli_agents import default_tools_dir, tools_mounts
 from swectl.actors.env_pool import running_pool
 from swectl.config import DEFAULT_IMAGE, SandboxConfig, decode_config, load_config
 from swectl.errors import InfraError
@@ -225,7 +226,7 @@ class EnvBench:
             Side("podman", "podman", "", self.open_podman, ("exec", "cold_run", "podman_api", "concurrent"),
                  exec_cli=podman_exec, run_cli=podman_run, footprint=_podman_footprint),
             Side("namespace", "ns", "ns_", self.open_namespace,
-                 ("exec", "warm_lease", "cold_run", "disk", "concurrent"), cold_n="ns_cold_run",
+                 ("exec", "warm_lease", "cold_run", "tools_mount", "disk", "concurrent"), cold_n="ns_cold_run",
                  concurrent_n=("concurrent", "ns_concurrent"), footprint=self.ns_footprint),
             Side("docker", "docker", "docker_", self.open_docker, exec_cli=docker_exec),
         ]  # fmt: skip
@@ -490,12 +491,29 @@ class EnvBench:
         if baseline:
             await self.baseline(baseline)
 
-    async def _cold_start(self, backend: SandboxBackend) -> tuple[float, float]:
+    async def phase_tools_mount(self, side: Side, backend: SandboxBackend) -> None:
+        """What the CLI agents' read-only tools folder (actors/cli_agents.py) adds to a cold start: starts with and
+        without the mount, interleaved (the same load on both), the extra p50."""
+        p, n = side.prefix, getattr(self.sizes, side.cold_n)
+        tools = anyio.Path(default_tools_dir())
+        if not await tools.is_dir():
+            raise Skipped(f"no tools folder at {tools} (bash scripts/setup_cli_agents.sh)")
+        self.progress(f"{p}tools_mount: {n} x cold start with the tools mount, {n} x without, interleaved")
+        mounted = msgspec.structs.replace(self.spec(), mounts=tools_mounts("codex", str(tools)))
+        plain, withm = [], []
+        for _ in range(n):
+            plain.append((await self._cold_start(backend))[0])
+            withm.append((await self._cold_start(backend, mounted))[0])
+        a = self.summary(f"{p}cold_run_unmounted_ms", plain)["p50"]
+        b = self.summary(f"{p}cold_run_tools_mount_ms", withm)["p50"]
+        self.record(**{f"{p}tools_mount_extra_ms": round(b - a, 3)})
+
+    async def _cold_start(self, backend: SandboxBackend, spec: SandboxSpec | None = None) -> tuple[float, float]:
         """One create + first exec('true'), the sandbox destroyed after; returns (total, create) in ms."""
         sandbox = None
         try:
             start = time.perf_counter_ns()
-            sandbox = await backend.create(self.spec())
+            sandbox = await backend.create(spec or self.spec())
             create = ms_since(start)
             await _exec_true(sandbox)
             return ms_since(start), create
@@ -663,6 +681,7 @@ class EnvBench:
                 not_applicable=f"--quick tries {self.sizes.concurrent}" if self.sizes.concurrent < 128 else "",
             ),
             Goal("ns_cold_start_speedup", ">=", 10.0),
+            Goal("ns_tools_mount_extra_ms", "<=", 5.0),
             Goal(
                 "ns_mem_per_sandbox_mib", "<=", round((podman_mem or 0.0) / 3, 3),
                 text="<= podman_mem_per_sandbox_mib / 3",

@@ -9,7 +9,8 @@
 #      the test command passes it, so vLLM's tests run against the real server)
 #   5. with --with-harnesses: the agent harnesses the gateway is tested with (mini-swe-agent) in .venv-harness,
 #      and Harbor (its ATIF validator, task loader, oracle and no-op agents) in .venv-harbor (Python 3.12)
-#      (scripts/setup_harnesses.sh; the test command passes it too)
+#      (scripts/setup_harnesses.sh; the test command passes it too); and the CLI agents run inside sandboxes (Codex
+#      CLI, Claude Code: npm, pinned) in .tools/cli-agents (scripts/setup_cli_agents.sh)
 # Podman is configured through CONTAINERS_CONF=remote/nodes/containers.conf for swectl's own calls only;
 # the user's /etc/containers configuration is never modified.
 set -euo pipefail
@@ -121,6 +122,7 @@ if [ "$WITH_VLLM" = 1 ]; then
 fi
 if [ "$WITH_HARNESSES" = 1 ]; then
     bash scripts/setup_harnesses.sh
+    bash scripts/setup_cli_agents.sh
 fi
 
 say "ready: $(podman --version), image $BASE_IMAGE, $(.venv/bin/python --version)"

@@ -192,12 +192,18 @@ class AgentConfig(_Section):
     # "": swectl's own agent loop. "mini-swe-agent": mini-swe-agent v2, unmodified (scripts/setup.sh
     # --with-harnesses installs it), its model calls through swectl's token-exact gateway, its commands in swectl's
     # sandboxes; its turns are recorded token by token and trained on
-    harness: Literal["", "mini-swe-agent"] = ""
+    # "codex" / "claude-code": Codex CLI or Claude Code, unmodified, run *inside* each episode's sandbox (from the
+    # tools folder, mounted read-only; scripts/setup.sh --with-harnesses installs both), reaching only the gateway
+    # (docs/cli-agents.md)
+    harness: Literal["", "mini-swe-agent", "codex", "claude-code"] = ""
     # the harness's own config: a name it knows ("swebench.yaml"), a YAML file of its format, or "swectl": swectl's
     # prompt (rollout.agent_config's) written in mini's format for its text-based model (what a model whose chat
     # template renders no tools needs: the tiny model)
     harness_config: str = "swebench.yaml"
     timeout_s: Positive = 1800.0  # one harness episode at most (the process is killed, the episode TimeExceeded)
+    # the CLI agents' tools folder on every sandbox node (codex, claude-code): "" = $SWECTL_CLI_TOOLS, else
+    # .tools/cli-agents of this checkout (scripts/setup_cli_agents.sh)
+    tools_dir: str = ""
 
 
 class PrmConfig(_Section):

@@ -14,7 +14,11 @@ are out of scope.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import anyio.abc
 
 from swectl.schema import ExecResult, SandboxInfo, SandboxSpec
 
@@ -52,6 +56,12 @@ class Sandbox(Protocol):
         ...
 
     async def ping(self) -> None: ...
+    def forward_port(self, port: int, connect: Callable[[], Awaitable[anyio.abc.ByteStream]]
+                     ) -> AbstractAsyncContextManager[None]:
+        """While the block runs, connections to 127.0.0.1:``port`` inside the sandbox reach what ``connect`` opens
+        on the controller's side (a CLI agent's way to the model gateway); nothing else of the outside does."""
+        ...
+
     async def destroy(self) -> None:
         """Remove the sandbox; idempotent; bounded in time even when the node is gone."""
         ...

@@ -53,7 +53,15 @@ class PingRequest(msgspec.Struct, frozen=True, tag="ping", tag_field="op"):
     id: int
 
 
-AgentRequest = ExecRequest | WriteRequest | ReadRequest | PingRequest
+class ForwardRequest(msgspec.Struct, frozen=True, tag="forward", tag_field="op"):
+    """Exec agent request: listen on 127.0.0.1:``port`` inside the sandbox and relay every connection to the unix
+    socket ``path`` (which the controller's side serves), in a child process of the agent's until it is killed."""
+    id: int
+    port: int
+    path: str
+
+
+AgentRequest = ExecRequest | WriteRequest | ReadRequest | PingRequest | ForwardRequest
 
 
 class AgentHello(msgspec.Struct, frozen=True, tag="hello", tag_field="kind"):
@@ -98,7 +106,13 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error", tag_field="kind"):
     errno: int | None = None
 
 
-AgentReply = AgentHello | ExecReply | WriteReply | ReadReply | PongReply | ErrorReply
+class ForwardReply(msgspec.Struct, frozen=True, tag="forward", tag_field="kind"):
+    """Exec agent reply: the relay listens; ``pid`` is its process inside the sandbox."""
+    id: int
+    pid: int
+
+
+AgentReply = AgentHello | ExecReply | WriteReply | ReadReply | PongReply | ForwardReply | ErrorReply
 
 # ---------------------------------------------------------------- nodes and sandboxes
 
@@ -121,6 +135,13 @@ class ExecResult(msgspec.Struct, frozen=True):
     duration_s: float = 0.0
 
 
+class Mount(msgspec.Struct, frozen=True):
+    """A folder of the node bound read-only into a sandbox (``source`` on the node, ``target`` inside)."""
+
+    source: str
+    target: str
+
+
 class SandboxSpec(msgspec.Struct, frozen=True):
     """How to create one sandbox. Limits come from the [sandbox] config section."""
 
@@ -132,6 +153,7 @@ class SandboxSpec(msgspec.Struct, frozen=True):
     cpus: float = 1.0  # 0: no CPU limit
     labels: dict[str, str] = {}
     env: dict[str, str] = {}
+    mounts: list[Mount] = []  # folders of the node bound read-only into the sandbox
 
 
 class SandboxInfo(msgspec.Struct, frozen=True):

@@ -113,3 +113,10 @@ def test_swectl_prompt_as_a_mini_config_renders_under_minis_strict_jinja() -> No
     assert doc["model"]["model_class"] == "litellm_textbased" and doc["model"]["action_regex"] == ACTION_REGEX
     # the submit command the prompt shows is one mini's regex reads and swectl's mini environment detects
     assert parse_action(system.split("nothing else:", 1)[1]).startswith(f"echo {SUBMIT_SENTINEL}")
+
+
+def test_an_episode_that_sampled_nothing_gives_no_sample() -> None:
+    """A harness refused at its first turn (its prompt over the context) sampled no token: nothing to train on."""
+    empty = GradedEpisode(instance_id="t", sample=0, outcome="TRUNCATED", resolved=False, token_ids=[], loss_mask=[],
+                          logprobs=[])
+    assert episode_samples(empty, -1.0, 0.0) == []

@@ -7,11 +7,14 @@ the Podman backend adds its no-python fallback on top.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+import contextlib
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.abc
 
 from swectl.config import SandboxConfig
 from swectl.errors import InfraError, NodeLostError, SandboxError, SandboxLostError
@@ -23,6 +26,8 @@ from swectl.schema import (
     ExecReply,
     ExecRequest,
     ExecResult,
+    ForwardReply,
+    ForwardRequest,
     PingRequest,
     PongReply,
     ReadReply,
@@ -118,6 +123,43 @@ class AgentSandbox:
         if not isinstance(reply, PongReply):
             raise self._unexpected(reply)
 
+    @asynccontextmanager
+    async def forward_port(self, port: int, connect: Callable[[], Awaitable[anyio.abc.ByteStream]]
+                           ) -> AsyncIterator[None]:
+        """While the block runs, a connection to 127.0.0.1:``port`` inside the sandbox reaches whatever ``connect``
+        opens on the controller's side (the episode's way to the model gateway, and its only one): the exec agent
+        relays it to a fresh unix socket in the sandbox's /tmp, which the node serves through the sandbox's root
+        (``host_root``). On exit the relay in the sandbox is killed and the socket removed."""
+        self._check_alive()
+        agent = self._require_agent()
+        inside = f"/tmp/.swectl-forward-{port}-{secrets.token_hex(6)}.sock"
+        outside = f"{await self.host_root()}{inside}"
+
+        async def join(client: anyio.abc.ByteStream) -> None:
+            async with client:
+                try:
+                    upstream = await connect()
+                except OSError:
+                    return  # the other side is gone: the client sees its request refused
+                async with upstream, anyio.create_task_group() as tg:
+                    tg.start_soon(_copy, client, upstream)
+                    tg.start_soon(_copy, upstream, client)
+
+        async with self._node.serve_unix(outside, join):
+            with self._guard(10, "forward"):
+                reply = await agent.call(ForwardRequest(id=agent.new_id(), port=port, path=inside))
+            if not isinstance(reply, ForwardReply):
+                raise self._unexpected(reply)
+            try:
+                yield
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(10), contextlib.suppress(InfraError):
+                    await self.exec(f"kill -9 -{reply.pid} 2>/dev/null; rm -f {inside}", 5)
+
+    async def host_root(self) -> str:
+        """The sandbox's root as its node sees it (``/proc/PID/root``)."""
+        raise SandboxError(f"sandbox {self.name}: its backend does not say where its root is")
+
     async def destroy(self) -> None:
         if self._destroyed:
             return
@@ -165,6 +207,17 @@ class AgentSandbox:
         if isinstance(reply, ErrorReply):
             return SandboxError(f"sandbox {self.name}: exec agent error: {reply.error}")
         return SandboxError(f"sandbox {self.name}: unexpected reply {type(reply).__name__}")
+
+
+async def _copy(source: anyio.abc.ByteStream, sink: anyio.abc.ByteStream) -> None:
+    """Bytes from ``source`` to ``sink`` until ``source`` ends; then ``sink`` ends too."""
+    try:
+        async for chunk in source:
+            await sink.send(chunk)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        pass
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        await sink.send_eof()
 
 
 @contextmanager

@@ -187,6 +187,7 @@ class NamespaceBackend:
             "memory_bytes": parse_size(spec.memory, "sandbox.memory"), "pids": spec.pids_limit, "cpus": spec.cpus,
             "upper": self.config.ns_scratch,
             "upper_size": parse_size(self.config.ns_scratch_size, "sandbox.ns_scratch_size"),
+            "mounts": [[m.source, m.target] for m in spec.mounts],
         }  # fmt: skip
         sandbox = NamespaceSandbox(self, sandbox_id, spec)
         try:
@@ -406,6 +407,12 @@ class NamespaceSandbox(AgentSandbox):
     def __init__(self, backend: NamespaceBackend, sandbox_id: str, spec: SandboxSpec) -> None:
         super().__init__(backend.node, backend.config, sandbox_id, sandbox_id, spec)
         self._backend = backend
+
+    async def host_root(self) -> str:
+        pid = (await self._backend.host_pids()).get(self.id)
+        if pid is None:
+            raise SandboxError(f"sandbox {self.name}: the nsbox daemon does not list it")
+        return f"/proc/{pid}/root"
 
     async def _remove(self) -> None:
         await self._backend.remove_one(self.id)

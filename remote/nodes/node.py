@@ -2,7 +2,8 @@
 
 A node runs short commands (``run``: collect exit code, stdout, stderr) and long-lived processes
 (``spawn``: a byte pipe to stdin/stdout, used for in-sandbox exec agents), and connects to a unix socket of the
-node (``open_unix``: the same byte pipe, with no process in between). The SSH implementation lives
+node (``open_unix``: the same byte pipe, with no process in between), and serves one (``serve_unix``: each
+connection to a unix socket it creates on the node handed to a handler on the controller). The SSH implementation lives
 in remote/nodes/ssh.py. Callers bound every wait with their own cancel scope; cancelling ``run`` kills
 the command.
 
@@ -12,8 +13,10 @@ raises BrokenPipeError from ``send``; ``receive`` returns b"" at end of stream.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
 
 import anyio
@@ -47,6 +50,11 @@ class Node(Protocol):
     async def open_unix(self, path: str) -> NodeProcess:
         """A connection to the unix socket ``path`` of the node; ConnectionError (an OSError) when nothing
         listens there (yet)."""
+        ...
+    def serve_unix(self, path: str, handler: Callable[[anyio.abc.ByteStream], Awaitable[None]]
+                   ) -> AbstractAsyncContextManager[None]:
+        """While the block runs, a unix socket at ``path`` on the node (made when the block starts, removed when it
+        ends) whose every connection is handed to ``handler`` on the controller, each in its own task."""
         ...
     async def aclose(self) -> None: ...
 
@@ -151,5 +159,28 @@ class LocalNode:
         except FileNotFoundError as exc:
             raise ConnectionRefusedError(f"no socket at {path}") from exc
 
+    def serve_unix(self, path: str, handler: Callable[[anyio.abc.ByteStream], Awaitable[None]]
+                   ) -> AbstractAsyncContextManager[None]:
+        return serve_local_unix(path, handler)
+
     async def aclose(self) -> None:
         return None
+
+
+@asynccontextmanager
+async def serve_local_unix(path: str, handler: Callable[[anyio.abc.ByteStream], Awaitable[None]]
+                           ) -> AsyncIterator[None]:
+    """``Node.serve_unix`` on this machine."""
+    listener = await anyio.create_unix_listener(path)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, handler, tg)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel("the socket is closed")
+    finally:
+        with anyio.CancelScope(shield=True):
+            await listener.aclose()
+        with contextlib.suppress(OSError):
+            await anyio.Path(path).unlink()

@@ -185,6 +185,8 @@ class ContainerCli:
             args += ["--env", f"{key}={value}"]
         if not spec.network:
             args += ["--network", "none"]
+        for mount in spec.mounts:
+            args += ["--mount", f"type=bind,source={mount.source},target={mount.target},readonly"]
         args += ["--memory", spec.memory, "--pids-limit", str(spec.pids_limit)]
         if spec.cpus > 0:  # 0: no CPU limit
             args += ["--cpus", str(spec.cpus)]

@@ -127,6 +127,9 @@ def create_body(spec: SandboxSpec, name: str) -> dict[str, Any]:
         body["resource_limits"]["cpu"] = {"period": CPU_PERIOD, "quota": int(spec.cpus * CPU_PERIOD)}
     if not spec.network:
         body["netns"] = {"nsmode": "none"}
+    if spec.mounts:
+        body["mounts"] = [{"type": "bind", "source": m.source, "destination": m.target, "options": ["rbind", "ro"]}
+                          for m in spec.mounts]
     return body
 
 

@@ -223,6 +223,15 @@ class ContainerSandbox(AgentSandbox):
         await self._start_agent(channel)
         return True
 
+    async def host_root(self) -> str:
+        """``/proc/PID/root`` of the container's init, its pid as the engine reports it (``inspect``)."""
+        out = await self._cli.run("inspect", "--format", "{{.State.Pid}}", self.id, check=False)
+        pid = out.stdout.decode(errors="replace").strip()
+        if out.exit_code != 0 or not pid.isdigit() or pid == "0":
+            raise SandboxError(f"sandbox {self.name}: its engine does not say its pid (exit {out.exit_code}): "
+                               f"{(out.stdout + out.stderr).decode(errors='replace')[-300:]}")
+        return f"/proc/{pid}/root"
+
     async def exec(
         self, command: str, timeout: float, *, cwd: str | None = None, env: dict[str, str] | None = None,
         output_limit: int | None = None,

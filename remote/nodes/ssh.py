@@ -22,13 +22,16 @@ import os
 import shlex
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 
 import anyio
+import anyio.abc
 import asyncssh
 
 from swectl.config import SshNodeConfig
 from swectl.errors import InfraError, NodeConnectError, NodeLostError
+from swectl.remote.nodes.node import serve_local_unix
 from swectl.schema import CommandOutput
 
 
@@ -109,6 +112,34 @@ class SshStreamChannel(_SshStreams):
 
     async def wait(self) -> int:
         return 0
+
+    @asynccontextmanager
+    async def serve_unix(self, path: str, handler: Callable[[anyio.abc.ByteStream], Awaitable[None]]
+                         ) -> AsyncIterator[None]:
+        """``Node.serve_unix`` over SSH: the node's sshd listens at ``path`` (remote unix forwarding, asyncssh's
+        ``forward_remote_path``) and hands each connection to a socket of this machine's that ``handler`` serves.
+        InfraError when the node's sshd refuses (``AllowStreamLocalForwarding no``)."""
+        await self.connect()
+        local_dir = tempfile.mkdtemp(prefix="swectl-serve-")  # mode 0700
+        local = os.path.join(local_dir, "s.sock")
+        try:
+            async with serve_local_unix(local, handler):
+                slot = next(c for c in self._connections if c.usable)
+                try:
+                    listener = await slot.conn.forward_remote_path(path, local)
+                except asyncssh.ChannelListenError as exc:
+                    raise InfraError(f"node {self.name!r}: its sshd refused to listen at {path} for the "
+                                     f"controller (sshd_config AllowStreamLocalForwarding): {exc.reason}") from exc
+                except (asyncssh.Error, OSError) as exc:
+                    raise NodeLostError(self.name, f"cannot serve {path}: {exc}") from exc
+                try:
+                    yield
+                finally:
+                    listener.close()
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(Exception):
+                        await self.run(["rm", "-f", path])
+        finally:
+            shutil.rmtree(local_dir, ignore_errors=True)
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -325,6 +356,34 @@ class SshNode:
             raise NodeLostError(self.name, f"cannot forward a port to the controller: {exc}") from exc
         self._tcp_forwards.append(listener)
         return listener.get_port(), listener.close
+
+    @asynccontextmanager
+    async def serve_unix(self, path: str, handler: Callable[[anyio.abc.ByteStream], Awaitable[None]]
+                         ) -> AsyncIterator[None]:
+        """``Node.serve_unix`` over SSH: the node's sshd listens at ``path`` (remote unix forwarding, asyncssh's
+        ``forward_remote_path``) and hands each connection to a socket of this machine's that ``handler`` serves.
+        InfraError when the node's sshd refuses (``AllowStreamLocalForwarding no``)."""
+        await self.connect()
+        local_dir = tempfile.mkdtemp(prefix="swectl-serve-")  # mode 0700
+        local = os.path.join(local_dir, "s.sock")
+        try:
+            async with serve_local_unix(local, handler):
+                slot = next(c for c in self._connections if c.usable)
+                try:
+                    listener = await slot.conn.forward_remote_path(path, local)
+                except asyncssh.ChannelListenError as exc:
+                    raise InfraError(f"node {self.name!r}: its sshd refused to listen at {path} for the "
+                                     f"controller (sshd_config AllowStreamLocalForwarding): {exc.reason}") from exc
+                except (asyncssh.Error, OSError) as exc:
+                    raise NodeLostError(self.name, f"cannot serve {path}: {exc}") from exc
+                try:
+                    yield
+                finally:
+                    listener.close()
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(Exception):
+                        await self.run(["rm", "-f", path])
+        finally:
+            shutil.rmtree(local_dir, ignore_errors=True)
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):

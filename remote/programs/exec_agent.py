@@ -16,6 +16,10 @@ field takes its default. A failure replies ``{"kind": "error", id, error, errno}
 - ``write`` (id, path, data, append, mode) -> ``{"kind": "write", id, size}``.
 - ``read`` (id, path, offset=0, length=to the end) -> ``{"kind": "read", id, data, size}``.
 - ``ping`` (id) -> ``{"kind": "pong", id}``. EOF on stdin kills a running command and exits 0.
+- ``forward`` (id, port, path) listens on 127.0.0.1:port and relays every connection to the unix socket ``path``
+  (served from the node through the sandbox's root: a CLI agent's way to the model gateway, nothing else), in a
+  child process in its own session -> ``{"kind": "forward", id, pid}``; the relay lives until it is killed or the
+  sandbox ends.
 
 Security scope: it confines nothing. Commands run with the agent's uid, filesystem and network; isolation
 and limits (pids, memory, cpu) are the container's job, and requests are trusted. It bounds the memory a
@@ -348,7 +352,70 @@ def _ping(req: dict, stdin) -> dict:
     return {"kind": "pong", "id": req["id"]}
 
 
-_HANDLERS = {"exec": _exec, "write": _write, "read": _read, "ping": _ping}
+def _forward(req: dict, stdin) -> dict:
+    import socket  # already loaded in a namespace sandbox (the nsbox daemon's import)
+
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", int(req["port"])))  # a port in use fails here, in the reply
+    server.listen(64)
+    pid = os.fork()
+    if pid == 0:  # the relay: never returns
+        code = 0
+        try:
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):  # off the controller's channel
+                os.dup2(null, fd)
+            _relay(server, req["path"])
+        except BaseException:
+            code = 1
+        os._exit(code)
+    server.close()
+    return {"kind": "forward", "id": req["id"], "pid": pid}
+
+
+def _relay(server, path: str) -> None:
+    """Every connection to ``server`` joined to a new connection to the unix socket ``path``, byte for byte; one
+    side's end closes both."""
+    import socket
+
+    sel = selectors.DefaultSelector()
+    sel.register(server, selectors.EVENT_READ)
+    peer = {}
+    while True:
+        for key, _ in sel.select():
+            sock = key.fileobj
+            if sock is server:
+                conn = server.accept()[0]
+                up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    up.connect(path)
+                except OSError:
+                    conn.close()  # the episode's way out is gone: the client sees a refused request
+                    up.close()
+                    continue
+                peer[conn], peer[up] = up, conn
+                sel.register(conn, selectors.EVENT_READ)
+                sel.register(up, selectors.EVENT_READ)
+                continue
+            other = peer.get(sock)
+            if other is None:
+                continue
+            try:
+                data = sock.recv(CHUNK)
+                if data:
+                    other.sendall(data)
+                    continue
+            except OSError:
+                pass
+            for s in (sock, other):
+                sel.unregister(s)
+                peer.pop(s, None)
+                s.close()
+
+
+_HANDLERS = {"exec": _exec, "write": _write, "read": _read, "ping": _ping, "forward": _forward}
 
 
 def _handle(body: bytes, stdin) -> dict:

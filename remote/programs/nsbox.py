@@ -456,6 +456,12 @@ def setup_root(box):
     if os.stat(os.path.join(root, "tmp")).st_mode & 0o7777 != 0o1777:
         os.chmod(os.path.join(root, "tmp"), 0o1777)
     write_name_files(root, sandbox_hostname(box), r.get("network"))
+    for source, target in r.get("mounts") or ():  # the node's folders, read-only (a CLI agent's tools)
+        if not os.path.isdir(source):
+            raise SetupError(f"mount source {source} is not a folder on the node")
+        inside = os.path.join(root, target.lstrip("/"))
+        _mkdirs(inside)
+        _bind_readonly(source, inside, MS_NOSUID | MS_NODEV)
     proc = os.path.join(root, "proc")
     _mount("proc", proc, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     sysfs = os.path.join(root, "sys")

@@ -79,11 +79,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     agent.add_argument("--manage-context", action="store_true", default=None,
                        help="head+tail context management when a conversation outgrows --context (keeps system, "
                        "problem, the earliest ~30%% and latest ~70%% of turns; rollout.manage_context)")
-    agent.add_argument("--harness", choices=["mini-swe-agent"], default="",  # or agent.harness
+    agent.add_argument("--harness", choices=["mini-swe-agent", "codex", "claude-code"], default="",  # or agent.harness
                        help="run an external agent harness, unmodified, instead of swectl's loop: its model calls "
                        "go through swectl's gateway to the engines of --model/--endpoint, its commands run in the "
-                       "task's sandbox, and swectl grades the sandbox's diff (mini-swe-agent from `bash "
-                       "scripts/setup.sh --with-harnesses`; docs/gateway.md)")
+                       "task's sandbox, and swectl grades the sandbox's diff (mini-swe-agent; codex and claude-code "
+                       "run inside the sandbox, reaching only the gateway; all from `bash scripts/setup.sh "
+                       "--with-harnesses`; docs/gateway.md, docs/cli-agents.md)")
     agent.add_argument("--harness-config", default="", metavar="NAME|FILE",
                        help="the harness's own config (default: agent.harness_config, mini-swe-agent's "
                        "swebench.yaml): a name it knows, a YAML file of its format, or `swectl` (swectl's prompt in "

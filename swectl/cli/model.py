@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="MLP size (default 3 x hidden)")
     init.add_argument("--vocab", type=int, default=None, metavar="N",
                       help=f"vocabulary size: tokenizer target and embedding rows (default {defaults.vocab_size})")
+    init.add_argument("--context", type=int, default=None, metavar="N",
+                      help=f"positions the model takes, prompt and reply (max_position_embeddings; default "
+                      f"{defaults.max_position_embeddings}): a CLI agent's first prompt with its tools is 6-26k tokens")
     init.add_argument("--seed", type=int, default=None, metavar="N",
                       help=f"weight initialisation seed (default {defaults.seed})")
     init.add_argument("--corpus", nargs="+", default=None, metavar="GLOB",
@@ -58,6 +61,7 @@ def config_from_args(args: argparse.Namespace) -> ModelInitConfig:
     """A ModelInitConfig with the defaults, changed only where an option was given."""
     changes: dict[str, Any] = {}
     for option, field in (("layers", "num_hidden_layers"), ("hidden", "hidden_size"), ("vocab", "vocab_size"),
+                          ("context", "max_position_embeddings"),
                           ("seed", "seed"), ("corpus_max_bytes", "corpus_max_bytes")):
         if getattr(args, option) is not None:
             changes[field] = getattr(args, option)

@@ -32,7 +32,7 @@ from swectl import logs
 from swectl.actors.engines import Engines, engine_hosts
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GraderConfig
-from swectl.actors.harness import start_harness
+from swectl.actors.harnesses import harness_mounts, start_harness
 from swectl.actors.rollout import EpisodeResult, Rollout, RolloutConfig
 from swectl.agent.loop import episode_config
 from swectl.agent.metrics import agent_metrics
@@ -284,7 +284,13 @@ async def eval_model(
 
         # only --model uses nodes
         launching = engine_hosts(config.engine_nodes()) if settings.mode == "model" else contextlib.nullcontext([])
-        async with running_pool(config) as pool, launching as hosts, anyio.create_task_group() as tg:
+        agent = None if not settings.harness else AgentConfig(
+            harness=settings.harness,  # type: ignore[arg-type]
+            harness_config=settings.harness_config or config.agent.harness_config, timeout_s=config.agent.timeout_s,
+            tools_dir=config.agent.tools_dir)
+        mounts = harness_mounts(agent) if agent is not None else []
+        async with (running_pool(config, mounts=mounts) as pool, launching as hosts,
+                    anyio.create_task_group() as tg):
             if chat is None:
                 engines = Engines(config.engine, model=settings.model if settings.mode == "model" else "",
                                   url=settings.model if settings.mode == "endpoint" else "", hosts=hosts,
@@ -294,10 +300,7 @@ async def eval_model(
                 def engine_for(t: Task, n: int):
                     return engines.route(f"{t.instance_id}#{n}")
 
-                if settings.harness:
-                    agent = AgentConfig(harness=settings.harness,  # type: ignore[arg-type]
-                                        harness_config=settings.harness_config or config.agent.harness_config,
-                                        timeout_s=config.agent.timeout_s)
+                if agent is not None:
                     harness = await start_harness(tg, agent, settings.rollout, engines.route, tokenizer,
                                                   out / "harness", temperature=settings.rollout.temperature,
                                                   seed=None if settings.rollout.seed is None

@@ -47,9 +47,11 @@ import anyio.abc
 import msgspec
 
 from swectl import logs
+from swectl.actors.cli_agents import CLI_KINDS
 from swectl.actors.env_pool import running_pool
 from swectl.actors.grader import Grader, GraderConfig, GradeResult
-from swectl.actors.harness import SWECTL_CONFIG, MiniSweAgent, start_harness
+from swectl.actors.harness import SWECTL_CONFIG
+from swectl.actors.harnesses import Harness, start_harness
 from swectl.actors.rollout import EpisodeResult, Rollout
 from swectl.agent.gold import GoldScriptError, attack_replies, give_up_replies, gold_replies, recover_replies
 from swectl.agent.protocol import agent_templates
@@ -164,7 +166,7 @@ class _ScriptRun:
         self.replies: dict[str, list[str]] = {}
         self.engines: dict[str, ScriptedEngine] = {}
         self.kept: list[Path] = []
-        self.harness: MiniSweAgent | None = None  # [agent] harness: it acts the script out through the gateway
+        self.harness: Harness | None = None  # [agent] harness: it acts the script out through the gateway
         for task in tasks:
             try:
                 self.replies[task.instance_id] = _fitting(SCRIPTS[script](task), tokenizer, max_tokens)
@@ -174,7 +176,7 @@ class _ScriptRun:
                 status(f"no {script} script for {task.instance_id}: {why}")
         self.scripted = [t for t in tasks if t.instance_id in self.replies]
 
-    def engine_for(self, task: Task, sample: int) -> ScriptedEngine | MiniSweAgent:
+    def engine_for(self, task: Task, sample: int) -> ScriptedEngine | Harness:
         self.engines[task.instance_id] = ScriptedEngine(self.replies[task.instance_id], self.tokenizer,
                                                         eot_id=self.eot)
         return self.engines[task.instance_id] if self.harness is None else self.harness
@@ -225,6 +227,10 @@ async def make_scripted(config: ClusterConfig, tasks: list[Task], outs: dict[Scr
     each folder's summary.json; returns the summaries by script."""
     started = time.monotonic()
     rollout = msgspec.structs.replace(rollout_config(config.rollout, concurrency), samples_per_task=1)
+    if config.agent.harness in CLI_KINDS:
+        raise ConfigError(f"the scripted teachers write swectl's protocol (one ```bash block per reply), which "
+                          f"{config.agent.harness} does not read (it calls its own tools): make SFT data with swectl's "
+                          f"agent loop or mini-swe-agent")
     if config.agent.harness and config.agent.harness_config != SWECTL_CONFIG:
         raise ConfigError(f"the scripted teachers write swectl's protocol (one ```bash block per reply); through "
                           f"{config.agent.harness} they need agent.harness_config = \"{SWECTL_CONFIG}\" (swectl's "
@@ -237,7 +243,7 @@ async def make_scripted(config: ClusterConfig, tasks: list[Task], outs: dict[Scr
         status(f"{' + '.join(f'{len(run.scripted)} {run.script}' for run in busy)} scripts, concurrency "
                f"{concurrency} each, output {', '.join(str(run.out) for run in busy)}")
         log_dir = (runs[0].out.parent if shared else runs[0].out) / "grade-logs"
-        async with running_pool(config) as pool, anyio.create_task_group() as services:
+        async with running_pool(config) as pool, anyio.create_task_group() as services:  # no CLI kind: no mounts
             grader = Grader(GraderConfig(timeout_s=grade_timeout_s, concurrency=concurrency * len(busy),
                                          reuse=shared),
                             pool, resolver=resolver, log_dir=log_dir)

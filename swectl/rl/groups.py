@@ -244,6 +244,8 @@ def episode_samples(episode: GradedEpisode, advantage: float, reward_value: floa
                            turns=episode.turns), *episode.branches]
     out = []
     for k, stream in enumerate(streams):
+        if not stream.token_ids:  # nothing was sampled (a harness refused at its first turn): nothing to train on
+            continue
         try:
             numbers = span_turns(stream.loss_mask, stream.turns)
         except ValueError as exc:

@@ -21,7 +21,7 @@ import msgspec
 from swectl.actors.engines import Engines
 from swectl.actors.env_pool import EnvPool
 from swectl.actors.grader import Grader, GraderConfig
-from swectl.actors.harness import MiniSweAgent
+from swectl.actors.harnesses import Harness
 from swectl.actors.judge import Judge
 from swectl.actors.metrics import Metrics
 from swectl.actors.rollout import EngineFor, EpisodeResult, Rollout, RolloutConfig
@@ -78,7 +78,7 @@ class TrainRollouts:
     the held-out evaluations (``evaluate``). ``tokenizer`` is the policy's; ``judge`` the process-reward judge."""
 
     def __init__(self, config: ClusterConfig, run_dir: Path, pool: EnvPool, engines: Engines, tokenizer: Any,
-                 judge: Judge | None, *, harness: MiniSweAgent | None = None) -> None:
+                 judge: Judge | None, *, harness: Harness | None = None) -> None:
         self._config = config
         self.run_dir = run_dir
         self._pool = pool

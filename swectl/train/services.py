@@ -24,7 +24,7 @@ import msgspec
 
 from swectl.actors.engines import EngineHost, Engines, engine_hosts
 from swectl.actors.env_pool import EnvPool, running_pool
-from swectl.actors.harness import start_harness
+from swectl.actors.harnesses import harness_mounts, start_harness
 from swectl.actors.judge import Judge
 from swectl.actors.metrics import EngineReadings, EnvReadings, HarnessReadings
 from swectl.agent.protocol import agent_templates
@@ -66,7 +66,8 @@ class RlServices:
     async def opened(self, run_id: str, weights: str) -> AsyncIterator[RlServices]:
         """The env pool and the engine hosts, open for the block; the engines (not started) serve ``weights``."""
         cfg = self.config
-        async with running_pool(cfg, run_id) as pool, engine_hosts(cfg.engine_nodes()) as hosts:
+        async with (running_pool(cfg, run_id, mounts=harness_mounts(cfg.agent)) as pool,
+                    engine_hosts(cfg.engine_nodes()) as hosts):
             self._pool, self._hosts = pool, hosts
             self._engines = Engines(cfg.engine, model=weights, hosts=hosts, log_dir=self.run_dir / "engine-logs")
             try:
@@ -96,8 +97,9 @@ class RlServices:
                                           self.run_dir / "harness", temperature=cfg.train.sampling.temperature,
                                           seed=f"train:{cfg.train.seed}",
                                           templates=agent_templates(cfg.rollout.agent_config))
-            self.say(f"agent: {cfg.agent.harness} ({cfg.agent.harness_config}) through the gateway at "
-                     f"{harness.gateway.url}")
+            where = ("inside each sandbox" if harness_mounts(cfg.agent)
+                     else f"({cfg.agent.harness_config})")
+            self.say(f"agent: {cfg.agent.harness} {where} through the gateway at {harness.gateway.url}")
         self._rollouts = TrainRollouts(cfg, self.run_dir, self._pool, self.engines, tokenizer, judge,
                                        harness=harness)
         self._env = EnvReadings(self._pool.statistics)

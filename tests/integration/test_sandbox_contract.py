@@ -20,13 +20,14 @@ import shlex
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from swectl.config import SandboxConfig
 from swectl.errors import CommandError, InfraError, SandboxLostError
 from swectl.remote.nodes.namespace_sandbox import NamespaceSandbox
 from swectl.sandbox import ELISION
-from swectl.schema import ExecResult
+from swectl.schema import ExecResult, Mount
 
 from .conftest import (
     CPU_QUOTA,
@@ -425,6 +426,57 @@ async def test_without_network_a_connect_off_the_sandbox_times_out(sandbox: Sand
     assert await ok(sandbox, f"python3 -c {shlex.quote(py)}") == "TimeoutError\n"
     lookup = await run(sandbox, "timeout 4 getent hosts example.org; echo rc=$?")
     assert lookup.output.strip().endswith("rc=2"), lookup  # not found; 124 would be the lookup hanging
+
+
+async def test_mounts_are_read_only_folders_of_the_node(backend: Backend, tmp_path: Any) -> None:
+    """A spec's mounts (a CLI agent's tools folder) are there, readable and executable, and cannot be written."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "hello").write_text("#!/bin/sh\necho hello from the node\n")
+    (tools / "hello").chmod(0o755)
+    box = await create_sandbox(backend, make_spec(mounts=[Mount(str(tools), "/opt/swectl-tools")]))
+    try:
+        assert await ok(box, "/opt/swectl-tools/hello") == "hello from the node\n"
+        write = await run(box, "touch /opt/swectl-tools/x 2>&1; echo rc=$?")
+        assert "rc=0" not in write.output and "Read-only" in write.output, write
+        assert not (tools / "x").exists()
+    finally:
+        await box.destroy()
+
+
+@pytest.mark.parametrize("image", ["agent"], indirect=True)
+async def test_forward_port_reaches_the_controller_and_nothing_else(sandbox: Sandbox) -> None:
+    """``forward_port``: 127.0.0.1:PORT inside a sandbox without a network reaches a server of the controller's, byte
+    for byte and both ways, while the block runs; afterwards nothing listens there, and other addresses stay
+    unreachable throughout."""
+    seen: list[bytes] = []
+
+    async def echo(stream: Any) -> None:
+        async with stream:
+            data = await stream.receive()
+            seen.append(data)
+            await stream.send(b"upper:" + data.upper())
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+
+    async def connect() -> Any:
+        return await anyio.connect_tcp("127.0.0.1", port)
+
+    talk = "exec 3<>/dev/tcp/127.0.0.1/18080 && printf 'ping\\n' >&3 && head -c 11 <&3"
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, echo)
+        with anyio.fail_after(BOUND_S):
+            async with sandbox.forward_port(18080, connect):
+                assert await ok(sandbox, talk) == "upper:PING\n"
+                again = await run(sandbox, talk)  # a second connection through the same relay
+                assert again.output == "upper:PING\n", again
+                out = await run(sandbox, "timeout 3 bash -c 'exec 3<>/dev/tcp/10.0.2.2/80' && echo connected")
+                assert "connected" not in out.output
+            closed = await run(sandbox, "timeout 3 bash -c 'exec 3<>/dev/tcp/127.0.0.1/18080' && echo connected")
+            assert "connected" not in closed.output, closed
+        tg.cancel_scope.cancel()
+    assert seen == [b"ping\n", b"ping\n"]
 
 
 async def test_localhost_resolves_without_network(sandbox: Sandbox) -> None:

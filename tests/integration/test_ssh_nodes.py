@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import pytest
 
@@ -581,3 +582,40 @@ async def test_podman_api_over_ssh(nodes: testnodes.TestNodes, run_id: str) -> N
         for lease in leases:
             await release(pool, lease)
     assert await containers(**{LABEL_RUN: run_id}) == []
+
+
+@pytest.mark.parametrize("backend", ["podman", "namespace"])
+async def test_a_mount_and_a_forwarded_port_on_ssh_nodes(nodes: testnodes.TestNodes, run_id: str, tmp_path: Path,
+                                                          backend: str) -> None:
+    """What a CLI agent needs, on SSH nodes: the pool's mounts are in the node's sandbox read-only, and a port
+    forwarded into it reaches a server of the controller's through the node's sshd (remote unix forwarding into the
+    sandbox's /tmp) while the block runs, and nothing afterwards."""
+    from swectl.schema import Mount
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "VERSION").write_text("tools 1\n")
+    doc = ssh_document(nodes)
+    doc["sandbox"] = {"backend": backend, "ns_state_dir": str(tmp_path / "ns")}
+
+    async def upper(stream: Any) -> None:
+        async with stream:
+            await stream.send((await stream.receive()).upper())
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    talk = "exec 3<>/dev/tcp/127.0.0.1/18081 && printf 'over ssh\\n' >&3 && head -c 9 <&3"
+    async with (anyio.create_task_group() as tg,
+                running_pool(decode_config(doc), run_id, mounts=[Mount(str(tools), "/opt/swectl-tools")]) as pool):
+        tg.start_soon(listener.serve, upper)
+        lease = await acquire(pool)
+        with anyio.fail_after(60):
+            assert (await lease.exec("cat /opt/swectl-tools/VERSION", 10)).output == "tools 1\n"
+            assert (await lease.exec("touch /opt/swectl-tools/x", 10)).exit_code != 0
+            async with lease.forward_port(18081, lambda: anyio.connect_tcp("127.0.0.1", port)):
+                result = await lease.exec(talk, 10)
+                assert result.output == "OVER SSH\n", result
+            after = await lease.exec("timeout 3 bash -c 'exec 3<>/dev/tcp/127.0.0.1/18081' && echo connected", 10)
+            assert "connected" not in after.output
+        await release(pool, lease)
+        tg.cancel_scope.cancel()
