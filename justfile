@@ -24,7 +24,7 @@ test *args:
 lint:
     {{venv}}/ruff check .
 
-# benchmarks: `just bench env`, `just bench gateway` (the latency the gateway adds; --engine cpu), `just bench harness_env` (mini's commands: environment class vs docker shim), `just bench harbor` (Harbor's trial time: its podman environment vs swectl's sandboxes), `just bench learn_harness` (learning through mini-swe-agent, with its shuffled control), `just bench grade`, `just bench hack` (the grader under GRPO), `just bench chaos` (faults during `swectl up`), `just bench rollout`, `just bench train`, `just bench serve` (--quick), `just bench view`, `just bench engine`, `just bench gpu` (CUDA), `just bench async` (simulated), `just bench images` (root; --quick)
+# benchmarks: `just bench env`, `just bench gateway` (the latency the gateway adds; --engine cpu), `just bench harness_env` (mini's commands: environment class vs docker shim), `just bench cli_agents` (Codex CLI and Claude Code in the sandbox vs swectl's loop), `just bench harbor` (Harbor's trial time: its podman environment vs swectl's sandboxes), `just bench learn_harness` (learning through mini-swe-agent, with its shuffled control), `just bench grade`, `just bench hack` (the grader under GRPO), `just bench chaos` (faults during `swectl up`), `just bench rollout`, `just bench train`, `just bench serve` (--quick), `just bench view`, `just bench engine`, `just bench gpu` (CUDA), `just bench async` (simulated), `just bench images` (root; --quick)
 bench suite *args:
     {{venv}}/python benchmarks/{{suite}}.py "${@:2}"
 
