@@ -6,14 +6,17 @@ submit) is acted out three ways on one EnvPool of namespace sandboxes (the defau
 episodes at a time, interleaved by round so the machine's drift hits each alike:
 
 - **loop**: swectl's own agent loop, a ScriptedEngine giving the replies token by token (as `swectl data gold`);
+- **mini**: mini-swe-agent v2's own process on the controller (actors/harness.py, its commands in the sandbox
+  through the gateway's exec route), swectl's prompt in its format (``harness_config = "swectl"``), the same replies
+  as the loop through a real Gateway (issue 58's "episodes per minute, mini against swectl's own loop");
 - **codex** / **claude-code**: the CLI's own process in the task's sandbox (actors/cli_agents.py), its model calls
   through a real Gateway to a ScriptedEngine whose replies are Qwen3 tool calls of the CLI's shell tool with the same
   commands (the submit command becomes a text answer), the Qwen3-style template rendering the CLI's tools.
 
 Episodes are not graded (``RolloutConfig.grade = False``: grading is the same for all three and timed in
 `just bench grade`); each is checked to have run its script to the end (Submitted, the turns the script has). Reported
-per way: episodes per minute, the episode's own time (p50), the first prompt's tokens; and each CLI's rate over the
-loop's. Writes ``benchmarks/results/cli_agents.json``.
+per way: episodes per minute, the episode's own time (p50), the first prompt's tokens; and each harness's rate over
+the loop's. Writes ``benchmarks/results/cli_agents.json``.
 
 Run: ``.venv/bin/python benchmarks/cli_agents.py [--tasks 4] [--rounds 2] [--concurrency 2]``. Needs the CLIs
 (``bash scripts/setup.sh --with-harnesses``) and the bundled images.
@@ -37,11 +40,12 @@ from swectl.actors.cli_agents import CLI_KINDS, CliAgent, CliAgentConfig, tools_
 from swectl.actors.env_pool import running_pool
 from swectl.actors.gateway import Gateway, GatewayConfig
 from swectl.actors.grader import Grader, GraderConfig
+from swectl.actors.harness import start_mini
 from swectl.actors.rollout import Rollout, RolloutConfig
 from swectl.agent.gold import gold_replies
-from swectl.agent.protocol import SUBMIT_SENTINEL, parse_action
+from swectl.agent.protocol import SUBMIT_SENTINEL, agent_templates, parse_action
 from swectl.agent.scripted import ScriptedEngine
-from swectl.config import load_config
+from swectl.config import AgentConfig, load_config
 from swectl.eval.agents import rollout_config
 from swectl.images.project import BUNDLED_TASKS
 from swectl.model.tokenizer import load_tokenizer
@@ -53,7 +57,7 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 from templates import QWEN3_STYLE_TEMPLATE  # noqa: E402  (the tests' Qwen3-style template: one copy)
 
 SHELL_TOOL = {"codex": ("exec_command", "cmd"), "claude-code": ("Bash", "command")}
-WAYS = ("loop", *CLI_KINDS)
+WAYS = ("loop", "mini", *CLI_KINDS)
 
 
 def cli_script(kind: str, replies: list[str]) -> list[str]:
@@ -84,20 +88,27 @@ async def measure(args: argparse.Namespace, model: Path, progress: Progress) -> 
                               args.concurrency)
     seconds: dict[str, list[float]] = {w: [] for w in WAYS}
     episode_s: dict[str, list[float]] = {w: [] for w in WAYS}
-    prompts: dict[str, list[int]] = {w: [] for w in CLI_KINDS}
+    prompts: dict[str, list[int]] = {w: [] for w in WAYS if w != "loop"}
     mounts = tools_mounts("codex")
     async with running_pool(config, "bcli" + uuid.uuid4().hex[:6], mounts=mounts) as pool, \
             anyio.create_task_group() as tg:
         await tg.start(gateway.run)
         grader = Grader(GraderConfig(), pool)
+        options = msgspec.structs.replace(config.rollout, step_limit=20)
+        harnesses: dict[str, Any] = dict(agents)
+        harnesses["mini"] = (await start_mini(tg, AgentConfig(harness="mini-swe-agent", harness_config="swectl"),
+                                              options, gateway, work / "mini",
+                                              templates=agent_templates(config.rollout.agent_config))
+                             ).for_rollout(work / "mini", "mini")
         for round_ in range(args.rounds):
             for way in WAYS:
                 def engine_for(task: Task, n: int, way: str = way) -> Any:
                     key = f"{task.instance_id}#{n}"
                     if way == "loop":
                         return ScriptedEngine(gold[task.instance_id], tokenizer)
-                    scripts[key] = ScriptedEngine(cli_script(way, gold[task.instance_id]), tokenizer)
-                    return agents[way]
+                    script = gold[task.instance_id] if way == "mini" else cli_script(way, gold[task.instance_id])
+                    scripts[key] = ScriptedEngine(script, tokenizer)
+                    return harnesses[way]
 
                 cfg = RolloutConfig(concurrency=args.concurrency, samples_per_task=1, grade=False,
                                     episode=loop_cfg.episode)
@@ -110,11 +121,12 @@ async def measure(args: argparse.Namespace, model: Path, progress: Progress) -> 
                     raise RuntimeError(f"{way}: episodes did not run their script: {bad}")
                 seconds[way].append(elapsed)
                 episode_s[way] += [r.total_time_s for r in results if r.total_time_s]
-                if way in CLI_KINDS:
+                if way != "loop":
                     for t in tasks:
-                        record = agents[way].records[f"{t.instance_id}#0"]
+                        record = harnesses[way].records[f"{t.instance_id}#0"]
                         prompts[way].append(record.ledger.trained_branches()[0].loss_mask.index(1))
-                        if record.stats.turns != len(cli_script(way, gold[t.instance_id])):
+                        want = gold[t.instance_id] if way == "mini" else cli_script(way, gold[t.instance_id])
+                        if record.stats.turns != len(want):
                             raise RuntimeError(f"{way}: {t.instance_id} took {record.stats.turns} turns")
                 progress(f"round {round_ + 1}/{args.rounds} {way}: {len(results)} episodes in {elapsed:.1f} s")
         tg.cancel_scope.cancel()
@@ -123,7 +135,7 @@ async def measure(args: argparse.Namespace, model: Path, progress: Progress) -> 
     for way in WAYS:
         metrics[f"{way.replace('-', '_')}_episodes_per_min"] = round(60 * n * args.rounds / sum(seconds[way]), 2)
         metrics[f"{way.replace('-', '_')}_episode_p50_s"] = summarize(episode_s[way])["p50"]
-    for kind in CLI_KINDS:
+    for kind in WAYS[1:]:
         k = kind.replace("-", "_")
         metrics[f"{k}_vs_loop"] = round(metrics[f"{k}_episodes_per_min"] / metrics["loop_episodes_per_min"], 3)
         metrics[f"{k}_first_prompt_tokens_p50"] = summarize(prompts[kind])["p50"]

@@ -278,7 +278,7 @@ def test_grpo_through_mini_swe_agent(model: Path, tmp_path: Path) -> None:
 async def test_a_hung_harness_is_killed_at_its_time_limit(model: Path, tmp_path: Path) -> None:
     """mini forked from the warm interpreter (start_harness: the zygote) whose model never answers: the episode
     ends TimeExceeded at agent.timeout_s, mini's whole process group is killed, and the next episode runs."""
-    from swectl.actors.harness import start_harness
+    from swectl.actors.harnesses import start_harness
     from swectl.agent.scripted import ScriptedEngine
     from swectl.config import AgentConfig, RolloutOptions, load_config
     from swectl.engine.wire import GenerateRequest
