@@ -146,7 +146,7 @@ METRICS = (
     "podman_api_warm_lease_p99_ms",
     "concurrent_ok", "concurrent_tried", "concurrent_create_s", "concurrent_mem_mib",
     "podman_mem_per_sandbox_mib", "podman_host_procs_per_sandbox",
-    "ns_exec_p50_ms", "ns_cold_start_ms", "ns_cold_start_speedup", "ns_disk_frac",
+    "ns_exec_p50_ms", "ns_cold_start_ms", "ns_cold_start_speedup", "ns_tools_mount_extra_ms", "ns_disk_frac",
     "ns_mem_per_sandbox_mib", "ns_host_procs_per_sandbox", "ns_concurrent_ok", "ns_concurrent_tried",
     "ns_concurrent_mem_mib", "docker_cold_run_p50_ms", "docker_exec_p50_ms", "docker_cli_exec_p50_ms",
 )  # fmt: skip
