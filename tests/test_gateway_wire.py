@@ -437,3 +437,33 @@ def test_a_streamed_request_the_turn_cannot_take_is_still_refused_with_its_statu
     other = client.post("/v1/chat/completions", json={**body, "model": "gpt-5"},
                         headers={"authorization": f"Bearer {key}"})
     assert other.status_code == 404 and engine.calls == 0
+
+
+def test_a_turn_past_the_sessions_limit_is_refused_and_marks_the_session() -> None:
+    """``open_session(max_turns=N)`` (a CLI agent's step limit): turn N+1 is a 400 ``turn_limit_reached`` (either CLI
+    stops on it), a retry of a recorded turn is still answered from the record, and the ended session says it hit a
+    limit; an engine failure marks the session failed instead (an infrastructure failure: Aborted)."""
+    engine = _CountingEngine()
+    gateway, client = _gateway_client(engine)
+    key = gateway.open_session("claude#0", max_turns=1)
+    headers = {"x-api-key": key, "content-type": "application/json"}
+    body = {"model": "swectl-policy", "max_tokens": 8, "messages": [{"role": "user", "content": "print hello"}]}
+    assert client.post("/v1/messages", content=json.dumps(body), headers=headers).status_code == 200
+    assert client.post("/v1/messages", content=json.dumps(body), headers=headers).status_code == 200  # a retry
+    more = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "hi"},
+                                 {"role": "user", "content": "go on"}]}
+    refused = client.post("/v1/messages", content=json.dumps(more), headers=headers)
+    assert refused.status_code == 400 and "turn limit (1)" in refused.json()["error"]["message"], refused.text
+    record = gateway.end_session(key)
+    assert record.stats.turns == 1 and record.limited and not record.failed and record.last_finish in ("stop", "length")
+    assert engine.calls == 1
+
+    broken = _SlowEngine(0.0, fail=True)
+    gateway, client = _slow_client(broken)
+    key = gateway.open_session("codex#0")
+    body = {"model": "swectl-policy", "input": "print hello", "store": False, "stream": False}
+    failed = client.post("/v1/responses", content=json.dumps(body),
+                         headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+    assert failed.status_code == 503
+    record = gateway.end_session(key)
+    assert record.failed and not record.limited and record.stats.turns == 0
