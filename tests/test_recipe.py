@@ -64,7 +64,7 @@ def test_the_first_run_file_pins_the_first_runs_settings() -> None:
     commands = check(recipe, RUN, [])
     reading = commands["eval-sft"].argv
     assert reading[:3] == ["eval", "--model", str(RUN / "sft" / "weights" / "final")] and "--fresh" in reading
-    assert reading[reading.index("--samples") + 1] == "4"
+    assert reading[reading.index("--samples") + 1] == "12"
     assert commands["sft-data"].argv[:6] == ["data", "gold", "--script", "gold", "--script", "give-up"]
 
 

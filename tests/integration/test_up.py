@@ -85,7 +85,9 @@ def test_sigkill_of_the_controller_then_resume_repeats_and_skips_nothing(model: 
                             text=True)
     try:
         _wait_for_step(run, 2, proc)
-        time.sleep(2)  # inside step 3 (its episodes are running)
+        deadline = time.monotonic() + 60  # inside step 3: its episodes are running (a fast host ends a step in 1 s)
+        while not (run / "episodes" / "step_000003").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -98,7 +100,7 @@ def test_sigkill_of_the_controller_then_resume_repeats_and_skips_nothing(model: 
     done = subprocess.run([sys.executable, "-m", "swectl.cli.main", "up", "--resume", str(run)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resuming after step" in done.stderr
+    assert "resuming after step" in done.stderr, done.stderr[-3000:]
     _check_records(run)
 
 
