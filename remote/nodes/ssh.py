@@ -22,12 +22,18 @@ import os
 import shlex
 import shutil
 import tempfile
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import anyio
 import anyio.abc
-import asyncssh
+
+with warnings.catch_warnings():
+    # cryptography 48+ deprecates DSA and asyncssh's import names its DSA types: the warning would print on every
+    # `swectl` command, although swectl never offers or accepts a DSA key
+    warnings.filterwarnings("ignore", message="DSA is deprecated", module=r"asyncssh\.")
+    import asyncssh
 
 from swectl.config import SshNodeConfig
 from swectl.errors import InfraError, NodeConnectError, NodeLostError
