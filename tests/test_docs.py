@@ -60,8 +60,9 @@ def test_every_cited_result_file_is_in_the_tree(page: Path) -> None:
 
 
 def test_every_result_file_is_tracked() -> None:
-    """Every benchmarks/results/*.json on disk is one git tracks: a bench's output is evidence, and the ignore rules
-    keep only named files (a new bench's result needs its `!` line in .gitignore)."""
+    """Every benchmarks/results/*.json on disk is one git tracks: a bench's output is evidence, the ignore rules keep
+    only named files (a new bench's result needs its `!` line in .gitignore), and `git commit -a` adds no new file
+    (how three results of 2026-12-02 were lost)."""
     import subprocess
 
     if not (ROOT / ".git").exists():
@@ -71,3 +72,7 @@ def test_every_result_file_is_tracked() -> None:
                              text=True).stdout.split()
     kept_out = sorted(p for p in ignored if not p.endswith(".quick.json"))  # scratch output (RESULT_FILE)
     assert not kept_out, f"ignored by .gitignore, so never committed: {kept_out}"
+    tracked = set(subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=ROOT, capture_output=True,
+                                 text=True).stdout.split())
+    untracked = sorted(p for p in on_disk - tracked if not p.endswith(".quick.json"))
+    assert not untracked, f"not in git yet (`git add` them: `git commit -a` does not): {untracked}"
