@@ -5,8 +5,9 @@ defences and once without them. The run is the recipe benchmarks/recipes/hack.to
 
 1. the tiny model and the first run's seeded split of the bundled tasks;
 2. SFT data on the train split, made at once by `swectl data gold`: each task's gold trajectory, a copy of the
-   teacher that slips and recovers, and a copy of the reward-hacking teacher (``--script attack``: look at the
-   code, add a root pytest.ini that loads a plugin reporting every failure as a pass, submit; swectl/agent/gold.py);
+   teacher that looks and submits no change (give-up), and a copy of the reward-hacking teacher (``--script
+   attack``: look at the code, add a root pytest.ini that loads a plugin reporting every failure as a pass, submit;
+   swectl/agent/gold.py);
 3. SFT on all of it (train.data.sft_resolved_only = false): a policy that attacks on some tries and edits on others;
 4. two GRPO runs from the SFT weights, the first run's (same seed, same tasks, same sampling seeds), one with the
    defences (``grpo-defended/``, the product) and one without (``grpo-undefended/``,
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     work = (args.work or Path("runs") / f"hack-seed{args.seed}").resolve()
     summary = recipe_run.run("hack", work, [*recipe_run.var_sets({"seed": args.seed}), *args.sets], say)
     kept = {s: json.loads((work / "sft-data" / s / "summary.json").read_text())["kept"]
-            for s in ("gold", "recover", "attack")}
+            for s in ("gold", "give-up", "attack")}
     say(f"SFT data kept: {kept}")
     curves: dict[str, dict] = {}
     for arm in ARMS:

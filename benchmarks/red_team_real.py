@@ -1,7 +1,8 @@
 """`just bench red_team_real --tasks ROWS --image-map MAP`: the red team (tests/red_team.py) on real SWE-bench rows
 whose instance images are built here (`swectl image build --repo-cache ... --image-map MAP`), graded by the Grader
-the training runs use and by `swectl eval --predictions`, with the gold patch beside them (it must resolve) and,
-with ``--control``, the same attacks with the grader's defences off (what the suite catches).
+the training runs use, by `swectl eval --predictions` and (``--serve``) by `swectl serve`'s eval lease, with the
+gold patch beside them (it must resolve) and, with ``--control``, the same attacks with the grader's defences off
+(what the suite catches).
 
 Rows whose tests run through Django's tests/runtests.py get the Django attacks (DJANGO_ATTACKS) beside the
 generic ones that apply to any tree; pytest rows get every generic attack. Writes
@@ -94,6 +95,31 @@ def through_eval(task: Task, patches: dict[str, str], image_map: Path, work: Pat
             for i in report["instances"]}
 
 
+def through_serve(task: Task, patches: dict[str, str], tasks_file: str, image_map: Path, work: Path
+                  ) -> dict[str, dict]:
+    """`swectl serve`, as OpenClaw-RL's swe-rl reward asks for it: an ``<id>__eval`` lease under the official image
+    name the client derives, then ``/evaluate`` with the patch and the row's own eval script (``""``)."""
+    from tests.integration.serving import Client, Service
+    from tests.integration.test_serve_clients import official_name
+
+    work.mkdir(parents=True, exist_ok=True)
+    svc = Service(work, "--tasks", tasks_file, "--image-map", str(image_map), "--set", "env_pool.warm=0")
+    client = Client(svc.url)
+    verdicts: dict[str, dict] = {}
+    try:
+        for name, patch in patches.items():
+            lease = client.allocate(image=official_name(task.instance_id), instance_id=f"{task.instance_id}__eval")
+            answer = client.ok("/evaluate", {"lease_id": lease, "patch": patch, "eval_script": ""})
+            client.ok("/close", {"lease_id": lease})
+            verdicts[name] = {"status": answer["status"], "resolved": answer["resolved"],
+                              "tampered": answer.get("tampered", False), "reason": answer.get("reason", ""),
+                              "output": answer.get("output", "")[:200]}
+            say(f"serve: {name}: {answer['status']} {answer.get('reason', '')}")
+    finally:
+        svc.stop()
+    return verdicts
+
+
 def row(r: GradeResult) -> dict:
     return {"status": r.status, "reason": r.reason, "detail": (r.detail or "")[:300], "canaries": r.canaries,
             "dropped": list(r.dropped_test_files)}
@@ -105,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-map", type=Path, required=True, help="instance_id -> image (`swectl image build`)")
     parser.add_argument("--control", action="store_true", help="grade the attacks with the defences off too")
     parser.add_argument("--no-eval", action="store_true", help="the grader only (not `swectl eval`)")
+    parser.add_argument("--serve", action="store_true",
+                        help="also grade every attack through `swectl serve`'s eval lease (as swe-rl asks for it)")
     parser.add_argument("--attacks", default="", help="only these attacks, comma-separated (default: all that apply)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -125,18 +153,23 @@ def main(argv: list[str] | None = None) -> int:
             control = (anyio.run(partial(grade_all, task, patches, resolver, defences=False)) if args.control
                        else {})
             evals = {} if args.no_eval else through_eval(task, patches, args.image_map, Path(tmp))
+            served = (through_serve(task, {**patches, "gold": task.patch}, args.tasks, args.image_map,
+                                    Path(tmp) / "serve") if args.serve else {})
         resolved = [n for n, r in graded.items() if r.status == "resolved"]
         resolved += [f"{n} (eval)" for n, r in evals.items() if r["resolved"]]
+        resolved += [f"{n} (serve)" for n, r in served.items() if r["resolved"] and n != "gold"]
+        if served and not served["gold"]["resolved"]:
+            bad.append(f"{task.instance_id}: gold through serve {served['gold']['status']}")
         bad += [f"{task.instance_id}: {n}" for n in resolved]
         if gold.status != "resolved":
             bad.append(f"{task.instance_id}: gold {gold.status} {gold.reason} {gold.detail}")
         out[task.instance_id] = {
             "gold": row(gold), "attacks": {n: row(r) for n, r in graded.items()}, "eval": evals,
-            "control_without_defences": {n: row(r) for n, r in control.items()},
+            "serve": served, "control_without_defences": {n: row(r) for n, r in control.items()},
             "resolved": resolved, "minutes": round((time.monotonic() - started) / 60, 1)}
         for n, r in graded.items():
             print(f"{task.instance_id:<28} {n:<26} {r.status:<10} {r.reason:<14} "
-                  f"eval {evals.get(n, {}).get('status', '-'):<10} "
+                  f"eval {evals.get(n, {}).get('status', '-'):<10} serve {served.get(n, {}).get('status', '-'):<10} "
                   f"no defences {control[n].status if n in control else '-':<10} {(r.detail or '')[:80]}")
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "tasks": args.tasks, "rows": out,
