@@ -23,20 +23,25 @@ MAX_FRAME = 256 * 1024 * 1024
 SEND_TIMEOUT_S = 60.0
 NO_PYTHON = b"NOPY"
 
+# The agent's interpreter (it needs 3.8+): the image's system python3 where there is one, else the python3 on PATH.
+# A project environment first on PATH may be older (Django 3.0's SWE-bench environment is Python 3.6 in /opt/venv,
+# where the agent died at start: "exec agent exited"); the commands still run with the image's PATH.
+PICK_PYTHON = 'py=/usr/bin/python3; [ -x "$py" ] || py=$(command -v python3) || py=; '
+
 # Runs inside the sandbox: the agent needs only python3; without it we answer NOPY and the caller falls
 # back to one `podman exec` per command.
 # Without python3 the script still drains stdin (the agent source being sent) so that podman never
 # drops the NOPY answer when its input side breaks.
 START_SCRIPT = (
-    'command -v python3 >/dev/null 2>&1 || { printf NOPY; exec cat >/dev/null; }; exec python3 -u -c "$0"'
+    PICK_PYTHON + '[ -n "$py" ] || { printf NOPY; exec cat >/dev/null; }; exec "$py" -u -c "$0"'
 )
 
 
 # The socket channel's start (one short `podman exec`): the agent in the background, listening on SOCKET; prints
 # LISTENING, or NOPY without python3. The agent's own output goes nowhere: its channel is the socket.
 LISTEN_SCRIPT = (
-    'command -v python3 >/dev/null 2>&1 || { printf NOPY; exit 0; }; '
-    'python3 -u -c "$0" "$1" </dev/null >/dev/null 2>&1 & printf LISTENING'
+    PICK_PYTHON + '[ -n "$py" ] || { printf NOPY; exit 0; }; '
+    '"$py" -u -c "$0" "$1" </dev/null >/dev/null 2>&1 & printf LISTENING'
 )
 LISTENING = b"LISTENING"
 AGENT_SOCKET = "/dev/shm/.swectl-agent.sock"  # podman gives every container its own /dev/shm (a tmpfs)

@@ -45,6 +45,7 @@ REPO_ROOT = HERE.parents[1]
 CONTAINERS_CONF = bundled_containers_conf()
 BASE_IMAGE = DEFAULT_IMAGE
 NOPY_IMAGE = "localhost/swectl-test-nopy:latest"
+OLDPY_IMAGE = "localhost/swectl-test-oldpy:latest"
 TEST_LABEL = "swectl.test"
 SESSION_ID = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 SPEC_WORKDIR = "/srv"  # exists in the image: podman does not create a --workdir that is missing
@@ -224,6 +225,23 @@ def nopython_image() -> str:
     return NOPY_IMAGE
 
 
+@pytest.fixture(scope="session")
+def old_python_image() -> str:
+    """The base image with a project environment first on PATH whose python3 cannot run the exec agent (as Django
+    3.0's SWE-bench environment puts Python 3.6 in /opt/venv/bin): this one prints a version and exits 1."""
+    if podman("image", "exists", OLDPY_IMAGE).returncode == 0:
+        return OLDPY_IMAGE
+    with tempfile.TemporaryDirectory(prefix="swectl-oldpy-") as context:
+        (Path(context) / "Containerfile").write_text(
+            f"FROM {BASE_IMAGE}\nRUN mkdir -p /opt/venv/bin && printf '#!/bin/sh\\necho Python 3.6.15\\nexit 1\\n' "
+            "> /opt/venv/bin/python3 && chmod +x /opt/venv/bin/python3\n"
+            "ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n")
+        out = podman("build", "--network", "none", "-t", OLDPY_IMAGE, context, timeout=300)
+    if out.returncode != 0:
+        pytest.fail(f"building {OLDPY_IMAGE} failed: {out.stderr.decode(errors='replace')}")
+    return OLDPY_IMAGE
+
+
 @pytest.fixture(params=["agent", "plain"])
 def image(request: pytest.FixtureRequest) -> str:
     """The base image (exec agent path) and the no-python image (`podman exec` fallback path)."""
@@ -233,7 +251,7 @@ def image(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def docker_daemon(nopython_image: str) -> Iterator[DockerDaemon]:
+def docker_daemon(nopython_image: str, old_python_image: str) -> Iterator[DockerDaemon]:
     """This session's private dockerd with the base and no-python images; started on first use, stopped
     (containers removed, its folders deleted) when the session ends."""
     global _DOCKER
@@ -242,7 +260,7 @@ def docker_daemon(nopython_image: str) -> Iterator[DockerDaemon]:
         pytest.skip(f"docker backend: {reason}")
     daemon = start_private_docker()
     try:
-        daemon.load_from_podman([BASE_IMAGE, nopython_image])
+        daemon.load_from_podman([BASE_IMAGE, nopython_image, old_python_image])
         _DOCKER = daemon
         yield daemon
     finally:

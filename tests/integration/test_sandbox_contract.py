@@ -632,6 +632,18 @@ async def test_nopython_sandbox_starts_reliably(backend: Backend, nopython_image
         await box.destroy()
 
 
+async def test_an_old_python_first_on_path_does_not_stop_the_agent(backend: Backend, old_python_image: str) -> None:
+    """A project environment first on PATH whose python3 cannot run the agent (Django 3.0's SWE-bench environment
+    is Python 3.6): the agent runs on the image's /usr/bin/python3 and the commands still see the project's PATH."""
+    box = await create_sandbox(backend, make_spec(old_python_image, workdir=SPEC_WORKDIR))
+    try:
+        assert box.uses_agent
+        assert await ok(box, "command -v python3; python3 --version || true") == \
+            "/opt/venv/bin/python3\nPython 3.6.15\n"
+    finally:
+        await box.destroy()
+
+
 @pytest.mark.parametrize("backend_kind", ["namespace"])
 async def test_namespace_sandbox_needs_no_python_in_the_image(backend: Backend, nopython_image: str) -> None:
     """The namespace backend's agent runs on the node's interpreter: an image without python3 still gets it."""
