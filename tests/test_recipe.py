@@ -53,7 +53,7 @@ def test_the_first_run_file_pins_the_first_runs_settings() -> None:
     assert sft.trainer.threads_per_rank == (os.cpu_count() or 1)
     grpo = _phase_config(recipe, "grpo")
     assert (grpo.train.algorithm, grpo.train.steps, grpo.train.model) == (
-        "grpo", 20, str(RUN / "sft" / "weights" / "final"))
+        "grpo", 40, str(RUN / "sft" / "weights" / "final"))
     assert (grpo.train.optim.lr, grpo.train.optim.schedule, grpo.train.loss.kl_coef) == (2e-4, "cosine", 0.5)
     sampling = grpo.train.sampling
     assert (sampling.tasks_per_step, sampling.n_samples, sampling.max_staleness) == (4, 4, 1)
