@@ -212,34 +212,32 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def derived_test_image(name: str, containerfile_body: str) -> str:
+    """A test image ``FROM`` the base image plus ``containerfile_body``, built once (kept by podman between runs)."""
+    if podman("image", "exists", name).returncode == 0:
+        return name
+    with tempfile.TemporaryDirectory(prefix="swectl-test-image-") as context:
+        (Path(context) / "Containerfile").write_text(f"FROM {BASE_IMAGE}\n{containerfile_body}")
+        out = podman("build", "--network", "none", "-t", name, context, timeout=300)
+    if out.returncode != 0:
+        pytest.fail(f"building {name} failed: {out.stderr.decode(errors='replace')}")
+    return name
+
+
 @pytest.fixture(scope="session")
 def nopython_image() -> str:
     """An image like the base image but without python3 (exercises the `podman exec` fallback)."""
-    if podman("image", "exists", NOPY_IMAGE).returncode == 0:
-        return NOPY_IMAGE
-    with tempfile.TemporaryDirectory(prefix="swectl-nopy-") as context:
-        (Path(context) / "Containerfile").write_text(f"FROM {BASE_IMAGE}\nRUN rm -f /usr/bin/python3*\n")
-        out = podman("build", "--network", "none", "-t", NOPY_IMAGE, context, timeout=300)
-    if out.returncode != 0:
-        pytest.fail(f"building {NOPY_IMAGE} failed: {out.stderr.decode(errors='replace')}")
-    return NOPY_IMAGE
+    return derived_test_image(NOPY_IMAGE, "RUN rm -f /usr/bin/python3*\n")
 
 
 @pytest.fixture(scope="session")
 def old_python_image() -> str:
     """The base image with a project environment first on PATH whose python3 cannot run the exec agent (as Django
     3.0's SWE-bench environment puts Python 3.6 in /opt/venv/bin): this one prints a version and exits 1."""
-    if podman("image", "exists", OLDPY_IMAGE).returncode == 0:
-        return OLDPY_IMAGE
-    with tempfile.TemporaryDirectory(prefix="swectl-oldpy-") as context:
-        (Path(context) / "Containerfile").write_text(
-            f"FROM {BASE_IMAGE}\nRUN mkdir -p /opt/venv/bin && printf '#!/bin/sh\\necho Python 3.6.15\\nexit 1\\n' "
-            "> /opt/venv/bin/python3 && chmod +x /opt/venv/bin/python3\n"
-            "ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n")
-        out = podman("build", "--network", "none", "-t", OLDPY_IMAGE, context, timeout=300)
-    if out.returncode != 0:
-        pytest.fail(f"building {OLDPY_IMAGE} failed: {out.stderr.decode(errors='replace')}")
-    return OLDPY_IMAGE
+    return derived_test_image(OLDPY_IMAGE, (
+        "RUN mkdir -p /opt/venv/bin && printf '#!/bin/sh\\necho Python 3.6.15\\nexit 1\\n' "
+        "> /opt/venv/bin/python3 && chmod +x /opt/venv/bin/python3\n"
+        "ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n"))
 
 
 @pytest.fixture(params=["agent", "plain"])
@@ -300,7 +298,9 @@ def backend_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def backend(backend_kind: str) -> Backend:
+async def backend(backend_kind: str, request: pytest.FixtureRequest) -> Backend:
+    if backend_kind == "docker":  # also where a test parametrizes backend_kind itself (the fixture above is skipped)
+        request.getfixturevalue("docker_daemon")
     return await new_backend(kind=backend_kind)
 
 
