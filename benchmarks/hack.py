@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     work = (args.work or Path("runs") / f"hack-seed{args.seed}").resolve()
     summary = recipe_run.run("hack", work, [*recipe_run.var_sets({"seed": args.seed}), *args.sets], say)
-    kept = {s: json.loads((work / "sft-data" / s / "summary.json").read_text())["kept"]
-            for s in ("gold", "give-up", "attack")}
+    kept = {p.parent.name: json.loads(p.read_text())["kept"]  # each script's folder (the recipe's sft-data phase)
+            for p in sorted((work / "sft-data").glob("*/summary.json"))}
     say(f"SFT data kept: {kept}")
     curves: dict[str, dict] = {}
     for arm in ARMS:
