@@ -46,6 +46,8 @@ CONTAINERS_CONF = bundled_containers_conf()
 BASE_IMAGE = DEFAULT_IMAGE
 NOPY_IMAGE = "localhost/swectl-test-nopy:latest"
 OLDPY_IMAGE = "localhost/swectl-test-oldpy:latest"
+# what the session's dockerd holds from the start; a test that empties its image store loads these back
+DOCKER_SESSION_IMAGES = (BASE_IMAGE, NOPY_IMAGE, OLDPY_IMAGE)
 TEST_LABEL = "swectl.test"
 SESSION_ID = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 SPEC_WORKDIR = "/srv"  # exists in the image: podman does not create a --workdir that is missing
@@ -258,7 +260,8 @@ def docker_daemon(nopython_image: str, old_python_image: str) -> Iterator[Docker
         pytest.skip(f"docker backend: {reason}")
     daemon = start_private_docker()
     try:
-        daemon.load_from_podman([BASE_IMAGE, nopython_image, old_python_image])
+        assert (nopython_image, old_python_image) == DOCKER_SESSION_IMAGES[1:]
+        daemon.load_from_podman(list(DOCKER_SESSION_IMAGES))
         _DOCKER = daemon
         yield daemon
     finally:

@@ -27,7 +27,7 @@ from swectl.images.store import ImagePullError
 from swectl.testing.docker import DockerDaemon
 from swectl.testing.registry import LocalRegistry, local_registry
 
-from .conftest import BASE_IMAGE, NOPY_IMAGE, podman
+from .conftest import DOCKER_SESSION_IMAGES, NOPY_IMAGE, podman
 from .images import build_thin_images
 from .pools import running_pool
 from .test_image_placement import burst_with_one_pull, own_file, wait_for
@@ -173,8 +173,8 @@ async def test_a_small_disk_budget_removes_images_not_in_use_and_never_the_held_
     cfg = config(docker_daemon, registry, budget_gb=0.001)  # 1 MB: the no-python image alone is over it
     try:
         await _budget_run(docker_daemon, cfg)
-    finally:  # the budget removes the session dockerd's base image too: the other docker tests need it
-        await anyio.to_thread.run_sync(docker_daemon.load_from_podman, [BASE_IMAGE, NOPY_IMAGE])
+    finally:  # the budget removes the session dockerd's own images too: the other docker tests need them
+        await anyio.to_thread.run_sync(docker_daemon.load_from_podman, list(DOCKER_SESSION_IMAGES))
 
 
 async def _budget_run(docker_daemon: DockerDaemon, cfg: ClusterConfig) -> None:
