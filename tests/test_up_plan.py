@@ -48,3 +48,26 @@ def test_a_resume_with_another_split_is_refused(tmp_path: Path) -> None:
     (run / "split.json").write_text("not json")
     with pytest.raises(ConfigError, match="not a split record"):
         _plan(tmp_path, run)
+
+
+def test_a_recipe_split_writes_the_same_record_as_a_run(tmp_path: Path) -> None:
+    """The first-run recipe's [split] and `swectl up`'s plan write one kind of split.json (swectl/train/split.py),
+    and the recipe's train.jsonl / test.jsonl hold the tasks the record names."""
+    import msgspec
+
+    from swectl.cli.phases import _split
+    from swectl.train.recipe import load
+    from swectl.train.split import SplitRecord
+
+    recipe = load("first-run", {})
+    run = tmp_path / "recipe-run"
+    run.mkdir()
+    anyio.run(lambda: _split(recipe, run, print))
+    record = msgspec.json.decode((run / "split.json").read_bytes(), type=SplitRecord)
+    assert record.train and record.held_out and not set(record.train) & set(record.held_out)
+    for name, ids in (("train", record.train), ("test", record.held_out)):
+        rows = [json.loads(line) for line in (run / f"{name}.jsonl").read_text().splitlines()]
+        assert sorted(row["instance_id"] for row in rows) == sorted(ids)
+    planned = json.loads((run / "split.json").read_text())
+    _plan(tmp_path, tmp_path / "up-run")
+    assert set(json.loads((tmp_path / "up-run" / "split.json").read_text())) == set(planned)

@@ -13,7 +13,6 @@ says where to go on from; an ``optional`` one is said and the run goes on.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import shutil
@@ -155,7 +154,7 @@ async def _run(recipe: Recipe, run_dir: Path, user_sets: list[str], say: Say) ->
     expected = expected_s(recipe, sizes, past[0]) if past is not None else None
     if past is not None:
         log(f"time left: estimated from the run in {past[1]}, scaled to this recipe's numbers")
-    _split(recipe, run_dir, log)
+    await _split(recipe, run_dir, log)
     done: set[str] = set(records)
     total = len(recipe.file.phase)
 
@@ -224,33 +223,27 @@ def _phase_folder(phase: Phase, run_dir: Path) -> tuple[Path, bool]:
     return folder, resume
 
 
-def _split(recipe: Recipe, run_dir: Path, log: Say) -> None:
-    """The recipe's train / held-out split, made once: kept when the run folder has it."""
+async def _split(recipe: Recipe, run_dir: Path, log: Say) -> None:
+    """The recipe's train / held-out split, made once (off the event loop: Harbor tasks build images): kept when the
+    run folder has it. The record is the same split.json that `swectl up` writes (swectl/train/split.py)."""
     spec = recipe.file.split
     if spec is None or all((run_dir / f"{name}.jsonl").is_file() for name in ("train", "test")):
         return
-    from swectl.actors.data_source import split_tasks
-    from swectl.images.harbor import with_harbor_prepared
     from swectl.images.project import BUNDLED_TASKS
-    from swectl.tasks.sources import load_tasks
     from swectl.train.recipe import fill
+    from swectl.train.split import SPLIT_FILE, record_split, split_source_off_loop
 
     names = names_for(recipe, run_dir, {}, recipe.file.phase[0])
     source = str(fill(spec.tasks, names, "split.tasks")) or str(BUNDLED_TASKS)
     fraction, seed = fill(spec.test_fraction, names, "split.test_fraction"), fill(spec.seed, names, "split.seed")
-    loaded = with_harbor_prepared(load_tasks(source))  # Harbor task folders: images built, gold patches made
-    if not loaded.tasks:
-        raise ConfigError(f"split.tasks {source}: no usable task in it")
-    train, test = split_tasks(loaded.tasks, fraction, seed)
-    if not train or not test:
-        raise ConfigError(f"split.test_fraction {fraction}: {len(train)} train and {len(test)} held-out tasks of "
-                          f"{len(loaded.tasks)}; both splits need one")
-    for name, tasks in (("train", train), ("test", test)):
+    split = await split_source_off_loop(source, fraction, seed, key="split.tasks", say=log)
+    if not split.train or not split.held_out:
+        raise ConfigError(f"split.test_fraction {fraction}: {len(split.train)} train and {len(split.held_out)} "
+                          f"held-out tasks of {len(split.train) + len(split.held_out)}; both splits need one")
+    record_split(run_dir / SPLIT_FILE, split.record, settings="split.tasks, split.test_fraction or split.seed")
+    for name, tasks in (("train", split.train), ("test", split.held_out)):
         (run_dir / f"{name}.jsonl").write_bytes(b"".join(msgspec.json.encode(t.row()) + b"\n" for t in tasks))
-    (run_dir / "split.json").write_text(json.dumps({"tasks": source, "test_fraction": fraction, "seed": seed,
-                                                    "train": [t.instance_id for t in train],
-                                                    "test": [t.instance_id for t in test]}, indent=1) + "\n")
-    log(f"{len(train)} train / {len(test)} held-out tasks of {source} (split seed {seed})")
+    log(f"{len(split.train)} train / {len(split.held_out)} held-out tasks of {source} (split seed {seed})")
 
 
 async def _run_phase(recipe: Recipe, phase: Phase, command: PhaseCommand, run_dir: Path, log: Say) -> PhaseRecord:

@@ -9,20 +9,19 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import msgspec
 
-from swectl.actors.data_source import split_tasks
 from swectl.actors.engine_kinds import engine_kind
 from swectl.config import ClusterConfig
 from swectl.data.atif import is_atif, samples_from_atif
 from swectl.data.trajectories import TRAJ_FILE, samples_from_messages_jsonl, samples_from_runs
 from swectl.errors import ConfigError, TaskDataError
-from swectl.images.harbor import with_harbor_prepared
 from swectl.images.project import BUNDLED_TASKS
 from swectl.model.tokenizer import load_tokenizer
 from swectl.rl.batch import TrainSample
 from swectl.tasks.record import Task
-from swectl.tasks.sources import load_tasks
+from swectl.train.split import SPLIT_FILE, record_split, split_source_off_loop
 
 Say = Callable[[str], None]
 
@@ -48,7 +47,8 @@ async def build_plan(config: ClusterConfig, run_dir: Path, *, say: Say) -> Train
 
         say(f"no model given (train.model): making the tiny default at {model} (`swectl model init"
             f"{' --untied' if untied else ''}`)")
-        init_model(Path(model), ModelInitConfig(tie_word_embeddings=not untied), progress=say)
+        await anyio.to_thread.run_sync(
+            lambda: init_model(Path(model), ModelInitConfig(tie_word_embeddings=not untied), progress=say))
     if not (Path(model) / "config.json").is_file():
         raise ConfigError(f"train.model {model}: not a Hugging Face model folder (no config.json)")
     if untied and t.algorithm != "sft" and ties_embeddings(Path(model)):
@@ -58,31 +58,16 @@ async def build_plan(config: ClusterConfig, run_dir: Path, *, say: Say) -> Train
                           "lm_head), or use engine.kind = \"cpu\"")
     if t.algorithm == "sft":
         return TrainPlan(model=model, sft_samples=_sft_samples(config, model))
-    source = data.tasks or str(BUNDLED_TASKS)
-    loaded = with_harbor_prepared(load_tasks(source), say=say)  # Harbor task folders: images built, gold made
-    for problem in loaded.problems:
-        say(f"skipped task {problem.location}: {problem.field}: {problem.message}")
-    if not loaded.tasks:
-        raise TaskDataError(f"train.data.tasks {source}: no usable task in it")
-    train, test = split_tasks(loaded.tasks, data.test_fraction, data.split_seed)
-    record_split(run_dir / "split.json", SplitRecord(
-        tasks=source, test_fraction=data.test_fraction, split_seed=data.split_seed,
-        train=[task.instance_id for task in train], held_out=[task.instance_id for task in test]))
+    split = await split_source_off_loop(data.tasks or str(BUNDLED_TASKS), data.test_fraction, data.split_seed,
+                                        key="train.data.tasks", say=say)
+    record_split(run_dir / SPLIT_FILE, split.record,
+                 settings="train.data.tasks, train.data.test_fraction or train.data.split_seed")
+    train, test = split.train, split.held_out
     sft: list[TrainSample] = []
     if data.sft_steps:
         sft = (_sft_samples(config, model) if data.sft_data
                else await _gold_samples(config, model, train, run_dir / "gold", say))
     return TrainPlan(model=model, train_tasks=train, test_tasks=test, sft_samples=sft)
-
-
-class SplitRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """split.json: which tasks a grpo run trains on and which it holds out, written when the run starts."""
-
-    tasks: str
-    test_fraction: float
-    split_seed: int
-    train: list[str]
-    held_out: list[str]
 
 
 def ties_embeddings(model: Path) -> bool:
@@ -92,27 +77,6 @@ def ties_embeddings(model: Path) -> bool:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"train.model {model}: cannot read config.json: {exc}") from exc
     return bool(config.get("tie_word_embeddings", False))
-
-
-def record_split(path: Path, split: SplitRecord) -> None:
-    """Write ``split`` to ``path``, or, when the run already has one (a resume), refuse a different split: the
-    run would go on training on tasks it held out before."""
-    if path.is_file():
-        try:
-            before = msgspec.json.decode(path.read_bytes(), type=SplitRecord)
-        except msgspec.DecodeError as e:
-            raise ConfigError(f"{path}: not a split record ({e}); move it away to start the split afresh") from e
-        if (sorted(before.train), sorted(before.held_out)) != (sorted(split.train), sorted(split.held_out)):
-            moved = sorted(set(split.train) - set(before.train))
-            raise ConfigError(
-                f"{path}: this run started with another train/held-out split ({len(before.train)} train / "
-                f"{len(before.held_out)} held out; now {len(split.train)} / {len(split.held_out)}, "
-                f"{len(moved)} task(s) would move into training, e.g. {moved[:3]}); train.data.tasks, "
-                f"train.data.test_fraction or train.data.split_seed changed since (it was {before.split_seed}, "
-                f"now {split.split_seed})")
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(split), indent=1) + b"\n")
 
 
 async def _gold_samples(config: ClusterConfig, model: str, tasks: list[Task], out: Path, say: Say
