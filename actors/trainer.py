@@ -170,6 +170,11 @@ class TrainerFailedError(SwectlError):
     """The ranks refused a request (a bad batch, a full disk); they are still up."""
 
 
+class TrainerNoSpaceError(TrainerFailedError, InfraError):
+    """A write of the ranks (a checkpoint, a step's weights) found its disk full; they are still up. A checkpoint
+    that failed so is skipped; a step restarts from the last checkpoint once there is space (the controller)."""
+
+
 class _Launch:
     """One node's torchrun: its channel, output tail and exit code."""
 
@@ -389,7 +394,8 @@ class Trainer:
         if isinstance(reply, Failed):
             if reply.fatal or await self._exited_soon():
                 raise self._lost(self._first_exited(), f"failed {what}: {reply.message}")
-            raise TrainerFailedError(f"trainer: {what} failed: {reply.message}")
+            error = TrainerNoSpaceError if reply.no_space else TrainerFailedError
+            raise error(f"trainer: {what} failed: {reply.message}")
         return reply
 
     async def _exited_soon(self, grace_s: float = 5.0) -> bool:

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import recipe_run
 
+from swectl.config import toml_value
 from swectl.testing import chaos
 from swectl.testing import nodes as testnodes
-from swectl.train.recipe import toml_value
 
 RESULTS = Path(__file__).resolve().parent / "results" / "chaos.json"
 SWECTL = [sys.executable, "-m", "swectl.cli.main"]

@@ -16,7 +16,8 @@ from typing import Any
 
 import msgspec
 
-from swectl.train.recipe import RECIPE_FILE, SUMMARY_FILE, Summary, toml_value
+from swectl.config import toml_value
+from swectl.train.recipe import RECIPE_FILE, SUMMARY_FILE, Summary
 
 REPO = Path(__file__).resolve().parents[1]
 SWECTL = [sys.executable, "-m", "swectl.cli.main"]

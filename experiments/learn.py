@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # the suites' recipe runner
 
 import recipe_run  # noqa: E402
 
-from swectl.train.recipe import Reading, toml_value  # noqa: E402
+from swectl.config import toml_value  # noqa: E402
+from swectl.train.recipe import Reading  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "learn.json"
 CONTROLS = {"zero": ("grpo-zero", "eval-zero", "zero_train"), "shuffle": ("grpo-shuffled", "eval-shuffled",

@@ -9,6 +9,7 @@ decoding, so they are validated exactly like the file.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import tomllib
@@ -269,6 +270,9 @@ class TrainerConfig(_Section):
     # trainer restarts from the last checkpoint in a row (no step trained between them) before the run gives up; a
     # long run that meets a lost rank now and then goes on
     max_restarts: NonNegative = 2
+    # a step whose write found the run's disk full waits this long for room (a checkpoint's worth) before the restart
+    # from the last checkpoint; a checkpoint that found it full is skipped, and the run goes on
+    disk_wait_s: NonNegative = 600.0
     # how new weights reach the engines after a step: "disk" (a safetensors folder + update_weights_from_disk; always
     # works) or "distributed" (rank 0 broadcasts them over a weight group with the engines: NCCL on GPU, gloo on
     # CPU; falls back to disk for a step when an engine restarted since the group formed)
@@ -658,6 +662,26 @@ def check_config(config: ClusterConfig) -> list[str]:
     if config.run_id and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", config.run_id):
         problems.append("run_id: use 1-64 characters from A-Z a-z 0-9 _ . -")
     return problems
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as the TOML text ``--set KEY=VALUE`` parses back to it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{value}: not a value a config takes")
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()  # a JSON string is a TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise ConfigError(f"{value!r}: not a TOML value (a table is written as its keys)")
+
+
+def override_text(key: str, value: Any) -> str:
+    """The ``--set`` text ``KEY=VALUE`` that apply_override parses back to ``value``."""
+    return f"{key}={toml_value(value)}"
 
 
 def apply_override(document: dict[str, Any], override: str) -> None:

@@ -48,7 +48,9 @@ Classes defined elsewhere are marked with their module (they live next to the co
     |   |                            agent loop, never escapes it (swectl.agent.loop)
     |   +-- Submitted, LimitsExceeded, TimeExceeded, ContextExceeded, FormatErrorsExceeded, Aborted
     +-- TrainerFailedError       the trainer ranks refused a request (bad batch, disk full); they stay up
-    |                                (swectl.actors.trainer)
+    |   |                            (swectl.actors.trainer)
+    |   +-- TrainerNoSpaceError  a write found its disk full (also an InfraError): a checkpoint is skipped, a
+    |                            step restarts from the last checkpoint once there is space
     +-- BadRequest                   the CPU engine's HTTP 400 (swectl.remote.programs.engine_api)
     +-- ApiError                     a `swectl serve` request that fails: HTTP status, message, infra flag
     |                                (swectl.serve.wire)

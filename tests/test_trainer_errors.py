@@ -10,7 +10,7 @@ pytest.importorskip("torch", reason="needs the cpu extra (pip install 'swectl[cp
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from swectl.remote.programs.trainer import collective_failed, describe
+from swectl.remote.programs.trainer import collective_failed, describe, out_of_space
 
 
 @pytest.mark.parametrize("message", [
@@ -84,3 +84,25 @@ def test_the_ready_line_is_found_when_another_ranks_line_shares_it() -> None:
     assert launch.ready == ("0.0.0.0", 41493) and [rank for rank, _ in ups] == [1]
     launch.on_line("swectl-trainer ready on :::5071")
     assert launch.ready == ("::", 5071)
+
+
+def _chained(outer: Exception, inner: BaseException) -> Exception:
+    outer.__cause__ = inner
+    return outer
+
+
+@pytest.mark.parametrize("exc", [
+    OSError(28, "No space left on device"),
+    _chained(RuntimeError("saving the weights failed"), OSError(28, "No space left on device")),
+    # safetensors' Rust error is no OSError; the soak's step 5 failed with this text
+    Exception("Error while serializing: I/O error: No space left on device (os error 28)"),
+    CheckpointException("checkpoint", {1: (OSError(28, "No space left on device"), None)}),
+])
+def test_a_full_disk_is_named_so_the_controller_can_wait_it_out(exc: BaseException) -> None:
+    assert out_of_space(exc)
+
+
+@pytest.mark.parametrize("exc", [OSError(13, "Permission denied"), ValueError("the batch has 0 samples"),
+                                 CheckpointException("checkpoint", {0: (OSError(5, "Input/output error"), None)})])
+def test_other_write_failures_are_not_a_full_disk(exc: BaseException) -> None:
+    assert not out_of_space(exc)

@@ -29,6 +29,7 @@ to ``.tmp`` and renamed by rank 0 after every rank finished.
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import json
 import math
@@ -646,7 +647,7 @@ def serve(trainer: Trainer, conn: socket.socket | None, control: Any) -> None:
             reply = handlers[type(request)](request)
         except (Exception, CheckpointException) as exc:  # reported to the controller; the ranks stay up for it
             log(traceback.format_exc())
-            reply = Failed(message=describe(exc), fatal=collective_failed(exc))
+            reply = Failed(message=describe(exc), fatal=collective_failed(exc), no_space=out_of_space(exc))
         if isinstance(reply, Done) and not reply.seconds:
             reply = Done(path=reply.path, seconds=time.perf_counter() - t0)
         if rank0 and conn is not None:
@@ -669,12 +670,16 @@ def describe(exc: BaseException) -> str:
     CheckpointException (a BaseException, not an Exception) whose text is only the ranks: name the first cause."""
     if isinstance(exc, CheckpointException) and exc.failures:
         rank, cause = next(iter(sorted(exc.failures.items())))
-        original = getattr(cause, "exc", cause)  # a WRAPPED_EXCEPTION (exc, traceback) tuple or the exception
-        if isinstance(original, tuple):
-            original = original[0]
+        original = _rank_cause(cause)
         original = _os_error_within(original) or original  # "No space left on device" under a serializer's error
         return f"checkpoint failed on ranks {sorted(exc.failures)}: rank {rank}: {type(original).__name__}: {original}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _rank_cause(cause: Any) -> BaseException:
+    """A CheckpointException's failure of one rank: a WRAPPED_EXCEPTION (exc, traceback) tuple or the exception."""
+    original = getattr(cause, "exc", cause)
+    return original[0] if isinstance(original, tuple) else original
 
 
 def _os_error_within(exc: BaseException) -> OSError | None:
@@ -685,6 +690,20 @@ def _os_error_within(exc: BaseException) -> OSError | None:
             return current
         current, seen = current.__cause__ or current.__context__, seen + 1
     return None
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """True when ``exc`` is a write that found its disk full: an OSError with ENOSPC in its chain (also under a
+    CheckpointException's rank failures), or a serializer's error that quotes it (safetensors' Rust I/O error is no
+    OSError: "I/O error: No space left on device (os error 28)")."""
+    causes = [exc, *(_rank_cause(c) for c in exc.failures.values())] if isinstance(exc, CheckpointException) else [exc]
+    for cause in causes:
+        os_error = _os_error_within(cause)
+        if os_error is not None and os_error.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(cause) or "os error 28" in str(cause):
+            return True
+    return False
 
 
 def collective_failed(exc: BaseException) -> bool:

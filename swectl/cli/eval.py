@@ -15,7 +15,7 @@ import msgspec
 
 from swectl import logs
 from swectl.cli.common import config_args, load_run_config, load_task_set, output_dir, say
-from swectl.config import ClusterConfig
+from swectl.config import ClusterConfig, override_text
 from swectl.errors import ConfigError, TaskDataError
 from swectl.images.project import BUNDLED_TASKS
 from swectl.logs import write_run_log
@@ -147,8 +147,7 @@ def rollout_overrides(args: argparse.Namespace) -> list[str]:
     for key in ROLLOUT_FLAGS:
         value = getattr(args, key, None)
         if value is not None:
-            text = ("true" if value else "false") if isinstance(value, bool) else repr(value)  # TOML values
-            overrides.append(f"rollout.{key}={text}")
+            overrides.append(override_text(f"rollout.{key}", value))
     return overrides
 
 

@@ -25,6 +25,7 @@ import anyio
 import msgspec
 
 from swectl import logs
+from swectl.config import override_text
 from swectl.errors import ConfigError, SwectlError
 from swectl.train.recipe import (
     LOG_FILE,
@@ -47,7 +48,6 @@ from swectl.train.recipe import (
     seconds_left,
     set_flags,
     size,
-    toml_value,
     train_speed,
     write_records,
 )
@@ -85,8 +85,8 @@ def command_of(recipe: Recipe, phase: Phase, run_dir: Path, names: dict[str, Any
             positional = [str(args.pop(key)) for key in POSITIONAL["plot"] if key in args]
             argv = ["plot", *positional, *arg_flags(args)]
         case "train":
-            where = [f"out_dir={toml_value(str(folder.parent))}", f"run_id={toml_value(folder.name)}"]
-            config_sets = [*where, *(f"{k}={toml_value(v)}" for k, v in leaves(document)), *user_sets]
+            where = [override_text("out_dir", str(folder.parent)), override_text("run_id", folder.name)]
+            config_sets = [*where, *(override_text(k, v) for k, v in leaves(document)), *user_sets]
             base = [recipe.file.base] if recipe.file.base else ["--recipe", "train"]
             argv = ["up", *base, *[x for s in config_sets for x in ("--set", s)]]
             return PhaseCommand(argv=argv, config_sets=config_sets, size=size(document))

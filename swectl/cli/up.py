@@ -19,7 +19,7 @@ import anyio
 import msgspec
 
 from swectl.cli.common import config_args, load_run_config, say
-from swectl.config import ClusterConfig, apply_override, decode_config, load_config
+from swectl.config import ClusterConfig, apply_override, decode_config, load_config, override_text
 from swectl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ def _harness_sets(recipe: Recipe, config_sets: list[str], say: Say) -> list[str]
         return list(config_sets)
     say(f"agent.harness is set: the harness runs with the recipe's harness config "
         f"(agent.harness_config = {recipe.file.harness_config!r})")
-    return [*config_sets, f"agent.harness_config={json.dumps(recipe.file.harness_config)}"]
+    return [*config_sets, override_text("agent.harness_config", recipe.file.harness_config)]
 
 
 def _recorded_config(run_dir: Path, overrides: list[str]) -> ClusterConfig:

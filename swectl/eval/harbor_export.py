@@ -29,8 +29,8 @@ import re
 import shutil
 import textwrap
 from pathlib import Path
-from typing import Any
 
+from swectl.config import toml_value
 from swectl.errors import TaskDataError
 from swectl.grading.eval_script import eval_script_for
 from swectl.tasks.harbor import harbor_meta, is_harbor
@@ -85,15 +85,11 @@ main()
 '''
 
 
-def _toml_value(value: Any) -> str:
-    return json.dumps(value)  # a JSON string or number is a TOML one
-
-
 def _task_toml(task: Task, timeout_s: float) -> str:
     meta = {"source": task.source, "repo": task.repo, "base_commit": task.base_commit, "version": task.version,
             "exported_by": "swectl"}
     lines = ["schema_version = \"1.1\"", "", "[metadata]"]
-    lines += [f"{k} = {_toml_value(v)}" for k, v in meta.items() if v]
+    lines += [f"{k} = {toml_value(v)}" for k, v in meta.items() if v]
     lines += ["", "[verifier]", f"timeout_sec = {float(timeout_s)}", "", "[agent]", "timeout_sec = 3600.0", "",
               "[environment]", "build_timeout_sec = 600.0",
               "# no allow_internet = false: Harbor's podman environment refuses the no-network mode; the run's own",

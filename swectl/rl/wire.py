@@ -151,9 +151,11 @@ class Done(msgspec.Struct, frozen=True, tag="done", tag_field="kind"):
 
 class Failed(msgspec.Struct, frozen=True, tag="failed", tag_field="kind"):
     """A request failed on the ranks (disk full, bad batch, ...); the message says why. ``fatal``: the ranks can
-    not go on (a collective failed: a peer died, the process group is broken) and exit after this reply."""
+    not go on (a collective failed: a peer died, the process group is broken) and exit after this reply.
+    ``no_space``: a write found its disk full (ENOSPC), which a restart can get past once there is space."""
     message: str
     fatal: bool = False
+    no_space: bool = False
 
 
 TrainerReply = Ready | StepReply | Done | Failed

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,7 @@ from swectl.actors.engines import Engines, engine_hosts
 from swectl.actors.env_pool import new_run_id
 from swectl.actors.metrics import Metrics, StepProgress
 from swectl.actors.rollout import EpisodeResult
-from swectl.actors.trainer import Trainer, TrainerLostError
+from swectl.actors.trainer import Trainer, TrainerLostError, TrainerNoSpaceError
 from swectl.config import ClusterConfig, TrainConfig, ranks_per_node
 from swectl.errors import ConfigError
 from swectl.logs import write_run_log
@@ -97,7 +98,7 @@ class Controller:
             try:
                 await self._run_once()
                 return self.state
-            except* TrainerLostError as group:
+            except* (TrainerLostError, TrainerNoSpaceError) as group:
                 error = _first_leaf(group)
                 if not self._trainer_was_ready:  # it never came up (no torch, a model it cannot load): no retry
                     raise error from None
@@ -106,10 +107,33 @@ class Controller:
                 self.restarts += 1
                 if self.restarts > self.config.trainer.max_restarts:
                     raise error from None
-                self.say(f"trainer lost: {error}\n  restart {self.restarts}/{self.config.trainer.max_restarts} "
-                         "from the last checkpoint")
+                if isinstance(error, TrainerNoSpaceError):
+                    await self._wait_for_space(error)
+                else:
+                    self.say(f"trainer lost: {error}\n  restart {self.restarts}/{self.config.trainer.max_restarts} "
+                             "from the last checkpoint")
                 self._load_latest(required=False)
                 self._restarted_at = self.state.step
+
+    async def _wait_for_space(self, error: TrainerNoSpaceError) -> None:
+        """After a step that found the disk full: wait (trainer.disk_wait_s at most) until the run's disk has room
+        for a checkpoint like its last one (or three times the model's weights) and 64 MiB, saying so once."""
+        need = _room_for_a_checkpoint(self.run_dir, Path(self.plan.model))
+        wait_s = self.config.trainer.disk_wait_s
+        free = shutil.disk_usage(self.run_dir).free
+        self.say(f"trainer: no space left on the run's disk: {error}\n  {free / 2**20:.0f} MiB free in "
+                 f"{self.run_dir}, {need / 2**20:.0f} MiB needed; waiting up to {wait_s:.0f} s "
+                 f"(trainer.disk_wait_s), then restart {self.restarts}/{self.config.trainer.max_restarts} from "
+                 "the last checkpoint")
+        with anyio.move_on_after(wait_s):
+            while shutil.disk_usage(self.run_dir).free < need:  # noqa: ASYNC110 (no event for free space)
+                await anyio.sleep(1.0)
+        free = shutil.disk_usage(self.run_dir).free
+        if free < need:
+            raise TrainerNoSpaceError(f"{error}; after {wait_s:.0f} s (trainer.disk_wait_s) the run's disk still "
+                                      f"has {free / 2**20:.0f} MiB free of the {need / 2**20:.0f} MiB a "
+                                      f"checkpoint needs: free space in {self.run_dir}, then `swectl up --resume "
+                                      f"{self.run_dir}`") from None
 
     def _load_latest(self, *, required: bool) -> None:
         found = latest_checkpoint(self.run_dir)
@@ -272,7 +296,14 @@ class Controller:
     async def _checkpoint(self, trainer: Trainer) -> None:
         folder = checkpoint_dir(self.run_dir, self.state.step)
         folder.mkdir(parents=True, exist_ok=True)
-        await trainer.checkpoint(self.state.step, folder / "trainer")
+        try:
+            await trainer.checkpoint(self.state.step, folder / "trainer")
+        except TrainerNoSpaceError as exc:  # the ranks removed the partial one and are still up
+            shutil.rmtree(folder, ignore_errors=True)
+            free_mib = shutil.disk_usage(self.run_dir).free / 2**20
+            self.say(f"checkpoint after step {self.state.step} skipped: {exc} ({free_mib:.0f} MiB free in "
+                     f"{self.run_dir}); the run goes on, the next checkpoint tries again")
+            return
         commit_checkpoint(self.run_dir, self.state)
 
     # ------------------------------------------------------------ GRPO's sample source, the judge, evaluation
@@ -372,3 +403,18 @@ async def run_training(config: ClusterConfig, plan: TrainPlan, run_dir: Path, *,
 def new_run_dir(config: ClusterConfig) -> Path:
     return Path(config.out_dir) / (config.run_id or new_run_id())
 
+
+def _room_for_a_checkpoint(run_dir: Path, model: Path) -> int:
+    """Bytes a restart needs free: the latest checkpoint's size (or three times the model folder's: weights and
+    the optimizer's two moments) and 64 MiB."""
+    found = latest_checkpoint(run_dir)
+    folder = found[0] if found is not None else None
+    size = _folder_bytes(folder) if folder is not None else 3 * _folder_bytes(model)
+    return size + 64 * 2**20
+
+
+def _folder_bytes(folder: Path) -> int:
+    try:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    except OSError:
+        return 0

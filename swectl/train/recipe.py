@@ -25,7 +25,6 @@ the ETA. swectl/cli/phases.py runs the phases by the commands' own drivers.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import statistics
@@ -37,6 +36,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from swectl.config import toml_value
 from swectl.errors import ConfigError, SwectlError
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "data" / "bundled" / "recipes"
@@ -486,21 +486,6 @@ def leaves(document: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
         else:
             out.append((f"{prefix}{key}", value))
     return out
-
-
-def toml_value(value: Any) -> str:
-    """``value`` as the TOML text ``--set KEY=VALUE`` parses back to it."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{value}: not a value a config takes")
-        return repr(value)
-    if isinstance(value, str):
-        return msgspec.json.encode(value).decode()  # a JSON string is a TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    raise ConfigError(f"{value!r}: not a TOML value (a table is written as its keys)")
 
 
 def set_flags(document: dict[str, Any]) -> list[str]:

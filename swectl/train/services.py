@@ -51,6 +51,7 @@ class RlServices:
         self._env: EnvReadings | None = None
         self._engine_readings: EngineReadings | None = None
         self._harness_readings: HarnessReadings | None = None
+        self._closing: contextlib.AsyncExitStack | None = None  # what opened() closes at its end (a judge client)
 
     @property
     def engines(self) -> Engines:
@@ -67,13 +68,13 @@ class RlServices:
         """The env pool and the engine hosts, open for the block; the engines (not started) serve ``weights``."""
         cfg = self.config
         async with (running_pool(cfg, run_id, mounts=harness_mounts(cfg.agent)) as pool,
-                    engine_hosts(cfg.engine_nodes()) as hosts):
-            self._pool, self._hosts = pool, hosts
+                    engine_hosts(cfg.engine_nodes()) as hosts, contextlib.AsyncExitStack() as closing):
+            self._pool, self._hosts, self._closing = pool, hosts, closing
             self._engines = Engines(cfg.engine, model=weights, hosts=hosts, log_dir=self.run_dir / "engine-logs")
             try:
                 yield self
             finally:
-                self._pool = self._engines = self._rollouts = None
+                self._pool = self._engines = self._rollouts = self._closing = None
 
     def describe(self) -> str:
         return f"{len(self._hosts) * self.config.engine.replicas} {self.config.engine.kind} engine server(s)"
@@ -120,8 +121,8 @@ class RlServices:
         updated), or a running server."""
         prm = self.config.reward.prm
         if prm.endpoint:
-            client = SglangClient(prm.endpoint, timeout_s=prm.timeout_s)
-            tg.start_soon(_close_at_cancel, client, name="judge client")
+            assert self._closing is not None, "RlServices.opened() first"
+            client = await self._closing.enter_async_context(SglangClient(prm.endpoint, timeout_s=prm.timeout_s))
             judge = Judge(prm, lambda key: client, load_tokenizer(prm.tokenizer, "reward.prm.tokenizer"))
             where = prm.endpoint
         else:
@@ -133,11 +134,3 @@ class RlServices:
         self.say(f"process rewards: judge {where}, {prm.samples} answers per step, step_coef {prm.step_coef}")
         return judge
 
-
-async def _close_at_cancel(client: SglangClient) -> None:
-    """Hold ``client`` open until the run's task group is cancelled, then close it."""
-    try:
-        await anyio.sleep_forever()
-    finally:
-        with anyio.CancelScope(shield=True):
-            await client.aclose()

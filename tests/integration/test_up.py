@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,6 +182,36 @@ def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint(model: Path, tm
     assert proc.returncode == 0, err[-3000:]
     assert "trainer lost" in err and "restart 1/" in err and "trainer0.log" in err
     _check_records(run)
+
+
+def test_a_full_disk_during_a_step_is_waited_out_and_the_run_goes_on(model: Path, tmp_path: Path) -> None:
+    """The run folder's own file system filled (128 KiB left: a step's weights or a checkpoint does not fit) after
+    step 1, emptied 10 s later: the checkpoint is skipped or the step waits for room and restarts from the last
+    checkpoint, and the run finishes with whole records (the chaos soak's disk_full met a step's weight write)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(disk)], check=True)
+    try:
+        run = disk / "full"
+        proc = subprocess.Popen(_argv(model, disk, "full", "--set", "trainer.disk_wait_s=120"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_for_step(run, 1, proc)
+            filler = disk / "filler"
+            subprocess.run(["fallocate", "-l", str(shutil.disk_usage(disk).free - 128 * 1024), str(filler)],
+                           check=True)
+            time.sleep(10)
+            filler.unlink()
+            _, err = proc.communicate(timeout=900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, err[-3000:]
+        assert "No space left on device" in err, err[-3000:]
+        assert "skipped" in err or "waiting up to 120 s (trainer.disk_wait_s)" in err, err[-3000:]
+        _check_records(run)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_a_model_the_trainer_cannot_load_stops_the_run_at_once(model: Path, tmp_path: Path) -> None:
