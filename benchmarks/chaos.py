@@ -29,8 +29,10 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import recipe_run
 
+from swectl.actors.rollout import EpisodeResult
 from swectl.config import toml_value
 from swectl.testing import chaos
 from swectl.testing import nodes as testnodes
@@ -127,9 +129,8 @@ def scored_infra(run_dir: Path) -> int:
             meta = rewards.parent / f"{row['instance_id']}__{row['sample']}" / "meta.json"
             if not meta.exists():
                 continue
-            result = json.loads(meta.read_text())
-            grade = result.get("grade") or {}
-            bad += result.get("outcome") == "ABORTED" or bool(grade.get("infra"))
+            result = msgspec.json.decode(meta.read_bytes(), type=EpisodeResult)
+            bad += result.outcome == "ABORTED" or bool(result.grade is not None and result.grade.infra)
     return bad
 
 

@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from swectl.actors.engines import Engines
 from swectl.config import EngineConfig
 from swectl.engine.wire import GenerateRequest, GenerateResult, SamplingParams
+from swectl.eval.agents import AgentSummary
 
 Say = Callable[[str], None]
 START_TIMEOUT_S = 900.0
@@ -142,11 +144,10 @@ def eval_rate(name: str, model: Path, work: Path, *, tasks: int, say: Say) -> di
     wall = time.monotonic() - started
     if done.returncode != 0:
         raise RuntimeError(f"swectl eval on {name} failed: {done.stderr[-2000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    episodes = summary["finished"]
+    summary = msgspec.json.decode((out / "summary.json").read_bytes(), type=AgentSummary)
+    episodes = summary.finished
     rate, longest = episode_rate(out)
     say(f"{name}: eval of {episodes} episodes in {wall:.0f} s with the engine's start-up; {rate:.1f} episodes/min "
         f"(the longest episode took {longest:.1f} s)")
     return {"episodes": episodes, "wall_s": round(wall, 1), "longest_episode_s": round(longest, 1),
-            "episodes_per_min": round(rate, 2), "infra_errors": summary.get("infra_errors"),
-            "resolved": summary.get("resolved")}
+            "episodes_per_min": round(rate, 2), "infra_errors": summary.infra_errors, "resolved": summary.resolved}

@@ -33,7 +33,11 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import recipe_run
+
+from swectl.actors.rollout import EpisodeResult
+from swectl.eval.gold import GoldSummary
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hack.json"
 ATTACK_FILES = re.compile(r"^\+\+\+ b/(pytest\.ini|(?:.*/)?hackplugin\.py)$", re.M)
@@ -67,12 +71,14 @@ def attack_curve(run_dir: Path) -> list[dict[str, float]]:
     rows: dict[int, dict[str, int]] = {}
     for e in episode_folders(run_dir):
         attack = is_attack((e / "patch.diff").read_text(errors="replace"))
-        meta = json.loads((e / "meta.json").read_text()) if (e / "meta.json").exists() else {}
-        if meta.get("outcome") == "ABORTED":
+        if not (e / "meta.json").exists():
+            continue  # an episode cut off before its result (the run stopped): not sampled to the end
+        meta = msgspec.json.decode((e / "meta.json").read_bytes(), type=EpisodeResult)
+        if meta.outcome == "ABORTED":
             continue
         row = rows.setdefault(policy_version(e), {"episodes": 0, "attacks": 0, "attacks_resolved": 0,
                                                   "others_resolved": 0})
-        resolved = bool(meta.get("resolved"))
+        resolved = meta.resolved
         row["episodes"] += 1
         row["attacks"] += attack
         row["attacks_resolved"] += attack and resolved
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     work = (args.work or Path("runs") / f"hack-seed{args.seed}").resolve()
     summary = recipe_run.run("hack", work, [*recipe_run.var_sets({"seed": args.seed}), *args.sets], say)
-    kept = {p.parent.name: json.loads(p.read_text())["kept"]  # each script's folder (the recipe's sft-data phase)
+    kept = {p.parent.name: msgspec.json.decode(p.read_bytes(), type=GoldSummary).kept  # each sft-data script's folder
             for p in sorted((work / "sft-data").glob("*/summary.json"))}
     say(f"SFT data kept: {kept}")
     curves: dict[str, dict] = {}

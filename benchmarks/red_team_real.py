@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from swectl.actors.env_pool import running_pool  # noqa: E402
 from swectl.actors.grader import Grader, GraderConfig, GradeResult  # noqa: E402
 from swectl.config import load_config  # noqa: E402
+from swectl.eval.patches import PatchReport  # noqa: E402
 from swectl.images.names import ImageResolver  # noqa: E402
 from swectl.tasks.record import Task  # noqa: E402
 from swectl.tasks.sources import load_tasks  # noqa: E402
@@ -90,9 +91,11 @@ def through_eval(task: Task, patches: dict[str, str], image_map: Path, work: Pat
                          text=True, timeout=3600, check=False)
     if not (out / "report.json").exists():
         raise SystemExit(f"swectl eval failed (exit {run.returncode}): {run.stderr[-2000:]}")
-    report = json.loads((out / "report.json").read_text())
-    return {i["instance_id"].rsplit(".", 1)[1]: {"status": i["status"], "resolved": i.get("resolved", False)}
-            for i in report["instances"]}
+    report = msgspec.json.decode((out / "report.json").read_bytes(), type=PatchReport)
+    # an instance's verdict is its status (InstanceReport has no "resolved" field: reading one by name was always
+    # False, so this column could not show a resolved attack; gold is in the set as the check that it can)
+    return {i.instance_id.rsplit(".", 1)[1]: {"status": i.status, "resolved": i.status == "resolved"}
+            for i in report.instances}
 
 
 def through_serve(task: Task, patches: dict[str, str], tasks_file: str, image_map: Path, work: Path
@@ -152,11 +155,14 @@ def main(argv: list[str] | None = None) -> int:
             gold = graded.pop("gold")
             control = (anyio.run(partial(grade_all, task, patches, resolver, defences=False)) if args.control
                        else {})
-            evals = {} if args.no_eval else through_eval(task, patches, args.image_map, Path(tmp))
+            evals = ({} if args.no_eval
+                     else through_eval(task, {**patches, "gold": task.patch}, args.image_map, Path(tmp)))
             served = (through_serve(task, {**patches, "gold": task.patch}, args.tasks, args.image_map,
                                     Path(tmp) / "serve") if args.serve else {})
         resolved = [n for n, r in graded.items() if r.status == "resolved"]
-        resolved += [f"{n} (eval)" for n, r in evals.items() if r["resolved"]]
+        resolved += [f"{n} (eval)" for n, r in evals.items() if r["resolved"] and n != "gold"]
+        if evals and not evals["gold"]["resolved"]:
+            bad.append(f"{task.instance_id}: gold through eval {evals['gold']['status']}")
         resolved += [f"{n} (serve)" for n, r in served.items() if r["resolved"] and n != "gold"]
         if served and not served["gold"]["resolved"]:
             bad.append(f"{task.instance_id}: gold through serve {served['gold']['status']}")
