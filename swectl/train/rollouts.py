@@ -8,7 +8,6 @@ for people and tools, and is not read back here.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -62,6 +61,16 @@ def read_graded_episode(result: EpisodeResult) -> GradedEpisode:
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise TaskDataError(f"{path}: cannot read the episode back: {exc}") from exc
     return graded_episode(result, episode)
+
+
+class EvalStepSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """eval/step_N/summary.json: a held-out evaluation during training (its values are also in metrics.jsonl)."""
+
+    step: int
+    resolve_rate: float  # resolved / episodes, ABORTED ones left out
+    episodes: int  # scored (not ABORTED)
+    aborted: int
+    time_s: float
 
 
 class _TrajFile(msgspec.Struct):
@@ -172,7 +181,9 @@ class TrainRollouts:
         values = {"eval/resolve_rate": rate, "eval/episodes": float(len(scored)),
                   "eval/aborted": float(len(results) - len(scored)), "eval/time_s": time.monotonic() - t0}
         metrics.log(step, values)
-        (out / "summary.json").write_text(json.dumps({"step": step, **values}, indent=1))
+        summary = EvalStepSummary(step=step, resolve_rate=rate, episodes=len(scored),
+                                  aborted=len(results) - len(scored), time_s=values["eval/time_s"])
+        (out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary), indent=1))
         return rate
 
 
