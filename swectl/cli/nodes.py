@@ -15,14 +15,9 @@ from swectl.cli.common import config_args
 from swectl.config import ClusterConfig, SshNodeConfig, load_config
 from swectl.errors import InfraError
 from swectl.images.store import store_for
-from swectl.remote.nodes.backends import close_backends, make_backends
-from swectl.remote.nodes.docker_sandbox import DockerBackend
-from swectl.remote.nodes.namespace_sandbox import NamespaceBackend
-from swectl.remote.nodes.podman_sandbox import PodmanBackend
+from swectl.remote.nodes.backends import AnyBackend, close_backends, make_backends, namespace_probe
 from swectl.sandbox import LABEL_MANAGED
 from swectl.schema import NodeReport, SandboxSpec
-
-SandboxBackends = PodmanBackend | NamespaceBackend | DockerBackend
 
 LOW_DISK_GB = 10.0
 
@@ -129,7 +124,7 @@ async def _check_trainer_reach(config: ClusterConfig, reports: list[NodeReport],
 async def _check_one(
     config: ClusterConfig,
     node_config,
-    backend: SandboxBackends,
+    backend: AnyBackend,
     out: dict[str, NodeReport],
     timeout_s: float,
 ) -> None:
@@ -181,12 +176,12 @@ async def _check_one(
 
 
 async def _check_namespace_support(
-    config: ClusterConfig, backend: SandboxBackends, report: dict
+    config: ClusterConfig, backend: AnyBackend, report: dict
 ) -> None:
     """Whether the node could run namespace sandboxes, and why not (for every backend: it is a choice)."""
     await backend.node.connect()
     try:
-        support = await NamespaceBackend(backend.node, config.sandbox).check()
+        support = await namespace_probe(backend.node, config).check()
     except InfraError as exc:
         report["namespace"] = f"no: the check did not run ({exc})"
         return
@@ -199,7 +194,7 @@ async def _check_namespace_support(
         )
 
 
-async def _image_disk_gb(backend: SandboxBackends) -> float | None:
+async def _image_disk_gb(backend: AnyBackend) -> float | None:
     """What the node's images take (GB, each shared layer once); None when its store does not say."""
     store = store_for(backend, None)
     if store is None:

@@ -25,8 +25,10 @@ from typing import Protocol
 
 from swectl.errors import InfraError, NodeError
 from swectl.images.registry import Registry, normal_name
+from swectl.remote.nodes.backends import IMAGE_STORE_BACKENDS
 from swectl.remote.nodes.podman import ContainerCli, last_error_line, qualify_image
 from swectl.remote.nodes.pull_folders import in_own_folder
+from swectl.sandbox import SandboxBackend
 
 # podman's messages when the registry answered that it has no such image
 NOT_IN_REGISTRY = ("manifest unknown", "name unknown")
@@ -137,8 +139,7 @@ class NodeImageStore:
         return await self.cli.images_disk_bytes()
 
 
-def store_for(backend: object, registry: Registry | None) -> NodeImageStore | None:
+def store_for(backend: SandboxBackend, registry: Registry | None) -> NodeImageStore | None:
     """The image store of a sandbox backend: its node's podman store (the podman and namespace backends) or its
-    dockerd's (the docker backend); None for a backend without a container CLI."""
-    cli = getattr(backend, "cli", None)
-    return NodeImageStore(cli, registry) if isinstance(cli, ContainerCli) else None
+    dockerd's (the docker backend); None for a backend that keeps none (remote/nodes/backends.py says which do)."""
+    return NodeImageStore(backend.cli, registry) if isinstance(backend, IMAGE_STORE_BACKENDS) else None
