@@ -1,4 +1,4 @@
-"""Terminal coding agents run inside the task's sandbox, unmodified: Codex CLI and Claude Code (issue 59).
+"""Terminal coding agents run inside the task's sandbox, unmodified: Codex CLI and Claude Code.
 
 These CLIs run their tools (shell, file edits) where they run, so they run *in* the sandbox, in /testbed, and talk
 to swectl's gateway (actors/gateway.py) as their model endpoint. Per episode, ``CliAgent.run_episode``:

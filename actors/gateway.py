@@ -1,4 +1,4 @@
-"""The Gateway actor: a model endpoint for agent harnesses that run unmodified (issue 58), token-exact.
+"""The Gateway actor: a model endpoint for agent harnesses that run unmodified, token-exact.
 
 A harness is given a base URL and, per episode, a random secret as its API key (``open_session``): that key is the
 session. It speaks one of three APIs, and every turn takes the same path whichever it is:

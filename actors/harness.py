@@ -1,4 +1,4 @@
-"""An external agent harness, run unmodified for one episode at a time: mini-swe-agent v2 (issue 58).
+"""An external agent harness, run unmodified for one episode at a time: mini-swe-agent v2.
 
 For an episode, the Rollout leases the task's sandbox as for its own agent loop and hands it to
 ``MiniSweAgent.run_episode``, which:
@@ -94,7 +94,8 @@ def mini_env(home: Path) -> dict[str, str]:
 
 
 ZYGOTE = HARNESS_DIR / "mini_zygote.py"
-ZYGOTE_START_S = 600.0  # mini's imports, once (about 7 CPU-s; minutes on a loaded 2-core machine)
+# mini's imports, once: slow, and far slower on a loaded machine (docs/results.md, "Figures the code relies on")
+ZYGOTE_START_S = 600.0
 KILL_WAIT_S = 30.0  # a killed episode's process group, reaped at most this long
 
 
@@ -189,7 +190,7 @@ class MiniSweAgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float = 1800.0  # the whole episode at most
     overrides: list[str] = []  # more `-c KEY=VALUE` for it
     # each episode's mini forked from one warm interpreter (MiniZygote) instead of started anew: its imports cost
-    # about 7 CPU-s per episode otherwise
+    # seconds of CPU per episode otherwise (docs/results.md, "Figures the code relies on")
     prefork: bool = True
 
 

@@ -254,15 +254,14 @@ class TrainerConfig(_Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # torch.distributed backend: auto = nccl with GPUs, gloo on CPU
     threads_per_rank: Count = 1  # torch.set_num_threads in each rank (two ranks must not fight over 2 cores)
     # padded tokens per forward pass (micro-batches packed by this budget). On a GPU raise it as far as memory allows:
-    # a forward + backward has a large fixed cost (H200, Qwen3-0.6B shape, compiled: 8192 -> 32768 took a step of
-    # 64 samples of 4-8k tokens from 6.5 s to 5.0 s; 32768 peaked near 63 GiB there)
+    # a forward + backward has a large fixed cost (docs/results.md, "Figures the code relies on")
     micro_batch_tokens: Count = 8192
     # samples per forward pass at most. "auto": 1 on a CPU, where a right-padded row costs as much for its pads as for
-    # its tokens (tiny model, 8 SFT samples of 700-1,700 tokens: 1.70 s a step one by one, 2.65 s as one padded
-    # batch), and no limit on a GPU
+    # its tokens (docs/results.md, "Figures the code relies on"), and no limit on a GPU
     micro_batch_rows: Count | Literal["auto"] = "auto"
-    # torch.compile each decoder layer: fused norms, activations and rotary embeddings (H200, the same step: 11.7 s
-    # eager, 6.5 s compiled); a first step of each new shape compiles for about 10 s. "auto": on a GPU, not on the CPU
+    # torch.compile each decoder layer: fused norms, activations and rotary embeddings, for a faster step on a GPU; the
+    # first step of each new shape pays for compiling it (docs/results.md, "Figures the code relies on"). "auto": on a
+    # GPU, not on the CPU
     compile: Literal["auto", "on", "off"] = "auto"
     rdzv_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0 = a free port on the first node
     start_timeout_s: Positive = 600.0  # until every rank has loaded the model
@@ -435,7 +434,7 @@ def _moved(section: str, keys: tuple[str, ...] | list[str]) -> dict[str, str]:
     return {f"train.{key}": f"{section}.{key}" for key in keys}
 
 
-# The keys of the flat [train] section before it was split by consumer (issue 38), and where each went.
+# The keys of the flat [train] section before it was split by consumer, and where each went.
 MOVED_KEYS: dict[str, str] = {
     **_moved("train.data", ("tasks", "test_fraction", "split_seed", "sft_data", "sft_steps", "sft_strict",
                             "sft_batch_size")),
@@ -448,7 +447,7 @@ MOVED_KEYS: dict[str, str] = {
     **_moved("experiment", [f for f in ExperimentConfig.__struct_fields__ if f != "reward_hacking"]),
     "train.resolved_reward": "reward.resolved",
     "train.unresolved_reward": "reward.unresolved",
-    # what the product does moved out of [experiment] (issue 57): the loss masks and the SFT data choice
+    # what the product does moved out of [experiment]: the loss masks and the SFT data choice
     **{f"{old}.{key}": f"train.loss.{key}" for key in ("mask_truncated", "mask_truncated_endings", "mask_format_errors")
        for old in ("train", "experiment")},
     **{f"{old}.sft_resolved_only": "train.data.sft_resolved_only" for old in ("train", "experiment")},

@@ -2,8 +2,8 @@
 this machine, synchronously (``run_local_podman``), for image builds and the official harness.
 ``ContainerCli`` holds what the podman and docker CLIs share (remote/nodes/docker_sandbox.py has DockerCli).
 
-We drive the CLI rather than podman-py: measured on these machines a ``podman exec`` process costs
-23-140 ms and podman-py's ``exec_run`` 80 ms, and the hot path (commands in a sandbox) goes through our
+We drive the CLI rather than podman-py: podman-py's ``exec_run`` is not clearly cheaper than a ``podman exec``
+process (docs/results.md, "Figures the code relies on"), and the hot path (commands in a sandbox) goes through our
 exec agent anyway. The CLI needs no API service per node and works identically over SSH; lifecycle
 calls (``podman run``, ``podman rm``) cost one process either way.
 

@@ -2,8 +2,9 @@
 
 ``PodmanApi`` is a PodmanCli whose lifecycle calls (create, list, remove, images, version, free disk) go to
 ``podman system service`` instead of spawning a ``podman`` process each: a spawn blocks the controller's event
-loop about 1.2 ms and pays a Go start-up. Commands in a sandbox do not change: the exec agent still starts
-through one ``podman exec -i`` (``argv``), and the no-python path keeps its ``podman exec`` per command.
+loop (docs/results.md, "Figures the code relies on") and pays a Go start-up. Commands in a sandbox do not change:
+the exec agent still starts through one ``podman exec -i`` (``argv``), and the no-python path keeps its ``podman
+exec`` per command.
 
 The service: ``podman system service --time=0 unix://SOCK`` with swectl's containers.conf (CONTAINERS_CONF, as
 PodmanCli passes it), started on the node by the first backend that finds none answering at SOCK, detached

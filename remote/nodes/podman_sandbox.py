@@ -7,8 +7,8 @@ The agent listens on a unix socket in the container's own /dev/shm, started by o
 controller connects through the container's root as the node sees it (``/proc/PID/root``, the pid from podman's
 pidfile; over SSH a forwarded stream), and the agent removes the socket once connected. Nothing runs between
 them. Where the node refuses that (a non-root SSH user, an engine without a pidfile: Docker), the agent speaks
-through one long-lived ``podman exec -i`` instead, a relay process that costs about 3 ms of CPU per second while
-idle (0.7 of a core for 256 idle sandboxes, measured here). Images without python3 fall back to one
+through one long-lived ``podman exec -i`` instead, a relay process that costs CPU even while idle, which adds up
+over many sandboxes (docs/results.md, "Figures the code relies on"). Images without python3 fall back to one
 ``podman exec ... timeout -k`` per command. Timeouts always kill inside the sandbox; the controller's
 own wait is ``timeout + exec_grace_s`` and, when it expires, the sandbox is declared lost.
 

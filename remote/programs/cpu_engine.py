@@ -141,8 +141,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                   log=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"loaded {args.model} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     sock = socket.create_server((args.host, args.port))
-    # Accepted connections inherit it: without it a keep-alive client waits ~40 ms per response for the
-    # delayed ACK of the response's first segment (Nagle), as uvicorn writes headers and body apart.
+    # Accepted connections inherit it: without it a keep-alive client waits on every response for the delayed ACK
+    # of the response's first segment (Nagle), as uvicorn writes headers and body apart (docs/results.md, "Figures
+    # the code relies on").
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     anyio.run(serve, args, model, sock, backend="asyncio")
 

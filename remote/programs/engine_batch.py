@@ -336,8 +336,8 @@ def _truncate(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
     """One token per row of ``probs`` (``[rows, vocab]``, unnormalised, each row with some mass), drawn with that
     row's generator: the first token whose running sum passes a uniform draw times the row's total. One uniform per
-    row and one batched search (``torch.multinomial`` took 0.25 ms a row on an 8k vocabulary, a tenth of the
-    engine's time at 8 rows)."""
+    row and one batched search: ``torch.multinomial``, one call a row, took a noticeable share of the engine's time
+    (docs/results.md, "Figures the code relies on")."""
     cdf = probs.double().cumsum(dim=-1)
     uniform = torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in generators])
     found = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)

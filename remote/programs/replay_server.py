@@ -93,8 +93,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
     replayer = Replayer(json.loads(args.replies.read_text()), tok, args.eos, args.weight_version)
     sock = socket.create_server((args.host, args.port))
-    # Accepted connections inherit it: without it a keep-alive client waits ~40 ms per response for the
-    # delayed ACK of the response's first segment (Nagle), as uvicorn writes headers and body apart.
+    # Accepted connections inherit it: without it a keep-alive client waits on every response for the delayed ACK
+    # of the response's first segment (Nagle), as uvicorn writes headers and body apart (docs/results.md, "Figures
+    # the code relies on").
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     server = uvicorn.Server(uvicorn.Config(build_app(replayer), log_level="warning", access_log=False,
                                            lifespan="off"))

@@ -154,7 +154,7 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as exc:
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}"
                           + (" (another swectl serve? pick --port)" if exc.errno == 98 else "")) from exc
-    # Accepted connections inherit it: without it a keep-alive client waits ~40 ms per answer (Nagle against the
-    # delayed ACK: uvicorn writes an answer's headers and body apart).
+    # Accepted connections inherit it: without it a keep-alive client waits on every answer (Nagle against the
+    # delayed ACK: uvicorn writes an answer's headers and body apart; docs/results.md, "Figures the code relies on").
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock

@@ -28,8 +28,8 @@ async def serve_http(app: Starlette, sock: socket.socket, *,
                      task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` on ``sock`` until cancelled; then stop accepting, give running requests
     GRACEFUL_SHUTDOWN_S, and return (the listening socket is closed). A TCP socket gets TCP_NODELAY, which its
-    connections inherit: without it a response written in two parts waited for the client's delayed ACK (44 ms a
-    request against 1.0 ms with it, measured on loopback with httpx; docs/results.md, 2026-12-02 gateway entry)."""
+    connections inherit: without it a response written in two parts waited for the client's delayed ACK on every
+    request (docs/results.md, "Figures the code relies on")."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     server = _Server(uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning",

@@ -70,7 +70,8 @@ async def sync_from_controller(targets: Sequence[SyncTarget], images: Sequence[s
     """Make every image of ``images`` present on every target, sent from the controller (see the module docstring).
     RegistryError when the controller's registry cannot start (its binary missing: the message names the package).
     ``client``: how the controller reads the registry's manifests (tests give a scripted one). ``overlap=False``:
-    every push first, then the pulls (as before 2026-11-29: the bench's baseline)."""
+    every push first, then the pulls (the order before the overlap, kept as the bench's baseline; docs/results.md,
+    "Figures the code relies on")."""
     options = options or SyncOptions()
     start = time.monotonic()
     wanted = list(dict.fromkeys(normal_name(i) for i in images))

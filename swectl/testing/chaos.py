@@ -1,4 +1,4 @@
-"""Fault injection for a running `swectl up` on this machine (issue 62): find the processes of a run by their
+"""Fault injection for a running `swectl up` on this machine: find the processes of a run by their
 command lines under the controller's pid, break one the way a long run meets it, and count what a run left behind.
 
 Faults (``FAULTS``), each a function of a ``Run`` that returns what it did (or raises ``NoTarget`` when the run

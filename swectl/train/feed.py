@@ -106,8 +106,7 @@ class GroupFeed:
     def _forced_step_due(self) -> bool:
         """A step with less than a batch is due (drop_cap groups dropped) but waits for running groups: no new group
         starts until it is taken. Without this the feed kept the pipeline full of groups at the old version, each
-        dropped in turn, and the step never came (the SSH chaos soak's weak policy, 2026-12-02: 100 groups in 12
-        minutes and no step, one informative group buffered)."""
+        dropped in turn, and with a weak policy the step never came (docs/results.md, "The SSH-node chaos soak")."""
         return len(self._dropped) >= self._drop_cap and bool(self._buffered) and bool(self._admission.blocking())
 
     def _may_step(self) -> bool:

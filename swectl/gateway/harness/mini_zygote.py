@@ -1,7 +1,7 @@
 """mini-swe-agent's `mini` command, started by fork from one warm interpreter instead of a fresh process per episode.
 
-Importing mini and litellm costs about 7 CPU-seconds on the project's 2-core machines (measured: 6.2-7.1 s user),
-paid by every episode when each runs ``mini`` anew, and more than the episode itself for short ones. This program
+Importing mini and litellm costs seconds of CPU (docs/results.md, "Figures the code relies on"), paid by every
+episode when each runs ``mini`` anew, and more than the episode itself for short ones. This program
 runs in the harness's own interpreter (.venv-harness: the standard library and mini alone), imports mini's entry
 point once, and for each request forks a child that runs mini's own ``app`` (the same typer app the ``mini`` console
 script calls, unmodified) with the request's arguments, environment and working folder. The child starts its own
