@@ -59,3 +59,20 @@ def test_prune_keeps_the_newest_and_protected_weights(tmp_path: Path) -> None:
     prune_weights(tmp_path, 2, {"step_000001"})
     left = sorted(p.name for p in (tmp_path / "weights").iterdir())
     assert left == ["step_000001", "step_000004", "step_000005"]
+
+
+def test_a_redone_group_gets_a_fresh_folder_and_the_abandoned_one_is_kept_aside(tmp_path: Path) -> None:
+    """After a restart or resume the feed draws its groups under the same names again: the abandoned attempt's
+    folder (its episodes and rewards.jsonl) moves to abandoned/, so the redo's rewards never sit beside it."""
+    from swectl.train.rollouts import fresh_folder
+
+    group = tmp_path / "episodes" / "group_000186"
+    (group / "task__0").mkdir(parents=True)
+    (group / "rewards.jsonl").write_text('{"instance_id": "task", "sample": 0, "reward": 1.0}\n')
+    assert fresh_folder(tmp_path, group) == group and not group.exists()
+    kept = tmp_path / "abandoned" / "episodes" / "group_000186.1"
+    assert (kept / "rewards.jsonl").read_text().startswith('{"instance_id": "task"') and (kept / "task__0").is_dir()
+    group.mkdir()
+    fresh_folder(tmp_path, group)
+    assert (tmp_path / "abandoned" / "episodes" / "group_000186.2").is_dir() and kept.is_dir()
+    assert fresh_folder(tmp_path, tmp_path / "episodes" / "group_000187") == tmp_path / "episodes" / "group_000187"

@@ -84,6 +84,7 @@ class Controller:
         self.restarts = 0  # trainer restarts in a row, with no step trained between them
         self._restarted_at = -1  # the step the last restart went on from
         self._trainer_was_ready = False
+        self._trainer_ever_ready = False  # it came up once in this process: a later start that fails is a fault
         self._weight_group = ""  # the distributed sync's group name; "" = weights go by disk
         self._buckets: list[list[ParamSpec]] = []
         self._checkpoint_path = ""  # the trainer state to start the ranks from ("" = the model folder)
@@ -100,7 +101,9 @@ class Controller:
                 return self.state
             except* (TrainerLostError, TrainerNoSpaceError) as group:
                 error = _first_leaf(group)
-                if not self._trainer_was_ready:  # it never came up (no torch, a model it cannot load): no retry
+                # it never came up (no torch, a model it cannot load): no retry. One that came up before and died
+                # while starting again (killed during a restart: the chaos soak) is a fault like any other
+                if not self._trainer_was_ready and not self._trainer_ever_ready:
                     raise error from None
                 if self.state.step > self._restarted_at:  # steps were trained since the last restart: a new fault
                     self.restarts = 0
@@ -164,7 +167,7 @@ class Controller:
             self.say(f"starting {rl.describe() + ' and ' if rl else ''}the trainer ({_ranks(cfg, thosts)})")
             self._trainer_was_ready = False
             ready = await self._start_services(tg, trainer, rl)
-            self._trainer_was_ready = True
+            self._trainer_was_ready = self._trainer_ever_ready = True
             self.say(f"trainer ready: {ready.world_size} ranks on {ready.device}, {ready.parameters:,} parameters")
             self._weight_group = ""
             if rl is not None:
@@ -324,7 +327,7 @@ class Controller:
         limiter = anyio.CapacityLimiter(t.concurrency)
 
         async def run_group(task: Task, draw: int) -> tuple[Group | None, list[EpisodeResult]]:
-            out = self.run_dir / "episodes" / f"group_{draw:06d}"
+            out = rollouts.fresh(self.run_dir / "episodes" / f"group_{draw:06d}")
             rollout = rollouts.rollout(grader, f"g{draw}", out, limiter=limiter)
             results: list[EpisodeResult] = []
             group = await rollouts.group(rollout, task, results)

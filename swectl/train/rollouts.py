@@ -82,6 +82,22 @@ def _weight_version(versions: list[str]) -> int:
     return min(numbers) if numbers else 0
 
 
+ABANDONED_DIR = "abandoned"  # episode folders of attempts a restart or resume gave up, kept for a look
+
+
+def fresh_folder(run_dir: Path, out: Path) -> Path:
+    """``out`` (under ``run_dir``), not there: what is there is moved to run_dir/abandoned/<parent>/<name>.<n>."""
+    if not out.exists():
+        return out
+    aside = run_dir / ABANDONED_DIR / out.parent.name
+    aside.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while (aside / f"{out.name}.{n}").exists():
+        n += 1
+    out.rename(aside / f"{out.name}.{n}")
+    return out
+
+
 class TrainRollouts:
     """The run's rollouts on its env pool and engines: training groups (``group``), their scores (``score``) and
     the held-out evaluations (``evaluate``). ``tokenizer`` is the policy's; ``judge`` the process-reward judge."""
@@ -97,6 +113,14 @@ class TrainRollouts:
         self._harness = harness  # [agent] harness: it runs the episodes, its turns through the gateway
         # rollout.agent_config read once: a YAML file edited during the run does not change its prompts halfway
         self._templates = agent_templates(config.rollout.agent_config)
+
+    def fresh(self, out: Path) -> Path:
+        """``out``, not there yet: a folder of that name was left by an attempt that a trainer restart or a resume
+        abandoned (the redo draws its groups under the same names) and is moved to
+        abandoned/<parent>/<name>.<n> first. Else the redo's episodes overwrite the abandoned attempt's in place and
+        its rewards.jsonl keeps their rewards beside them: the chaos soak found rewards recorded for episodes that
+        were ABORTED (the redo's, the trainer never saw them scored)."""
+        return fresh_folder(self.run_dir, out)
 
     def grader(self, out: Path) -> Grader:
         """The Grader of one step's rollouts or an evaluation (its own verdicts to reuse, its logs under ``out``)."""
@@ -167,7 +191,7 @@ class TrainRollouts:
     async def evaluate(self, tasks: list[Task], metrics: Metrics, step: int) -> float:
         """The held-out evaluation after ``step``: ``eval_samples`` episodes per task, logged and summarised in
         eval/step_N/summary.json; returns the resolve rate."""
-        out = self.run_dir / "eval" / step_name(step)
+        out = self.fresh(self.run_dir / "eval" / step_name(step))
         t = self._config.train
         grader = self.grader(out)
         rollout = Rollout(RolloutConfig(concurrency=t.concurrency, samples_per_task=t.eval_samples,

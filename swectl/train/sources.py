@@ -119,7 +119,7 @@ class GroupSource:
         tasks_seen: list[str] = []
         dropped = {"uninformative": 0, "aborted": 0}
         rounds = 0
-        out = self._rollouts.run_dir / "episodes" / step_name(step)
+        out = self._rollouts.fresh(self._rollouts.run_dir / "episodes" / step_name(step))
         grader = self._rollouts.grader(out)
         rollout = self._rollouts.rollout(grader, str(step), out)
 

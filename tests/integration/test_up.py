@@ -78,6 +78,7 @@ def _check_records(run: Path) -> None:
         rewarded = _lines(folder / "rewards.jsonl")
         assert {r["instance_id"] for r in rewarded} == set(record["groups"])
         assert all((folder / f"{r['instance_id']}__{r['sample']}").is_dir() for r in rewarded)
+    _check_rewards(run)
 
 
 def test_sigkill_of_the_controller_then_resume_repeats_and_skips_nothing(model: Path, tmp_path: Path) -> None:
@@ -105,6 +106,18 @@ def test_sigkill_of_the_controller_then_resume_repeats_and_skips_nothing(model: 
     _check_records(run)
 
 
+def _check_rewards(run: Path) -> None:
+    """Each rewards.jsonl row names an episode once, and that episode finished and was graded: a group redone after
+    a restart or resume gets a fresh folder (the abandoned attempt's moves to abandoned/), so no row of the
+    abandoned attempt sits beside the redo's episodes, which may have been ABORTED."""
+    for rewards in (run / "episodes").glob("*/rewards.jsonl"):
+        rows = [(r["instance_id"], r["sample"]) for r in _lines(rewards)]
+        assert len(rows) == len(set(rows)), f"{rewards}: an episode rewarded twice: {rows}"
+        for instance_id, sample in rows:
+            meta = json.loads((rewards.parent / f"{instance_id}__{sample}" / "meta.json").read_text())
+            assert meta["outcome"] != "ABORTED" and not (meta.get("grade") or {}).get("infra"), (rewards, meta)
+
+
 def _check_async_records(run: Path, n_steps: int = STEPS) -> None:
     """An async run's records: every step once, each task drawn either recorded in one step or pending (in flight
     at the end), never twice; the draws in the data source's order; no group staler than max_staleness 1."""
@@ -121,6 +134,7 @@ def _check_async_records(run: Path, n_steps: int = STEPS) -> None:
     metrics = [r for r in _lines(run / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in metrics] == list(range(1, n_steps + 1))
     assert all(r["staleness_max"] <= 1 for r in metrics)
+    _check_rewards(run)
 
 
 def _check_records_under_faults(run: Path, n_steps: int) -> None:
@@ -132,6 +146,7 @@ def _check_records_under_faults(run: Path, n_steps: int) -> None:
     assert all(len(r["groups"]) == TASKS_PER_STEP and set(r["groups"]) <= set(r["tasks"]) for r in steps), steps
     metrics = [r for r in _lines(run / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in metrics] == list(range(1, n_steps + 1))
+    _check_rewards(run)
 
 
 def test_async_run_killed_then_resumed_trains_every_task_once(model: Path, tmp_path: Path) -> None:
