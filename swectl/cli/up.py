@@ -54,6 +54,7 @@ outputs of one training run (in <out_dir>/<run_id>/, or the --resume folder):
   checkpoints/                  every train.save_every steps: model, optimizer, data cursor (resume from it)
   weights/step_N/               the Hugging Face folder the engines were given after step N
   episodes/step_N/, eval/       per-episode artifacts (traj.json, patch.diff, meta.json) and evaluations
+  abandoned/                    folders of groups a restart or resume redid (the abandoned attempt's)
   trainer0.log, engine-logs/    the workers' output
 Plot the curves with `swectl plot RUN_DIR`; go on after a stop with `swectl up [FILE] --resume RUN_DIR`.
 """
