@@ -77,6 +77,67 @@ async def test_mini_swe_agent_runs_unmodified_through_the_gateway(model: Path, t
         assert record.stats.branches == calls - 1 and record.stats.drift_tokens > 0
 
 
+async def test_an_engine_killed_between_turns_is_waited_out_and_nothing_untrue_is_recorded(model: Path,
+                                                                                           tmp_path: Path) -> None:
+    """mini-swe-agent, unmodified, through the gateway while its engine server is SIGKILLed after the first turn:
+    the supervisor restarts it, the next turn meets the outage (the gateway answers 503, as an infrastructure failure;
+    seen here: 3 of them) and mini's own retry asks the same request again until the new server answers, and mini
+    ends as it would have. Every recorded token came from the engine
+    (each trained branch checks out), and nothing reached the harness from the dead server."""
+    import os
+    import signal
+
+    from swectl.testing import chaos
+
+    mini = _mini()
+    engines = Engines(EngineConfig(health_interval_s=1.0, start_timeout_s=120), model=str(model), log_dir=tmp_path)
+    gateway = Gateway(GatewayConfig(max_tokens=32), engines.route, load_tokenizer(str(model), "model"))
+    work = tmp_path / "work"
+    work.mkdir()
+    traj = tmp_path / "mini.traj.json"
+    async with anyio.create_task_group() as tg:
+        with anyio.fail_after(120):
+            await tg.start(engines.run)
+            await tg.start(gateway.run)
+        first = chaos.Run(controller=os.getpid(), run_dir=tmp_path).engine_server()
+        key = gateway.open_session("mini#0")
+        env = {**mini_env(tmp_path / "cfg"), "OPENAI_API_KEY": "", "HTTP_PROXY": "", "HTTPS_PROXY": ""}
+        argv = [str(mini), "-c", "swebench.yaml", "-c", "environment.environment_class=local",
+                "-c", f"environment.cwd={work}", "-c", f"model.model_kwargs.api_base={gateway.url}",
+                "-c", f"model.model_kwargs.api_key={key}", "-c", "model.cost_tracking=ignore_errors",
+                "-c", "agent.step_limit=6", "-m", "openai/swectl-policy", "-t", "print hello", "-y",
+                "--exit-immediately", "-o", str(traj)]
+        done: dict[str, object] = {}
+        ended = anyio.Event()
+
+        async def run_mini() -> None:
+            done["process"] = await anyio.run_process(argv, env=env, cwd=tmp_path, check=False)
+            ended.set()
+
+        tg.start_soon(run_mini)
+        with anyio.fail_after(120):  # mini saves its trajectory after each step: the first turn is answered
+            while not traj.exists() and not ended.is_set():  # noqa: ASYNC110 (a file mini writes)
+                await anyio.sleep(0.05)
+        os.kill(first, signal.SIGKILL)
+        with anyio.fail_after(420):
+            await ended.wait()
+        process = done["process"]
+        output = (process.stdout + process.stderr).decode(errors="replace")  # type: ignore[attr-defined]
+        assert process.returncode == 0, output[-3000:]  # type: ignore[attr-defined]
+        record = gateway.end_session(key)
+        second = chaos.Run(controller=os.getpid(), run_dir=tmp_path).engine_server()
+        stats = gateway.statistics()
+        tg.cancel_scope.cancel()
+    # the dead server met a turn: the gateway said 503 (engine_unavailable), mini's own retry asked again
+    assert stats.engine_failures >= 1 and stats.requests > record.stats.turns, (stats, record.stats)
+    assert second != first  # the server was restarted, and the later turns were answered by the new one
+    info = json.loads(traj.read_text())["info"]
+    assert info["exit_status"] in ("RepeatedFormatError", "LimitsExceeded"), info["exit_status"]
+    assert record.stats.turns >= 2, record.stats  # a turn was sampled after the restart
+    for branch in record.ledger.trained_branches():
+        branch.check()
+
+
 async def test_mini_swe_agent_drives_a_swectl_sandbox_and_submits(model: Path, tmp_path: Path) -> None:
     """Its environment class by dotted path (swectl/gateway/harness/swectl_mini.py): the commands of a scripted
     policy's tool calls run in a real swectl sandbox through the gateway (/swectl/v1/exec, the episode's key), what
