@@ -514,8 +514,11 @@ _SECTIONS: tuple[type[msgspec.Struct], ...] = (
 )
 
 
-def load_config(path: str | os.PathLike[str] | None, overrides: list[str] = ()) -> ClusterConfig:
-    """Read, override, decode and check a cluster config. ``None`` gives the embedded default."""
+def load_config(path: str | os.PathLike[str] | None, overrides: list[str] = (),
+                overlay: dict[str, Any] | None = None) -> ClusterConfig:
+    """Read, override, decode and check a cluster config. ``None`` gives the embedded default. ``overlay`` (a
+    recipe phase's config as values: tables merged key by key, other values replacing) goes on the file before the
+    ``--set`` overrides, so those win."""
     if path is None:
         document: dict[str, Any] = {}
         source = "<embedded default>"
@@ -531,12 +534,23 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] = ()) 
             document = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
+    if overlay:
+        document = merge_tables(document, overlay)
     if overrides and "nodes" not in document:
         # `--set nodes.0.x=...` must reach the default node, so write the default list out first.
         document["nodes"] = msgspec.to_builtins(ClusterConfig().nodes)
     for override in overrides:
         apply_override(document, override)
     return decode_config(document, source)
+
+
+def merge_tables(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Overlay ``b`` on ``a``: tables merged key by key, any other value of ``b`` winning."""
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = (merge_tables(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict)
+                    else value)
+    return out
 
 
 def decode_config(document: dict[str, Any], source: str = "<config>") -> ClusterConfig:

@@ -18,7 +18,6 @@ from swectl import logs
 from swectl.cli import up
 from swectl.cli.main import main
 from swectl.cli.phases import check, run_recipe
-from swectl.config import load_config
 from swectl.errors import ConfigError
 from swectl.train import recipe as recipes
 
@@ -27,7 +26,7 @@ RUN = Path("/runs/r")
 
 def _phase_config(recipe: recipes.Recipe, name: str):
     command = check(recipe, RUN, [])[name]
-    return load_config(None, command.config_sets)
+    return command.config(None)
 
 
 SUITE_RECIPES = sorted([*Path("benchmarks/recipes").glob("*.toml"), *Path("experiments/recipes").glob("*.toml")])
@@ -345,3 +344,26 @@ def test_a_gain_between_readings_of_one_seed_is_paired_episode_by_episode(tmp_pa
     assert paired_noise_points(before, other_seed) is None  # other random numbers: not paired
     aborted = _reading(tmp_path / "d", 0, [True, True, True, False, True, False, True, True], aborted=(3,))
     assert paired_noise_points(before, aborted) is None  # an episode missing from one side
+
+
+def test_a_train_phases_logged_command_gives_the_config_its_driver_gets() -> None:
+    """A train phase's driver gets the recipe's overlay as values; the `swectl up ... --set` line the run logs for
+    it must give the same config, so a user who copies that line trains the same run."""
+    from swectl.cli.common import load_run_config
+    from swectl.config import resolved_json
+
+    paths = [*sorted(recipes.RECIPES_DIR.glob("*.toml")), *SUITE_RECIPES]
+    compared = 0
+    for path in paths:
+        recipe = recipes.load(str(path), {})
+        commands = check(recipe, RUN, ["rollout.step_limit=5"])
+        for phase in recipe.file.phase:
+            if phase.kind != "train":
+                continue
+            argv = commands[phase.name].argv
+            shown = [argv[i + 1] for i, flag in enumerate(argv) if flag == "--set"]
+            assert shown[-1] == "rollout.step_limit=5"  # the user's sets come last: they win
+            from_line = load_run_config(recipe.file.base or None, shown)
+            assert resolved_json(from_line) == resolved_json(commands[phase.name].config(recipe.file.base or None))
+            compared += 1
+    assert compared >= 5

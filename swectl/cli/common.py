@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swectl import logs
 from swectl.errors import ConfigError, TaskDataError
@@ -77,13 +77,14 @@ def config_args(parser: argparse.ArgumentParser, *, required: bool = False) -> N
     )
 
 
-def load_run_config(path: str | Path | None, overrides: list[str]) -> ClusterConfig:
+def load_run_config(path: str | Path | None, overrides: list[str],
+                    overlay: dict[str, Any] | None = None) -> ClusterConfig:
     """The config of a command that runs episodes: `load_config`, then the files it names that the config layer
     does not read (rollout.agent_config's templates), so a wrong one stops the command before any work starts."""
     from swectl.agent.protocol import agent_templates
     from swectl.config import load_config
 
-    config = load_config(path, overrides)
+    config = load_config(path, overrides, overlay)
     agent_templates(config.rollout.agent_config)
     return config
 

@@ -25,7 +25,7 @@ import anyio
 import msgspec
 
 from swectl import logs
-from swectl.config import override_text
+from swectl.config import ClusterConfig, override_text
 from swectl.errors import ConfigError, SwectlError
 from swectl.train.recipe import (
     LOG_FILE,
@@ -57,12 +57,21 @@ POSITIONAL = {"plot": ("run_dir",)}  # phase args that are the command's positio
 
 
 class PhaseCommand(msgspec.Struct, frozen=True, kw_only=True):
-    """A phase as a swectl command: its command line (also what the phase runs: parsed by swectl's own parser), and
-    for a train phase the config overrides its driver is given."""
+    """A phase as a swectl command: its command line (what a model, data, eval or plot phase runs: parsed by
+    swectl's own parser; for a train phase only what the log shows), and for a train phase the config its driver
+    is given as values: the recipe's overlay (with out_dir and run_id), then the user's ``--set``s."""
 
     argv: list[str]
-    config_sets: list[str] = []  # KEY=VALUE
+    overlay: dict[str, Any] = {}
+    user_sets: list[str] = []  # KEY=VALUE
     size: float = 1.0
+
+    def config(self, base: str | None) -> ClusterConfig:
+        """A train phase's config (the recipe's base file or the embedded default, then its overlay, then the
+        user's sets), checked as `swectl up` checks one."""
+        from swectl.cli.common import load_run_config
+
+        return load_run_config(base, self.user_sets, self.overlay)
 
 
 def command_of(recipe: Recipe, phase: Phase, run_dir: Path, names: dict[str, Any], user_sets: list[str]
@@ -85,11 +94,11 @@ def command_of(recipe: Recipe, phase: Phase, run_dir: Path, names: dict[str, Any
             positional = [str(args.pop(key)) for key in POSITIONAL["plot"] if key in args]
             argv = ["plot", *positional, *arg_flags(args)]
         case "train":
-            where = [override_text("out_dir", str(folder.parent)), override_text("run_id", folder.name)]
-            config_sets = [*where, *(override_text(k, v) for k, v in leaves(document)), *user_sets]
+            placed = {"out_dir": str(folder.parent), "run_id": folder.name, **document}
+            shown = [*(override_text(k, v) for k, v in leaves(placed)), *user_sets]  # the equivalent command
             base = [recipe.file.base] if recipe.file.base else ["--recipe", "train"]
-            argv = ["up", *base, *[x for s in config_sets for x in ("--set", s)]]
-            return PhaseCommand(argv=argv, config_sets=config_sets, size=size(document))
+            argv = ["up", *base, *[x for s in shown for x in ("--set", s)]]
+            return PhaseCommand(argv=argv, overlay=placed, user_sets=list(user_sets), size=size(document))
     return PhaseCommand(argv=argv, size=size({**document, "rollout": {**document.get("rollout", {}),
                                                                        **_samples(args)}}))
 
@@ -119,7 +128,7 @@ def check(recipe: Recipe, run_dir: Path, user_sets: list[str]) -> dict[str, Phas
     for phase in recipe.file.phase:
         command = command_of(recipe, phase, run_dir, names_for(recipe, run_dir, {}, phase), user_sets)
         if phase.kind == "train":
-            load_run_config(base, command.config_sets)
+            command.config(base)
         else:
             args = _parse(command.argv)
             if phase.kind in ("data", "eval"):
@@ -278,14 +287,13 @@ async def _run_phase(recipe: Recipe, phase: Phase, command: PhaseCommand, run_di
 
 async def _drive(recipe: Recipe, phase: Phase, command: PhaseCommand, folder: Path, resume: bool, log: Say) -> int:
     """The phase awaited by the driver its command calls, in a run-files scope of its own."""
-    from swectl.cli.common import load_run_config, say
+    from swectl.cli.common import say
 
     with logs.run_files_scope():
         if phase.kind == "train":
             from swectl.cli.up import train
 
-            config = load_run_config(recipe.file.base or None, command.config_sets)
-            await train(config, folder, resume=resume, say=say)
+            await train(command.config(recipe.file.base or None), folder, resume=resume, say=say)
             return 0
         args = _parse(command.argv)
         if phase.kind == "eval":

@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from swectl.config import merge_tables as merge
 from swectl.config import toml_value
 from swectl.errors import ConfigError, SwectlError
 
@@ -467,14 +468,6 @@ def names_for(recipe: Recipe, run_dir: Path, records: dict[str, PhaseRecord], ph
 def overlay(recipe: Recipe, phase: Phase, names: dict[str, Any]) -> dict[str, Any]:
     """The phase's config overlay: the recipe's [config] with the phase's own on top, templates filled."""
     return merge(fill(recipe.file.config, names, "config"), fill(phase.config, names, f"{phase.name}.config"))
-
-
-def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Overlay ``b`` on ``a``: tables merged key by key, any other value of ``b`` winning."""
-    out = dict(a)
-    for key, value in b.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 def leaves(document: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
