@@ -199,31 +199,49 @@ def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint(model: Path, tm
     _check_records(run)
 
 
+def _fill(disk: Path, leave: int) -> Path:
+    """A file that takes all but about ``leave`` bytes of ``disk`` while the run writes there too: the free space
+    read, then taken; a run's write in between makes fallocate fail, so it reads again (bounded)."""
+    filler = disk / "filler"
+    for _ in range(20):
+        size = shutil.disk_usage(disk).free - leave
+        if subprocess.run(["fallocate", "-l", str(max(size, 0)), str(filler)], capture_output=True).returncode == 0:
+            return filler
+        filler.unlink(missing_ok=True)
+        time.sleep(0.1)
+    pytest.fail(f"could not fill {disk}")
+
+
 def test_a_full_disk_during_a_step_is_waited_out_and_the_run_goes_on(model: Path, tmp_path: Path) -> None:
     """The run folder's own file system filled (128 KiB left: a step's weights or a checkpoint does not fit) after
-    step 1, emptied 10 s later: the checkpoint is skipped or the step waits for room and restarts from the last
-    checkpoint, and the run finishes with whole records (the chaos soak's disk_full met a step's weight write)."""
+    step 1, and emptied once the run said it met the full disk: the checkpoint is skipped or the step waits for room
+    and restarts from the last checkpoint, and the run finishes with whole records (the chaos soak's disk_full met
+    a step's weight write and ended the run)."""
     disk = tmp_path / "disk"
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(disk)], check=True)
+    log = tmp_path / "stderr.log"  # off the full disk
     try:
         run = disk / "full"
-        proc = subprocess.Popen(_argv(model, disk, "full", "--set", "trainer.disk_wait_s=120"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            _wait_for_step(run, 1, proc)
-            filler = disk / "filler"
-            subprocess.run(["fallocate", "-l", str(shutil.disk_usage(disk).free - 128 * 1024), str(filler)],
-                           check=True)
-            time.sleep(10)
-            filler.unlink()
-            _, err = proc.communicate(timeout=900)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        with log.open("w") as err_file:
+            proc = subprocess.Popen(_argv(model, disk, "full", "--set", "trainer.disk_wait_s=300"),
+                                    stdout=subprocess.DEVNULL, stderr=err_file, text=True)
+            try:
+                _wait_for_step(run, 1, proc)
+                filler = _fill(disk, leave=128 * 1024)
+                deadline = time.monotonic() + 300  # full until the run says it met it (a step writes weights)
+                while "No space left on device" not in log.read_text() and time.monotonic() < deadline:
+                    assert proc.poll() is None, log.read_text()[-3000:]
+                    time.sleep(0.5)
+                filler.unlink()
+                proc.wait(timeout=900)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        err = log.read_text()
         assert proc.returncode == 0, err[-3000:]
         assert "No space left on device" in err, err[-3000:]
-        assert "skipped" in err or "waiting up to 120 s (trainer.disk_wait_s)" in err, err[-3000:]
+        assert "skipped" in err or "waiting up to 300 s (trainer.disk_wait_s)" in err, err[-3000:]
         _check_records(run)
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
