@@ -18,6 +18,7 @@ from swectl.actors.data_source import DataSource
 from swectl.config import ExperimentConfig, LossConfig, SamplingConfig
 from swectl.rl.groups import GradedEpisode, Group, score_group
 from swectl.tasks.record import Task
+from swectl.train.rollouts import fresh_folder
 from swectl.train.sources import GroupSource
 
 TASKS = [Task(instance_id=f"t{i:02d}", repo="r/r", problem_statement="fix", FAIL_TO_PASS=["x"]) for i in range(12)]
@@ -40,6 +41,9 @@ class ScriptedRollouts:
         self.plan = plan
         self.log: list[tuple[str, str, float]] = []
         self.score_keys: list[str] = []
+
+    def fresh(self, out: Path) -> Path:
+        return fresh_folder(self.run_dir, out)
 
     def grader(self, out: Path) -> _Idle:
         return _Idle()
