@@ -134,6 +134,42 @@ def scored_infra(run_dir: Path) -> int:
     return bad
 
 
+def read_weights(args: argparse.Namespace, run_dir: Path, kept: Path) -> dict:
+    """The soak's final weights read as the first run reads its GRPO weights (its eval-grpo phase's command, the
+    recipe's settings and seed), the reading kept in ``kept``/eval-grpo; the gain from --sft-reading and the
+    difference from each --clean reading, one standard error each (paired by episode: same tasks, samples, seed)."""
+    from swectl.cli.phases import command_of, paired_noise_points, reading
+    from swectl.train import recipe as recipes
+    from swectl.train.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(run_dir / "grpo")
+    if found is None:
+        raise SystemExit(f"chaos: {run_dir / 'grpo'} has no checkpoint to read")
+    recipe = recipes.load("first-run", {"seed": args.seed})
+    phase = next(p for p in recipe.file.phase if p.name == "eval-grpo")
+    records = {"grpo": recipes.PhaseRecord(seconds=0.0, argv=[], weights=found[1].weights)}
+    command = command_of(recipe, phase, run_dir, recipes.names_for(recipe, run_dir, records, phase), [])
+    argv = list(command.argv)
+    argv[argv.index("--out") + 1] = str(kept / "eval-grpo")
+    say(f"reading the final weights: swectl {' '.join(argv)}")
+    subprocess.run([*SWECTL, *argv], check=True, timeout=3600)
+    mine = reading(kept / "eval-grpo")
+    out: dict = {"resolved": mine.resolved, "episodes": mine.episodes, "aborted": mine.aborted,
+                 "resolve_rate": mine.resolve_rate, "folder": mine.folder, "weights": found[1].weights}
+    if args.sft_reading is not None:
+        sft = reading(args.sft_reading)
+        out["gain_points"] = round(100 * (mine.resolve_rate - sft.resolve_rate), 1)
+        out["gain_se"] = paired_noise_points(sft, mine)
+    for clean_dir in args.clean:
+        clean = reading(clean_dir)
+        out.setdefault("against_clean", []).append({
+            "folder": str(clean_dir), "resolved": clean.resolved,
+            "difference_points": round(100 * (mine.resolve_rate - clean.resolve_rate), 1),
+            "se": paired_noise_points(clean, mine)})
+    say(f"reading: {json.dumps(out)}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0, help="the schedule's seed (and the run's)")
@@ -152,6 +188,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="size of the run's own file system (0: none, and no disk_full faults)")
     parser.add_argument("--recover-timeout", type=float, default=420.0,
                         help="seconds a fault may take until the run's next step before it counts as not survived")
+    parser.add_argument("--reading", action="store_true",
+                        help="after the run, read its final weights as the first run's eval-grpo phase does (`swectl "
+                             "eval`, the recipe's settings) and write the reading beside the summary; with --clean, "
+                             "its difference from a clean run's reading, paired by episode")
+    parser.add_argument("--clean", type=Path, action="append", default=[], metavar="EVAL_DIR",
+                        help="a clean run's eval folder of the same seed and settings to compare the reading with "
+                             "(e.g. a first run's eval-grpo; repeatable)")
+    parser.add_argument("--sft-reading", type=Path, default=None, metavar="EVAL_DIR",
+                        help="the reading of the weights the soak started from (the first run's eval-sft): the "
+                             "gain is measured from it")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k] or [k for k in chaos.FAULTS
@@ -290,6 +336,8 @@ def soak(args: argparse.Namespace, kinds: list[str], work: Path, disk: Path | No
     result = {"seed": args.seed, "date": time.strftime("%Y-%m-%d"), "settings": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "summary": summary,
         "faults": table, "run_dir": str(kept if disk is not None else run_dir), "log": str(log)}
+    if args.reading and summary["run_finished"]:
+        result["reading"] = read_weights(args, run_dir, kept)
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=1) + "\n")
     for row in table:
