@@ -334,7 +334,8 @@ def soak(args: argparse.Namespace, kinds: list[str], work: Path, disk: Path | No
     if disk is not None and not kept.exists():
         shutil.copytree(run_dir, kept, ignore=shutil.ignore_patterns("weights", "checkpoints", "*.safetensors"))
     result = {"seed": args.seed, "date": time.strftime("%Y-%m-%d"), "settings": {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "summary": summary,
+        k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)
+        for k, v in vars(args).items()}, "summary": summary,
         "faults": table, "run_dir": str(kept if disk is not None else run_dir), "log": str(log)}
     if args.reading and summary["run_finished"]:
         result["reading"] = read_weights(args, run_dir, kept)
