@@ -140,7 +140,8 @@ def gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
-def _tree_bytes(path: Path) -> int:
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (links not followed; a file that vanishes meanwhile counts 0)."""
     total = 0
     for dirpath, _dirs, files in os.walk(path):
         for name in files:
@@ -156,7 +157,7 @@ def check_disk(ctx: Path) -> None:
     layer, the wheels installed, the testbed's install) on podman's storage, and MIN_FREE_BYTES left after that.
     Raises BuildStepError("disk") saying how much is needed and how much there is."""
     root = storage_root()
-    context = _tree_bytes(ctx)
+    context = tree_bytes(ctx)
     need = 3 * context + int(os.environ.get("SWECTL_BUILD_MIN_FREE") or MIN_FREE_BYTES)
     free = shutil.disk_usage(root).free
     if free < need:

@@ -34,6 +34,7 @@ from swectl.actors.rollout import EpisodeResult
 from swectl.actors.trainer import Trainer, TrainerLostError, TrainerNoSpaceError
 from swectl.config import ClusterConfig, TrainConfig, ranks_per_node
 from swectl.errors import ConfigError
+from swectl.images.builds import tree_bytes
 from swectl.logs import write_run_log
 from swectl.model.tokenizer import load_tokenizer
 from swectl.rl.admission import Admission
@@ -412,12 +413,5 @@ def _room_for_a_checkpoint(run_dir: Path, model: Path) -> int:
     the optimizer's two moments) and 64 MiB."""
     found = latest_checkpoint(run_dir)
     folder = found[0] if found is not None else None
-    size = _folder_bytes(folder) if folder is not None else 3 * _folder_bytes(model)
+    size = tree_bytes(folder) if folder is not None else 3 * tree_bytes(model)
     return size + 64 * 2**20
-
-
-def _folder_bytes(folder: Path) -> int:
-    try:
-        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    except OSError:
-        return 0

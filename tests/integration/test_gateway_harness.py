@@ -39,24 +39,36 @@ def _mini() -> Path:
     return mini
 
 
+def _engine_and_gateway(model: Path, tmp_path: Path) -> tuple[Engines, Gateway]:
+    """The real CPU engine serving the tiny model, and a gateway before it (32 tokens a turn)."""
+    engines = Engines(EngineConfig(health_interval_s=1.0, start_timeout_s=120), model=str(model), log_dir=tmp_path)
+    return engines, Gateway(GatewayConfig(max_tokens=32), engines.route, load_tokenizer(str(model), "model"))
+
+
+def _local_mini(mini: Path, gateway: Gateway, key: str, tmp_path: Path, traj: Path) -> tuple[dict[str, str], list[str]]:
+    """mini's environment and command line: its own SWE-bench config, its local environment in a scratch folder,
+    its litellm model at the gateway with the episode's key, 6 steps, the trajectory written to ``traj``."""
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    env = {**mini_env(tmp_path / "cfg"), "OPENAI_API_KEY": "", "HTTP_PROXY": "", "HTTPS_PROXY": ""}
+    argv = [str(mini), "-c", "swebench.yaml", "-c", "environment.environment_class=local",
+            "-c", f"environment.cwd={work}", "-c", f"model.model_kwargs.api_base={gateway.url}",
+            "-c", f"model.model_kwargs.api_key={key}", "-c", "model.cost_tracking=ignore_errors",
+            "-c", "agent.step_limit=6", "-m", "openai/swectl-policy", "-t", "print hello", "-y",
+            "--exit-immediately", "-o", str(traj)]
+    return env, argv
+
+
 async def test_mini_swe_agent_runs_unmodified_through_the_gateway(model: Path, tmp_path: Path) -> None:
     mini = _mini()
-    engines = Engines(EngineConfig(health_interval_s=1.0, start_timeout_s=120), model=str(model), log_dir=tmp_path)
-    gateway = Gateway(GatewayConfig(max_tokens=32), engines.route, load_tokenizer(str(model), "model"))
-    work = tmp_path / "work"
-    work.mkdir()
+    engines, gateway = _engine_and_gateway(model, tmp_path)
     traj = tmp_path / "mini.traj.json"
     async with anyio.create_task_group() as tg:
         with anyio.fail_after(120):
             await tg.start(engines.run)
             await tg.start(gateway.run)
         key = gateway.open_session("mini#0")
-        env = {**mini_env(tmp_path / "cfg"), "OPENAI_API_KEY": "", "HTTP_PROXY": "", "HTTPS_PROXY": ""}
-        argv = [str(mini), "-c", "swebench.yaml", "-c", "environment.environment_class=local",
-                "-c", f"environment.cwd={work}", "-c", f"model.model_kwargs.api_base={gateway.url}",
-                "-c", f"model.model_kwargs.api_key={key}", "-c", "model.cost_tracking=ignore_errors",
-                "-c", "agent.step_limit=6", "-m", "openai/swectl-policy", "-t", "print hello", "-y",
-                "--exit-immediately", "-o", str(traj)]
+        env, argv = _local_mini(mini, gateway, key, tmp_path, traj)
         with anyio.fail_after(300):
             done = await anyio.run_process(argv, env=env, cwd=tmp_path, check=False)
         output = (done.stdout + done.stderr).decode(errors="replace")
@@ -90,10 +102,7 @@ async def test_an_engine_killed_between_turns_is_waited_out_and_nothing_untrue_i
     from swectl.testing import chaos
 
     mini = _mini()
-    engines = Engines(EngineConfig(health_interval_s=1.0, start_timeout_s=120), model=str(model), log_dir=tmp_path)
-    gateway = Gateway(GatewayConfig(max_tokens=32), engines.route, load_tokenizer(str(model), "model"))
-    work = tmp_path / "work"
-    work.mkdir()
+    engines, gateway = _engine_and_gateway(model, tmp_path)
     traj = tmp_path / "mini.traj.json"
     async with anyio.create_task_group() as tg:
         with anyio.fail_after(120):
@@ -101,12 +110,7 @@ async def test_an_engine_killed_between_turns_is_waited_out_and_nothing_untrue_i
             await tg.start(gateway.run)
         first = chaos.Run(controller=os.getpid(), run_dir=tmp_path).engine_server()
         key = gateway.open_session("mini#0")
-        env = {**mini_env(tmp_path / "cfg"), "OPENAI_API_KEY": "", "HTTP_PROXY": "", "HTTPS_PROXY": ""}
-        argv = [str(mini), "-c", "swebench.yaml", "-c", "environment.environment_class=local",
-                "-c", f"environment.cwd={work}", "-c", f"model.model_kwargs.api_base={gateway.url}",
-                "-c", f"model.model_kwargs.api_key={key}", "-c", "model.cost_tracking=ignore_errors",
-                "-c", "agent.step_limit=6", "-m", "openai/swectl-policy", "-t", "print hello", "-y",
-                "--exit-immediately", "-o", str(traj)]
+        env, argv = _local_mini(mini, gateway, key, tmp_path, traj)
         done: dict[str, object] = {}
         ended = anyio.Event()
 
