@@ -22,7 +22,10 @@ Errors are in each API's shape: 401 for a missing or unknown key (no key never l
 a session already ended, 400 for a malformed body, ``n`` > 1, or a prompt that leaves no room in the context, 404
 for another model name, 503 when the engine failed (an infrastructure failure: the episode is aborted, never
 scored). A request that arrives while the engines take new weights waits for them (their generation is paused in
-place), bounded by ``request_timeout_s``.
+place), bounded by ``request_timeout_s``. With ``wait_routable`` (the engines' outage wait), a turn whose engine
+server failed is asked again of a routable one, within the same bound, before it becomes a 503: an engine restart
+costs the harness a slow turn, not a retry of its own (harnesses retry a 503 after seconds of backoff, or not at
+all). Nothing of a failed try reaches the ledger.
 
 A retry (the same turn asked again through the same API in one session: the same messages, tools and sampling
 settings, whatever else the body carries or in what key order) gets the recorded answer, or waits for the first
@@ -61,7 +64,7 @@ from starlette.routing import Route
 
 from swectl.agent.loop import Engine, request_seed
 from swectl.agent.trajectory import ChatTokenizer, rendered_ids
-from swectl.engine.wire import GenerateRequest, SamplingParams
+from swectl.engine.wire import GenerateRequest, GenerateResult, SamplingParams
 from swectl.errors import EngineError, InfraError
 from swectl.gateway import messages, responses
 from swectl.gateway.ledger import Ledger, LedgerStats
@@ -102,6 +105,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     # for a harness the user runs); "": no such routes (sessions are opened in-process, by the rollout)
     admin_token: str = ""
     request_timeout_s: float = 600.0  # one turn at most, a wait for a weight update included
+    # the first pause before a failed turn is asked again of a routable server (it doubles, up to 8 s)
+    engine_retry_pause_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5
     exec_timeout_s: float = 600.0  # one harness command at most, whatever it asks for
     max_body_bytes: int = 16 * 1024 * 1024
     # a streamed turn opens its stream once the request is checked and rendered, and sends an SSE comment this often
@@ -254,14 +259,19 @@ class Gateway:
     """``await tg.start(gateway.run)``; then ``open_session(name)`` for each episode, ``end_session(key)`` after."""
 
     def __init__(self, config: GatewayConfig, engine_for: Callable[[str], Engine], tokenizer: ChatTokenizer, *,
-                 on_end: Callable[[SessionRecord], None] | None = None) -> None:
+                 on_end: Callable[[SessionRecord], None] | None = None,
+                 wait_routable: Callable[[float], Awaitable[float]] | None = None) -> None:
         self.config = config
         self._on_end = on_end  # called with each session ended through the session routes
         self._engine_for = engine_for
+        # the engines' outage wait (Engines.wait_routable: seconds to wait at most -> seconds waited); None: a failed
+        # engine call is a 503 at once
+        self._wait_routable = wait_routable
         self._tok = tokenizer
         self._sessions: dict[str, _Session] = {}
         self._ended: set[str] = set()
-        self._counts = {"requests": 0, "replayed": 0, "rejected": 0, "engine_failures": 0, "disconnected": 0}
+        self._counts = {"requests": 0, "replayed": 0, "rejected": 0, "engine_failures": 0, "disconnected": 0,
+                        "engine_retries": 0}
         self.url = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -582,8 +592,8 @@ class Gateway:
         turn_id = new_id()
         try:
             with anyio.fail_after(cfg.request_timeout_s):
-                result = await self._engine_for(session.name).generate(
-                    GenerateRequest(input_ids=prompt, sampling_params=sampling, rid=f"gateway-{turn_id}"))
+                result = await self._sample(session, GenerateRequest(input_ids=prompt, sampling_params=sampling,
+                                                                     rid=f"gateway-{turn_id}"))
         except (EngineError, InfraError, TimeoutError) as exc:
             raise _HttpError(503, f"the engine failed: {exc}", "server_error", "engine_unavailable") from exc
         if result.finish_reason == "abort":
@@ -602,6 +612,24 @@ class Gateway:
         return TurnResult(id=turn_id, created=now(), content=content, tool_calls=calls, finish=finish,
                           stop_sequence=stop_sequence if finish == "stop" else None,
                           prompt_tokens=len(prompt), completion_tokens=len(result.output_ids))
+
+    async def _sample(self, session: _Session, request: GenerateRequest) -> GenerateResult:
+        """The engine's answer to ``request``; with ``wait_routable``, a failed server's request is asked again of
+        a routable one (after a pause that grows from ``engine_retry_pause_s`` to 8 s, so that a failure the engines
+        have not noticed yet is not asked again at once), until the caller's deadline. A failed try recorded nothing."""
+        pause = self.config.engine_retry_pause_s
+        while True:
+            try:
+                return await self._engine_for(session.name).generate(request)
+            except (EngineError, InfraError) as exc:
+                if self._wait_routable is None:
+                    raise
+                _log.warning("gateway: the engine failed a turn of %s (%s): asking a routable server again",
+                             session.name, exc)
+            self._counts["engine_retries"] += 1
+            await anyio.sleep(pause)
+            pause = min(2 * pause, 8.0)
+            await self._wait_routable(self.config.request_timeout_s)  # the turn's deadline bounds it too
 
     def _check_model(self, turn: TurnRequest) -> None:
         if turn.model != self.config.model:

@@ -5,7 +5,7 @@ Codex CLI or Claude Code inside the sandbox), ``start_harness`` and the folders 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -48,13 +48,15 @@ def harness_mounts(agent: AgentConfig) -> list[Mount]:
 
 async def start_harness(tg: anyio.abc.TaskGroup, agent: AgentConfig, rollout: RolloutOptions,
                         engine_for: Callable[[str], Engine], tokenizer: ChatTokenizer, work_dir: Path, *,
-                        temperature: float, seed: str | None = None, templates: AgentTemplates | None = None
-                        ) -> Harness:
+                        temperature: float, seed: str | None = None, templates: AgentTemplates | None = None,
+                        wait_routable: Callable[[float], Awaitable[float]] | None = None) -> Harness:
     """The gateway (started in ``tg``, its turns sampled by ``engine_for(session name)`` within ``rollout``'s token
     limits at ``temperature``, seeded by ``seed`` and the session's name) and ``agent.harness`` running through it,
-    its limits ``rollout``'s."""
+    its limits ``rollout``'s; ``wait_routable``: the engines' outage wait, for the gateway to ask a failed turn again
+    (actors/gateway.py)."""
     gateway = Gateway(GatewayConfig(max_tokens=rollout.max_tokens, context_tokens=rollout.context,
-                                    temperature=temperature, seed=seed), engine_for, tokenizer)
+                                    temperature=temperature, seed=seed), engine_for, tokenizer,
+                      wait_routable=wait_routable)
     await tg.start(gateway.run, name="gateway")
     if agent.harness in CLI_KINDS:
         config = CliAgentConfig(kind=agent.harness, step_limit=rollout.step_limit,  # type: ignore[arg-type]

@@ -327,6 +327,7 @@ class GatewayStatistics(msgspec.Struct, frozen=True, kw_only=True):
     rejected: int  # answered with a 4xx
     engine_failures: int  # answered with a 5xx
     disconnected: int = 0  # turns cancelled because their client went away
+    engine_retries: int = 0  # turns asked again of a routable server after theirs failed (the outage wait)
 
 
 

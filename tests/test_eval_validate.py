@@ -8,7 +8,15 @@ from pathlib import Path
 import msgspec
 
 from swectl.actors.grader import GradeResult
-from swectl.eval.validate import GradeRecord, build_validation_report, classify, load_grades
+from swectl.eval.validate import (
+    GradeRecord,
+    build_validation_report,
+    classify,
+    format_validation,
+    load_grades,
+    load_verdicts,
+    pick_per_version,
+)
 from swectl.images.builds import failed_run_step
 from swectl.images.instance import InstanceOutcome
 from swectl.tasks.record import Task
@@ -144,3 +152,36 @@ def test_the_patches_that_declare_dependencies_are_found() -> None:
     assert dependency_patches(msgspec.structs.replace(TASK, patch=cfg + code, test_patch=code)) == [cfg + code]
     assert dependency_patches(msgspec.structs.replace(TASK, patch=code, test_patch=reqs)) == [reqs]
     assert dependency_patches(msgspec.structs.replace(TASK, patch=code, test_patch=code)) == []
+
+
+def test_per_version_picks_spread_over_each_environment_and_group_it() -> None:
+    rows = [msgspec.structs.replace(TASK, instance_id=f"o__r-{i}", version="1.0" if i < 6 else "2.0")
+            for i in (5, 1, 4, 2, 3, 0, 7, 6)]
+    rows.append(msgspec.structs.replace(TASK, instance_id="a__b-1", repo="a/b", version="0.1"))
+    picked = pick_per_version(rows, 2)
+    # a/b 0.1 has one row; o/r 1.0 has six (ids 0..5: picks 0 and 3); o/r 2.0 has two
+    assert [t.instance_id for t in picked] == ["a__b-1", "o__r-0", "o__r-3", "o__r-6", "o__r-7"]
+    assert pick_per_version(list(reversed(rows)), 2) == picked  # the file's order does not matter
+    assert [t.instance_id for t in pick_per_version(rows, 1)] == ["a__b-1", "o__r-0", "o__r-6"]
+
+
+def test_report_has_a_row_per_environment_with_its_time_per_task(tmp_path: Path) -> None:
+    built = InstanceOutcome(instance_id=TASK.instance_id, status="built", seconds=30.0)
+    slow = msgspec.structs.replace(grade(), duration_s=20.0)
+    other = msgspec.structs.replace(TASK, instance_id="o__r-9", version="2.0")
+    rows = [classify(TASK, built, [slow, slow], msgspec.structs.replace(grade("unresolved"), duration_s=10.0)),
+            classify(other, None, [grade("unresolved", failed=("t::a",))], grade("unresolved"))]
+    assert rows[0].grade_s == 50.0
+    report = build_validation_report(rows, tasks="t.jsonl", runs=2, elapsed_s=1.0)
+    assert sorted(report.versions) == ["o/r 1.0", "o/r 2.0"]
+    assert report.versions["o/r 1.0"].validated == 1 and report.versions["o/r 1.0"].seconds_per_task == 80.0
+    assert report.versions["o/r 2.0"].reasons == {"env_drift": 1}
+    assert report.repos["o/r"].seconds_per_task == 40.0
+    table = format_validation(report, versions=True).splitlines()
+    assert [line.split()[:3] for line in table[1:3]] == [["o/r", "1.0", "1"], ["o/r", "2.0", "1"]]
+    assert "env_drift 1" in table[2]
+    assert len(format_validation(report).splitlines()) == 3  # the header, o/r and all
+
+    path = tmp_path / "verdicts.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(v) + b"\n" for v in rows) + b'{"instance_id": "torn')
+    assert load_verdicts(path) == {v.instance_id: v for v in rows}

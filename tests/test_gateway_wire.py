@@ -467,3 +467,68 @@ def test_a_turn_past_the_sessions_limit_is_refused_and_marks_the_session() -> No
     assert failed.status_code == 503
     record = gateway.end_session(key)
     assert record.failed and not record.limited and record.stats.turns == 0
+
+
+class _FailingFirst(_CountingEngine):
+    """Fails its first ``failures`` calls as a dead server does, then answers."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def generate(self, request: Any) -> Any:
+        from swectl.errors import EngineUnavailableError
+
+        if self.failures:
+            self.failures -= 1
+            raise EngineUnavailableError("http://engine", "the engine server went away")
+        return await super().generate(request)
+
+
+def _outage_client(engine: _CountingEngine, wait: Any) -> tuple[Any, Any]:
+    from starlette.testclient import TestClient
+
+    from swectl.actors.gateway import Gateway, GatewayConfig
+
+    gateway = Gateway(GatewayConfig(engine_retry_pause_s=0.01), lambda name: engine,  # type: ignore[arg-type]
+                      _WordTokenizer(), wait_routable=wait)
+    return gateway, TestClient(gateway.app())
+
+
+def test_a_turn_whose_server_failed_is_asked_again_of_a_routable_one_not_answered_503() -> None:
+    """An engine restart mid-episode: the gateway waits for a routable server (the engines' outage wait) and asks
+    again, so the harness sees one slow turn and no 503 to back off from; the failed tries recorded nothing."""
+    engine = _FailingFirst(2)
+    waits: list[float] = []
+
+    async def wait(bound: float) -> float:
+        waits.append(bound)
+        return 0.0
+
+    gateway, client = _outage_client(engine, wait)
+    key = gateway.open_session("s")
+    answer = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                         json={"model": "swectl-policy", "messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == 200, answer.text
+    stats = gateway.statistics()
+    assert (stats.engine_retries, stats.engine_failures, stats.requests) == (2, 0, 1)
+    assert len(waits) == 2 and engine.calls == 1
+    record = gateway.end_session(key)
+    assert record.stats.turns == 1 and not record.failed
+
+
+def test_an_outage_that_outlasts_the_wait_is_a_503_and_marks_the_episode_failed() -> None:
+    from swectl.errors import EngineUnavailableError
+
+    async def wait(bound: float) -> float:
+        raise EngineUnavailableError("", "no engine server became routable")
+
+    gateway, client = _outage_client(_FailingFirst(5), wait)
+    key = gateway.open_session("s")
+    answer = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                         json={"model": "swectl-policy", "messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_unavailable"
+    stats = gateway.statistics()
+    assert (stats.engine_retries, stats.engine_failures) == (1, 1)
+    record = gateway.end_session(key)
+    assert record.failed and record.stats.turns == 0

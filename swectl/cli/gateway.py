@@ -130,7 +130,7 @@ async def _serve(args: argparse.Namespace, config: ClusterConfig, out: Path) -> 
     async with launching as hosts, anyio.create_task_group() as tg:
         engines = Engines(config.engine, model=args.model, url=args.endpoint, hosts=hosts, log_dir=out / "engine-logs")
         await tg.start(engines.run, name="engines")
-        gateway = Gateway(gateway_config, engines.route, tokenizer, on_end=write)
+        gateway = Gateway(gateway_config, engines.route, tokenizer, on_end=write, wait_routable=engines.wait_routable)
         await tg.start(gateway.run, name="gateway")
         keys = {f"session-{n}": gateway.open_session(f"session-{n}") for n in range(args.sessions)}
         info = out / "gateway.json"

@@ -87,6 +87,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           help="date policy of the builds' downloads (see `swectl image build --help`)")
     validate.add_argument("--instances", nargs="+", default=[], metavar="ID", help="only these instance ids")
     validate.add_argument("--slice", default="", metavar="A:B", help="only tasks[A:B] (after --instances)")
+    validate.add_argument("--repos", nargs="+", default=[], metavar="REPO",
+                          help="only the tasks of these repositories (owner/name), before --per-version")
+    validate.add_argument("--per-version", type=int, default=0, metavar="N",
+                          help="up to N tasks of every (repository, version) environment, spread over its rows "
+                               "(the same file gives the same picks), after --instances and --slice; the report "
+                               "and the table then go per environment")
+    validate.add_argument("--prune", action="store_true",
+                          help="remove each image built here once its task's verdict is made (its environment "
+                               "image with the last instance image on it), so a large set fits the disk; at most "
+                               "--jobs + 1 built images wait for gradings; a rerun with the same --out keeps the "
+                               "verdicts made (verdicts.jsonl) and builds only the rest")
     validate.add_argument("--image-map", type=Path, default=None, metavar="FILE",
                           help="JSON/TOML instance_id -> image for the tasks not built here")
     validate.add_argument("--image-template", default=None, metavar="T", help="image name template (as swectl eval)")
@@ -157,8 +168,8 @@ def _validate(args: argparse.Namespace) -> int:
     from swectl.cli.common import load_task_set, output_dir
     from swectl.cli.eval import select_tasks
     from swectl.errors import ConfigError
-    from swectl.eval.validate import format_validation, validate_tasks, write_validation
-    from swectl.images.instance import InstanceOutcome, build_one
+    from swectl.eval.validate import format_validation, pick_per_version, validate_tasks, write_validation
+    from swectl.images.instance import InstanceOutcome, build_one, prune_unused_base_images, remove_instance_image
     from swectl.images.names import ImageResolver
     from swectl.images.wheels import check_date_policy
     from swectl.logs import write_run_log
@@ -169,6 +180,16 @@ def _validate(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     config = msgspec.structs.replace(config, env_pool=msgspec.structs.replace(config.env_pool, warm=0))
     tasks = select_tasks(load_task_set(args.tasks), args.instances, args.slice)
+    if args.repos:
+        unknown = sorted(set(args.repos) - {t.repo for t in tasks})
+        if unknown:
+            raise ConfigError(f"--repos: no task of {', '.join(unknown)} in the selection (its repositories: "
+                              f"{', '.join(sorted({t.repo for t in tasks})[:20])})")
+        tasks = [t for t in tasks if t.repo in set(args.repos)]
+    if args.per_version < 0:
+        raise ConfigError("--per-version must be at least 1 (0: every task)")
+    if args.per_version:
+        tasks = pick_per_version(tasks, args.per_version)
     out = output_dir(args.out or Path(config.out_dir) / f"validate-{time.strftime('%Y%m%d-%H%M%S')}")
     write_run_log(out)
     resolver = ImageResolver.from_options(args.image_template, args.image_map)
@@ -181,12 +202,19 @@ def _validate(args: argparse.Namespace) -> int:
         return build_one(task, specs, args.repo_cache, say=say, allow_network=args.allow_network,
                          uploaded_prior_to=policy)
 
+    def prune(outcome: InstanceOutcome) -> None:
+        # the Python images stay: a few, shared by every environment of their Python
+        removed = [outcome.image] if remove_instance_image(outcome.image) else []
+        removed += prune_unused_base_images(("env", "apt"))
+        say(f"{outcome.instance_id}: pruned {', '.join(removed) or 'nothing'}")
+
     say(f"validating {len(tasks)} tasks: gold x{args.runs} and empty, {args.jobs} build(s) and "
-        f"{args.concurrency} grading(s) at once, output {out}")
+        f"{args.concurrency} grading(s) at once, output {out}" + (", pruning as it goes" if args.prune else ""))
     report = anyio.run(lambda: validate_tasks(config, tasks, out, build=build, runs=args.runs,
                                               concurrency=args.concurrency, jobs=args.jobs, timeout_s=args.timeout,
-                                              resolver=resolver, tasks_source=str(args.tasks)))
-    print(format_validation(report))
+                                              resolver=resolver, tasks_source=str(args.tasks),
+                                              prune=prune if args.prune else None))
+    print(format_validation(report, versions=bool(args.per_version)))
     for path in write_validation(report, out):
         say(f"wrote {path}")
     if report.eval_only:

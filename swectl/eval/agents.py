@@ -305,7 +305,8 @@ async def eval_model(
                                                   out / "harness", temperature=settings.rollout.temperature,
                                                   seed=None if settings.rollout.seed is None
                                                   else f"eval:{settings.rollout.seed}",
-                                                  templates=agent_templates(settings.rollout.agent_config))
+                                                  templates=agent_templates(settings.rollout.agent_config),
+                                                  wait_routable=engines.wait_routable)
 
                     def engine_for(t: Task, n: int):
                         return harness

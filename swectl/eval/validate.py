@@ -26,10 +26,16 @@ task gets exactly one reason (:func:`classify`, first match wins):
 - ``empty_resolves``: the empty patch resolves: the tests do not see the bug.
 
 Outputs in ``--out``: ``grades.jsonl`` (every grading as it finishes: a rerun with the same ``--out`` grades only
-what is missing, or was graded on an image since rebuilt), ``validation.json`` (a ValidationReport: per task, per
-repository and in all), ``validated.txt`` (the ids), ``image-map.json`` (instance_id -> image of the built ones).
-The last three are rewritten as each task finishes, so a long run can be looked at (or cross-checked) while it goes
-on.
+what is missing, or was graded on an image since rebuilt), ``verdicts.jsonl`` (each task's verdict as it is made),
+``validation.json`` (a ValidationReport: per task, per repository, per (repository, version) environment and in
+all), ``validated.txt`` (the ids), ``image-map.json`` (instance_id -> image of the built ones). The last three are
+rewritten as each task finishes, so a long run can be looked at (or cross-checked) while it goes on.
+
+Coverage of a large set in the disk of one machine (``--per-version N --prune``): :func:`pick_per_version` takes N
+rows of every environment, grouped so that an environment's rows are built one after another; with ``prune`` each
+built image is removed once its task's verdict is made (the environment image with the last instance image on it),
+at most ``jobs + 1`` images wait for their gradings, and a rerun with the same ``--out`` keeps the verdicts already
+made (their images are gone) instead of building them again; a verdict of ``infra`` is made again.
 """
 
 from __future__ import annotations
@@ -106,6 +112,7 @@ class InstanceValidation(msgspec.Struct, kw_only=True):
     build_s: float = 0.0
     gold: list[str] = []  # each gold run's status
     empty: str = ""
+    grade_s: float = 0.0  # the gradings' time (gold runs and empty), summed
     logs: list[str] = []
 
 
@@ -121,6 +128,7 @@ class RepoValidation(msgspec.Struct, kw_only=True):
     gold_resolved_frac: float = 0.0  # of the built
     empty_resolved_frac: float = 0.0  # of the built
     reasons: dict[str, int] = {}
+    seconds_per_task: float = 0.0  # build plus gradings (summed: gradings run side by side), mean over the tasks
 
 
 class ValidationReport(msgspec.Struct, kw_only=True):
@@ -136,7 +144,28 @@ class ValidationReport(msgspec.Struct, kw_only=True):
     overall: RepoValidation
     repos: dict[str, RepoValidation]
     elapsed_s: float
+    versions: dict[str, RepoValidation] = {}  # per environment, keyed "<repo> <version>" (environment_key)
     instances: list[InstanceValidation]
+
+
+def environment_key(task: Task | InstanceValidation) -> str:
+    """A task's environment as the report names it: ``"<repo> <version>"`` (SWE-bench's unit of environment)."""
+    return f"{task.repo} {task.version}"
+
+
+def pick_per_version(tasks: list[Task], n: int) -> list[Task]:
+    """Up to ``n`` tasks of every (repo, version) environment, spread over its tasks in instance-id order (the
+    same file gives the same picks, so a rerun resumes the same set), grouped by environment."""
+    if n < 1:
+        raise ValueError(f"per-version count must be at least 1, got {n}")
+    groups: dict[str, list[Task]] = {}
+    for task in sorted(tasks, key=lambda t: t.instance_id):
+        groups.setdefault(environment_key(task), []).append(task)
+    picked: list[Task] = []
+    for key in sorted(groups):
+        rows = groups[key]
+        picked += [rows[i * len(rows) // n] for i in range(min(n, len(rows)))]
+    return picked
 
 
 def _failed_tests(result: GradeResult) -> set[str]:
@@ -197,6 +226,7 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
                            image=image or (build.image if build else ""),
                            build=build.status if build else "prebuilt", build_s=build.seconds if build else 0.0,
                            gold=[g.status for g in gold], empty=empty.status if empty else "",
+                           grade_s=round(sum(r.duration_s for r in [*gold, *([empty] if empty else [])]), 1),
                            logs=[r.log_path for r in [*gold, *([empty] if empty else [])] if r.log_path])
     if build is not None and not build.ok:
         v.reason, v.step, v.detail = "build_failed", build.step, build.message[:2000]
@@ -253,8 +283,10 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
 
 def _summary(rows: Iterable[InstanceValidation]) -> RepoValidation:
     s = RepoValidation()
+    seconds = 0.0
     for v in rows:
         s.instances += 1
+        seconds += v.build_s + v.grade_s
         built = v.build in ("built", "cached", "prebuilt")
         s.built += built
         s.gold_resolved += built and bool(v.gold) and all(g == "resolved" for g in v.gold)
@@ -262,6 +294,7 @@ def _summary(rows: Iterable[InstanceValidation]) -> RepoValidation:
         s.validated += v.valid
         if v.reason:
             s.reasons[v.reason] = s.reasons.get(v.reason, 0) + 1
+    s.seconds_per_task = round(seconds / s.instances, 1) if s.instances else 0.0
     s.built_frac = round(s.built / s.instances, 4) if s.instances else 0.0
     s.gold_resolved_frac = round(s.gold_resolved / s.built, 4) if s.built else 0.0
     s.empty_resolved_frac = round(s.empty_resolved / s.built, 4) if s.built else 0.0
@@ -273,18 +306,24 @@ def build_validation_report(verdicts: list[InstanceValidation], *, tasks: str, r
     verdicts = sorted(verdicts, key=lambda v: v.instance_id)
     overall = _summary(verdicts)
     repos = {repo: _summary(v for v in verdicts if v.repo == repo) for repo in sorted({v.repo for v in verdicts})}
+    keys = sorted({environment_key(v) for v in verdicts})
+    versions = {key: _summary(v for v in verdicts if environment_key(v) == key) for key in keys}
     return ValidationReport(tasks=tasks, eval_only=is_eval_set(tasks), runs=runs, total=len(verdicts),
                             validated=overall.validated,
                             reasons=dict(sorted(overall.reasons.items())), overall=overall, repos=repos,
-                            elapsed_s=round(elapsed_s, 1), instances=verdicts)
+                            versions=versions, elapsed_s=round(elapsed_s, 1), instances=verdicts)
 
 
-def format_validation(report: ValidationReport) -> str:
-    lines = [f"{'repository':<28} {'tasks':>5} {'built':>6} {'gold':>6} {'empty':>6} {'valid':>5}  reasons"]
-    for repo, s in [*report.repos.items(), ("all", report.overall)]:
+def format_validation(report: ValidationReport, *, versions: bool = False) -> str:
+    """The per-repository table (``versions``: per environment, then per repository), with the overall row."""
+    rows = [*(report.versions.items() if versions else ()), *report.repos.items(), ("all", report.overall)]
+    width = max(28, *(len(name) + 1 for name, _ in rows))
+    lines = [f"{'repository' + (' version' if versions else ''):<{width}} {'tasks':>5} {'built':>6} {'gold':>6} "
+             f"{'empty':>6} {'valid':>5} {'s/task':>7}  reasons"]
+    for name, s in rows:
         reasons = ", ".join(f"{k} {n}" for k, n in sorted(s.reasons.items()))
-        lines.append(f"{repo:<28} {s.instances:>5} {s.built_frac:>6.0%} {s.gold_resolved_frac:>6.0%} "
-                     f"{s.empty_resolved_frac:>6.0%} {s.validated:>5}  {reasons}")
+        lines.append(f"{name:<{width}} {s.instances:>5} {s.built_frac:>6.0%} {s.gold_resolved_frac:>6.0%} "
+                     f"{s.empty_resolved_frac:>6.0%} {s.validated:>5} {s.seconds_per_task:>7.0f}  {reasons}")
     return "\n".join(lines)
 
 
@@ -302,16 +341,35 @@ def load_grades(path: Path) -> dict[tuple[str, GradeKind, int], GradeRecord]:
     return done
 
 
+def load_verdicts(path: Path) -> dict[str, InstanceValidation]:
+    """The verdicts an earlier run of the same ``--out`` made (verdicts.jsonl; the last of a task's wins; a torn
+    last line is ignored)."""
+    done: dict[str, InstanceValidation] = {}
+    if not path.exists():
+        return done
+    for line in path.read_bytes().splitlines():
+        try:
+            v = msgspec.json.decode(line, type=InstanceValidation)
+        except msgspec.DecodeError:
+            continue
+        done[v.instance_id] = v
+    return done
+
+
 BuildFn = Callable[[Task], InstanceOutcome | None]
+PruneFn = Callable[[InstanceOutcome], None]
 
 
 async def validate_tasks(
     config: ClusterConfig, tasks: list[Task], out: Path, *, build: BuildFn, runs: int = 3, concurrency: int = 2,
     jobs: int = 1, timeout_s: float = 1800.0, resolver: ImageResolver | None = None, tasks_source: str = "",
-    progress: bool = True,
+    progress: bool = True, prune: PruneFn | None = None,
 ) -> ValidationReport:
     """Build (``build``: a task's image outcome, or None when the task runs a prebuilt image; called in worker
-    threads, ``jobs`` at once) and grade every task; gradings start as soon as a task's image is ready."""
+    threads, ``jobs`` at once) and grade every task; gradings start as soon as a task's image is ready.
+    ``prune``: called (in a worker thread) with each outcome built here (not one found up to date) once its task's
+    verdict is made; with it, at most
+    ``jobs + 1`` tasks are built and not yet judged, and the verdicts an earlier run of ``out`` made are kept."""
     if runs < 1:
         raise ValueError(f"runs must be at least 1, got {runs}")
     started = time.monotonic()
@@ -324,10 +382,20 @@ async def validate_tasks(
     image_ids: dict[str, str] = {}
     bar = Progress(len(tasks), "validate") if progress and tasks else None
     verdicts: dict[str, InstanceValidation] = {}  # by instance id, as each task finishes
+    if prune is not None:  # their images were pruned: the verdicts made stand (but infrastructure is tried again)
+        wanted = {t.instance_id for t in tasks}
+        verdicts = {i: v for i, v in load_verdicts(out / "verdicts.jsonl").items() if i in wanted and
+                    v.reason != "infra"}
+        for v in verdicts.values():
+            if bar:
+                bar.advance("validated" if v.valid else v.reason or "?")
+    todo = [t for t in tasks if t.instance_id not in verdicts]
     build_limit = anyio.CapacityLimiter(jobs)
-    send, receive = anyio.create_memory_object_stream[Task](max(1, len(tasks)))
+    # with prune, the images built and not yet judged (each holds disk until its verdict prunes it)
+    waiting = anyio.Semaphore(jobs + 1) if prune is not None else None
+    send, receive = anyio.create_memory_object_stream[Task](max(1, len(todo)))
 
-    with grades_path.open("ab") as grades_file:
+    with grades_path.open("ab") as grades_file, (out / "verdicts.jsonl").open("ab") as verdicts_file:
         async with running_pool(config) as pool:
             # the resolver holds ``mapping`` itself (not a copy): each image built below is graded under its name
             grader = Grader(GraderConfig(timeout_s=timeout_s, concurrency=concurrency), pool, log_dir=out / "logs",
@@ -367,6 +435,12 @@ async def validate_tasks(
                 # a task's gradings are all in: its verdict is final, made once
                 v = verdicts[task.instance_id] = _verdict(task, outcome, results, runs,
                                                           mapping.get(task.instance_id) or base.resolve(task))
+                verdicts_file.write(msgspec.json.encode(v) + b"\n")
+                verdicts_file.flush()
+                if prune is not None and waiting is not None:
+                    if outcome is not None and outcome.status == "built":  # never an image that was there
+                        await anyio.to_thread.run_sync(prune, outcome)
+                    waiting.release()
                 # the verdicts so far, for a look (or a cross-check) while a long run goes on
                 write_validation(build_validation_report(list(verdicts.values()), tasks=tasks_source, runs=runs,
                                                          elapsed_s=time.monotonic() - started), out)
@@ -375,7 +449,9 @@ async def validate_tasks(
 
             async def builder() -> None:
                 async with send, anyio.create_task_group() as building:
-                    for task in tasks:
+                    for task in todo:
+                        if waiting is not None:
+                            await waiting.acquire()
                         building.start_soon(build_one, task, name=f"build {task.instance_id}")
 
             async def grading() -> None:

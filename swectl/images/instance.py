@@ -600,7 +600,17 @@ def prune_instance_images(keep: set[str] | None = None, *, dry_run: bool = False
     if dry_run:
         return doomed
     removed = [name for name in doomed if remove_instance_image(name)]
-    for kind in ("env", "apt", "python"):  # each kind is built on the next: children first
+    return removed + prune_unused_base_images()
+
+
+BASE_KINDS = ("env", "apt", "python")  # the images under instance images; each kind is built on the next
+
+
+def prune_unused_base_images(kinds: tuple[str, ...] = BASE_KINDS) -> list[str]:
+    """Remove the environment, apt and Python images (those of ``kinds``) that no named image is built on any
+    more, children first. The names removed."""
+    removed: list[str] = []
+    for kind in (k for k in BASE_KINDS if k in kinds):
         in_use = _ancestors_of_named_images()
         for name, _inst in _labelled(kind):
             if image_id(name) not in in_use and remove_instance_image(name):

@@ -97,7 +97,8 @@ class RlServices:
             harness = await start_harness(tg, cfg.agent, cfg.rollout, self.engines.route, tokenizer,
                                           self.run_dir / "harness", temperature=cfg.train.sampling.temperature,
                                           seed=f"train:{cfg.train.seed}",
-                                          templates=agent_templates(cfg.rollout.agent_config))
+                                          templates=agent_templates(cfg.rollout.agent_config),
+                                          wait_routable=self.engines.wait_routable)
             where = ("inside each sandbox" if harness_mounts(cfg.agent)
                      else f"({cfg.agent.harness_config})")
             self.say(f"agent: {cfg.agent.harness} {where} through the gateway at {harness.gateway.url}")

@@ -1,5 +1,6 @@
 """`swectl tasks validate` on bundled tasks made wrong on purpose: each task gets the verdict its defect calls
-for, the gradings are real (fresh Podman sandboxes), and a rerun with the same --out grades nothing again."""
+for, the gradings are real (fresh Podman sandboxes), and a rerun with the same --out grades nothing again; with
+--prune each built image is removed once judged and a rerun keeps the verdicts."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import os
 import subprocess
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 
 from swectl.cli.main import main
-from swectl.images.project import BUNDLED_TASKS
+from swectl.config import load_config
+from swectl.eval.validate import validate_tasks
+from swectl.images.instance import InstanceOutcome, remove_instance_image
+from swectl.images.project import BUNDLED_TASKS, image_id
 from swectl.remote.nodes.podman import local_podman_env
+from swectl.tasks.record import Task
 from swectl.tasks.sources import load_tasks
 
 pytestmark = [pytest.mark.integration]
@@ -88,3 +94,45 @@ def test_validate_grades_again_on_a_rebuilt_image(tmp_path: Path) -> None:
         assert records[0]["image_id"] != records[2]["image_id"]
     finally:
         podman("rmi", "-f", name)
+
+
+def test_prune_removes_each_built_image_after_its_verdict_and_a_rerun_keeps_the_verdicts(tmp_path: Path) -> None:
+    """--prune's contract, on images made here for the test: each image a build made is removed once its task is
+    judged, never more than jobs + 1 built images wait, and the same --out again builds and grades nothing."""
+    tasks = load_tasks(BUNDLED_TASKS, strict=True).tasks[:3]
+    names = {t.instance_id: f"localhost/swectl-test-prune-{os.getpid()}-{i}:latest" for i, t in enumerate(tasks)}
+    built: list[str] = []
+    alive: set[str] = set()
+    most_alive = 0
+
+    def build(task: Task) -> InstanceOutcome:
+        nonlocal most_alive
+        podman("tag", task.image, names[task.instance_id])
+        built.append(task.instance_id)
+        alive.add(task.instance_id)
+        most_alive = max(most_alive, len(alive))
+        return InstanceOutcome(instance_id=task.instance_id, status="built", image=names[task.instance_id])
+
+    def prune(outcome: InstanceOutcome) -> None:
+        assert remove_instance_image(outcome.image)
+        alive.discard(outcome.instance_id)
+
+    config = load_config(None)
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        report = anyio.run(lambda: validate_tasks(config, tasks, out, build=build, runs=1, jobs=1, prune=prune,
+                                                  progress=False))
+        assert report.validated == 3 and sorted(built) == sorted(names)
+        assert not alive and most_alive <= 2  # jobs + 1
+        assert all(image_id(name) == "" for name in names.values())  # really gone from podman
+        grades = (out / "grades.jsonl").read_bytes()
+        built.clear()
+        again = anyio.run(lambda: validate_tasks(config, tasks, out, build=build, runs=1, jobs=1, prune=prune,
+                                                 progress=False))
+        assert built == [] and (out / "grades.jsonl").read_bytes() == grades
+        assert [v.instance_id for v in again.instances] == [v.instance_id for v in report.instances]
+        assert again.versions == report.versions
+    finally:
+        for name in names.values():
+            podman("rmi", "-f", name)

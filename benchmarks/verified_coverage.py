@@ -1,0 +1,158 @@
+"""SWE-bench Verified's environments as `swectl tasks validate` found them (issue 61): one row per (repository,
+version) environment of the dataset, from the validation folders given, into ``results/swebench_validation.json``
+under ``coverage`` (the other keys stay).
+
+The validation runs that feed it (resumable: the same --out again keeps the verdicts made):
+
+    swectl tasks validate --tasks ../shared/data/swe_bench_verified.jsonl --repo-cache CACHE --allow-network \\
+        --per-version 2 --prune --runs 1 --out runs/verified-coverage [--repos OWNER/NAME ...]
+    python benchmarks/verified_coverage.py --validation runs/verified-coverage [--validation OTHER ...]
+
+Per environment: the dataset's rows, the rows validated here (built, gold resolved, empty resolved, validated, the
+reasons), the seconds a task took (build plus gradings), and each row's verdict. Environments of repositories whose
+clones cannot be brought here are listed apart (UNREACHABLE). The goals checked: gold resolves on >= 98% of the
+built rows of every repository, empty on none, and the ten environments with the most Verified rows at 100%.
+A row validated by several folders keeps the verdict of the folder given last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS_DIR, format_table, host_meta
+from swectl.eval.validate import (
+    InstanceValidation,
+    RepoValidation,
+    ValidationReport,
+    build_validation_report,
+    environment_key,
+)
+
+DEFAULT_TASKS = Path(__file__).resolve().parents[2] / "shared" / "data" / "swe_bench_verified.jsonl"
+UNREACHABLE = {  # repositories whose mirrors exceed the fetch limit (500 MB) here: no clone, no image
+    "matplotlib/matplotlib": "its mirror exceeds the 500 MB fetch limit",
+    "scikit-learn/scikit-learn": "its mirror exceeds the 500 MB fetch limit",
+}
+GOAL_GOLD_FRAC = 0.98
+TOP_ENVIRONMENTS = 10
+
+
+class CoverageRow(msgspec.Struct, kw_only=True):
+    """One environment: how many rows the dataset has, and what validation found on the ones it ran."""
+
+    environment: str
+    dataset_rows: int
+    reachable: bool
+    why_not: str = ""
+    validated: RepoValidation | None = None  # None: no row of it validated yet
+    rows: dict[str, str] = {}  # instance id -> "validated" or the reason
+
+
+def dataset_environments(tasks: Path) -> Counter[str]:
+    """Rows per environment key in a SWE-bench-format JSONL file."""
+    counts: Counter[str] = Counter()
+    for line in tasks.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            counts[f"{row['repo']} {row['version']}"] += 1
+    return counts
+
+
+def merged_verdicts(folders: list[Path]) -> list[InstanceValidation]:
+    """The verdicts of every folder's validation.json (the folder given last wins for a row in several)."""
+    by_id: dict[str, InstanceValidation] = {}
+    for folder in folders:
+        path = folder / "validation.json"
+        if not path.exists():
+            raise SystemExit(f"{path}: no such file (is {folder} a `swectl tasks validate --out` folder?)")
+        report = msgspec.json.decode(path.read_bytes(), type=ValidationReport)
+        by_id.update({v.instance_id: v for v in report.instances})
+    return sorted(by_id.values(), key=lambda v: v.instance_id)
+
+
+def coverage_rows(environments: Counter[str], verdicts: list[InstanceValidation]) -> list[CoverageRow]:
+    report = build_validation_report(verdicts, tasks="", runs=0, elapsed_s=0.0)
+    rows = []
+    for key in sorted(environments):
+        repo = key.split(" ")[0]
+        rows.append(CoverageRow(
+            environment=key, dataset_rows=environments[key], reachable=repo not in UNREACHABLE,
+            why_not=UNREACHABLE.get(repo, ""), validated=report.versions.get(key),
+            rows={v.instance_id: "validated" if v.valid else (v.reason or "?")
+                  for v in verdicts if environment_key(v) == key}))
+    return rows
+
+
+def goals(rows: list[CoverageRow], verdicts: list[InstanceValidation]) -> dict[str, Any]:
+    """Coverage of the reachable environments, and the issue's goals on what was validated."""
+    reachable = [r for r in rows if r.reachable]
+    covered = [r for r in reachable if r.validated]
+    report = build_validation_report(verdicts, tasks="", runs=0, elapsed_s=0.0)
+    top = sorted(reachable, key=lambda r: (-r.dataset_rows, r.environment))[:TOP_ENVIRONMENTS]
+    return {
+        "reachable_environments": len(reachable),
+        "covered_environments": len(covered),
+        "not_covered": [r.environment for r in reachable if not r.validated],
+        "rows_validated_here": len(verdicts),
+        "repos_gold_resolved_frac": {repo: s.gold_resolved_frac for repo, s in report.repos.items()},
+        "repos_below_goal": sorted(repo for repo, s in report.repos.items()
+                                   if s.built and s.gold_resolved_frac < GOAL_GOLD_FRAC),
+        "empty_resolved": report.overall.empty_resolved,
+        "top_environments": {r.environment: (r.validated.gold_resolved_frac if r.validated else None) for r in top},
+    }
+
+
+def table(rows: list[CoverageRow]) -> str:
+    lines = []
+    for r in rows:
+        s = r.validated
+        reasons = ", ".join(f"{k} {n}" for k, n in sorted(s.reasons.items())) if s else ""
+        lines.append([r.environment, str(r.dataset_rows),
+                      "-" if not r.reachable else str(s.instances) if s else "0",
+                      f"{s.built}" if s else "", f"{s.gold_resolved}" if s else "", f"{s.empty_resolved}" if s else "",
+                      f"{s.validated}" if s else "", f"{s.seconds_per_task:.0f}" if s else "",
+                      r.why_not or reasons])
+    return format_table(["environment", "rows", "tried", "built", "gold", "empty", "valid", "s/task", "reasons"],
+                        lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--validation", type=Path, action="append", required=True, metavar="DIR",
+                    help="a `swectl tasks validate --out` folder (repeatable; the last wins for a row in several)")
+    ap.add_argument("--tasks", type=Path, default=DEFAULT_TASKS, help=f"the dataset (default {DEFAULT_TASKS})")
+    ap.add_argument("--command", default="", help="the validate command line(s), recorded with the table")
+    ap.add_argument("--results", type=Path, default=RESULTS_DIR / "swebench_validation.json")
+    args = ap.parse_args(argv)
+    if not args.tasks.exists():
+        raise SystemExit(f"--tasks {args.tasks}: no such file")
+    verdicts = merged_verdicts(args.validation)
+    rows = coverage_rows(dataset_environments(args.tasks), verdicts)
+    print(table(rows))
+    summary = goals(rows, verdicts)
+    print(json.dumps(summary, indent=1))
+    results = json.loads(args.results.read_text()) if args.results.exists() else {}
+    results["coverage"] = {
+        "what": "per (repository, version) environment of SWE-bench Verified: rows in the dataset, rows validated "
+                "here and their verdicts (benchmarks/verified_coverage.py; issue 61)",
+        "host": host_meta(), "command": args.command, "folders": [str(f) for f in args.validation],
+        "summary": summary,
+        "environments": {r.environment: msgspec.to_builtins(r) for r in rows},
+    }
+    args.results.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.results} (coverage)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
