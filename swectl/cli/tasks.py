@@ -94,8 +94,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                "(the same file gives the same picks), after --instances and --slice; the report "
                                "and the table then go per environment")
     validate.add_argument("--prune", action="store_true",
-                          help="remove each image built here once its task's verdict is made (its environment "
-                               "image with the last instance image on it), so a large set fits the disk; at most "
+                          help="remove each image this --out built once its task's verdict is made (and the "
+                               "environment's images with its last task), so a large set fits the disk; at most "
                                "--jobs + 1 built images wait for gradings; a rerun with the same --out keeps the "
                                "verdicts made (verdicts.jsonl) and builds only the rest")
     validate.add_argument("--image-map", type=Path, default=None, metavar="FILE",
@@ -202,10 +202,12 @@ def _validate(args: argparse.Namespace) -> int:
         return build_one(task, specs, args.repo_cache, say=say, allow_network=args.allow_network,
                          uploaded_prior_to=policy)
 
-    def prune(outcome: InstanceOutcome) -> None:
-        # the Python images stay: a few, shared by every environment of their Python
+    def prune(outcome: InstanceOutcome, environment_done: bool) -> None:
+        # the environment's images go with its last task (the Python images stay: a few, shared by every
+        # environment of their Python)
         removed = [outcome.image] if remove_instance_image(outcome.image) else []
-        removed += prune_unused_base_images(("env", "apt"))
+        if environment_done:
+            removed += prune_unused_base_images(("env", "apt"))
         say(f"{outcome.instance_id}: pruned {', '.join(removed) or 'nothing'}")
 
     say(f"validating {len(tasks)} tasks: gold x{args.runs} and empty, {args.jobs} build(s) and "

@@ -33,15 +33,17 @@ rewritten as each task finishes, so a long run can be looked at (or cross-checke
 
 Coverage of a large set in the disk of one machine (``--per-version N --prune``): :func:`pick_per_version` takes N
 rows of every environment, grouped so that an environment's rows are built one after another; with ``prune`` each
-built image is removed once its task's verdict is made (the environment image with the last instance image on it),
-at most ``jobs + 1`` images wait for their gradings, and a rerun with the same ``--out`` keeps the verdicts already
-made (their images are gone) instead of building them again; a verdict of ``infra`` is made again.
+image this ``--out`` built (``built.txt``) is removed once its task's verdict is made, and the environment's own
+images once its last task's verdict is, at most ``jobs + 1`` images wait for their gradings, and a rerun with the
+same ``--out`` keeps the verdicts already made (their images are gone) instead of building them again; a verdict of
+``infra`` is made again.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
@@ -357,7 +359,7 @@ def load_verdicts(path: Path) -> dict[str, InstanceValidation]:
 
 
 BuildFn = Callable[[Task], InstanceOutcome | None]
-PruneFn = Callable[[InstanceOutcome], None]
+PruneFn = Callable[[InstanceOutcome, bool], None]  # (the outcome, whether its environment is done)
 
 
 async def validate_tasks(
@@ -367,8 +369,9 @@ async def validate_tasks(
 ) -> ValidationReport:
     """Build (``build``: a task's image outcome, or None when the task runs a prebuilt image; called in worker
     threads, ``jobs`` at once) and grade every task; gradings start as soon as a task's image is ready.
-    ``prune``: called (in a worker thread) with each outcome built here (not one found up to date) once its task's
-    verdict is made; with it, at most
+    ``prune``: called (in a worker thread) with each outcome whose image this ``out`` built (now, or in an earlier
+    run cut off before its verdict: ``built.txt``) once its task's verdict is made, and whether it was the last
+    task of its environment still to judge; with it, at most
     ``jobs + 1`` tasks are built and not yet judged, and the verdicts an earlier run of ``out`` made are kept."""
     if runs < 1:
         raise ValueError(f"runs must be at least 1, got {runs}")
@@ -390,6 +393,9 @@ async def validate_tasks(
             if bar:
                 bar.advance("validated" if v.valid else v.reason or "?")
     todo = [t for t in tasks if t.instance_id not in verdicts]
+    to_judge = Counter(environment_key(t) for t in todo)  # per environment, the tasks without a verdict yet
+    built_path = out / "built.txt"  # the images this --out built (pruned only those)
+    built_here = set(built_path.read_text().split()) if built_path.exists() else set()
     build_limit = anyio.CapacityLimiter(jobs)
     # with prune, the images built and not yet judged (each holds disk until its verdict prunes it)
     waiting = anyio.Semaphore(jobs + 1) if prune is not None else None
@@ -404,6 +410,10 @@ async def validate_tasks(
             async def build_one(task: Task) -> None:
                 outcome = await anyio.to_thread.run_sync(build, task, limiter=build_limit, abandon_on_cancel=True)
                 builds[task.instance_id] = outcome
+                if outcome is not None and outcome.status == "built" and outcome.image not in built_here:
+                    built_here.add(outcome.image)
+                    with built_path.open("a") as f:
+                        f.write(outcome.image + "\n")
                 if outcome is not None and outcome.ok and outcome.image:
                     mapping[task.instance_id] = outcome.image
                 image = mapping.get(task.instance_id) or base.resolve(task)
@@ -437,9 +447,10 @@ async def validate_tasks(
                                                           mapping.get(task.instance_id) or base.resolve(task))
                 verdicts_file.write(msgspec.json.encode(v) + b"\n")
                 verdicts_file.flush()
+                to_judge[environment_key(task)] -= 1
                 if prune is not None and waiting is not None:
-                    if outcome is not None and outcome.status == "built":  # never an image that was there
-                        await anyio.to_thread.run_sync(prune, outcome)
+                    if outcome is not None and outcome.ok and outcome.image in built_here:  # never one that was there
+                        await anyio.to_thread.run_sync(prune, outcome, to_judge[environment_key(task)] == 0)
                     waiting.release()
                 # the verdicts so far, for a look (or a cross-check) while a long run goes on
                 write_validation(build_validation_report(list(verdicts.values()), tasks=tasks_source, runs=runs,

@@ -15,7 +15,7 @@ import pytest
 
 from swectl.cli.main import main
 from swectl.config import load_config
-from swectl.eval.validate import validate_tasks
+from swectl.eval.validate import environment_key, validate_tasks
 from swectl.images.instance import InstanceOutcome, remove_instance_image
 from swectl.images.project import BUNDLED_TASKS, image_id
 from swectl.remote.nodes.podman import local_podman_env
@@ -103,6 +103,7 @@ def test_prune_removes_each_built_image_after_its_verdict_and_a_rerun_keeps_the_
     names = {t.instance_id: f"localhost/swectl-test-prune-{os.getpid()}-{i}:latest" for i, t in enumerate(tasks)}
     built: list[str] = []
     alive: set[str] = set()
+    last: list[bool] = []
     most_alive = 0
 
     def build(task: Task) -> InstanceOutcome:
@@ -113,9 +114,10 @@ def test_prune_removes_each_built_image_after_its_verdict_and_a_rerun_keeps_the_
         most_alive = max(most_alive, len(alive))
         return InstanceOutcome(instance_id=task.instance_id, status="built", image=names[task.instance_id])
 
-    def prune(outcome: InstanceOutcome) -> None:
+    def prune(outcome: InstanceOutcome, environment_done: bool) -> None:
         assert remove_instance_image(outcome.image)
         alive.discard(outcome.instance_id)
+        last.append(environment_done)
 
     config = load_config(None)
     out = tmp_path / "out"
@@ -125,6 +127,9 @@ def test_prune_removes_each_built_image_after_its_verdict_and_a_rerun_keeps_the_
                                                   progress=False))
         assert report.validated == 3 and sorted(built) == sorted(names)
         assert not alive and most_alive <= 2  # jobs + 1
+        # the three bundled tasks share one environment: it is done with the last one judged
+        assert {environment_key(t) for t in tasks} == {environment_key(tasks[0])} and last == [False, False, True]
+        assert sorted((out / "built.txt").read_text().split()) == sorted(names.values())
         assert all(image_id(name) is None for name in names.values())  # really gone from podman
         grades = (out / "grades.jsonl").read_bytes()
         built.clear()
@@ -133,6 +138,20 @@ def test_prune_removes_each_built_image_after_its_verdict_and_a_rerun_keeps_the_
         assert built == [] and (out / "grades.jsonl").read_bytes() == grades
         assert [v.instance_id for v in again.instances] == [v.instance_id for v in report.instances]
         assert again.versions == report.versions
+
+        # a run cut off after a build, before its verdict: the rerun finds the image up to date ("cached") and,
+        # as this --out built it (built.txt), prunes it; an image this --out did not build is never pruned
+        cut = tmp_path / "cut"
+        cut.mkdir()
+        (cut / "built.txt").write_text(names[tasks[0].instance_id] + "\n")
+
+        def cached(task: Task) -> InstanceOutcome:
+            podman("tag", task.image, names[task.instance_id])
+            return InstanceOutcome(instance_id=task.instance_id, status="cached", image=names[task.instance_id])
+
+        alive.update(t.instance_id for t in tasks[:2])
+        anyio.run(lambda: validate_tasks(config, tasks[:2], cut, build=cached, runs=1, prune=prune, progress=False))
+        assert image_id(names[tasks[0].instance_id]) is None and image_id(names[tasks[1].instance_id])
     finally:
         for name in names.values():
             podman("rmi", "-f", name)
