@@ -169,7 +169,13 @@ def _validate(args: argparse.Namespace) -> int:
     from swectl.cli.eval import select_tasks
     from swectl.errors import ConfigError
     from swectl.eval.validate import format_validation, pick_per_version, validate_tasks, write_validation
-    from swectl.images.instance import InstanceOutcome, build_one, prune_unused_base_images, remove_instance_image
+    from swectl.images.instance import (
+        InstanceOutcome,
+        build_one,
+        prune_unused_base_images,
+        remove_base_image,
+        remove_instance_image,
+    )
     from swectl.images.names import ImageResolver
     from swectl.images.wheels import check_date_policy
     from swectl.logs import write_run_log
@@ -206,8 +212,9 @@ def _validate(args: argparse.Namespace) -> int:
         # the environment's images go with its last task (the Python images stay: a few, shared by every
         # environment of their Python)
         removed = [outcome.image] if remove_instance_image(outcome.image) else []
-        if environment_done:
-            removed += prune_unused_base_images(("env", "apt"))
+        if environment_done and outcome.env and remove_base_image(outcome.env):  # its own, not a sweep: another
+            removed.append(outcome.env)  # environment's image may be under a build that has no name yet
+            removed += prune_unused_base_images(("apt",))  # never forced: one under a build stays
         say(f"{outcome.instance_id}: pruned {', '.join(removed) or 'nothing'}")
 
     say(f"validating {len(tasks)} tasks: gold x{args.runs} and empty, {args.jobs} build(s) and "

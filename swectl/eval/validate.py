@@ -36,7 +36,7 @@ rows of every environment, grouped so that an environment's rows are built one a
 image this ``--out`` built (``built.txt``) is removed once its task's verdict is made, and the environment's own
 images once its last task's verdict is, at most ``jobs + 1`` images wait for their gradings, and a rerun with the
 same ``--out`` keeps the verdicts already made (their images are gone) instead of building them again; a verdict of
-``infra`` is made again.
+``infra`` or ``build_failed`` (a full disk, a download that failed, a fix to the builder) is made again.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ MISSING_LIBRARY = re.compile(
     r"([\w.+-]+\.so[\w.]*): cannot open shared object file|(\w+) library not found|cannot load library '([^']+)'|"
     r"Library not loaded: (\S+)|Could not find (?:the )?(\w+) (?:shared )?library", re.IGNORECASE)
 LOG_TAIL_BYTES = 4 << 20  # of a test log read for markers
+RETRIED_ON_RESUME = ("infra", "build_failed")  # the verdicts a rerun makes again (with prune; the rest stand)
 
 
 class GradeRecord(msgspec.Struct, kw_only=True):
@@ -388,7 +389,7 @@ async def validate_tasks(
     if prune is not None:  # their images were pruned: the verdicts made stand (but infrastructure is tried again)
         wanted = {t.instance_id for t in tasks}
         verdicts = {i: v for i, v in load_verdicts(out / "verdicts.jsonl").items() if i in wanted and
-                    v.reason != "infra"}
+                    v.reason not in RETRIED_ON_RESUME}
         for v in verdicts.values():
             if bar:
                 bar.advance("validated" if v.valid else v.reason or "?")

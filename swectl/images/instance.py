@@ -613,9 +613,16 @@ def prune_unused_base_images(kinds: tuple[str, ...] = BASE_KINDS) -> list[str]:
     for kind in (k for k in BASE_KINDS if k in kinds):
         in_use = _ancestors_of_named_images()
         for name, _inst in _labelled(kind):
-            if image_id(name) not in in_use and remove_instance_image(name):
+            if image_id(name) not in in_use and remove_base_image(name):
                 removed.append(name)
     return removed
+
+
+def remove_base_image(image: str) -> bool:
+    """Remove an environment, apt or Python image, never forced: podman refuses one that a build in progress
+    stands on (a build container uses it; its child has no name yet), which a forced removal would pull from
+    under the build ("layer not known"). Whether it was removed."""
+    return run_local_podman("rmi", image, timeout=300, check=False).exit_code == 0
 
 
 def _ancestors_of_named_images() -> set[str]:
