@@ -1,48 +1,47 @@
 """`just experiment prm`: process rewards on this CPU machine, end to end, with a judge that was trained to judge.
 
 An untrained tiny model never writes ``\\boxed{...}``, so a PRM run with it only shows that unparseable votes are
-counted. This suite makes a judge whose votes mean something and measures them:
+counted. This suite makes a judge whose votes mean something and measures them. The run is the recipe
+experiments/recipes/prm.toml (`swectl up --recipe`, through benchmarks/recipe_run.py):
 
-1. judge data: ``swectl data judge`` over recorded episodes of the learning demo (``--judge-data``: run folders of
-   `swectl eval --model` on the train split), labelling the steps the outcome settles (swectl/data/judge.py);
-2. the judge: SFT (`swectl up`, train.algorithm = "sft") of ``--judge-base`` on that data;
-3. a GRPO run with ``[reward.prm]`` served by that judge as its own engine group, the demo's settings otherwise;
-4. the judge read back: its statistics (steps, votes, unparseable answers, failures: the run's prm/* metrics and
+1. judge data: ``swectl data judge`` over recorded episodes (``--judge-data``: run folders of `swectl eval` on the
+   train split, e.g. a first run's eval-sft), labelling the steps the outcome settles (swectl/data/judge.py);
+2. the judge: SFT of ``--judge-base`` on that data;
+3. a GRPO run with ``[reward.prm]`` served by that judge as its own engine group, the first run's episode settings;
+4. the judge read back here: its statistics (steps, votes, unparseable answers, failures: the run's prm/* metrics and
    every traj.json's ``step_judgements``) and its agreement with the labels the outcome rules give the run's own
    (fresh, unseen) episodes: a step the judge scores > 0 against a good label, < 0 against a bad one.
 
-Writes ``benchmarks/results/prm.json`` (one entry per GRPO run, keyed ``<work>:<run>``; ``--tag`` and ``--grpo-set``
-make another run with the same judge, e.g. asynchronous with per-step samples) and keeps the run folders under
-``--work``.
+Writes ``benchmarks/results/prm.json`` (one entry per run, keyed ``<work>:grpo-prm[-<tag>]``) and keeps the run
+folder (``--work``; with ``--tag``, ``<work>-<tag>``). ``--judge WEIGHTS`` reuses a judge trained before (the
+recipe's judge phases dropped) and ``--grpo-set`` changes the GRPO phase alone, e.g. asynchronous with per-step
+samples.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgspec
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks' host_meta
+sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks' host_meta and recipe runner
 sys.path.insert(0, str(REPO / "experiments"))
 
+import recipe_run  # noqa: E402
 from common import host_meta  # noqa: E402
 
 from swectl.agent.loop import Episode  # noqa: E402
-from swectl.config import apply_override  # noqa: E402
+from swectl.cli.phases import JUDGE_DATA_FILE  # noqa: E402
 from swectl.data.judge import step_labels  # noqa: E402
 from swectl.data.trajectories import META_FILE, read_meta  # noqa: E402
 from swectl.rl.prm import StepJudgement  # noqa: E402
-from swectl.train import recipe as recipes  # noqa: E402
 from swectl.train.checkpoint import latest_checkpoint  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "prm.json"
-SWECTL = [sys.executable, "-m", "swectl.cli.main"]
 
 
 class _Traj(msgspec.Struct):
@@ -56,34 +55,30 @@ def say(message: str) -> None:
     print(f"prm: {message}", file=sys.stderr, flush=True)
 
 
-def swectl(argv: list[str], what: str) -> None:
-    say(f"{what}: swectl {' '.join(argv)}")
-    if subprocess.run([*SWECTL, *argv]).returncode != 0:
-        raise SystemExit(f"prm: {what} failed")
-
-
-def first_run_episodes() -> dict[str, object]:
-    """The first run's episode settings (its overlay's [rollout] and [env_pool]: step limit, tokens, context,
-    prompts), as a nested table: this suite's GRPO plays its episodes the same way."""
-    first = recipes.load("first-run", {})
-    overlay = recipes.fill(first.file.config, first.vars, "config")
-    return {key: overlay[key] for key in ("rollout", "env_pool")}
-
-
-def up(work: Path, run_id: str, document: dict[str, object]) -> Path:
-    """One `swectl up` run of the config ``document`` (a nested overlay) in ``work/run_id`` (resumed, or left as it
-    is, when it has a checkpoint); its final weights."""
-    folder = work / run_id
-    if (folder / "checkpoints" / "latest").exists():
-        steps = document["train"]["steps"]  # type: ignore[index]
-        swectl(["up", "--resume", str(folder), "--steps", str(steps)], f"train {run_id}")
-    else:
-        swectl(["up", "--recipe", "train", *recipes.set_flags({"out_dir": str(work), "run_id": run_id, **document})],
-               f"train {run_id}")
-    latest = latest_checkpoint(folder)
+def final_weights(phase_dir: Path) -> Path:
+    latest = latest_checkpoint(phase_dir)
     if latest is None:
-        raise SystemExit(f"prm: {folder} ended without a checkpoint")
+        raise SystemExit(f"prm: {phase_dir} ended without a checkpoint")
     return Path(latest[1].weights)
+
+
+def derived_lines(judge: Path | None, grpo_sets: list[str]) -> list[str]:
+    """The TOML lines of a recipe extending prm.toml: its judge phases dropped for a judge trained before, and the
+    GRPO phase's own config keys (``KEY=VALUE``, values as TOML)."""
+    lines: list[str] = []
+    if judge is not None:
+        lines.append('drop = ["judge-data", "judge"]')
+    if judge is None and not grpo_sets:
+        return lines
+    lines += ["[[phase]]", 'name = "grpo-prm"', *(["after = []"] if judge is not None else []), "[phase.config]"]
+    if judge is not None:
+        lines.append(f"reward.prm.model = {json.dumps(str(judge))}")
+    for item in grpo_sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"prm: --grpo-set wants KEY=VALUE, got {item!r}")
+        lines.append(f"{key.strip()} = {value.strip()}")
+    return lines
 
 
 def agreement(run_dir: Path) -> dict[str, object]:
@@ -150,14 +145,16 @@ def prm_metrics(run_dir: Path) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, default=Path("runs/prm"), help="folder for the data and every run")
+    parser.add_argument("--work", type=Path, default=Path("runs/prm"), help="the run folder (default runs/prm)")
     parser.add_argument("--tasks", type=Path, required=True,
-                        help="the train split the episodes ran on (the learning demo's WORK/train.jsonl)")
+                        help="the train split the episodes ran on (a first run's RUN/train.jsonl)")
     parser.add_argument("--judge-data", type=Path, nargs="+", required=True, metavar="RUN",
-                        help="run folders of episodes to label (e.g. the demo's eval-sft)")
-    parser.add_argument("--policy", type=Path, required=True, help="the GRPO start: the demo's SFT weights folder")
+                        help="run folders of episodes to label (e.g. a first run's eval-sft)")
+    parser.add_argument("--policy", type=Path, required=True, help="the GRPO start: e.g. a first run's SFT weights")
     parser.add_argument("--judge-base", type=Path, default=None,
                         help="the model the judge is fine-tuned from (default: --policy)")
+    parser.add_argument("--judge", type=Path, default=None, metavar="WEIGHTS",
+                        help="a judge trained before (its weights folder): the judge phases are left out")
     parser.add_argument("--judge-steps", type=int, default=150)
     parser.add_argument("--judge-lr", type=float, default=1e-3)
     parser.add_argument("--grpo-steps", type=int, default=4)
@@ -165,53 +162,42 @@ def main() -> int:
     parser.add_argument("--step-coef", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="more `swectl up --set` overrides of the GRPO run (e.g. train.sampling.max_staleness=1, "
-                        "train.sampling.sample_mode='\"step\"', experiment.step_score_advantage=0.5)")
-    parser.add_argument("--tag", default="", help="suffix of the GRPO run folder and of the results key")
+                        help="a config key of the GRPO phase alone (values as TOML; e.g. "
+                        "train.sampling.max_staleness=1, train.sampling.sample_mode='\"step\"', "
+                        "experiment.step_score_advantage=0.5)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a `swectl up --set` of every phase (recipe.NAME=VALUE: one of prm.toml's vars)")
+    parser.add_argument("--tag", default="", help="suffix of the run folder and of the results key")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     work = args.work.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-
-    t0 = time.monotonic()
-    data = work / "judge.jsonl"
-    if not data.exists():
-        swectl(["data", "judge", *map(str, args.judge_data), "--tasks", str(args.tasks), "--out", str(data)],
-               "judge data")
-    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    if args.tag:
+        work = work.with_name(f"{work.name}-{args.tag}")
+    recipe = recipe_run.derived(work.parent / f"{work.name}.recipe.toml", "prm",
+                                derived_lines(args.judge.resolve() if args.judge else None, args.grpo_set))
+    vars_ = {"tasks": str(args.tasks.resolve()), "judge_data": [str(p.resolve()) for p in args.judge_data],
+             "policy": str(args.policy.resolve()), "judge_base": str((args.judge_base or args.policy).resolve()),
+             "judge_steps": args.judge_steps, "judge_lr": args.judge_lr, "grpo_steps": args.grpo_steps,
+             "samples": args.samples, "step_coef": args.step_coef, "seed": args.seed}
+    summary = recipe_run.run(recipe, work, [*recipe_run.var_sets(vars_), *args.sets], say)
+    grpo = final_weights(work / "grpo-prm")
+    judge = args.judge or final_weights(work / "judge")
+    data = work / "judge-data" / JUDGE_DATA_FILE
+    rows = [json.loads(line) for line in data.read_text().splitlines()] if args.judge is None else []
     labels = {"good": sum(r["label"] > 0 for r in rows), "bad": sum(r["label"] < 0 for r in rows)}
-    judge = up(work, "judge", {"train": {
-        "algorithm": "sft", "model": str(args.judge_base or args.policy), "steps": args.judge_steps,
-        "data": {"sft_data": [str(data)], "sft_batch_size": 8}, "seed": args.seed, "save_every": args.judge_steps,
-        "optim": {"lr": args.judge_lr, "warmup_steps": 3, "schedule": "constant"}}})
-    timings["judge_sft_s"] = time.monotonic() - t0
-
-    extra: dict[str, object] = {}
-    for item in args.grpo_set:  # values parse as TOML, as `swectl up --set` takes them
-        if "=" not in item:
-            parser.error(f"--grpo-set wants KEY=VALUE, got {item!r}")
-        apply_override(extra, item)
     run_id = "grpo-prm" + (f"-{args.tag}" if args.tag else "")
-    t0 = time.monotonic()
-    grpo = up(work, run_id, recipes.merge(recipes.merge(first_run_episodes(), {
-        "train": {"algorithm": "grpo", "model": str(args.policy), "steps": args.grpo_steps, "seed": args.seed,
-                  "concurrency": 8, "save_every": 0, "data": {"tasks": str(args.tasks), "test_fraction": 0.0},
-                  "optim": {"lr": 2e-4}, "sampling": {"tasks_per_step": 4, "n_samples": 4, "max_sampling_rounds": 1},
-                  "loss": {"mask_truncated": True, "mask_format_errors": True}},
-        "reward": {"prm": {"enabled": True, "model": str(judge), "samples": args.samples,
-                           "step_coef": args.step_coef, "max_tokens": 16}}}), extra))
-    timings["grpo_prm_s"] = time.monotonic() - t0
-
     result = {"settings": json.loads(json.dumps(vars(args), default=str)),  # Paths as strings
+              "recipe": "experiments/recipes/prm.toml", "vars": summary.vars,
               "judge_data": {"rows": len(rows), **labels}, "judge_weights": str(judge), "grpo_weights": str(grpo),
-              "judge": agreement(work / run_id), "curve": prm_metrics(work / run_id),
-              "timings_s": {k: round(v, 1) for k, v in timings.items()}, "meta": host_meta()}
+              "judge": agreement(work / "grpo-prm"), "curve": prm_metrics(work / "grpo-prm"),
+              "timings_s": {"judge_sft_s": summary.phases_s.get("judge"),
+                            "grpo_prm_s": summary.phases_s.get("grpo-prm")},
+              "phases_s": summary.phases_s, "meta": host_meta()}
     args.results.parent.mkdir(parents=True, exist_ok=True)
     report = json.loads(args.results.read_text()) if args.results.exists() else {}
     report.setdefault("suite", "prm")
-    report.setdefault("runs", {})[f"{work.name}:{run_id}"] = result  # one file, one entry per run
-    report["latest"] = f"{work.name}:{run_id}"
+    report.setdefault("runs", {})[f"{args.work.name}:{run_id}"] = result  # one file, one entry per run
+    report["latest"] = f"{args.work.name}:{run_id}"
     args.results.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(result["judge"], indent=1))
     say(f"wrote {args.results}")

@@ -40,6 +40,26 @@ def test_every_bundled_and_suite_recipe_checks_against_the_config() -> None:
         assert set(check(recipe, RUN, [])) == {p.name for p in recipe.file.phase}, path
 
 
+def test_the_prm_recipe_labels_episodes_trains_a_judge_and_serves_it_to_grpo() -> None:
+    """experiments/recipes/prm.toml: a judge-data phase is `swectl data judge RUNS... --out FOLDER/judge.jsonl`, the
+    judge trains on that file, and the GRPO phase's [reward.prm] serves the judge's final weights from the policy,
+    with the first run's episode settings and no split held out."""
+    recipe = recipes.load("experiments/recipes/prm.toml", {"tasks": "/d/train.jsonl", "judge_data": ["/a", "/b"],
+                                                           "policy": "/sft/w", "judge_steps": 7})
+    commands = check(recipe, RUN, [])
+    assert commands["judge-data"].argv == ["data", "judge", "/a", "/b", "--tasks", "/d/train.jsonl", "--out",
+                                           str(RUN / "judge-data" / "judge.jsonl")]
+    judge = _phase_config(recipe, "judge")
+    assert (judge.train.algorithm, judge.train.model, judge.train.steps) == ("sft", "/sft/w", 7)
+    assert judge.train.data.sft_data == [str(RUN / "judge-data" / "judge.jsonl")]
+    grpo = _phase_config(recipe, "grpo-prm")
+    assert (grpo.train.algorithm, grpo.train.model, grpo.reward.prm.enabled) == ("grpo", "/sft/w", True)
+    assert grpo.reward.prm.model == str(RUN / "judge" / "weights" / "final")
+    assert (grpo.train.sampling.max_staleness, grpo.train.loss.kl_coef, grpo.rollout.step_limit) == (0, 0.0, 6)
+    assert (recipe.file.split.test_fraction if recipe.file.split else None) in (0.0, "{test_fraction}")
+    assert recipe.vars["test_fraction"] == 0.0
+
+
 def test_the_first_run_file_pins_the_first_runs_settings() -> None:
     """The numbers the first run was measured with (docs/results.md), as the SFT and GRPO phases' configs get them:
     a change to first-run.toml that moves one is a new first run, and its results entry must say so."""

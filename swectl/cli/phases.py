@@ -53,7 +53,8 @@ from swectl.train.recipe import (
 )
 
 Say = Callable[[str], None]
-POSITIONAL = {"plot": ("run_dir",)}  # phase args that are the command's positional arguments, by kind
+POSITIONAL = {"plot": ("run_dir",), "judge-data": ("runs",)}  # args that are the command's positionals, by kind
+JUDGE_DATA_FILE = "judge.jsonl"  # what a judge-data phase writes in its folder
 
 
 class PhaseCommand(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,11 +89,13 @@ def command_of(recipe: Recipe, phase: Phase, run_dir: Path, names: dict[str, Any
             argv = ["model", "init", "--out", str(folder), *arg_flags(args)]
         case "data":
             argv = ["data", "gold", *arg_flags(args), "--out", str(folder), *sets]
+        case "judge-data":  # reads recorded episodes: no config
+            argv = ["data", "judge", *_positionals(args, "judge-data"), *arg_flags(args), "--out",
+                    str(folder / JUDGE_DATA_FILE)]
         case "eval":
             argv = ["eval", *arg_flags(args), "--out", str(folder), *sets]
         case "plot":
-            positional = [str(args.pop(key)) for key in POSITIONAL["plot"] if key in args]
-            argv = ["plot", *positional, *arg_flags(args)]
+            argv = ["plot", *_positionals(args, "plot"), *arg_flags(args)]
         case "train":
             placed = {"out_dir": str(folder.parent), "run_id": folder.name, **document}
             shown = [*(override_text(k, v) for k, v in leaves(placed)), *user_sets]  # the equivalent command
@@ -101,6 +104,15 @@ def command_of(recipe: Recipe, phase: Phase, run_dir: Path, names: dict[str, Any
             return PhaseCommand(argv=argv, overlay=placed, user_sets=list(user_sets), size=size(document))
     return PhaseCommand(argv=argv, size=size({**document, "rollout": {**document.get("rollout", {}),
                                                                        **_samples(args)}}))
+
+
+def _positionals(args: dict[str, Any], kind: str) -> list[str]:
+    """The kind's positional arguments taken out of ``args`` (a list gives one argument per item)."""
+    out: list[str] = []
+    for key in POSITIONAL[kind]:
+        value = args.pop(key, [])
+        out += [str(v) for v in (value if isinstance(value, list) else [value])]
+    return out
 
 
 def _samples(args: dict[str, Any]) -> dict[str, Any]:
@@ -246,9 +258,10 @@ async def _split(recipe: Recipe, run_dir: Path, log: Say) -> None:
     source = str(fill(spec.tasks, names, "split.tasks")) or str(BUNDLED_TASKS)
     fraction, seed = fill(spec.test_fraction, names, "split.test_fraction"), fill(spec.seed, names, "split.seed")
     split = await split_source_off_loop(source, fraction, seed, key="split.tasks", say=log)
-    if not split.train or not split.held_out:
+    if not split.train or (fraction and not split.held_out):  # test_fraction 0: nothing held out, on purpose
         raise ConfigError(f"split.test_fraction {fraction}: {len(split.train)} train and {len(split.held_out)} "
-                          f"held-out tasks of {len(split.train) + len(split.held_out)}; both splits need one")
+                          f"held-out tasks of {len(split.train) + len(split.held_out)}; both splits need one "
+                          "(test_fraction = 0 holds none out)")
     record_split(run_dir / SPLIT_FILE, split.record, settings="split.tasks, split.test_fraction or split.seed")
     for name, tasks in (("train", split.train), ("test", split.held_out)):
         (run_dir / f"{name}.jsonl").write_bytes(b"".join(msgspec.json.encode(t.row()) + b"\n" for t in tasks))
@@ -306,7 +319,7 @@ async def _drive(recipe: Recipe, phase: Phase, command: PhaseCommand, folder: Pa
             return await gold(args)
         from swectl.cli.main import command_module
 
-        run = command_module(args.command).run  # model init and plot: sync drivers, in a worker thread
+        run = command_module(args.command).run  # model init, data judge and plot: sync drivers, in a worker thread
         return await anyio.to_thread.run_sync(run, args)
 
 

@@ -8,8 +8,9 @@ A recipe is a TOML file (the bundled ones are in swectl/data/bundled/recipes/; d
 - ``[config]``: the overlay of the cluster config every phase that takes a config gets, and each ``[[phase]]``'s
   ``config``: its own overlay on top. Overlays are tables of the config's own keys with TOML's own types, checked
   against the config before any phase runs;
-- ``[[phase]]``: ``name`` (its folder in the run folder), ``kind`` (``model``, ``data``, ``train``, ``eval``,
-  ``plot``: which swectl command it is), ``after`` (the phases it waits for: phases whose ``after`` have finished
+- ``[[phase]]``: ``name`` (its folder in the run folder), ``kind`` (``model``, ``data`` (``data gold``),
+  ``judge-data`` (``data judge``, writing ``judge.jsonl`` in its folder), ``train``, ``eval``, ``plot``: which swectl
+  command it is), ``after`` (the phases it waits for: phases whose ``after`` have finished
   run at once, siblings in one task group), ``args`` (the command's own flags), ``output`` (``log``: its output goes
   to ``NAME.log`` in the run folder, for a phase beside another);
 - ``[report]``: which eval phases are the readings summary.json and the closing table show, and the gain between
@@ -46,7 +47,7 @@ RECIPE_FILE = "recipe.json"  # the resolved recipe of a run folder (a resumed ru
 PHASES_FILE = "phases.json"  # the finished phases of a run folder: seconds, command line, weights
 SUMMARY_FILE = "summary.json"
 LOG_FILE = "swectl.log"
-Kind = Literal["model", "data", "train", "eval", "plot"]
+Kind = Literal["model", "data", "judge-data", "train", "eval", "plot"]
 # the settings whose product is a phase's size, for scaling an earlier run's seconds to this recipe's numbers
 SIZE_KEYS = (("train", "steps"), ("train", "data", "sft_batch_size"), ("train", "sampling", "tasks_per_step"),
              ("train", "sampling", "n_samples"), ("rollout", "samples"))
