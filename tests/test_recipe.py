@@ -387,3 +387,31 @@ def test_a_train_phases_logged_command_gives_the_config_its_driver_gets() -> Non
             assert resolved_json(from_line) == resolved_json(commands[phase.name].config(recipe.file.base or None))
             compared += 1
     assert compared >= 5
+
+
+def test_a_data_or_eval_phases_logged_command_gives_the_config_its_driver_gets() -> None:
+    """Data and eval phases get the overlay as values too (args.config_overlay, beside their own flags); their logged
+    line carries it as --sets, and parsed as a user would run it gives the same config."""
+    from swectl.cli.common import load_run_config
+    from swectl.cli.eval import rollout_overrides
+    from swectl.cli.phases import _parse
+    from swectl.config import resolved_json
+
+    paths = [*sorted(recipes.RECIPES_DIR.glob("*.toml")), *SUITE_RECIPES]
+    compared = 0
+    for path in paths:
+        recipe = recipes.load(str(path), {})
+        commands = check(recipe, RUN, ["rollout.step_limit=5"])
+        for phase in recipe.file.phase:
+            if phase.kind not in ("data", "eval"):
+                continue
+            command = commands[phase.name]
+            line, driver = _parse(command.argv), _parse(command.flags)
+            assert line.config_overlay is None and command.overlay  # the values travel beside the flags
+            assert driver.overrides == ["rollout.step_limit=5"] and line.overrides[-1] == "rollout.step_limit=5"
+            extra = rollout_overrides(line) if phase.kind == "eval" else []
+            from_line = load_run_config(line.config, [*line.overrides, *extra])
+            by_value = load_run_config(driver.config, [*driver.overrides, *extra], command.overlay)
+            assert resolved_json(from_line) == resolved_json(by_value), (path, phase.name)
+            compared += 1
+    assert compared >= 10

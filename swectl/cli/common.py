@@ -75,6 +75,8 @@ def config_args(parser: argparse.ArgumentParser, *, required: bool = False) -> N
         help="override a config value, e.g. --set env_pool.warm=8 or --set nodes.0.max_running=64 "
         "(values parse as TOML; repeatable)",
     )
+    # a recipe phase's overlay of the config, as values (swectl/cli/phases.py): on the file, under the --sets
+    parser.set_defaults(config_overlay=None)
 
 
 def load_run_config(path: str | Path | None, overrides: list[str],

@@ -279,7 +279,7 @@ async def gold(args: argparse.Namespace) -> int:
     from swectl.logs import write_run_log
     from swectl.model.tokenizer import load_tokenizer
 
-    config = load_run_config(args.config, args.overrides)
+    config = load_run_config(args.config, args.overrides, args.config_overlay)
     tokenizer = load_tokenizer(args.model, "--model")
     from swectl.images.harbor import with_harbor_prepared
 

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def drive(args: argparse.Namespace) -> int:
     """`swectl eval` inside a running event loop (``run`` is this under ``anyio.run``; a recipe's phases await it)."""
-    config = load_run_config(args.config, [*args.overrides, *rollout_overrides(args)])
+    config = load_run_config(args.config, [*args.overrides, *rollout_overrides(args)], args.config_overlay)
     agent = bool(args.model or args.endpoint or args.openai_url)
     settings = _agent_settings(args, config) if agent else None
     if settings is not None and settings.mode != "openai":

@@ -58,11 +58,13 @@ JUDGE_DATA_FILE = "judge.jsonl"  # what a judge-data phase writes in its folder
 
 
 class PhaseCommand(msgspec.Struct, frozen=True, kw_only=True):
-    """A phase as a swectl command: its command line (what a model, data, eval or plot phase runs: parsed by
-    swectl's own parser; for a train phase only what the log shows), and for a train phase the config its driver
-    is given as values: the recipe's overlay (with out_dir and run_id), then the user's ``--set``s."""
+    """A phase as a swectl command: its command line as the log shows it (the recipe's overlay as ``--set`` flags:
+    the same run when copied), what its driver is given (``flags``: the command's own flags and the user's
+    ``--set``s, parsed by swectl's own parser; a train phase has none), and the config as values: the recipe's
+    overlay (a train phase's with out_dir and run_id), then the user's ``--set``s."""
 
     argv: list[str]
+    flags: list[str] = []
     overlay: dict[str, Any] = {}
     user_sets: list[str] = []  # KEY=VALUE
     size: float = 1.0
@@ -83,27 +85,27 @@ def command_of(recipe: Recipe, phase: Phase, run_dir: Path, names: dict[str, Any
     folder = phase.path(run_dir)
     args = fill(phase.args, names, f"{phase.name}.args")
     document = overlay(recipe, phase, names)
-    sets = [*set_flags(document), *[x for s in user_sets for x in ("--set", s)]]
+    base = [recipe.file.base] if recipe.file.base else []
+    user = [x for s in user_sets for x in ("--set", s)]
+    if phase.kind in ("data", "eval"):  # the overlay by value; the logged line shows it as --sets
+        head = ["data", "gold"] if phase.kind == "data" else ["eval"]
+        flags = [*head, *base, *arg_flags(args), "--out", str(folder)]
+        return PhaseCommand(argv=[*flags, *set_flags(document), *user], flags=[*flags, *user], overlay=document, user_sets=list(user_sets),
+                            size=size({**document, "rollout": {**document.get("rollout", {}), **_samples(args)}}))
     match phase.kind:
         case "model":
             argv = ["model", "init", "--out", str(folder), *arg_flags(args)]
-        case "data":
-            argv = ["data", "gold", *arg_flags(args), "--out", str(folder), *sets]
         case "judge-data":  # reads recorded episodes: no config
             argv = ["data", "judge", *_positionals(args, "judge-data"), *arg_flags(args), "--out",
                     str(folder / JUDGE_DATA_FILE)]
-        case "eval":
-            argv = ["eval", *arg_flags(args), "--out", str(folder), *sets]
         case "plot":
             argv = ["plot", *_positionals(args, "plot"), *arg_flags(args)]
         case "train":
             placed = {"out_dir": str(folder.parent), "run_id": folder.name, **document}
             shown = [*(override_text(k, v) for k, v in leaves(placed)), *user_sets]  # the equivalent command
-            base = [recipe.file.base] if recipe.file.base else ["--recipe", "train"]
-            argv = ["up", *base, *[x for s in shown for x in ("--set", s)]]
+            argv = ["up", *(base or ["--recipe", "train"]), *[x for s in shown for x in ("--set", s)]]
             return PhaseCommand(argv=argv, overlay=placed, user_sets=list(user_sets), size=size(document))
-    return PhaseCommand(argv=argv, size=size({**document, "rollout": {**document.get("rollout", {}),
-                                                                       **_samples(args)}}))
+    return PhaseCommand(argv=argv, flags=argv, size=size(document))
 
 
 def _positionals(args: dict[str, Any], kind: str) -> list[str]:
@@ -142,9 +144,10 @@ def check(recipe: Recipe, run_dir: Path, user_sets: list[str]) -> dict[str, Phas
         if phase.kind == "train":
             command.config(base)
         else:
-            args = _parse(command.argv)
+            args = _parse(command.flags)
             if phase.kind in ("data", "eval"):
-                load_run_config(base, [*args.overrides, *(rollout_overrides(args) if phase.kind == "eval" else [])])
+                load_run_config(base, [*args.overrides, *(rollout_overrides(args) if phase.kind == "eval" else [])],
+                                command.overlay)
         commands[phase.name] = command
     return commands
 
@@ -308,7 +311,8 @@ async def _drive(recipe: Recipe, phase: Phase, command: PhaseCommand, folder: Pa
 
             await train(command.config(recipe.file.base or None), folder, resume=resume, say=say)
             return 0
-        args = _parse(command.argv)
+        args = _parse(command.flags)
+        args.config_overlay = command.overlay or None  # data and eval: the overlay as values
         if phase.kind == "eval":
             from swectl.cli.eval import drive
 
