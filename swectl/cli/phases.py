@@ -90,7 +90,8 @@ def command_of(recipe: Recipe, phase: Phase, run_dir: Path, names: dict[str, Any
     if phase.kind in ("data", "eval"):  # the overlay by value; the logged line shows it as --sets
         head = ["data", "gold"] if phase.kind == "data" else ["eval"]
         flags = [*head, *base, *arg_flags(args), "--out", str(folder)]
-        return PhaseCommand(argv=[*flags, *set_flags(document), *user], flags=[*flags, *user], overlay=document, user_sets=list(user_sets),
+        return PhaseCommand(argv=[*flags, *set_flags(document), *user], flags=[*flags, *user], overlay=document,
+                            user_sets=list(user_sets),
                             size=size({**document, "rollout": {**document.get("rollout", {}), **_samples(args)}}))
     match phase.kind:
         case "model":
