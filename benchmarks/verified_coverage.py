@@ -38,9 +38,9 @@ from swectl.eval.validate import (
 )
 
 DEFAULT_TASKS = Path(__file__).resolve().parents[2] / "shared" / "data" / "swe_bench_verified.jsonl"
-UNREACHABLE = {  # repositories whose mirrors exceed the fetch limit (500 MB) here: no clone, no image
-    "matplotlib/matplotlib": "its mirror exceeds the 500 MB fetch limit",
-    "scikit-learn/scikit-learn": "its mirror exceeds the 500 MB fetch limit",
+UNREACHABLE = {  # repositories whose mirrors exceed the fetch limit here (524,288,000 bytes): no clone, no image
+    "matplotlib/matplotlib": "its mirror (872,960,000 bytes) exceeds the fetch limit (524,288,000; 2026-12-07)",
+    "scikit-learn/scikit-learn": "its mirror (788,428,800 bytes) exceeds the fetch limit (524,288,000; 2026-12-07)",
 }
 GOAL_GOLD_FRAC = 0.98
 TOP_ENVIRONMENTS = 10
