@@ -11,7 +11,8 @@ The validation runs that feed it (resumable: the same --out again keeps the verd
 Per environment: the dataset's rows, the rows validated here (built, gold resolved, empty resolved, validated, the
 reasons), the seconds a task took (build plus gradings), and each row's verdict. Environments of repositories whose
 clones cannot be brought here are listed apart (UNREACHABLE). The goals checked: gold resolves on >= 98% of the
-built rows of every repository, empty on none, and the ten environments with the most Verified rows at 100%.
+built rows of every repository, empty on none, and the ten environments with the most Verified rows at 100%; and
+no gold patch graded tampered (a false positive of the grader's defences).
 A row validated by several folders keeps the verdict of the folder given last.
 """
 
@@ -107,6 +108,8 @@ def goals(rows: list[CoverageRow], verdicts: list[InstanceValidation]) -> dict[s
         "repos_below_goal": sorted(repo for repo, s in report.repos.items()
                                    if s.built and s.gold_resolved_frac < GOAL_GOLD_FRAC),
         "empty_resolved": report.overall.empty_resolved,
+        # a gold patch the grader's defences call tampered is a false positive of theirs (issue 56, part 4)
+        "gold_tampered": sorted(v.instance_id for v in verdicts if "tampered" in v.gold),
         "top_environments": {r.environment: (r.validated.gold_resolved_frac if r.validated else None) for r in top},
     }
 
