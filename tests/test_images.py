@@ -139,3 +139,33 @@ def test_short_names_are_qualified_like_docker() -> None:
     assert qualify_image("mirror.local:5000/sweb/x") == "mirror.local:5000/sweb/x"
     assert qualify_image("quay.io/a/b:1") == "quay.io/a/b:1"
     assert qualify_image("plain") == "plain"
+
+
+def test_listing_images_is_tried_again_when_an_image_vanishes_while_podman_lists(monkeypatch: Any) -> None:
+    """`podman images -a` exits 125 ("image not known") when a build or another removal changes the store while it
+    lists: a validation run with --prune died of it (pylint, 2026-12-07). The listing is tried again; a failure
+    that stays is still raised."""
+    from swectl.errors import CommandError
+    from swectl.images import instance
+    from swectl.schema import CommandOutput
+
+    calls: list[bool] = []
+
+    def flaky(*args: str, check: bool = True, **_: Any) -> CommandOutput:
+        calls.append(check)
+        if len(calls) == 1:
+            return CommandOutput(exit_code=125, stdout=b"", stderr=b"Error: image not known")
+        return CommandOutput(exit_code=0, stdout=b'[{"Id": "a", "Names": ["x"], "ParentId": "p"}]', stderr=b"")
+
+    monkeypatch.setattr(instance, "run_local_podman", flaky)
+    monkeypatch.setattr(instance.time, "sleep", lambda s: None)
+    assert instance._ancestors_of_named_images() == {"p"} and calls == [False, False]
+
+    def broken(*args: str, check: bool = True, **_: Any) -> CommandOutput:
+        if check:
+            raise CommandError("local", ["podman", *args], 125, "image not known")
+        return CommandOutput(exit_code=125, stdout=b"", stderr=b"image not known")
+
+    monkeypatch.setattr(instance, "run_local_podman", broken)
+    with pytest.raises(CommandError):
+        instance._all_images()

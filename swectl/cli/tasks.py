@@ -167,7 +167,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     from swectl.cli.common import load_task_set, output_dir
     from swectl.cli.eval import select_tasks
-    from swectl.errors import ConfigError
+    from swectl.errors import ConfigError, SwectlError
     from swectl.eval.validate import format_validation, pick_per_version, validate_tasks, write_validation
     from swectl.images.instance import (
         InstanceOutcome,
@@ -210,11 +210,16 @@ def _validate(args: argparse.Namespace) -> int:
 
     def prune(outcome: InstanceOutcome, environment_done: bool) -> None:
         # the environment's images go with its last task (the Python images stay: a few, shared by every
-        # environment of their Python)
-        removed = [outcome.image] if remove_instance_image(outcome.image) else []
-        if environment_done and outcome.env and remove_base_image(outcome.env):  # its own, not a sweep: another
-            removed.append(outcome.env)  # environment's image may be under a build that has no name yet
-            removed += prune_unused_base_images(("apt",))  # never forced: one under a build stays
+        # environment of their Python). Best effort: an image left costs disk, never a verdict or the run.
+        removed: list[str] = []
+        try:
+            removed += [outcome.image] if remove_instance_image(outcome.image) else []
+            if environment_done and outcome.env and remove_base_image(outcome.env):  # its own, not a sweep:
+                removed.append(outcome.env)  # another environment's may be under a build with no name yet
+                removed += prune_unused_base_images(("apt",))  # never forced: one under a build stays
+        except SwectlError as exc:
+            say(f"{outcome.instance_id}: warning: pruning stopped ({exc}); the images left stay until "
+                "`swectl image prune --instances`")
         say(f"{outcome.instance_id}: pruned {', '.join(removed) or 'nothing'}")
 
     say(f"validating {len(tasks)} tasks: gold x{args.runs} and empty, {args.jobs} build(s) and "

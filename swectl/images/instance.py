@@ -625,11 +625,21 @@ def remove_base_image(image: str) -> bool:
     return run_local_podman("rmi", image, timeout=300, check=False).exit_code == 0
 
 
+def _all_images(tries: int = 3) -> list[dict]:
+    """``podman images -a`` as JSON. An image removed while podman lists (a build finishing, another rmi) makes it
+    exit 125 ("image not known"): listed again, up to ``tries`` times."""
+    for attempt in range(tries):
+        out = run_local_podman("images", "-a", "--format", "json", timeout=120, check=attempt == tries - 1)
+        if out.exit_code == 0:
+            return json.loads(out.stdout.decode() or "[]")
+        time.sleep(0.5 * (attempt + 1))
+    return []  # not reached: the last try raises
+
+
 def _ancestors_of_named_images() -> set[str]:
     """The full ids of every image some named image is built on (its parent chain, itself excluded). podman
     would only untag a named parent, leaving its layers and losing the name the next build looks for."""
-    out = run_local_podman("images", "-a", "--format", "json", timeout=120)
-    images = json.loads(out.stdout.decode() or "[]")
+    images = _all_images()
     parent = {i["Id"]: i.get("ParentId") or "" for i in images}
     ancestors: set[str] = set()
     for image in images:
