@@ -127,6 +127,8 @@ class MiniZygote:
                     first = await anext(lines, b"")
                 if not first.startswith(b'{"ready"'):
                     raise RuntimeError(f"mini's zygote did not start (log: {self._home / 'zygote.log'})")
+                if missing := json.loads(first).get("not_prewarmed"):  # each episode imports these itself
+                    _log.warning("mini's zygote could not import %s ahead of the episodes", ", ".join(missing))
                 task_status.started()
                 try:
                     async for line in lines:

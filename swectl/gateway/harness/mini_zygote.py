@@ -8,7 +8,8 @@ script calls, unmodified) with the request's arguments, environment and working 
 session (``setsid``), so the caller can kill its process group at a time limit.
 
 Protocol, one JSON object per line: on stdin ``{"id", "argv", "env", "cwd", "log"}`` (``log``: where the child's
-stdout and stderr go); on stdout ``{"ready": true}`` once imported, then ``{"id", "pid"}`` when a child is forked and
+stdout and stderr go); on stdout ``{"ready": true, "not_prewarmed": [...]}`` once imported (PREWARM: what mini imports
+only when an episode runs, litellm among it), then ``{"id", "pid"}`` when a child is forked and
 ``{"id", "exit"}`` when it ends (its exit status; a signal ``n`` is ``-n``). The program ends when stdin closes; its
 children are then killed.
 
@@ -81,10 +82,32 @@ def _reap() -> None:
             _say({"id": rid, "exit": os.waitstatus_to_exitcode(status)})
 
 
+# What mini imports only once an episode runs (its model, agent and environment classes, litellm under the model):
+# imported here, before any fork, so that no child pays for them. litellm alone costs seconds of CPU (docs/results.md,
+# "Figures the code relies on"). None of them starts a thread at import (checked with litellm 1.x and mini 2.4), so
+# forking after them is safe. A module that is missing is left to the child, which reports it as mini would.
+PREWARM = ("litellm", "minisweagent.models.litellm_model", "minisweagent.models.litellm_textbased_model",
+           "minisweagent.agents.default", "minisweagent.environments.local", "swectl_mini")
+
+
+def prewarm() -> list[str]:
+    """Import PREWARM; the ones that could not be imported."""
+    import importlib
+
+    missing = []
+    for name in PREWARM:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            missing.append(name)
+    return missing
+
+
 def main() -> int:
     import minisweagent.run.mini  # noqa: F401 - the import that every child then shares
 
-    _say({"ready": True})
+    missing = prewarm()
+    _say({"ready": True, "not_prewarmed": missing})
     threading.Thread(target=_reap, name="reaper", daemon=True).start()
     try:
         for line in sys.stdin:
