@@ -386,7 +386,7 @@ async def validate_tasks(
     image_ids: dict[str, str] = {}
     bar = Progress(len(tasks), "validate") if progress and tasks else None
     verdicts: dict[str, InstanceValidation] = {}  # by instance id, as each task finishes
-    if prune is not None:  # their images were pruned: the verdicts made stand (but infrastructure is tried again)
+    if prune is not None:  # their images were pruned: the verdicts made stand (RETRIED_ON_RESUME: made again)
         wanted = {t.instance_id for t in tasks}
         verdicts = {i: v for i, v in load_verdicts(out / "verdicts.jsonl").items() if i in wanted and
                     v.reason not in RETRIED_ON_RESUME}
@@ -450,9 +450,11 @@ async def validate_tasks(
                 verdicts_file.flush()
                 to_judge[environment_key(task)] -= 1
                 if prune is not None and waiting is not None:
-                    if outcome is not None and outcome.ok and outcome.image in built_here:  # never one that was there
-                        await anyio.to_thread.run_sync(prune, outcome, to_judge[environment_key(task)] == 0)
-                    waiting.release()
+                    try:
+                        if outcome is not None and outcome.ok and outcome.image in built_here:  # never one that was
+                            await anyio.to_thread.run_sync(prune, outcome, to_judge[environment_key(task)] == 0)
+                    finally:  # the next build goes on even if pruning failed
+                        waiting.release()
                 # the verdicts so far, for a look (or a cross-check) while a long run goes on
                 write_validation(build_validation_report(list(verdicts.values()), tasks=tasks_source, runs=runs,
                                                          elapsed_s=time.monotonic() - started), out)
