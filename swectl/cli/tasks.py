@@ -214,9 +214,11 @@ def _validate(args: argparse.Namespace) -> int:
         removed: list[str] = []
         try:
             removed += [outcome.image] if remove_instance_image(outcome.image) else []
-            if environment_done and outcome.env and remove_base_image(outcome.env):  # its own, not a sweep:
-                removed.append(outcome.env)  # another environment's may be under a build with no name yet
-                removed += prune_unused_base_images(("apt",))  # never forced: one under a build stays
+            # its own, not a sweep: another environment's may be under a build with no name yet. The apt images
+            # (shared by environments with the same apt steps) go at the end: one just built has no child until
+            # its environment's build starts, and a sweep removed it from under that build (xarray 2022.09)
+            if environment_done and outcome.env and remove_base_image(outcome.env):
+                removed.append(outcome.env)
         except SwectlError as exc:
             say(f"{outcome.instance_id}: warning: pruning stopped ({exc}); the images left stay until "
                 "`swectl image prune --instances`")
@@ -228,6 +230,12 @@ def _validate(args: argparse.Namespace) -> int:
                                               concurrency=args.concurrency, jobs=args.jobs, timeout_s=args.timeout,
                                               resolver=resolver, tasks_source=str(args.tasks),
                                               prune=prune if args.prune else None))
+    if args.prune:  # every build is over: the apt images nothing stands on any more
+        try:
+            if swept := prune_unused_base_images(("apt",)):
+                say(f"pruned {', '.join(swept)}")
+        except SwectlError as exc:
+            say(f"warning: pruning the apt images stopped ({exc})")
     print(format_validation(report, versions=bool(args.per_version)))
     for path in write_validation(report, out):
         say(f"wrote {path}")
