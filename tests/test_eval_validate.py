@@ -185,3 +185,15 @@ def test_report_has_a_row_per_environment_with_its_time_per_task(tmp_path: Path)
     path = tmp_path / "verdicts.jsonl"
     path.write_bytes(b"".join(msgspec.json.encode(v) + b"\n" for v in rows) + b'{"instance_id": "torn')
     assert load_verdicts(path) == {v.instance_id: v for v in rows}
+
+
+def test_gold_failing_on_another_python_than_the_specs_is_named_so(tmp_path: Path) -> None:
+    """Django 1.11 on the base image's 3.11 (its spec's 3.5 is not on the node): every test fails to import
+    (collections.Iterator), which is not drift of the environment's packages."""
+    warning = "spec python 3.5 is not available offline on this node (...): the venv runs python 3.11"
+    built = InstanceOutcome(instance_id=TASK.instance_id, status="built", warnings=[warning])
+    log = "ImportError: cannot import name 'Iterator' from 'collections'\n"
+    v = classify(TASK, built, [grade("unresolved", failed=("t::a",), log=log, tmp=tmp_path)], grade("unresolved"))
+    assert v.reason == "other_python" and warning in v.detail
+    plain = classify(TASK, None, [grade("unresolved", failed=("t::a",), log=log, tmp=tmp_path)], grade("unresolved"))
+    assert plain.reason == "env_drift"

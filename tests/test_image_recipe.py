@@ -13,7 +13,7 @@ import pytest
 
 from swectl.images.instance import _label_value, env_image_name, python_warning
 from swectl.images.project import ImageBuildError
-from swectl.images.pythons import find_interpreter
+from swectl.images.pythons import find_interpreter, nearest_newer_interpreter
 from swectl.images.recipe import (
     ENV_WARNINGS,
     WARNING_TAG,
@@ -191,6 +191,24 @@ def test_interpreters_are_found_by_version(monkeypatch: pytest.MonkeyPatch, tmp_
     assert find_interpreter("3.8") is None
     monkeypatch.setenv("SWECTL_PYTHONS", str(tmp_path / "3.10.2"))  # a prefix itself
     assert find_interpreter("3.10") is not None and find_interpreter("3.9") is None
+
+
+def test_a_missing_python_gets_the_nearest_newer_one_of_its_major_version(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """Django 1.11's spec says 3.5, which nothing here has offline: 3.6 (the lowest newer minor, its newest patch)
+    runs it, not the base image's 3.11; another major version never stands in."""
+    for version in ("3.6.1", "3.6.15", "3.8.18", "2.7.18"):
+        short = ".".join(version.split(".")[:2])
+        (tmp_path / version / "bin").mkdir(parents=True)
+        (tmp_path / version / "bin" / f"python{short}").write_text("")
+        (tmp_path / version / "lib" / f"python{short}").mkdir(parents=True)
+        (tmp_path / version / "lib" / f"python{short}" / "os.py").write_text("")
+    monkeypatch.setenv("SWECTL_PYTHONS", str(tmp_path))
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path / "no-pyenv"))
+    found = nearest_newer_interpreter("3.5")
+    assert found is not None and found.full_version == "3.6.15"
+    assert nearest_newer_interpreter("3.7").full_version == "3.8.18"  # type: ignore[union-attr]
+    assert nearest_newer_interpreter("3.9") is None and nearest_newer_interpreter("2.6").full_version == "2.7.18"
 
 
 def test_label_values_survive_containerfile_quoting(tmp_path: Path) -> None:

@@ -67,7 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "patch --runs times and the empty patch once, each in a fresh sandbox. Validated: gold resolves in every "
         "run and empty does not. Every other task gets one reason: build_failed (and the step), infra, timeout, "
         "gold_patch_failed, flaky (which tests), network, cpu_count, missing_library (which), "
-        "missing_dependency (which, and whether the fix imports it), env_drift (which tests) or empty_resolves. "
+        "missing_dependency (which, and whether the fix imports it), other_python (the spec's Python is not on "
+        "the node), env_drift (which tests) or empty_resolves. "
         "Writes validation.json (per task, per repository), validated.txt (the ids), image-map.json and "
         "grades.jsonl (a rerun with the same --out grades only what is missing).",
     )

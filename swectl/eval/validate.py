@@ -21,6 +21,8 @@ task gets exactly one reason (:func:`classify`, first match wins):
 - ``missing_dependency``: the same, and the tests could not import a module (``No module named``): a dependency
   the environment lacks; the detail names it and says whether the gold or the test patch imports it (a dependency
   the fix adds, which the official image, built at the environment setup commit, has);
+- ``other_python``: the same, and the image runs another Python than the spec's (none of it offline on the node:
+  the base image's 3.11, or the nearest newer one the node has); the detail quotes the build's warning;
 - ``env_drift``: gold fails the same tests every run, nothing is missing: the environment differs from the one the
   dataset's test lists were recorded in (a newer package changing behaviour; ``tests`` names them);
 - ``empty_resolves``: the empty patch resolves: the tests do not see the bug.
@@ -56,14 +58,14 @@ from swectl.actors.grader import Grader, GraderConfig, GradeResult
 from swectl.config import ClusterConfig
 from swectl.data.prepare import is_eval_set
 from swectl.eval.progress import Progress
-from swectl.images.instance import InstanceOutcome
+from swectl.images.instance import SUBSTITUTED_PYTHON, InstanceOutcome
 from swectl.images.names import ImageResolver
 from swectl.images.project import image_id
 from swectl.tasks.record import Task
 
 VALIDATION_FORMAT = 1
 Reason = Literal["build_failed", "infra", "timeout", "gold_patch_failed", "flaky", "network", "cpu_count",
-                 "missing_library", "missing_dependency", "env_drift", "empty_resolves"]
+                 "missing_library", "missing_dependency", "other_python", "env_drift", "empty_resolves"]
 GradeKind = Literal["gold", "empty"]
 
 # What a test log says when a test wanted the network (sandboxes run with none).
@@ -267,6 +269,10 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
         v.detail = (f"{first.status}{f' ({first.reason})' if first.reason else ''}: {len(first.f2p_failed)} of "
                     f"{first.f2p_total} FAIL_TO_PASS and {len(first.p2p_failed)} of {first.p2p_total} PASS_TO_PASS "
                     "tests fail")
+        python = [w for w in (build.warnings if build else []) if w.startswith(("spec python", SUBSTITUTED_PYTHON))]
+        if v.reason == "env_drift" and python:  # e.g. Django 1.11 on 3.11: collections.Iterator is gone
+            v.reason = "other_python"
+            v.detail += f"; the image runs another Python than the spec's: {python[0][:300]}"
         if v.reason == "missing_library":  # e.g. cfgrib's ecCodes without the build's apt steps
             v.detail += _missing_library_detail(logs, build)
         elif v.reason == "missing_dependency":  # e.g. cdms2 (conda-only), appdirs (pylint 2.10's gold adds it)

@@ -80,7 +80,7 @@ from swectl.images.project import (
     image_id,
     image_label,
 )
-from swectl.images.pythons import find_interpreter, python_image, search_roots
+from swectl.images.pythons import find_interpreter, nearest_newer_interpreter, python_image, search_roots
 from swectl.images.recipe import (
     WARNING_TAG,
     apt_containerfile,
@@ -274,6 +274,9 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split(".") if p.isdigit())
 
 
+SUBSTITUTED_PYTHON = "python substituted: spec python"  # a build warning's start (tasks validate reads it)
+
+
 def python_warning(spec: RepoSpec, why: str = "") -> str:
     """The warning for a row whose spec's Python the image does not get (it runs 3.11)."""
     where = ", ".join(str(r) for r in search_roots())
@@ -289,9 +292,13 @@ def _python_base(spec: RepoSpec, base: str, base_id: str, log: Path, warnings: l
     if not spec.python or spec.python == PYTHON_VERSION:
         return base, "python3", PYTHON_VERSION
     interp = find_interpreter(spec.python)
-    if interp is None:
-        warnings.append(python_warning(spec))
-        return base, "python3", PYTHON_VERSION
+    if interp is None:  # the nearest newer Python the node has, where it is older than the base image's
+        interp = nearest_newer_interpreter(spec.python)
+        if interp is None or _version_tuple(interp.version) >= _version_tuple(PYTHON_VERSION):
+            warnings.append(python_warning(spec))
+            return base, "python3", PYTHON_VERSION
+        warnings.append(f"{SUBSTITUTED_PYTHON} {spec.python} is not available offline on this node: the venv runs "
+                        f"python {interp.full_version}, the nearest newer one found (in {interp.prefix})")
     try:
         return python_image(interp, base, base_id, log), interp.executable, interp.full_version
     except ImageBuildError as exc:

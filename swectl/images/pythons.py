@@ -8,8 +8,10 @@ builds them (``$PYENV_ROOT/versions/X.Y.Z``, ``~/.pyenv/versions/X.Y.Z``) or as 
 newest patch release found for the spec's ``X.Y`` is copied into an image of its own, at the same path
 (pyenv builds find their ``libpython`` by an absolute rpath), without its stdlib tests and without its
 site-packages (machine-specific ``.pth`` files live there); the build checks it runs there (ssl, ctypes,
-sqlite3, bz2, lzma, zlib, venv). An interpreter that does not run in the base image is no interpreter: the row
-gets 3.11 and a warning. The host runs that interpreter too, to resolve sdists' dependencies with pip (pip 26
+sqlite3, bz2, lzma, zlib, venv). Where the spec's X.Y is missing, the nearest newer X.Y' the node has stands in
+(``nearest_newer_interpreter``: 3.6 for 3.5), with a warning and the image's ``swectl.python`` label saying which
+ran. An interpreter that does not run in the base image is no interpreter: the row gets 3.11 and a warning. The
+host runs that interpreter too, to resolve sdists' dependencies with pip (pip 26
 runs on 3.9 and later; older versions get wheels and lone sdists, as for any target that is not the host's).
 """
 
@@ -63,13 +65,38 @@ def _interpreter(prefix: Path, version: str) -> Interpreter | None:
     return Interpreter(version=version, full_version=prefix.name, prefix=str(prefix.resolve()))
 
 
+def _installations() -> list[Path]:
+    found: list[Path] = []
+    for root in search_roots():
+        found += [root] if _VERSION_DIR.match(root.name) else (sorted(root.iterdir()) if root.is_dir() else [])
+    return found
+
+
+def _full(interp: Interpreter) -> tuple[int, ...]:
+    return tuple(int(p) for p in interp.full_version.split("."))
+
+
 def find_interpreter(version: str) -> Interpreter | None:
     """The newest self-contained installation of Python ``version`` (X.Y) on the node, or None."""
+    found = [i for i in (_interpreter(c, version) for c in _installations()) if i is not None]
+    return max(found, key=_full, default=None)
+
+
+def nearest_newer_interpreter(version: str) -> Interpreter | None:
+    """Where the node has no Python ``version`` (X.Y): the installation of the lowest X.Y' above it in the same
+    major version (its newest patch release), or None. A project that ran on 3.5 runs on 3.6 far more often than on
+    the base image's 3.11 (Django 1.11, whose spec says 3.5: no 3.5 is reachable offline here)."""
+    major, minor = (int(p) for p in version.split(".")[:2])
     found: list[Interpreter] = []
-    for root in search_roots():
-        candidates = [root] if _VERSION_DIR.match(root.name) else (sorted(root.iterdir()) if root.is_dir() else [])
-        found += [i for i in (_interpreter(c, version) for c in candidates) if i is not None]
-    return max(found, key=lambda i: tuple(int(p) for p in i.full_version.split(".")), default=None)
+    for prefix in _installations():
+        match = _VERSION_DIR.match(prefix.name)
+        if match and int(match.group(1)) == major and int(match.group(2)) > minor:
+            interp = _interpreter(prefix, f"{match.group(1)}.{match.group(2)}")
+            found += [interp] if interp is not None else []
+    if not found:
+        return None
+    lowest = min(_full(i)[:2] for i in found)
+    return max((i for i in found if _full(i)[:2] == lowest), key=_full)
 
 
 def _ignore(prefix: Path, version: str) -> Callable[[str, list[str]], list[str]]:
