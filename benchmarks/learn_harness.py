@@ -77,8 +77,14 @@ def main() -> int:
     for seed in args.seed or [0, 1]:
         seeds.append(one_seed(args.work, seed, args.sets))
         say(json.dumps(seeds[-1]))
-    result = {"benchmark": "learn_harness", "date": time.strftime("%Y-%m-%d"), "harness": "mini-swe-agent 2.4.6",
-              "harness_config": "swectl", "recipe": RECIPE, "sets": args.sets, "seeds": seeds}
+    # the file keeps the seeds of earlier calls (and its other keys): a call with one seed replaced them all once
+    kept = json.loads(args.results.read_text()) if args.results.exists() else {}
+    ran = {s["seed"] for s in seeds}
+    earlier = [s for s in kept.get("seeds", []) if s.get("seed") not in ran]
+    for s in seeds:
+        s.update(date=time.strftime("%Y-%m-%d"), sets=args.sets)
+    result = {**kept, "benchmark": "learn_harness", "harness": "mini-swe-agent 2.4.6", "harness_config": "swectl",
+              "recipe": RECIPE, "seeds": sorted([*earlier, *seeds], key=lambda s: s["seed"])}
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=1) + "\n")
     say(f"wrote {args.results}")
