@@ -366,26 +366,30 @@ def test_a_gain_between_readings_of_one_seed_is_paired_episode_by_episode(tmp_pa
     assert paired_noise_points(before, aborted) is None  # an episode missing from one side
 
 
+def _checked_phases(kinds: tuple[str, ...], user_sets: list[str]):
+    """(recipe, phase, its checked command) for each phase of those kinds in every bundled and suite recipe."""
+    for path in [*sorted(recipes.RECIPES_DIR.glob("*.toml")), *SUITE_RECIPES]:
+        recipe = recipes.load(str(path), {})
+        commands = check(recipe, RUN, user_sets)
+        for phase in recipe.file.phase:
+            if phase.kind in kinds:
+                yield recipe, phase, commands[phase.name]
+
+
 def test_a_train_phases_logged_command_gives_the_config_its_driver_gets() -> None:
     """A train phase's driver gets the recipe's overlay as values; the `swectl up ... --set` line the run logs for
     it must give the same config, so a user who copies that line trains the same run."""
     from swectl.cli.common import load_run_config
     from swectl.config import resolved_json
 
-    paths = [*sorted(recipes.RECIPES_DIR.glob("*.toml")), *SUITE_RECIPES]
     compared = 0
-    for path in paths:
-        recipe = recipes.load(str(path), {})
-        commands = check(recipe, RUN, ["rollout.step_limit=5"])
-        for phase in recipe.file.phase:
-            if phase.kind != "train":
-                continue
-            argv = commands[phase.name].argv
-            shown = [argv[i + 1] for i, flag in enumerate(argv) if flag == "--set"]
-            assert shown[-1] == "rollout.step_limit=5"  # the user's sets come last: they win
-            from_line = load_run_config(recipe.file.base or None, shown)
-            assert resolved_json(from_line) == resolved_json(commands[phase.name].config(recipe.file.base or None))
-            compared += 1
+    for recipe, _phase, command in _checked_phases(("train",), ["rollout.step_limit=5"]):
+        argv = command.argv
+        shown = [argv[i + 1] for i, flag in enumerate(argv) if flag == "--set"]
+        assert shown[-1] == "rollout.step_limit=5"  # the user's sets come last: they win
+        from_line = load_run_config(recipe.file.base or None, shown)
+        assert resolved_json(from_line) == resolved_json(command.config(recipe.file.base or None))
+        compared += 1
     assert compared >= 5
 
 
@@ -397,21 +401,14 @@ def test_a_data_or_eval_phases_logged_command_gives_the_config_its_driver_gets()
     from swectl.cli.phases import _parse
     from swectl.config import resolved_json
 
-    paths = [*sorted(recipes.RECIPES_DIR.glob("*.toml")), *SUITE_RECIPES]
     compared = 0
-    for path in paths:
-        recipe = recipes.load(str(path), {})
-        commands = check(recipe, RUN, ["rollout.step_limit=5"])
-        for phase in recipe.file.phase:
-            if phase.kind not in ("data", "eval"):
-                continue
-            command = commands[phase.name]
-            line, driver = _parse(command.argv), _parse(command.flags)
-            assert line.config_overlay is None and command.overlay  # the values travel beside the flags
-            assert driver.overrides == ["rollout.step_limit=5"] and line.overrides[-1] == "rollout.step_limit=5"
-            extra = rollout_overrides(line) if phase.kind == "eval" else []
-            from_line = load_run_config(line.config, [*line.overrides, *extra])
-            by_value = load_run_config(driver.config, [*driver.overrides, *extra], command.overlay)
-            assert resolved_json(from_line) == resolved_json(by_value), (path, phase.name)
-            compared += 1
+    for recipe, phase, command in _checked_phases(("data", "eval"), ["rollout.step_limit=5"]):
+        line, driver = _parse(command.argv), _parse(command.flags)
+        assert line.config_overlay is None and command.overlay  # the values travel beside the flags
+        assert driver.overrides == ["rollout.step_limit=5"] and line.overrides[-1] == "rollout.step_limit=5"
+        extra = rollout_overrides(line) if phase.kind == "eval" else []
+        from_line = load_run_config(line.config, [*line.overrides, *extra])
+        by_value = load_run_config(driver.config, [*driver.overrides, *extra], command.overlay)
+        assert resolved_json(from_line) == resolved_json(by_value), (recipe.source, phase.name)
+        compared += 1
     assert compared >= 10

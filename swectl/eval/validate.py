@@ -48,7 +48,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import anyio
 import msgspec
@@ -67,6 +67,7 @@ VALIDATION_FORMAT = 1
 Reason = Literal["build_failed", "infra", "timeout", "gold_patch_failed", "flaky", "network", "cpu_count",
                  "missing_library", "missing_dependency", "other_python", "env_drift", "empty_resolves"]
 GradeKind = Literal["gold", "empty"]
+RecordT = TypeVar("RecordT", bound=msgspec.Struct)
 
 # What a test log says when a test wanted the network (sandboxes run with none).
 NETWORK_MARKERS = re.compile(
@@ -336,33 +337,29 @@ def format_validation(report: ValidationReport, *, versions: bool = False) -> st
     return "\n".join(lines)
 
 
-def load_grades(path: Path) -> dict[tuple[str, GradeKind, int], GradeRecord]:
-    """The gradings an earlier run of the same ``--out`` finished (a torn last line is ignored)."""
-    done: dict[tuple[str, GradeKind, int], GradeRecord] = {}
+def _records(path: Path, kind: type[RecordT]) -> list[RecordT]:
+    """The JSON lines of ``path`` decoded as ``kind``, in order ([] without the file; a torn line is skipped: the
+    last one of a run cut off)."""
     if not path.exists():
-        return done
+        return []
+    out: list[RecordT] = []
     for line in path.read_bytes().splitlines():
         try:
-            rec = msgspec.json.decode(line, type=GradeRecord)
+            out.append(msgspec.json.decode(line, type=kind))
         except msgspec.DecodeError:
             continue
-        done[(rec.instance_id, rec.kind, rec.run)] = rec
-    return done
+    return out
+
+
+def load_grades(path: Path) -> dict[tuple[str, GradeKind, int], GradeRecord]:
+    """The gradings an earlier run of the same ``--out`` finished (a torn last line is ignored)."""
+    return {(rec.instance_id, rec.kind, rec.run): rec for rec in _records(path, GradeRecord)}
 
 
 def load_verdicts(path: Path) -> dict[str, InstanceValidation]:
     """The verdicts an earlier run of the same ``--out`` made (verdicts.jsonl; the last of a task's wins; a torn
     last line is ignored)."""
-    done: dict[str, InstanceValidation] = {}
-    if not path.exists():
-        return done
-    for line in path.read_bytes().splitlines():
-        try:
-            v = msgspec.json.decode(line, type=InstanceValidation)
-        except msgspec.DecodeError:
-            continue
-        done[v.instance_id] = v
-    return done
+    return {v.instance_id: v for v in _records(path, InstanceValidation)}
 
 
 BuildFn = Callable[[Task], InstanceOutcome | None]
