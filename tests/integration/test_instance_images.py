@@ -27,6 +27,7 @@ from swectl.images.clones import find_clone
 from swectl.images.instance import (
     APT_IMAGE,
     ENV_PREFIX,
+    SUBSTITUTED_PYTHON,
     _labelled,
     apt_mirror,
     build_one,
@@ -39,7 +40,7 @@ from swectl.images.instance import build_instance_image as _build_instance_image
 from swectl.images.instance import build_instance_images as _build_instance_images
 from swectl.images.names import ImageResolver
 from swectl.images.project import DEFAULT_BASE, BuiltImage, ImageBuildError, image_id, image_label
-from swectl.images.pythons import find_interpreter, python_image_name
+from swectl.images.pythons import find_interpreter, nearest_newer_interpreter, python_image_name
 from swectl.images.recipe import needs_network
 from swectl.images.requirements import environment_yml, project_extras, requirements_file
 from swectl.images.wheels import OFFICIAL_CUTOFF, cache_key
@@ -239,15 +240,36 @@ def test_spec_python_from_the_node_where_it_has_one(fake: Fake) -> None:
 
 
 def test_spec_python_the_node_lacks_is_3_11_and_a_warning(fake: Fake) -> None:
+    """3.99: no installation of it and none newer below the base image's 3.11, so the venv runs 3.11."""
     variant = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "4")
     lines: list[str] = []
-    built = build_instance_image(variant, spec(python="3.4"), fake.repo_cache, say=lines.append)
+    built = build_instance_image(variant, spec(python="3.99"), fake.repo_cache, say=lines.append)
     assert image_label(built.image, "swectl.python") == "3.11"
+    assert image_label(built.image, "swectl.spec_python") == "3.99"
+    warnings = json.loads(image_label(built.image, "swectl.warnings") or "[]")
+    assert any(w.startswith("spec python 3.99 is not available offline") and w.endswith("runs python 3.11")
+               for w in warnings), warnings
+    assert any("warning: spec python 3.99" in line for line in lines), lines
+
+
+def test_spec_python_the_node_lacks_runs_the_nearest_newer_one(fake: Fake) -> None:
+    """3.4 (no installation here): the lowest newer 3.x the node has stands in, with a warning that says so.
+    The toy repo is pyproject-only, which 3.6's setuptools cannot install editable: no install step."""
+    interp = nearest_newer_interpreter("3.4")
+    if interp is None or tuple(int(p) for p in interp.version.split(".")) >= (3, 11):
+        pytest.skip("no Python between 3.4 and 3.11 on this node")
+    variant = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "6")
+    built = build_instance_image(variant, spec(python="3.4", install="", pip_packages=[]), fake.repo_cache,
+                                 say=lambda _: None)
+    assert image_label(built.image, "swectl.python") == interp.full_version
     assert image_label(built.image, "swectl.spec_python") == "3.4"
     warnings = json.loads(image_label(built.image, "swectl.warnings") or "[]")
-    assert any(w.startswith("spec python 3.4 is not available offline") and w.endswith("runs python 3.11")
-               for w in warnings), warnings
-    assert any("warning: spec python 3.4" in line for line in lines), lines
+    assert any(w.startswith(f"{SUBSTITUTED_PYTHON} 3.4 ") and interp.full_version in w for w in warnings), warnings
+    r = in_image(built.image, "python -c 'import platform; print(platform.python_version())'")
+    assert r.stdout.strip() == interp.full_version, r.stderr
+    env = image_label(built.image, "swectl.env") or ""
+    remove_instance_image(built.image)
+    remove_instance_image(env)
 
 
 def test_python_3_6_from_the_node_gets_a_pip_that_takes_todays_wheels(fake: Fake) -> None:
