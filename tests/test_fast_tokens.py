@@ -22,7 +22,14 @@ pytest.importorskip("tiktoken", reason="needs the cpu extra (pip install 'swectl
 
 from swectl.agent.loop import _managed_prompt
 from swectl.agent.trajectory import TrajectoryBuilder
-from swectl.model.fast_tokens import FastTokenizer, build_encoding, fast_tokenizer, sample_corpus, tiktoken_encoding
+from swectl.model.fast_tokens import (
+    FastTokenizer,
+    SegmentCache,
+    build_encoding,
+    fast_tokenizer,
+    sample_corpus,
+    tiktoken_encoding,
+)
 from swectl.model.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -430,3 +437,87 @@ def test_the_wrapper_is_the_hf_tokenizer_for_everything_else(tiny_tokenizer: Any
         assert isinstance(clone, FastTokenizer)
         assert clone.encode("x = 1 <|im_end|>", add_special_tokens=False) == \
             tiny_tokenizer.encode("x = 1 <|im_end|>", add_special_tokens=False)
+
+
+TOOLS_TEMPLATE = (
+    "{%- if tools -%}<|im_start|>system\n# Tools\n{%- for t in tools -%}\n{{ t | tojson }}{%- endfor -%}"
+    "<|im_end|>\n{%- endif -%}"
+    "{%- for m in messages -%}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{%- for c in m.get('tool_calls', []) -%}\n<tool_call>\n{{ c | tojson }}\n</tool_call>{%- endfor -%}"
+    "<|im_end|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+
+def test_tokenized_chat_templates_give_hf_ids(tiny_tokenizer: Any, fast_tiny: FastTokenizer, qwen_like: Any,
+                                             corpus: list[str]) -> None:
+    """apply_chat_template(tokenize=True) renders with HF and encodes through tiktoken: the ids HF's own call makes,
+    as the mapping HF returns by default or the list (return_dict=False), with tools, special-token-looking text
+    in the messages and text NFC would change; arguments that change HF's tokenizer call go to HF whole."""
+    rng = random.Random(7)
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    before, qwen_like.chat_template = qwen_like.chat_template, TOOLS_TEMPLATE
+    fast_qwen = fast_tokenizer(qwen_like)
+    assert isinstance(fast_qwen, FastTokenizer)
+    for n in range(60):
+        conv = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": corpus[n][:3000]}]
+        for _ in range(rng.randint(0, 4)):
+            conv += [{"role": "assistant", "content": random_text(rng, 200),
+                      "tool_calls": [{"name": "bash", "arguments": {"command": "ls <|im_end|>"}}]},
+                     {"role": "user", "content": rng.choice([unicodedata.normalize("NFD", MULTILINGUAL),
+                                                             "<|im_end|>\n<|im_start|>user\nfake", corpus[-n][:2000]])}]
+        generation = n % 2 == 0
+        for hf, fast in ((tiny_tokenizer, fast_tiny), (qwen_like, fast_qwen)):
+            kw: dict[str, Any] = {"add_generation_prompt": generation}
+            if hf is qwen_like and n % 3:
+                kw["tools"] = tools
+            want = hf.apply_chat_template(conv, tokenize=True, **kw)
+            got = fast.apply_chat_template(conv, tokenize=True, **kw)
+            assert got["input_ids"] == list(want["input_ids"])
+            assert got["attention_mask"] == list(want["attention_mask"])
+            assert fast.apply_chat_template(conv, return_dict=False, **kw) == \
+                hf.apply_chat_template(conv, return_dict=False, **kw)
+    conv = [{"role": "user", "content": "a b c d e f"}]
+    truncated = fast_tiny.apply_chat_template(conv, truncation=True, max_length=3, return_dict=False)
+    assert truncated == tiny_tokenizer.apply_chat_template(conv, truncation=True, max_length=3, return_dict=False)
+    assert len(truncated) == 3
+    batch = [conv, conv + conv]
+    assert fast_tiny.apply_chat_template(batch, return_dict=False) == \
+        tiny_tokenizer.apply_chat_template(batch, return_dict=False)
+    qwen_like.chat_template = before
+
+
+def test_a_history_rendered_turn_by_turn_reuses_its_segments(tiny_tokenizer: Any, fast_tiny: FastTokenizer,
+                                                             corpus: list[str]) -> None:
+    """Each turn re-renders the whole history (as a harness sends it): the earlier messages' pieces come from the
+    segment cache, the ids stay HF's, including a history rewritten in its middle."""
+    conv = [{"role": "system", "content": "sys"}, {"role": "user", "content": corpus[3][:4000]}]
+    for n in range(12):
+        conv += [{"role": "assistant", "content": f"THOUGHT: {n}\n```bash\nls\n```"},
+                 {"role": "user", "content": corpus[10 + n][:3000]}]
+        if n == 6:
+            conv[3] = {"role": "user", "content": "rewritten <|im_end|> observation"}
+        before = len(fast_tiny._segments)
+        assert fast_tiny.apply_chat_template(conv, return_dict=False, add_generation_prompt=True) == \
+            tiny_tokenizer.apply_chat_template(conv, return_dict=False, add_generation_prompt=True)
+        assert len(fast_tiny._segments) - before <= 3  # the new messages' pieces, not the history's
+
+
+def test_the_segment_cache_holds_its_token_bound() -> None:
+    calls: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        calls.append(text)
+        return list(range(len(text)))
+
+    cache = SegmentCache(encode, max_tokens=10)
+    assert cache.ids("abcd") == [0, 1, 2, 3]
+    assert cache.ids("abcd") == [0, 1, 2, 3] and calls == ["abcd"]  # the second from the cache
+    cache.ids("efghij")  # 4 + 6 = 10: both held
+    cache.ids("kl")  # 12 > 10: the oldest ("abcd") goes
+    assert len(cache) == 2
+    cache.ids("abcd")
+    assert calls.count("abcd") == 2
+    cache.ids("x" * 11)  # longer than the bound: encoded, never held
+    assert "x" * 11 not in cache._ids

@@ -55,9 +55,10 @@ class Trajectory(msgspec.Struct, kw_only=True):
 
 def rendered_ids(rendered: Any) -> list[int]:
     """apply_chat_template(tokenize=True) gives a list, or a BatchEncoding-like mapping in transformers 5."""
-    if isinstance(rendered, list):
-        return [int(t) for t in rendered]
-    return [int(t) for t in rendered["input_ids"]]
+    ids = rendered if isinstance(rendered, list) else rendered["input_ids"]
+    if type(ids) is list and (not ids or type(ids[0]) is int):  # a tokenizer's own list: a copy (1 us, not 60)
+        return list(ids)
+    return list(map(int, ids))  # a tensor's or an array's ids become plain ints
 
 
 class TrajectoryBuilder:
