@@ -25,8 +25,9 @@ raw HTTP/1.1 client, which leaves the client library's own cost out (httpx's is 
 
 Reported: p50 / p90 / p99 per request of each path; ``added_p50_ms``, the p50 the gateway adds over the direct path
 (goal <= 2 ms at 64 sessions, issue 58); ``floor_added_p50_ms``, the floor's over the direct path; and
-``gateway_over_floor_p50_ms``, the gateway's own work over the floor; requests per second of each path. Writes ``benchmarks/results/gateway.json`` under ``--label`` (default: the engine,
-the sessions, and the knobs that are set).
+``gateway_over_floor_p50_ms``, the gateway's own work over the floor; requests per second of each path.
+Writes ``benchmarks/results/gateway.json`` under ``--label`` (default: the engine, the sessions, and the knobs that
+are set).
 """
 
 from __future__ import annotations
