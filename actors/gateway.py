@@ -270,7 +270,7 @@ class Gateway:
         self._tok = tokenizer
         self._sessions: dict[str, _Session] = {}
         self._ended: set[str] = set()
-        self._watched: dict[int, tuple[Request, anyio.CancelScope]] = {}  # the running turns the watcher looks at
+        self._watched: dict[anyio.CancelScope, Request] = {}  # the running turns the watcher looks at
         self._counts = {"requests": 0, "replayed": 0, "rejected": 0, "engine_failures": 0, "disconnected": 0,
                         "engine_retries": 0}
         self.url = ""
@@ -489,19 +489,19 @@ class Gateway:
         cancels it, which closes its generation's request to the engine, and the ledger records nothing of it. The
         turn runs in the request's own task (a task of its own per turn cost ~0.08 ms a request)."""
         scope = anyio.CancelScope()
-        self._watched[id(scope)] = (request, scope)
+        self._watched[scope] = request
         try:
             with scope:
                 return await turn
         finally:
-            self._watched.pop(id(scope), None)
+            self._watched.pop(scope, None)
         return None  # the watcher cancelled the turn: the client went away
 
     async def _watch_disconnects(self) -> None:
         """Every DISCONNECT_POLL_S, each running (non-streamed) turn whose client has gone is cancelled."""
         while True:
             await anyio.sleep(DISCONNECT_POLL_S)
-            for request, scope in list(self._watched.values()):
+            for scope, request in list(self._watched.items()):
                 try:
                     gone = not scope.cancel_called and await request.is_disconnected()
                 except Exception:  # a request the server has already closed: it is not a client gone away

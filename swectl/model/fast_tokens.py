@@ -355,16 +355,19 @@ class FastTokenizer:
         self._normalizer = _backend(hf).normalizer  # None or NFC (tiktoken_encoding refuses others)
         # add_special_tokens=True is served too when the post-processor adds nothing (no BOS/EOS template)
         self._post_adds = hf.encode(_PROBE, add_special_tokens=True) != hf.encode(_PROBE, add_special_tokens=False)
-        self._specials_re = _specials_pattern(self._special)
-        self._segments = SegmentCache(encoding.encode_ordinary)
+        self._derive()
+
+    def _derive(self) -> None:
+        """The state made from the rest, never pickled: the special-token split and an empty segment cache."""
+        object.__setattr__(self, "_specials_re", _specials_pattern(self._special))
+        object.__setattr__(self, "_segments", SegmentCache(self.encoding.encode_ordinary))
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("_specials_re", "_segments")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.__dict__["_specials_re"] = _specials_pattern(self._special)
-        self.__dict__["_segments"] = SegmentCache(self.encoding.encode_ordinary)
+        self._derive()
 
     def _servable(self, text: Any, add_special_tokens: bool) -> bool:
         if type(text) is not str or (add_special_tokens and self._post_adds):
@@ -402,9 +405,7 @@ class FastTokenizer:
         if not tokenize or batched or any(kw.get(k) for k in _TOKENIZER_CALL_KWARGS):
             return self.hf.apply_chat_template(conversation, **kw)
         rest = {k: v for k, v in kw.items() if k not in ("tokenize", "return_dict", *_TOKENIZER_CALL_KWARGS)}
-        text = self.hf.apply_chat_template(conversation, tokenize=False, **rest)
-        servable = self._servable(text, False)
-        ids = self._encode_rendered(text) if servable else self.encode(text, add_special_tokens=False)
+        ids = self._encode_rendered(self.hf.apply_chat_template(conversation, tokenize=False, **rest))
         return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
 
     def _encode_rendered(self, text: str) -> list[int]:
@@ -413,8 +414,8 @@ class FastTokenizer:
         encoded. tiktoken encodes the text between special-token matches independently, and no added token is a
         prefix of another (checked when the encoding is built), so the leftmost match is the same whichever
         alternative the split tries first: the ids are the whole text's."""
-        if self._split_special or self._specials_re is None:
-            return self.encode(text, add_special_tokens=False)
+        if self._split_special or self._specials_re is None or not self._servable(text, False):
+            return self.encode(text, add_special_tokens=False)  # as encode would: through HF where it must
         pieces = self._specials_re.split(text)  # ordinary, special, ordinary, ..., ordinary
         ids: list[int] = []
         for n, piece in enumerate(pieces):

@@ -29,6 +29,7 @@ from swectl.images.instance import (
     ENV_PREFIX,
     SUBSTITUTED_PYTHON,
     _labelled,
+    _version_tuple,
     apt_mirror,
     build_one,
     instance_image_name,
@@ -43,7 +44,7 @@ from swectl.images.project import DEFAULT_BASE, BuiltImage, ImageBuildError, ima
 from swectl.images.pythons import find_interpreter, nearest_newer_interpreter, python_image_name
 from swectl.images.recipe import needs_network
 from swectl.images.requirements import environment_yml, project_extras, requirements_file
-from swectl.images.wheels import OFFICIAL_CUTOFF, cache_key
+from swectl.images.wheels import OFFICIAL_CUTOFF, PYTHON_VERSION, cache_key
 from swectl.remote.nodes.podman import local_podman_env
 from swectl.tasks.record import Task
 from swectl.tasks.specs import load_specs
@@ -256,8 +257,8 @@ def test_spec_python_the_node_lacks_runs_the_nearest_newer_one(fake: Fake) -> No
     """3.4 (no installation here): the lowest newer 3.x the node has stands in, with a warning that says so.
     The toy repo is pyproject-only, which 3.6's setuptools cannot install editable: no install step."""
     interp = nearest_newer_interpreter("3.4")
-    if interp is None or tuple(int(p) for p in interp.version.split(".")) >= (3, 11):
-        pytest.skip("no Python between 3.4 and 3.11 on this node")
+    if interp is None or _version_tuple(interp.version) >= _version_tuple(PYTHON_VERSION):
+        pytest.skip(f"no Python between 3.4 and {PYTHON_VERSION} on this node")
     variant = msgspec.structs.replace(fake.task, instance_id=fake.task.instance_id + "6")
     built = build_instance_image(variant, spec(python="3.4", install="", pip_packages=[]), fake.repo_cache,
                                  say=lambda _: None)
