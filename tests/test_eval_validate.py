@@ -197,3 +197,13 @@ def test_gold_failing_on_another_python_than_the_specs_is_named_so(tmp_path: Pat
     assert v.reason == "other_python" and warning in v.detail
     plain = classify(TASK, None, [grade("unresolved", failed=("t::a",), log=log, tmp=tmp_path)], grade("unresolved"))
     assert plain.reason == "env_drift"
+
+
+def test_an_empty_patch_resolving_on_another_python_than_the_specs_says_so() -> None:
+    """Django 1.11's 7530 on 3.6 (the spec's 3.5 is not on the node): the empty patch resolves; the row is not
+    valid, and the detail says the failure the dataset recorded was under another Python."""
+    warning = "python substituted: spec python 3.5 is not available offline on this node: the venv runs python 3.6.15"
+    built = InstanceOutcome(instance_id=TASK.instance_id, status="built", warnings=[warning])
+    v = classify(TASK, built, [grade()], grade())
+    assert v.reason == "empty_resolves" and not v.valid and warning in v.detail
+    assert "another Python" not in classify(TASK, None, [grade()], grade()).detail

@@ -25,7 +25,8 @@ task gets exactly one reason (:func:`classify`, first match wins):
   the base image's 3.11, or the nearest newer one the node has); the detail quotes the build's warning;
 - ``env_drift``: gold fails the same tests every run, nothing is missing: the environment differs from the one the
   dataset's test lists were recorded in (a newer package changing behaviour; ``tests`` names them);
-- ``empty_resolves``: the empty patch resolves: the tests do not see the bug.
+- ``empty_resolves``: the empty patch resolves: the tests do not see the bug (the detail says when the image runs
+  another Python than the spec's, under which the dataset recorded the failure).
 
 Outputs in ``--out``: ``grades.jsonl`` (every grading as it finishes: a rerun with the same ``--out`` grades only
 what is missing, or was graded on an image since rebuilt), ``verdicts.jsonl`` (each task's verdict as it is made),
@@ -286,6 +287,9 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
         return v
     if empty.resolved:
         v.reason, v.detail = "empty_resolves", "the empty patch resolves: the FAIL_TO_PASS tests pass without the fix"
+        python = [w for w in (build.warnings if build else []) if w.startswith(("spec python", SUBSTITUTED_PYTHON))]
+        if python:  # e.g. Django 1.11's 7530 on 3.6 for the spec's 3.5: the recorded failure may need that Python
+            v.detail += f"; the image runs another Python than the spec's: {python[0][:300]}"
         return v
     v.valid = True
     return v
