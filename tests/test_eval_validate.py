@@ -207,3 +207,19 @@ def test_an_empty_patch_resolving_on_another_python_than_the_specs_says_so() -> 
     v = classify(TASK, built, [grade()], grade())
     assert v.reason == "empty_resolves" and not v.valid and warning in v.detail
     assert "another Python" not in classify(TASK, None, [grade()], grade()).detail
+
+
+def test_drift_from_deprecations_raised_as_errors_names_them(tmp_path: Path) -> None:
+    """astropy 3.1: its conftest makes every DeprecationWarning an error, and pytest 7.4 warns on nose-style setup:
+    still env_drift (nothing is missing), with the warnings named, most frequent first."""
+    nose = ("E               pytest.PytestRemovedIn8Warning: Support for nose tests is deprecated and will be "
+            "removed in a future release.\n")
+    log = nose * 3 + "E   DeprecationWarning: distutils Version classes are deprecated.\n"
+    v = classify(TASK, None, [grade("unresolved", failed=("t::a",), log=log, tmp=tmp_path)], grade("unresolved"))
+    assert v.reason == "env_drift"
+    assert v.detail.endswith("raised as errors: PytestRemovedIn8Warning: Support for nose tests is deprecated and "
+                             "will be removed in a future release. (x3); DeprecationWarning: distutils Version classes "
+                             "are deprecated. (x1)")
+    plain = classify(TASK, None, [grade("unresolved", failed=("t::a",), log="E  assert 1 == 2\n", tmp=tmp_path)],
+                     grade("unresolved"))
+    assert plain.reason == "env_drift" and "deprecation" not in plain.detail

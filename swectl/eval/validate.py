@@ -24,7 +24,8 @@ task gets exactly one reason (:func:`classify`, first match wins):
 - ``other_python``: the same, and the image runs another Python than the spec's (none of it offline on the node:
   the base image's 3.11, or the nearest newer one the node has); the detail quotes the build's warning;
 - ``env_drift``: gold fails the same tests every run, nothing is missing: the environment differs from the one the
-  dataset's test lists were recorded in (a newer package changing behaviour; ``tests`` names them);
+  dataset's test lists were recorded in (a newer package changing behaviour; ``tests`` names them); deprecation warnings
+  raised as errors are named in the detail);
 - ``empty_resolves``: the empty patch resolves: the tests do not see the bug (the detail says when the image runs
   another Python than the spec's, under which the dataset recorded the failure).
 
@@ -88,6 +89,9 @@ MISSING_MODULE = re.compile(r"No module named '([\w.]+)'")
 MISSING_LIBRARY = re.compile(
     r"([\w.+-]+\.so[\w.]*): cannot open shared object file|(\w+) library not found|cannot load library '([^']+)'|"
     r"Library not loaded: (\S+)|Could not find (?:the )?(\w+) (?:shared )?library", re.IGNORECASE)
+# A deprecation warning raised as an error (a repository's conftest can turn them all into errors, as astropy's
+# enable_deprecations_as_exceptions does): pytest's "E   <Category>: <message>" line; the category, the message.
+DEPRECATION_ERROR = re.compile(r"^E\s+(?:[\w.]+\.)?(\w*(?:Deprecation|RemovedIn\d+)Warning): (.+)$", re.MULTILINE)
 LOG_TAIL_BYTES = 4 << 20  # of a test log read for markers
 RETRIED_ON_RESUME = ("infra", "build_failed")  # the verdicts a rerun makes again (with prune; the rest stand)
 
@@ -205,6 +209,17 @@ def _failure_kind(logs: list[str], tests: set[str]) -> Reason:
     return "env_drift"
 
 
+def _deprecation_detail(logs: list[str]) -> str:
+    """What the failures raise, when it is a deprecation warning turned into an error ("" otherwise): which
+    warnings, most frequent first (a package newer than the code under test, under a filter that errors on them)."""
+    found = Counter(f"{m.group(1)}: {m.group(2).strip()[:160]}"
+                    for log in logs for m in DEPRECATION_ERROR.finditer(log))
+    if not found:
+        return ""
+    top = [f"{text} (x{n})" for text, n in found.most_common(3)]
+    return "; the log has deprecation warnings raised as errors: " + "; ".join(top)
+
+
 def _missing_library_detail(logs: list[str], build: InstanceOutcome | None) -> str:
     names = sorted({next(g for g in m.groups() if g) for log in logs for m in MISSING_LIBRARY.finditer(log)})
     detail = f"; a C library is missing: {', '.join(names[:5])} (a system library the official environment has)"
@@ -275,6 +290,8 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
         if v.reason == "env_drift" and python:  # e.g. Django 1.11 on 3.11: collections.Iterator is gone
             v.reason = "other_python"
             v.detail += f"; the image runs another Python than the spec's: {python[0][:300]}"
+        if v.reason == "env_drift":  # e.g. astropy 3.1: pytest 7.4's nose deprecation raised by astropy's conftest
+            v.detail += _deprecation_detail(logs)
         if v.reason == "missing_library":  # e.g. cfgrib's ecCodes without the build's apt steps
             v.detail += _missing_library_detail(logs, build)
         elif v.reason == "missing_dependency":  # e.g. cdms2 (conda-only), appdirs (pylint 2.10's gold adds it)
