@@ -24,7 +24,7 @@ task gets exactly one reason (:func:`classify`, first match wins):
 - ``other_python``: the same, and the image runs another Python than the spec's (none of it offline on the node:
   the base image's 3.11, or the nearest newer one the node has); the detail quotes the build's warning;
 - ``env_drift``: gold fails the same tests every run, nothing is missing: the environment differs from the one the
-  dataset's test lists were recorded in (a newer package changing behaviour; ``tests`` names them); deprecation warnings
+  dataset's test lists were recorded in (a newer package changing behaviour; ``tests`` names them; deprecation warnings
   raised as errors are named in the detail);
 - ``empty_resolves``: the empty patch resolves: the tests do not see the bug (the detail says when the image runs
   another Python than the spec's, under which the dataset recorded the failure).
