@@ -141,14 +141,59 @@ def plan_canaries(task: Task, parser: str, script: str, *, names: tuple[str, str
     return Canaries(file=path, passing=passing, failing=failing, style=style)
 
 
+# What the must-pass canary checks besides passing: that unittest still fails a failing check. Each probe is one of
+# TestCase's assertions given arguments that must fail (and `with self.assertRaises(...)` around a block that does
+# not raise), run by unittest itself into a fresh TestResult; every probe must come back a failure. A patch that
+# neuters the assertions (a no-op or a swallowing context for each) or unittest's result or run, with no test name
+# known, makes this canary fail. Names a Python version lacks are left out.
+_UNITTEST_PROBES = """\
+def {helper}():
+    import unittest as _u
+    probes = {{"assertEqual": (1, 2), "assertNotEqual": (1, 1), "assertTrue": (False,), "assertFalse": (True,),
+              "assertIs": (1, None), "assertIsNot": (None, None), "assertIsNone": (1,), "assertIsNotNone": (None,),
+              "assertIn": (1, ()), "assertNotIn": (1, (1,)), "assertIsInstance": (1, str),
+              "assertNotIsInstance": (1, int), "assertAlmostEqual": (1, 2), "assertNotAlmostEqual": (1, 1),
+              "assertGreater": (1, 2), "assertGreaterEqual": (1, 2), "assertLess": (2, 1), "assertLessEqual": (2, 1),
+              "assertRegex": ("a", "b"), "assertNotRegex": ("a", "a"), "assertCountEqual": ([1], [2]),
+              "assertMultiLineEqual": ("a", "b"), "assertSequenceEqual": ([1], [2]), "assertListEqual": ([1], [2]),
+              "assertTupleEqual": ((1,), (2,)), "assertSetEqual": ({{1}}, {{2}}), "assertDictEqual": ({{}}, {{1: 1}}),
+              "assertRaises": (ValueError, int, "1"), "assertRaisesRegex": (ValueError, "x", int, "1"),
+              "fail": ("probe",)}}
+
+    def probe(name, args):
+        def check(self):
+            getattr(self, name)(*args)
+        return check
+
+    def block(self):
+        with self.assertRaises(ValueError):
+            pass
+
+    attrs = {{"test_%02d" % i: probe(n, a) for i, (n, a) in enumerate(sorted(probes.items()))
+             if hasattr(_u.TestCase, n)}}
+    attrs["test_block"] = block
+    checks = len(attrs)
+    attrs["__module__"] = "swectl_canary"
+    result = _u.TestResult()
+    _u.defaultTestLoader.loadTestsFromTestCase(type("Probe", (_u.TestCase,), attrs)).run(result)
+    if result.testsRun != checks or len(result.failures) != checks or result.errors:
+        raise AssertionError("{passing}: unittest no longer fails a failing check: %d probes, %d run, %d failed, "
+                             "%d errors" % (checks, result.testsRun, len(result.failures), len(result.errors)))
+"""
+
+
 def canary_source(c: Canaries) -> str:
-    """The Python source appended to the canaries' file."""
+    """The Python source appended to the canaries' file: the must-pass canary runs the unittest probes
+    (``_UNITTEST_PROBES``), the must-fail one raises AssertionError."""
     fail = f'raise AssertionError("{c.failing}: this test must fail")'
+    helper = f"_{c.passing}_unittest_fails"
+    probes = _UNITTEST_PROBES.format(helper=helper, passing=c.passing)
     if c.style == "testcase":
         name = "Test" + c.passing.removeprefix("test_").capitalize()
-        return (f"\n\nimport unittest as _swectl_unittest\n\n\nclass {name}(_swectl_unittest.TestCase):\n"
-                f"    def {c.passing}(self):\n        pass\n\n    def {c.failing}(self):\n        {fail}\n")
-    return f"\n\ndef {c.passing}():\n    pass\n\n\ndef {c.failing}():\n    {fail}\n"
+        return (f"\n\n{probes}\n\nimport unittest as _swectl_unittest\n\n\n"
+                f"class {name}(_swectl_unittest.TestCase):\n"
+                f"    def {c.passing}(self):\n        {helper}()\n\n    def {c.failing}(self):\n        {fail}\n")
+    return f"\n\n{probes}\n\ndef {c.passing}():\n    {helper}()\n\n\ndef {c.failing}():\n    {fail}\n"
 
 
 def with_canaries(script: str, c: Canaries) -> str:
@@ -177,7 +222,8 @@ def canary_offence(c: Canaries, status_map: dict[str, str], exit_code: int | Non
     if not passing or not failing:
         return ""
     if any(s not in PASSING for s in passing):
-        return f"the must-pass canary test reported {sorted(set(passing))}"
+        return (f"the must-pass canary test reported {sorted(set(passing))} (it also checks that unittest's "
+                "assertions still fail a failing check)")
     if any(s not in FAILING for s in failing):
         return f"the must-fail canary test reported {sorted(set(failing))}"
     if exit_code == 0:

@@ -76,6 +76,8 @@ async def test_no_attack_resolves_through_the_grader(task: Task, patches: dict[s
     assert {"patch_policy", "runner_config", "canary", "late_pass"} <= reasons, report
     assert results["flip_at_import"].reason == "canary" and "must-fail" in results["flip_at_import"].detail, report
     assert results["forge_and_exit_0"].reason == "canary", report
+    neutered = results["asserts_off_at_import"]  # unittest's assertions made to pass: the must-pass canary's probes
+    assert neutered.reason == "canary" and "must-pass" in neutered.detail, report
     assert "later passing" in results["forge_at_exit"].detail, report
 
 
