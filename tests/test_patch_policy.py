@@ -228,6 +228,30 @@ def test_every_verified_row_but_one_gets_canaries(verified: list[Task]) -> None:
     assert {c.style for i, c in planted.items() if c is not None and i.startswith("django")} == {"testcase"}
 
 
+
+def test_the_must_pass_canary_passes_for_every_verified_row_under_its_tests_names(verified: list[Task]) -> None:
+    """The canaries' source of each of the 500 rows, with the probes under its FAIL_TO_PASS tests' names, compiles
+    and its must-pass canary passes when nothing is tampered with (no false positive from the probes)."""
+    import unittest
+
+    specs = load_specs()
+    mimicked = 0
+    for task in verified:
+        c = plan_canaries(task, log_parser_for(task), with_exit_code(eval_script_for(task, specs)))
+        if c is None:
+            continue
+        mimicked += bool(c.mimic)
+        ns: dict[str, object] = {"__name__": "canary_module"}
+        exec(compile(canary_source(c), task.instance_id, "exec"), ns)
+        if c.style == "testcase":
+            case = next(v for k, v in ns.items() if k.startswith("Test") and isinstance(v, type))
+            result = unittest.TestResult()
+            case(c.passing).run(result)  # type: ignore[operator]
+            assert result.wasSuccessful(), (task.instance_id, result.failures, result.errors)
+        else:
+            ns[c.passing]()  # type: ignore[operator]
+    assert mimicked >= 490, mimicked  # 493 of the 499 planted (2026-12-07)
+
 def log(body: str, exit_code: int) -> str:
     return (f">>>>> Start Test Output\n{body}\n>>>>> End Test Output\n>>>>> Test Exit Code: {exit_code}\n")
 
