@@ -148,7 +148,9 @@ def plan_canaries(task: Task, parser: str, script: str, *, names: tuple[str, str
 
 _DJANGO_CASE = re.compile(r"^(\w+) \(([\w.]+)\)$")
 _ADDED_TEST_DEF = re.compile(r"^\+\s*(?:async\s+)?def (test\w*)\s*\(", re.MULTILINE)
-_HELPER_LOCALS = frozenset({"names", "raised", "probes", "probe", "block", "attrs", "checks", "result", "case"})
+_HELPER_LOCALS = frozenset({"names", "raised", "probes", "probe", "block", "attrs", "checks", "result", "case", "_u",
+                            "_mu", "sorted", "getattr", "hasattr", "len", "type", "enumerate", "AssertionError",
+                            "ValueError"})  # a class named so would shadow what the helper uses
 
 
 def mimic_names(task: Task, parser: str) -> tuple[tuple[str, str], ...]:
