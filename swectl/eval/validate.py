@@ -220,6 +220,12 @@ def _deprecation_detail(logs: list[str]) -> str:
     return "; the log has deprecation warnings raised as errors: " + "; ".join(top)
 
 
+def _other_python_detail(build: InstanceOutcome | None) -> str:
+    """"; the image runs another Python than the spec's: <the build's warning>", or "" when it runs the spec's."""
+    python = [w for w in (build.warnings if build else []) if w.startswith(("spec python", SUBSTITUTED_PYTHON))]
+    return f"; the image runs another Python than the spec's: {python[0][:300]}" if python else ""
+
+
 def _missing_library_detail(logs: list[str], build: InstanceOutcome | None) -> str:
     names = sorted({next(g for g in m.groups() if g) for log in logs for m in MISSING_LIBRARY.finditer(log)})
     detail = f"; a C library is missing: {', '.join(names[:5])} (a system library the official environment has)"
@@ -286,10 +292,10 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
         v.detail = (f"{first.status}{f' ({first.reason})' if first.reason else ''}: {len(first.f2p_failed)} of "
                     f"{first.f2p_total} FAIL_TO_PASS and {len(first.p2p_failed)} of {first.p2p_total} PASS_TO_PASS "
                     "tests fail")
-        python = [w for w in (build.warnings if build else []) if w.startswith(("spec python", SUBSTITUTED_PYTHON))]
+        python = _other_python_detail(build)
         if v.reason == "env_drift" and python:  # e.g. Django 1.11 on 3.11: collections.Iterator is gone
             v.reason = "other_python"
-            v.detail += f"; the image runs another Python than the spec's: {python[0][:300]}"
+            v.detail += python
         if v.reason == "env_drift":  # e.g. astropy 3.1: pytest 7.4's nose deprecation raised by astropy's conftest
             v.detail += _deprecation_detail(logs)
         if v.reason == "missing_library":  # e.g. cfgrib's ecCodes without the build's apt steps
@@ -304,9 +310,8 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
         return v
     if empty.resolved:
         v.reason, v.detail = "empty_resolves", "the empty patch resolves: the FAIL_TO_PASS tests pass without the fix"
-        python = [w for w in (build.warnings if build else []) if w.startswith(("spec python", SUBSTITUTED_PYTHON))]
-        if python:  # e.g. Django 1.11's 7530 on 3.6 for the spec's 3.5: the recorded failure may need that Python
-            v.detail += f"; the image runs another Python than the spec's: {python[0][:300]}"
+        # e.g. Django 1.11's 7530 on 3.6 for the spec's 3.5: the recorded failure may need that Python
+        v.detail += _other_python_detail(build)
         return v
     v.valid = True
     return v
