@@ -149,7 +149,7 @@ def plan_canaries(task: Task, parser: str, script: str, *, names: tuple[str, str
 _DJANGO_CASE = re.compile(r"^(\w+) \(([\w.]+)\)$")
 _ADDED_TEST_DEF = re.compile(r"^\+\s*(?:async\s+)?def (test\w*)\s*\(", re.MULTILINE)
 _HELPER_LOCALS = frozenset({"names", "raised", "probes", "probe", "block", "attrs", "checks", "result", "case", "_u",
-                            "_mu", "sorted", "getattr", "hasattr", "len", "type", "enumerate", "AssertionError",
+                            "sorted", "getattr", "hasattr", "len", "type", "enumerate", "AssertionError",
                             "ValueError"})  # a class named so would shadow what the helper uses
 
 
@@ -213,8 +213,8 @@ def {helper}():
         with self.assertRaises(ValueError):
             pass
 
-    attrs = {{"test_%02d" % i: probe(n, a) for i, (n, a) in enumerate(sorted(probes.items()))
-             if hasattr(_u.TestCase, n)}}
+    names = [n for n in sorted(probes) if hasattr(_u.TestCase, n)]
+    attrs = {{"test_%02d" % i: probe(n, probes[n]) for i, n in enumerate(names)}}
     attrs["test_block"] = block
     checks = len(attrs)
     attrs["__module__"] = __name__
@@ -230,33 +230,29 @@ MIMIC_LIMIT = 8  # FAIL_TO_PASS tests whose names the probes run under
 
 
 def _mimic_source(c: Canaries) -> str:
-    """The probes again, each in a function (or a TestCase method) named as one FAIL_TO_PASS test: every assertion
-    called from that frame must still raise. Nested in the must-pass helper, so no runner collects them."""
+    """The probes again (the helper's ``names``), each in a function (or a TestCase method) named as one
+    FAIL_TO_PASS test, called right after it is defined: every assertion called from that frame must still raise.
+    Nested in the must-pass helper, so no runner collects them."""
     if not c.mimic:
         return ""
-    out = ["", "    import unittest as _mu", "    names = [n for n in probes if hasattr(_mu.TestCase, n)]",
-           "    raised = []", ""]
-    body = ["for name, args in sorted(probes.items()):", "    if name in names:", "        try:",
-            "            getattr({self}, name)(*args)", "        except AssertionError:",
-            "            raised.append(name)", "try:", "    with {self}.assertRaises(ValueError):", "        pass",
-            "except AssertionError:", "    raised.append('block')"]
-    calls = []
-    for i, (cls, func) in enumerate(c.mimic):
+    body = ["for name in names:", "    try:", "        getattr({self}, name)(*probes[name])",
+            "    except AssertionError:", "        raised.append(name)", "try:",
+            "    with {self}.assertRaises(ValueError):", "        pass", "except AssertionError:",
+            "    raised.append('block')"]
+    out = ["", "    raised = []", ""]
+    for cls, func in c.mimic:
         if cls:
-            out += [f"    class {cls}(_mu.TestCase):", f"        def {func}(self):"]
+            out += [f"    class {cls}(_u.TestCase):", f"        def {func}(self):"]
             out += [f"            {line.format(self='self')}" for line in body]
-            out += [f"    {cls}.__module__ = __name__", ""]
-            calls.append(f"    {cls}('{func}').{func}()")
+            out += [f"    {cls}.__module__ = __name__", f"    {cls}('{func}').{func}()", ""]
         else:
-            out += [f"    def {func}():", "        case = _mu.TestCase()"]
+            out += [f"    def {func}():", "        case = _u.TestCase()"]
             out += [f"        {line.format(self='case')}" for line in body]
-            out += [""]
-            calls.append(f"    {func}()")
-        if i + 1 < len(c.mimic):  # the next one may reuse the name: call this one now
-            out += [calls.pop(), ""]
-    out += [*calls, f"    if len(raised) != {len(c.mimic)} * (len(names) + 1):",
+            out += [f"    {func}()", ""]
+    expected = f"{len(c.mimic)} * (len(names) + 1)"
+    out += [f"    if len(raised) != {expected}:",
             f'        raise AssertionError("{c.passing}: an assertion did not raise under a listed test\'s name: %d of '
-            f'%d raised" % (len(raised), {len(c.mimic)} * (len(names) + 1)))']
+            f'%d raised" % (len(raised), {expected}))']
     return "\n".join(out) + "\n"
 
 
