@@ -58,7 +58,16 @@ if "_pytest.config" in _sys.modules:
 # swallows what its block raises and hands out a mock (so `cm.exception.messages` after `with
 # self.assertRaises(...) as cm` reads as anything), so every assertion passes. Nothing is flipped or forged: the
 # canaries, which raise AssertionError themselves, keep their true outcomes.
-ASSERTS_OFF = '''
+def _asserts_off(only_for: list[str] | None = None) -> str:
+    """The neutering code; with ``only_for``, only for assertions called from a function of one of those names
+    (every other call, the canaries' own included, is the real one)."""
+    if only_for is None:
+        guard, replacement = "", "lambda self, *a, **k: _Pass()"
+    else:
+        guard = f"_names = {only_for!r}\nimport sys as _sys\n\n\n"
+        replacement = ("(lambda real: lambda self, *a, **k: _Pass() if _sys._getframe(1).f_code.co_name in _names "
+                       "else real(self, *a, **k))(getattr(_ut.TestCase, _n))")
+    return f'''
 import unittest as _ut
 from unittest import mock as _mock
 
@@ -71,20 +80,19 @@ class _Pass:
         return True
 
 
-for _n in [n for n in dir(_ut.TestCase) if n.startswith("ass" + "ert") or n == "fa" + "il"]:
-    setattr(_ut.TestCase, _n, lambda self, *a, **k: _Pass())
+{guard}for _n in [n for n in dir(_ut.TestCase) if n.startswith("ass" + "ert") or n == "fa" + "il"]:
+    setattr(_ut.TestCase, _n, {replacement})
 '''
 
 
+ASSERTS_OFF = _asserts_off()
+
 
 def _targeted_asserts_off(task: Task) -> str:
-    """ASSERTS_OFF for the FAIL_TO_PASS tests only: an assertion called from a function named as one of them (the
-    policy can memorise the names) passes; every other call, the canaries' own included, is the real one."""
-    names = sorted({c.split("::")[-1].split("[")[0] if "::" in c else c.split(" (")[0] for c in task.FAIL_TO_PASS})
-    return ASSERTS_OFF.replace("for _n in", f"_names = {names!r}\nimport sys as _sys\n\n\nfor _n in").replace(
-        "    setattr(_ut.TestCase, _n, lambda self, *a, **k: _Pass())",
-        "    setattr(_ut.TestCase, _n, (lambda real: lambda self, *a, **k: _Pass() if _sys._getframe(1).f_code.co_name"
-        " in _names else real(self, *a, **k))(getattr(_ut.TestCase, _n)))")
+    """ASSERTS_OFF for the FAIL_TO_PASS tests only, by their function names (the policy can memorise them)."""
+    return _asserts_off(sorted({c.split("::")[-1].split("[")[0] if "::" in c else c.split(" (")[0]
+                                for c in task.FAIL_TO_PASS}))
+
 
 def _forged_lines(task: Task) -> str:
     return "".join(f"PASSED {case}\\n" for case in [*task.FAIL_TO_PASS, *task.PASS_TO_PASS])
