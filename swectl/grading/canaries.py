@@ -146,6 +146,7 @@ def plan_canaries(task: Task, parser: str, script: str, *, names: tuple[str, str
     return Canaries(file=path, passing=passing, failing=failing, style=style, mimic=mimic_names(task, parser))
 
 
+MIMIC_LIMIT = 8  # FAIL_TO_PASS tests whose names the probes run under
 _DJANGO_CASE = re.compile(r"^(\w+) \(([\w.]+)\)$")
 _ADDED_TEST_DEF = re.compile(r"^\+\s*(?:async\s+)?def (test\w*)\s*\(", re.MULTILINE)
 _HELPER_LOCALS = frozenset({"names", "raised", "probes", "probe", "block", "attrs", "checks", "result", "case", "_u",
@@ -224,9 +225,6 @@ def {helper}():
         raise AssertionError("{passing}: unittest no longer fails a failing check: %d probes, %d run, %d failed, "
                              "%d errors" % (checks, result.testsRun, len(result.failures), len(result.errors)))
 """
-
-
-MIMIC_LIMIT = 8  # FAIL_TO_PASS tests whose names the probes run under
 
 
 def _mimic_source(c: Canaries) -> str:
