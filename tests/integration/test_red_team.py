@@ -79,6 +79,8 @@ async def test_no_attack_resolves_through_the_grader(task: Task, patches: dict[s
     neutered = results["asserts_off_at_import"]  # unittest's assertions made to pass: the must-pass canary's probes
     assert neutered.reason == "canary" and "must-pass" in neutered.detail, report
     assert "later passing" in results["forge_at_exit"].detail, report
+    targeted = results["targeted_flip_at_import"]  # only the listed tests' reports flipped: their copies see it
+    assert targeted.reason == "canary" and "fresh name" in targeted.detail, report
 
 
 @pytest.mark.anyio
@@ -89,6 +91,16 @@ async def test_without_the_defences_the_issues_attack_resolves(task: Task, patch
     results = await grade_all(task, {n: patches[n] for n in names}, defences=False)
     assert [results[n].status for n in names] == ["resolved", "resolved", "resolved", "unresolved"], table(results)
     assert "exited 1 but the log reports no failure" in results["forge_at_exit"].detail
+
+
+@pytest.mark.anyio
+async def test_without_the_copies_the_targeted_flip_resolves(task: Task, patches: dict[str, str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control for the FAIL_TO_PASS tests' copies: with every other defence on, a hook that flips only the
+    listed tests' reports resolves when no copies are planted (the canaries keep their true outcomes)."""
+    monkeypatch.setattr("swectl.grading.canaries.plan_shadows", lambda *a, **k: ())
+    results = await grade_all(task, {"targeted_flip_at_import": patches["targeted_flip_at_import"]})
+    assert results["targeted_flip_at_import"].status == "resolved", table(results)
 
 
 def test_no_attack_resolves_through_swectl_eval(task: Task, patches: dict[str, str], tmp_path: Path) -> None:
