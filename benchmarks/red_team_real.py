@@ -58,12 +58,13 @@ def attack_names(task: Task) -> list[str]:
     return generic + (list(DJANGO_ATTACKS) if is_django(task) else [])
 
 
-async def grade_all(task: Task, patches: dict[str, str], resolver: ImageResolver, *, defences: bool
-                    ) -> dict[str, GradeResult]:
+async def grade_all(task: Task, patches: dict[str, str], resolver: ImageResolver, *, defences: bool,
+                    logs: Path | None = None) -> dict[str, GradeResult]:
     config = load_config(None, ["env_pool.warm=0"])
     results: dict[str, GradeResult] = {}
     async with running_pool(config, "rtr" + uuid.uuid4().hex[:8]) as pool:
-        grader = Grader(GraderConfig(concurrency=2, defences=defences, timeout_s=1800), pool, resolver=resolver)
+        grader = Grader(GraderConfig(concurrency=2, defences=defences, timeout_s=1800), pool, resolver=resolver,
+                        log_dir=logs / ("defended" if defences else "undefended") if logs else None)
 
         async def one(name: str, patch: str) -> None:
             results[name] = await grader.grade(task, patch, label=name)
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also grade every attack through `swectl serve`'s eval lease (as swe-rl asks for it)")
     parser.add_argument("--attacks", default="", help="only these attacks, comma-separated (default: all that apply)")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--logs", type=Path, default=None, metavar="DIR",
+                        help="keep each grading's eval log in DIR/defended (and DIR/undefended with --control)")
     args = parser.parse_args(argv)
     tasks = load_tasks(args.tasks, strict=True).tasks
     mapping = json.loads(args.image_map.read_text())
@@ -151,10 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             names = [n for n in attack_names(task) if not args.attacks or n in args.attacks.split(",")]
             patches = attack_patches(export_tree(task, Path(tmp) / "testbed", image, timeout_s=600), task, names)
             say(f"{task.instance_id}: {len(patches)} attacks ({'Django' if is_django(task) else 'pytest'} row)")
-            graded = anyio.run(partial(grade_all, task, {**patches, "gold": task.patch}, resolver, defences=True))
+            graded = anyio.run(partial(grade_all, task, {**patches, "gold": task.patch}, resolver, defences=True,
+                                       logs=args.logs))
             gold = graded.pop("gold")
-            control = (anyio.run(partial(grade_all, task, patches, resolver, defences=False)) if args.control
-                       else {})
+            control = (anyio.run(partial(grade_all, task, patches, resolver, defences=False, logs=args.logs))
+                       if args.control else {})
             evals = ({} if args.no_eval
                      else through_eval(task, {**patches, "gold": task.patch}, args.image_map, Path(tmp)))
             served = (through_serve(task, {**patches, "gold": task.patch}, args.tasks, args.image_map,

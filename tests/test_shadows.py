@@ -40,7 +40,9 @@ def test_which_listed_tests_get_a_copy() -> None:
     shadows = plan_shadows(t, "parse_log_pytest", ["python", "pytest", "tests/test_a.py"])
     assert [(s.file, s.owner, s.func) for s in shadows] == [("tests/test_a.py", (), "test_one"),
                                                            ("tests/test_a.py", ("K", "L"), "test_m")]
-    assert len({s.name for s in shadows}) == 2 and all(s.name.startswith("test_") for s in shadows)
+    # the test's own name first (so unittest's loader runs the copy right after it), then 16 random hex digits
+    assert len({s.name for s in shadows}) == 2 and all(s.name.startswith(s.func + "_") and len(s.name) ==
+                                                       len(s.func) + 17 for s in shadows)
     # a folder above the file runs it whole; a selection of single tests does not
     assert len(plan_shadows(t, "parse_log_pytest", ["pytest", "tests"])) == 3
     assert plan_shadows(t, "parse_log_pytest", ["pytest", "tests/test_a.py::test_one"]) == ()
@@ -148,12 +150,23 @@ def test_a_copy_failing_where_its_test_passed_is_tampering() -> None:
             "PASSED tests/test_a.py::test_p\nFAILED tests/test_a.py::test_f - AssertionError")
     v = grade_log(t, "parse_log_pytest", f">>>>> Start Test Output\n{body}\n>>>>> End Test Output\n"
                                          ">>>>> Test Exit Code: 1\n", c)
-    assert v is not None and not v.resolved and v.tampered_by == "canary" and "fresh name" in v.tampered
+    assert v is not None and not v.resolved and v.tampered_by == "shadow" and "fresh name" in v.tampered
     honest = body.replace("FAILED tests/test_a.py::test_aaaa[1] - AssertionError",
                           "PASSED tests/test_a.py::test_aaaa[1]")
     v = grade_log(t, "parse_log_pytest", f">>>>> Start Test Output\n{honest}\n>>>>> End Test Output\n"
                                          ">>>>> Test Exit Code: 1\n", c)
     assert v is not None and v.resolved and not v.tampered
+
+
+def test_a_django_copy_failing_in_its_subtests_is_seen_in_the_failure_summary() -> None:
+    """Django's runner prints no outcome on the line of a test whose subtests failed (the next test's line follows
+    on it): the copy's failure is read from the ``FAIL:`` summary."""
+    shadows = (Shadow("tests/app/tests.py", ("T",), "test_x", "test_x_aaaa"),)
+    section = ("test_x (app.tests.T) ... ok\ntest_x_aaaa (app.tests.T) ... test_y (app.tests.T) ... ok\n\n"
+               "======\nFAIL: test_x_aaaa (app.tests.T) [None] (value='a')\n------\nAssertionError: no\n")
+    status = {"test_x (app.tests.T)": "PASSED", "test_y (app.tests.T)": "PASSED"}
+    assert "test_x (app.tests.T) passed" in shadow_offence(shadows, status, section)
+    assert shadow_offence(shadows, status, section.replace("FAIL: test_x_aaaa", "FAIL: test_y")) == ""
 
 
 def test_the_copies_step_appends_to_each_file_before_the_start_marker() -> None:
