@@ -36,7 +36,7 @@ PASSING = frozenset({"PASSED", "XFAIL"})  # the outcomes that count as a pass (s
 FAILING = frozenset({"FAILED", "ERROR"})
 
 
-class Shadow(msgspec.Struct, frozen=True):
+class ListedCopy(msgspec.Struct, frozen=True):
     """A copy of the FAIL_TO_PASS test ``func`` (a function of ``file``, or a method of the class reached through
     ``owner``, outermost first) planted in the same place under the fresh name ``name``: the test's name and 16
     random hex digits, so that runners which order a class's tests by name (unittest's loader) run the copy right
@@ -60,7 +60,7 @@ class Canaries(msgspec.Struct, frozen=True):
     mimic: tuple[tuple[str, str], ...] = ()
     # copies of FAIL_TO_PASS tests under fresh names, run beside them: one that fails where its test passes means
     # something acted on the listed test by its name (a hook that flips only its report)
-    shadows: tuple[Shadow, ...] = ()
+    copies: tuple[ListedCopy, ...] = ()
 
 
 def _lines_between_markers(script: str) -> list[str] | None:
@@ -159,7 +159,7 @@ def plan_canaries(task: Task, parser: str, script: str, *, names: tuple[str, str
         return None
     passing, failing = names or (fresh_name(), fresh_name())
     return Canaries(file=path, passing=passing, failing=failing, style=style, mimic=mimic_names(task, parser),
-                    shadows=plan_shadows(task, parser, words))
+                    copies=plan_copies(task, parser, words))
 
 
 def fresh_name() -> str:
@@ -234,7 +234,7 @@ def _runs_whole_file(path: str, words: list[str]) -> bool:
     return False
 
 
-def _shadow_targets(task: Task, parser: str, words: list[str]) -> list[tuple[str, tuple[str, ...], str]]:
+def _copy_targets(task: Task, parser: str, words: list[str]) -> list[tuple[str, tuple[str, ...], str]]:
     """(file, owner classes, function) of the FAIL_TO_PASS tests that can be copied where the command runs them."""
     out: list[tuple[str, tuple[str, ...], str]] = []
     if parser in PYTEST_PARSERS:
@@ -261,10 +261,10 @@ def _shadow_targets(task: Task, parser: str, words: list[str]) -> list[tuple[str
                                                              for c in t[1])]
 
 
-def plan_shadows(task: Task, parser: str, words: list[str]) -> tuple[Shadow, ...]:
-    """Up to MIMIC_LIMIT of the FAIL_TO_PASS tests, each to be copied under a fresh name (``Shadow``)."""
-    targets = list(dict.fromkeys(_shadow_targets(task, parser, words)))[:MIMIC_LIMIT]
-    return tuple(Shadow(file=f, owner=o, func=fn, name=f"{fn}_{secrets.token_hex(8)}") for f, o, fn in targets)
+def plan_copies(task: Task, parser: str, words: list[str]) -> tuple[ListedCopy, ...]:
+    """Up to MIMIC_LIMIT of the FAIL_TO_PASS tests, each to be copied under a fresh name (``ListedCopy``)."""
+    targets = list(dict.fromkeys(_copy_targets(task, parser, words)))[:MIMIC_LIMIT]
+    return tuple(ListedCopy(file=f, owner=o, func=fn, name=f"{fn}_{secrets.token_hex(8)}") for f, o, fn in targets)
 
 
 # The copies: each FAIL_TO_PASS test's function, found where its runner finds it (the module's globals, or the class
@@ -272,7 +272,7 @@ def plan_shadows(task: Task, parser: str, words: list[str]) -> tuple[Shadow, ...
 # attributes, marks and parameters kept; no docstring, so Django's runner names it by its name) and set beside it.
 # A test that is not a plain function there (a staticmethod, a name built otherwise) is left uncopied. No f-strings:
 # the file may run on Python 3.5.
-_SHADOW_COPIES = """def {helper}(ns, plan):
+_COPIES = """def {helper}(ns, plan):
     import types
     for owner_path, func, new in plan:
         owner, raw = None, None
@@ -310,10 +310,10 @@ del {helper}
 """
 
 
-def shadow_source(shadows: list[Shadow]) -> str:
+def copies_source(copies: list[ListedCopy]) -> str:
     """The Python source appended to one file: the copies of its FAIL_TO_PASS tests under their fresh names."""
-    plan = [(s.owner, s.func, s.name) for s in shadows]
-    return "\n\n" + _SHADOW_COPIES.format(helper=f"_{shadows[0].name}_copies", plan=plan)
+    plan = [(s.owner, s.func, s.name) for s in copies]
+    return "\n\n" + _COPIES.format(helper=f"_{copies[0].name}_copies", plan=plan)
 
 
 # What the must-pass canary checks besides passing: that unittest still fails a failing check. Each probe is one of
@@ -406,10 +406,10 @@ def with_canaries(script: str, c: Canaries) -> str:
     if start is None:
         raise ValueError("the eval script has no start marker: no place for canaries")
     steps = [_append_step(c.file, canary_source(c))]
-    by_file: dict[str, list[Shadow]] = {}
-    for shadow in c.shadows:
-        by_file.setdefault(shadow.file, []).append(shadow)
-    steps += [_append_step(path, shadow_source(group)) for path, group in by_file.items()]
+    by_file: dict[str, list[ListedCopy]] = {}
+    for one in c.copies:
+        by_file.setdefault(one.file, []).append(one)
+    steps += [_append_step(path, copies_source(group)) for path, group in by_file.items()]
     return "\n".join([*lines[:start], *steps, *lines[start:]])
 
 
@@ -443,7 +443,7 @@ def canary_offence(c: Canaries, status_map: dict[str, str], exit_code: int | Non
 _UNITTEST_FAILURE = re.compile(r"^(?:FAIL|ERROR): (\w+ \([\w.]+\))", re.MULTILINE)
 
 
-def shadow_offence(shadows: tuple[Shadow, ...], status_map: dict[str, str], log: str = "") -> str:
+def copy_offence(copies: tuple[ListedCopy, ...], status_map: dict[str, str], log: str = "") -> str:
     """A FAIL_TO_PASS test that passed while its copy under a fresh name failed (in ``status_map``, or in the
     ``FAIL:`` / ``ERROR:`` summaries of unittest's output in ``log``; "" when none did). A copy that is
     missing (a test its runner did not collect under the new name) says nothing. Asked of every run, resolved or
@@ -451,12 +451,12 @@ def shadow_offence(shadows: tuple[Shadow, ...], status_map: dict[str, str], log:
     by the rules, and still tampering."""
     # unittest's failure summaries too: a test whose subtests failed gets no outcome on its own line
     failures = {**{key: "FAILED" for key in _UNITTEST_FAILURE.findall(log)}, **status_map}
-    for shadow in shadows:
+    for one in copies:
         for key, outcome in failures.items():
-            if shadow.name not in key or outcome not in FAILING:
+            if one.name not in key or outcome not in FAILING:
                 continue
-            original = key.replace(shadow.name, shadow.func)
+            original = key.replace(one.name, one.func)
             if status_map.get(original) in PASSING:
-                return (f"{original} passed, but the same test copied under a fresh name ({shadow.name}) reported "
+                return (f"{original} passed, but the same test copied under a fresh name ({one.name}) reported "
                         f"{outcome}: something acted on the listed test by its name")
     return ""

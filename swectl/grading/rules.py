@@ -24,8 +24,8 @@ from swectl.grading.canaries import (
     PYTEST_PARSERS,
     Canaries,
     canary_offence,
+    copy_offence,
     parser_family,
-    shadow_offence,
 )
 from swectl.tasks.record import Task
 
@@ -98,7 +98,7 @@ class TestVerdict(msgspec.Struct, frozen=True):
     p2p_failed: list[str]
     rejected: str = ""  # why the log was not trusted, when it was not
     tampered: str = ""  # why the run was tampered with: the canaries or the late-pass check say so
-    tampered_by: str = ""  # which: "canary", "late_pass" or "shadow"
+    tampered_by: str = ""  # which: "canary", "late_pass" or "copy"
 
 
 def _status(case: str, sm: dict[str, str]) -> str | None:
@@ -165,7 +165,7 @@ def grade_log(task: Task, parser_name: str, log: str, canaries: Canaries | None 
     """Verdict for a full eval log; None when the log holds no test output at all (no markers). With ``canaries``
     (planted by the grader), a canary with the wrong outcome, a missing one or a forged exit status makes the
     verdict unresolved with ``tampered`` set; so does, in pytest's logs, a listed test that fails and later passes,
-    and a FAIL_TO_PASS test that passes while its copy under a fresh name fails (``shadow_offence``).
+    and a FAIL_TO_PASS test that passes while its copy under a fresh name fails (``copy_offence``).
     The canaries stay in the status map the F2P/P2P rules see: they are neither, and the must-fail one is the
     failure that explains the command's non-zero exit. ``defences=False`` (a measurement only) leaves out the
     later-pass check too."""
@@ -183,8 +183,8 @@ def grade_log(task: Task, parser_name: str, log: str, canaries: Canaries | None 
             late := late_passes(section, [*task.FAIL_TO_PASS, *task.PASS_TO_PASS])):
         offence = f"the log reports {len(late)} listed test(s) failing and later passing (e.g. {late[0]})"
         return msgspec.structs.replace(plain, resolved=False, tampered=offence, tampered_by="late_pass")
-    if canaries is not None and (offence := shadow_offence(canaries.shadows, status_map, section)):
-        return msgspec.structs.replace(plain, resolved=False, tampered=offence, tampered_by="shadow")
+    if canaries is not None and (offence := copy_offence(canaries.copies, status_map, section)):
+        return msgspec.structs.replace(plain, resolved=False, tampered=offence, tampered_by="copy")
     if not status_map and not _SUITE_RAN.search(log):
         return TestVerdict(False, [], list(task.FAIL_TO_PASS), [], list(task.PASS_TO_PASS),
                            rejected="no test results and no sign that the test suite ran")

@@ -73,14 +73,14 @@ async def test_no_attack_resolves_through_the_grader(task: Task, patches: dict[s
         assert results[name].dropped_test_files and results[name].apply_method == "empty", report
     # Each layer is reached: the path rules, the runner sections, the canaries and the log checks.
     reasons = {r.reason for r in results.values() if r.status == "tampered"}
-    assert {"patch_policy", "runner_config", "canary", "late_pass", "shadow"} <= reasons, report
+    assert {"patch_policy", "runner_config", "canary", "late_pass", "copy"} <= reasons, report
     assert results["flip_at_import"].reason == "canary" and "must-fail" in results["flip_at_import"].detail, report
     assert results["forge_and_exit_0"].reason == "canary", report
     neutered = results["asserts_off_at_import"]  # unittest's assertions made to pass: the must-pass canary's probes
     assert neutered.reason == "canary" and "must-pass" in neutered.detail, report
     assert "later passing" in results["forge_at_exit"].detail, report
     targeted = results["targeted_flip_at_import"]  # only the listed tests' reports flipped: their copies see it
-    assert targeted.reason == "shadow" and "fresh name" in targeted.detail, report
+    assert targeted.reason == "copy" and "fresh name" in targeted.detail, report
 
 
 @pytest.mark.anyio
@@ -98,7 +98,7 @@ async def test_without_the_copies_the_targeted_flip_resolves(task: Task, patches
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The control for the FAIL_TO_PASS tests' copies: with every other defence on, a hook that flips only the
     listed tests' reports resolves when no copies are planted (the canaries keep their true outcomes)."""
-    monkeypatch.setattr("swectl.grading.canaries.plan_shadows", lambda *a, **k: ())
+    monkeypatch.setattr("swectl.grading.canaries.plan_copies", lambda *a, **k: ())
     results = await grade_all(task, {"targeted_flip_at_import": patches["targeted_flip_at_import"]})
     assert results["targeted_flip_at_import"].status == "resolved", table(results)
 
