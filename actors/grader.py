@@ -42,10 +42,25 @@ import msgspec
 
 from swectl.actors.env_pool import EnvPool, Lease
 from swectl.errors import InfraError, NodeLostError, SandboxLostError, SwectlError
-from swectl.grading.canaries import Canaries, plan_canaries, pythonpath_of, with_canaries
+from swectl.grading.canaries import (
+    Canaries,
+    confirming,
+    failed_copies,
+    plan_canaries,
+    pythonpath_of,
+    with_canaries,
+)
 from swectl.grading.eval_script import eval_script_for, log_parser_for, test_files_of, with_exit_code
 from swectl.grading.patch_policy import PolicyVerdict, review_harbor_patch, review_patch
-from swectl.grading.rules import INFRA_REASONS, GradeStatus, TestVerdict, grade_log, test_exit_code
+from swectl.grading.rules import (
+    INFRA_REASONS,
+    GradeStatus,
+    TestVerdict,
+    grade_log,
+    parse_status_map,
+    test_exit_code,
+    test_section,
+)
 from swectl.grading.runner_config import changed_runner_sections
 from swectl.images.names import ImageResolver
 from swectl.images.project import GIT_IDENTITY
@@ -241,9 +256,48 @@ class Grader:
             self._refuse(policy)  # before any sandbox: the diff alone says it
             async with self._pool.lease(image, grading=True) as lease:
                 result.node = lease.node
-                await self._grade_in(lease, task, policy, script, parser, result, label,
-                                     timeout_s or self._timeout_s)
+                first = await self._grade_in(lease, task, policy, script, parser, result, label,
+                                             timeout_s or self._timeout_s)
+            if result.status == "tampered" and result.reason == "copy" and first is not None:
+                async with self._pool.lease(image, grading=True) as lease:
+                    await self._confirm_copies(lease, task, policy, script, parser, result, label,
+                                               timeout_s or self._timeout_s, *first)
         return result
+
+    async def _confirm_copies(
+        self, lease: Lease, task: Task, policy: PolicyVerdict, script: str, parser: str, result: GradeResult,
+        label: str, timeout_s: float, canaries: Canaries, first_log: str,
+    ) -> None:
+        """A copy failed beside its passing test: the same patch again in a fresh sandbox, each copy in its test's
+        place (``confirming``). A copy that fails there too stays ``tampered``; one that passes there means the
+        test leaks state into a second run of itself, and the first run's verdict stands without the copies."""
+        if not await prepare_task(lease, task):
+            raise _GradeError("setup_failed", "the task's setup patch did not apply (confirming a copy)")
+        await self._check_shadows(lease, policy, TESTBED)
+        await self._apply(lease, policy.patch, TESTBED)
+        again = confirming(canaries)
+        await lease.write_file(EVAL_FILE, with_canaries(script, again).encode())
+        run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", timeout_s, cwd=TESTBED)
+        if run.timed_out:
+            raise _GradeError("eval_timeout", f"confirming a copy, the eval script ran past the grading timeout "
+                              f"({timeout_s:g} s)")
+        log = (await lease.read_file(LOG_FILE)).decode("utf-8", errors="replace")
+        self._save_log(task.instance_id, f"{label}.confirm" if label else "confirm", log)
+        section = test_section(log)
+        if section is None:
+            raise _GradeError("no_test_output", f"confirming a copy, the eval log has no test output markers "
+                              f"(script exit {run.exit_code}); tail:\n{log[-800:]}")
+        failed = failed_copies(again.copies, parse_status_map(task, parser, section), section)
+        if failed:
+            result.detail += f"; confirmed: in its test's place, the copy failed too ({failed[0]})"
+            return
+        verdict = grade_log(task, parser, first_log, msgspec.structs.replace(canaries, copies=()),
+                            defences=self._config.defences)
+        assert verdict is not None  # the first log had its markers
+        self._fill(result, verdict, task, first_log, canaries)
+        result.detail = (result.detail + "; " if result.detail else "") + (
+            "a copy of a listed test failed beside it but passed in its place: the test leaks state into a second "
+            "run of itself (not tampering)")
 
     async def _grade_harbor(self, task: Task, patch: str, label: str, timeout_s: float | None) -> GradeResult:
         """A Harbor task: the patch applied to the work folder of a fresh sandbox (same policy and ladder), the
@@ -374,7 +428,8 @@ class Grader:
     async def _grade_in(
         self, lease: Lease, task: Task, policy: PolicyVerdict, script: str, parser: str, result: GradeResult,
         label: str, timeout_s: float,
-    ) -> None:
+    ) -> tuple[Canaries, str] | None:
+        """One grading in ``lease``; the canaries planted and the log, for a confirmation of the copies."""
         if not await prepare_task(lease, task):
             raise _GradeError("setup_failed", "the task's setup patch did not apply")
         await self._check_shadows(lease, policy, TESTBED)
@@ -394,6 +449,7 @@ class Grader:
             raise _GradeError("no_test_output", f"the eval log has no test output markers (script exit "
                               f"{run.exit_code}); tail:\n{log[-800:]}")
         self._fill(result, verdict, task, log, canaries)
+        return (canaries, log) if canaries is not None else None
 
     @staticmethod
     def _fill(result: GradeResult, verdict: TestVerdict, task: Task, log: str, canaries: Canaries | None) -> None:

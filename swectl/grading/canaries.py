@@ -61,6 +61,7 @@ class Canaries(msgspec.Struct, frozen=True):
     # copies of FAIL_TO_PASS tests under fresh names, run beside them: one that fails where its test passes means
     # something acted on the listed test by its name (a hook that flips only its report)
     copies: tuple[ListedCopy, ...] = ()
+    copies_replace: bool = False  # the confirmation run: each copy in place of its test (``confirming``)
 
 
 def _lines_between_markers(script: str) -> list[str] | None:
@@ -272,7 +273,7 @@ def plan_copies(task: Task, parser: str, words: list[str]) -> tuple[ListedCopy, 
 # attributes, marks and parameters kept; no docstring, so Django's runner names it by its name) and set beside it.
 # A test that is not a plain function there (a staticmethod, a name built otherwise) is left uncopied. No f-strings:
 # the file may run on Python 3.5.
-_COPIES = """def {helper}(ns, plan):
+_COPIES = """def {helper}(ns, plan, replace):
     import types
     for owner_path, func, new in plan:
         owner, raw = None, None
@@ -301,19 +302,26 @@ _COPIES = """def {helper}(ns, plan):
         copy.__doc__ = None
         if owner is None:
             ns[new] = copy
+            if replace:
+                del ns[func]
         else:
             setattr(owner, new, copy)
+            if replace and func in vars(owner):
+                delattr(owner, func)
+            elif replace:
+                setattr(owner, func, None)  # inherited: hidden from the runner here
 
 
-{helper}(globals(), {plan!r})
+{helper}(globals(), {plan!r}, {replace!r})
 del {helper}
 """
 
 
-def copies_source(copies: list[ListedCopy]) -> str:
-    """The Python source appended to one file: the copies of its FAIL_TO_PASS tests under their fresh names."""
+def copies_source(copies: list[ListedCopy], *, replace: bool = False) -> str:
+    """The Python source appended to one file: the copies of its FAIL_TO_PASS tests under their fresh names
+    (``replace``: each in place of its test, which is taken out of the runner's reach)."""
     plan = [(s.owner, s.func, s.name) for s in copies]
-    return "\n\n" + _COPIES.format(helper=f"_{copies[0].name}_copies", plan=plan)
+    return "\n\n" + _COPIES.format(helper=f"_{copies[0].name}_copies", plan=plan, replace=replace)
 
 
 # What the must-pass canary checks besides passing: that unittest still fails a failing check. Each probe is one of
@@ -409,7 +417,7 @@ def with_canaries(script: str, c: Canaries) -> str:
     by_file: dict[str, list[ListedCopy]] = {}
     for one in c.copies:
         by_file.setdefault(one.file, []).append(one)
-    steps += [_append_step(path, copies_source(group)) for path, group in by_file.items()]
+    steps += [_append_step(path, copies_source(group, replace=c.copies_replace)) for path, group in by_file.items()]
     return "\n".join([*lines[:start], *steps, *lines[start:]])
 
 
@@ -438,6 +446,20 @@ def canary_offence(c: Canaries, status_map: dict[str, str], exit_code: int | Non
     if exit_code == 0:
         return "the test command exited 0 although a test failed (the must-fail canary)"
     return ""
+
+
+def confirming(c: Canaries) -> Canaries:
+    """The canaries of the run that confirms a copy's offence: fresh canary names, the same copies, each planted
+    in place of its test. A test that leaks state into a second run of itself (it passes first and fails after)
+    fails beside itself, but passes in its own place; a test acted on by its name fails there too."""
+    return msgspec.structs.replace(c, passing=fresh_name(), failing=fresh_name(), copies_replace=True)
+
+
+def failed_copies(copies: tuple[ListedCopy, ...], status_map: dict[str, str], log: str = "") -> list[str]:
+    """The copies that failed in a run (in ``status_map`` or in unittest's failure summaries in ``log``)."""
+    failures = {**{key: "FAILED" for key in _UNITTEST_FAILURE.findall(log)}, **status_map}
+    return sorted(key for key, outcome in failures.items() if outcome in FAILING
+                  and any(one.name in key for one in copies))
 
 
 _UNITTEST_FAILURE = re.compile(r"^(?:FAIL|ERROR): (\w+ \([\w.]+\))", re.MULTILINE)

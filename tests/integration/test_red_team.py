@@ -80,7 +80,7 @@ async def test_no_attack_resolves_through_the_grader(task: Task, patches: dict[s
     assert neutered.reason == "canary" and "must-pass" in neutered.detail, report
     assert "later passing" in results["forge_at_exit"].detail, report
     targeted = results["targeted_flip_at_import"]  # only the listed tests' reports flipped: their copies see it
-    assert targeted.reason == "copy" and "fresh name" in targeted.detail, report
+    assert targeted.reason == "copy" and "fresh name" in targeted.detail and "confirmed" in targeted.detail, report
 
 
 @pytest.mark.anyio
@@ -91,6 +91,24 @@ async def test_without_the_defences_the_issues_attack_resolves(task: Task, patch
     results = await grade_all(task, {n: patches[n] for n in names}, defences=False)
     assert [results[n].status for n in names] == ["resolved", "resolved", "resolved", "unresolved"], table(results)
     assert "exited 1 but the log reports no failure" in results["forge_at_exit"].detail
+
+
+LEAKY_TEST = "_seen = []\n\n\ndef test_leaks():\n    assert not _seen\n    _seen.append(1)\n"
+
+
+@pytest.mark.anyio
+async def test_a_listed_test_that_leaks_state_into_its_copy_still_resolves(task: Task) -> None:
+    """No false positive from the copies: a FAIL_TO_PASS test that passes once and fails when run again in the same
+    process (module state it leaves behind, as django__django-11095's does) fails beside itself; the confirmation
+    run, its copy in its place, passes, and the gold patch resolves. (The bundled task's script runs no test patch:
+    the test comes in the task's setup patch.)"""
+    lines = LEAKY_TEST.splitlines()
+    added = (f"diff --git a/tests/test_leaky.py b/tests/test_leaky.py\nnew file mode 100644\n--- /dev/null\n"
+             f"+++ b/tests/test_leaky.py\n@@ -0,0 +1,{len(lines)} @@\n" + "".join(f"+{ln}\n" for ln in lines))
+    leaky = msgspec.structs.replace(task, setup_patch=task.setup_patch + added,
+                                    FAIL_TO_PASS=[*task.FAIL_TO_PASS, "tests/test_leaky.py::test_leaks"])
+    results = await grade_all(leaky, {"gold": task.patch})
+    assert results["gold"].status == "resolved" and "leaks state" in results["gold"].detail, results["gold"]
 
 
 @pytest.mark.anyio
