@@ -81,6 +81,9 @@ def test_timeout_patch_failure_infra_and_empty_resolving() -> None:
     assert classify(TASK, None, [grade("error", reason="eval_timeout")] * 2, grade("unresolved")).reason == "timeout"
     assert classify(TASK, None, [grade("error", reason="patch_apply_failed")], grade("unresolved")).reason == \
         "gold_patch_failed"
+    # gold called tampered by the grader's defences: their false positive, named as such (not env_drift)
+    tampered = classify(TASK, None, [grade("tampered", reason="copy")], grade("unresolved"))
+    assert tampered.reason == "gold_tampered" and tampered.detail.startswith("gold graded tampered (copy)")
     lost = grade("error", reason="sandbox_lost", infra=True)
     assert classify(TASK, None, [grade(), lost], grade("unresolved")).reason == "infra"
     assert classify(TASK, None, [grade()], lost).reason == "infra"

@@ -66,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Build each task's image (--repo-cache: classic SWE-bench rows from local clones), grade its gold "
         "patch --runs times and the empty patch once, each in a fresh sandbox. Validated: gold resolves in every "
         "run and empty does not. Every other task gets one reason: build_failed (and the step), infra, timeout, "
-        "gold_patch_failed, flaky (which tests), network, cpu_count, missing_library (which), "
+        "gold_patch_failed, gold_tampered (the grader's defences called gold tampered), flaky (which tests), network, cpu_count, missing_library (which), "
         "missing_dependency (which, and whether the fix imports it), other_python (the spec's Python is not on "
         "the node), env_drift (which tests) or empty_resolves. "
         "Writes validation.json (per task, per repository), validated.txt (the ids), image-map.json and "

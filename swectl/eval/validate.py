@@ -12,6 +12,8 @@ task gets exactly one reason (:func:`classify`, first match wins):
 - ``flaky``: gold resolved in some runs and not in others; ``tests`` are the ones that changed;
 - ``network``: gold's failing tests need the network (the log has resolver / connection errors; sandboxes
   have none);
+- ``gold_tampered``: the grader's defences (docs/grading.md) called the gold patch tampered in every run: a false
+  positive of theirs, with their reason in the detail;
 - ``cpu_count``: gold's failing tests depend on the number of CPUs (parallel jobs, ``cpu_count``, tests skipped
   for want of cores): the official harness sets no CPU limit; ``--set sandbox.grading_cpus=N`` gives gradings N
   cores (0: no limit, which tools that read cgroup v1's ``cpu.shares``, as pylint does, count as one core);
@@ -66,8 +68,8 @@ from swectl.images.project import image_id
 from swectl.tasks.record import Task
 
 VALIDATION_FORMAT = 1
-Reason = Literal["build_failed", "infra", "timeout", "gold_patch_failed", "flaky", "network", "cpu_count",
-                 "missing_library", "missing_dependency", "other_python", "env_drift", "empty_resolves"]
+Reason = Literal["build_failed", "infra", "timeout", "gold_patch_failed", "gold_tampered", "flaky", "network",
+                 "cpu_count", "missing_library", "missing_dependency", "other_python", "env_drift", "empty_resolves"]
 GradeKind = Literal["gold", "empty"]
 RecordT = TypeVar("RecordT", bound=msgspec.Struct)
 
@@ -274,6 +276,10 @@ def classify(task: Task, build: InstanceOutcome | None, gold: list[GradeResult],
         if any(g.reason == "patch_apply_failed" for g in failing):
             v.reason = "gold_patch_failed"
             v.detail = next(g.detail for g in failing if g.reason == "patch_apply_failed")[:2000]
+            return v
+        if all(g.status == "tampered" for g in failing):  # a false positive of the grader's defences (issue 56)
+            first = failing[0]
+            v.reason, v.detail = "gold_tampered", f"gold graded tampered ({first.reason}): {first.detail}"[:2000]
             return v
     if failing and resolved:
         v.reason, v.tests = "flaky", sorted(set().union(*(_failed_tests(g) for g in failing)))
