@@ -14,6 +14,7 @@ import pytest
 from swectl.grading.canaries import (
     Canaries,
     ListedCopy,
+    confirming,
     copies_source,
     copy_offence,
     django_case,
@@ -117,6 +118,52 @@ def test_the_copies_run_under_pytest_with_their_originals_outcomes(tmp_path: Pat
     assert "_test_aaaa_copies" not in run.stdout  # the helper is gone from the module and collected as nothing
 
 
+ORDERED = '''order = []
+
+
+def test_a():
+    order.append("a")
+
+
+def test_b():
+    order.append("b")
+
+
+def test_c():
+    order.append("c")
+
+
+class TestK:
+    def test_d(self):
+        order.append("d")
+
+    def test_e(self):
+        order.append("e")
+
+    def test_f(self):
+        order.append("f")
+
+
+def test_order_last():
+    assert order == ["a", "B", "c", "d", "E", "f"], order
+'''
+
+
+def test_in_its_tests_place_the_copy_runs_where_its_test_did(tmp_path: Path) -> None:
+    """The confirmation run's copies (``replace``): each takes its test's place in its module's or class's order,
+    and the test is gone. Real pytest, which collects in definition order."""
+    plan = [ListedCopy("t.py", (), "test_b", "test_b_aaaa"), ListedCopy("t.py", ("TestK",), "test_e", "test_e_bbbb")]
+    body = ORDERED.replace('order.append("b")', 'order.append("B")').replace('order.append("e")', 'order.append("E")')
+    (tmp_path / "test_m.py").write_text(body.replace("def test_order_last", "def _last") + copies_source(
+        plan, replace=True) + "\n\ndef test_order_last():\n    _last()\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "test_m.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    statuses = parse_status_map(task([]), "parse_log_pytest", run.stdout)
+    names = ["test_a", "test_b_aaaa", "test_c", "TestK::test_d", "TestK::test_e_bbbb", "TestK::test_f",
+             "test_order_last"]
+    assert statuses == {f"test_m.py::{n}": "PASSED" for n in names}, run.stdout[-3000:]
+
+
 def test_a_copy_is_a_new_function_under_unittest(tmp_path: Path) -> None:
     """Under unittest's own loader (Django's runner): the copy is a method of the class with its own name, code name
     and no docstring (so the runner names it by its name); on Python 3.8+ its code object carries the new name."""
@@ -177,7 +224,8 @@ def test_the_copies_step_appends_to_each_file_before_the_start_marker() -> None:
     script = with_canaries(">>>>> Start Test Output\npytest tests\n>>>>> End Test Output\n", c)
     before = script.split(">>>>> Start Test Output")[0]
     assert before.count("cat >> tests/test_a.py") == 2 and before.count("cat >> tests/test_b.py") == 1
-    assert "_test_bbbb_copies(globals(), [((), 'test_two', 'test_bbbb')])" in before
+    assert "_test_bbbb_copies(globals(), [((), 'test_two', 'test_bbbb')], False)" in before
+    assert "[((), 'test_two', 'test_bbbb')], True)" in with_canaries(script, confirming(c))
 
 
 @pytest.fixture(scope="module")

@@ -300,16 +300,33 @@ _COPIES = """def {helper}(ns, plan, replace):
         copy.__module__ = raw.__module__
         copy.__qualname__ = raw.__qualname__.rsplit(".", 1)[0] + "." + new if "." in raw.__qualname__ else new
         copy.__doc__ = None
+        if not replace:
+            if owner is None:
+                ns[new] = copy
+            else:
+                setattr(owner, new, copy)
+            continue
+        # in the test's place: where it was in its module's or class's order (runners that collect in definition
+        # order run the copy when the test would have run), the test itself gone
+        space = ns if owner is None else dict(vars(owner))
+        names = list(space)
+        later = [n for n in names[names.index(func) + 1:] if not n.startswith("__")] if func in names else []
         if owner is None:
-            ns[new] = copy
-            if replace:
+            if func in ns:
                 del ns[func]
+            ns[new] = copy
+            for n in later:
+                ns[n] = ns.pop(n)
         else:
-            setattr(owner, new, copy)
-            if replace and func in vars(owner):
+            if func in vars(owner):
                 delattr(owner, func)
-            elif replace:
+            else:
                 setattr(owner, func, None)  # inherited: hidden from the runner here
+            setattr(owner, new, copy)
+            for n in later:
+                value = vars(owner)[n]
+                delattr(owner, n)
+                setattr(owner, n, value)
 
 
 {helper}(globals(), {plan!r}, {replace!r})
