@@ -80,6 +80,60 @@ def merged_verdicts(folders: list[Path]) -> list[InstanceValidation]:
     return sorted(by_id.values(), key=lambda v: v.instance_id)
 
 
+def merged_summary(a: RepoValidation, b: RepoValidation, sign: int = 1) -> RepoValidation:
+    """Two disjoint sets of rows' summaries as one (counts added, fractions and the mean time made again); with
+    ``sign=-1``, ``a`` without the rows of ``b`` (a part of it)."""
+    n = a.instances + sign * b.instances
+    reasons = Counter(a.reasons)
+    for k, v in b.reasons.items():
+        reasons[k] += sign * v
+    out = RepoValidation(
+        instances=n, built=a.built + sign * b.built, gold_resolved=a.gold_resolved + sign * b.gold_resolved,
+        empty_resolved=a.empty_resolved + sign * b.empty_resolved, validated=a.validated + sign * b.validated,
+        reasons=dict(sorted((k, v) for k, v in reasons.items() if v > 0)),
+        seconds_per_task=round((a.seconds_per_task * a.instances + sign * b.seconds_per_task * b.instances) / n, 1)
+        if n else 0.0)
+    out.built_frac = round(out.built / n, 4) if n else 0.0
+    out.gold_resolved_frac = round(out.gold_resolved / out.built, 4) if out.built else 0.0
+    out.empty_resolved_frac = round(out.empty_resolved / out.built, 4) if out.built else 0.0
+    return out
+
+
+def previous_coverage(path: Path) -> tuple[dict[str, CoverageRow], list[InstanceValidation], list[str]]:
+    """The coverage recorded in a results file: its environments' rows, the verdicts it kept (from 2026-12-08 on),
+    and the gold patches it found tampered."""
+    recorded = json.loads(path.read_text()).get("coverage") or {}
+    rows = {k: msgspec.convert(v, CoverageRow) for k, v in (recorded.get("environments") or {}).items()}
+    verdicts = msgspec.convert(recorded.get("verdicts") or [], list[InstanceValidation])
+    return rows, verdicts, list((recorded.get("summary") or {}).get("gold_tampered") or [])
+
+
+def with_previous(rows: list[CoverageRow], previous: dict[str, CoverageRow],
+                  kept: list[InstanceValidation]) -> list[CoverageRow]:
+    """``rows`` (from verdicts) with the rows of ``previous`` that it did not keep verdicts of (``kept``; recorded as
+    a summary only, before the verdicts were kept) added to their environment's counts. A row both there and here:
+    here wins where ``previous`` kept its verdict; otherwise it is a summary that cannot be taken apart, so the
+    verdict here is refused."""
+    kept_ids = {v.instance_id for v in kept}
+    kept_summary = build_validation_report(kept, tasks="", runs=0, elapsed_s=0.0).versions
+    out = []
+    for row in rows:
+        before = previous.get(row.environment)
+        old = {i: r for i, r in (before.rows if before else {}).items() if i not in kept_ids}
+        if before is None or before.validated is None or not old:
+            out.append(row)
+            continue
+        if clash := sorted(set(old) & set(row.rows)):
+            raise SystemExit(f"{row.environment}: {', '.join(clash)} validated again, but the earlier verdict is a "
+                             "summary only: validate rows the results file does not name")
+        summary_only = before.validated
+        if row.environment in kept_summary:
+            summary_only = merged_summary(summary_only, kept_summary[row.environment], sign=-1)
+        validated = merged_summary(summary_only, row.validated) if row.validated else summary_only
+        out.append(msgspec.structs.replace(row, validated=validated, rows=dict(sorted({**old, **row.rows}.items()))))
+    return out
+
+
 def coverage_rows(environments: Counter[str], verdicts: list[InstanceValidation]) -> list[CoverageRow]:
     report = build_validation_report(verdicts, tasks="", runs=0, elapsed_s=0.0)
     rows = []
@@ -93,23 +147,28 @@ def coverage_rows(environments: Counter[str], verdicts: list[InstanceValidation]
     return rows
 
 
-def goals(rows: list[CoverageRow], verdicts: list[InstanceValidation]) -> dict[str, Any]:
-    """Coverage of the reachable environments, and the issue's goals on what was validated."""
+def goals(rows: list[CoverageRow], verdicts: list[InstanceValidation],
+          gold_tampered: list[str] | None = None) -> dict[str, Any]:
+    """Coverage of the reachable environments, and the issue's goals on what was validated (per repository, from
+    its environments' counts; ``gold_tampered``: found so by an earlier results file)."""
     reachable = [r for r in rows if r.reachable]
     covered = [r for r in reachable if r.validated]
-    report = build_validation_report(verdicts, tasks="", runs=0, elapsed_s=0.0)
+    repos: dict[str, RepoValidation] = {}
+    for r in covered:
+        repo = r.environment.split(" ")[0]
+        repos[repo] = merged_summary(repos[repo], r.validated) if repo in repos else r.validated
     top = sorted(reachable, key=lambda r: (-r.dataset_rows, r.environment))[:TOP_ENVIRONMENTS]
     return {
         "reachable_environments": len(reachable),
         "covered_environments": len(covered),
         "not_covered": [r.environment for r in reachable if not r.validated],
-        "rows_validated_here": len(verdicts),
-        "repos_gold_resolved_frac": {repo: s.gold_resolved_frac for repo, s in report.repos.items()},
-        "repos_below_goal": sorted(repo for repo, s in report.repos.items()
+        "rows_validated_here": sum(r.validated.instances for r in covered),
+        "repos_gold_resolved_frac": {repo: s.gold_resolved_frac for repo, s in sorted(repos.items())},
+        "repos_below_goal": sorted(repo for repo, s in repos.items()
                                    if s.built and s.gold_resolved_frac < GOAL_GOLD_FRAC),
-        "empty_resolved": report.overall.empty_resolved,
+        "empty_resolved": sum(s.empty_resolved for s in repos.values()),
         # a gold patch the grader's defences call tampered is a false positive of theirs (issue 56, part 4)
-        "gold_tampered": sorted(v.instance_id for v in verdicts if "tampered" in v.gold),
+        "gold_tampered": sorted({*(gold_tampered or []), *(v.instance_id for v in verdicts if "tampered" in v.gold)}),
         "top_environments": {r.environment: (r.validated.gold_resolved_frac if r.validated else None) for r in top},
     }
 
@@ -136,21 +195,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", type=Path, default=DEFAULT_TASKS, help=f"the dataset (default {DEFAULT_TASKS})")
     ap.add_argument("--command", default="", help="the validate command line(s), recorded with the table")
     ap.add_argument("--results", type=Path, default=RESULTS_DIR / "swebench_validation.json")
+    ap.add_argument("--previous", action="store_true",
+                    help="add to the coverage --results holds (its rows stay; the folders' verdicts come on top): "
+                         "for folders of an earlier machine that are gone")
     args = ap.parse_args(argv)
     if not args.tasks.exists():
         raise SystemExit(f"--tasks {args.tasks}: no such file")
-    verdicts = merged_verdicts(args.validation)
-    rows = coverage_rows(dataset_environments(args.tasks), verdicts)
+    previous: dict[str, CoverageRow] = {}
+    kept: list[InstanceValidation] = []
+    tampered: list[str] = []
+    if args.previous:
+        if not args.results.exists():
+            raise SystemExit(f"--previous: {args.results} does not exist")
+        previous, kept, tampered = previous_coverage(args.results)
+    fresh = merged_verdicts(args.validation)
+    by_id = {v.instance_id: v for v in [*kept, *fresh]}  # a verdict made here wins over a kept one
+    verdicts = sorted(by_id.values(), key=lambda v: v.instance_id)
+    rows = with_previous(coverage_rows(dataset_environments(args.tasks), verdicts), previous, kept)
     print(table(rows))
-    summary = goals(rows, verdicts)
+    summary = goals(rows, verdicts, tampered)
     print(json.dumps(summary, indent=1))
     results = json.loads(args.results.read_text()) if args.results.exists() else {}
     results["coverage"] = {
         "what": "per (repository, version) environment of SWE-bench Verified: rows in the dataset, rows validated "
                 "here and their verdicts (benchmarks/verified_coverage.py; issue 61)",
-        "host": host_meta(), "command": args.command, "folders": [str(f) for f in args.validation],
+        "host": host_meta(),
+        "command": "; then ".join(c for c in [results.get("coverage", {}).get("command", "") if args.previous
+                                              else "", args.command] if c),
+        "folders": [*(results.get("coverage", {}).get("folders", []) if args.previous else []),
+                    *(str(f) for f in args.validation)],
         "summary": summary,
         "environments": {r.environment: msgspec.to_builtins(r) for r in rows},
+        "verdicts": msgspec.to_builtins(verdicts),  # kept, so that a later --previous can take rows apart
     }
     args.results.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.results} (coverage)")
