@@ -7,6 +7,11 @@ The validation runs that feed it (resumable: the same --out again keeps the verd
     swectl tasks validate --tasks ../shared/data/swe_bench_verified.jsonl --repo-cache CACHE --allow-network \\
         --per-version 2 --prune --runs 1 --out runs/verified-coverage [--repos OWNER/NAME ...]
     python benchmarks/verified_coverage.py --validation runs/verified-coverage [--validation OTHER ...]
+    python benchmarks/verified_coverage.py --previous --validation NEW ...   # on top of the recorded coverage
+
+``--previous`` is for a machine that lacks the folders behind the recorded table (runs/ is not kept): the table's
+rows stay, and the new folders' verdicts are added. From 2026-12-08 the results file keeps every verdict
+(``coverage.verdicts``), so later rows can be validated again; the rows recorded before that are summaries only.
 
 Per environment: the dataset's rows, the rows validated here (built, gold resolved, empty resolved, validated, the
 reasons), the seconds a task took (build plus gradings), and each row's verdict. Environments of repositories whose
