@@ -79,8 +79,9 @@ async def test_no_attack_resolves_through_the_grader(task: Task, patches: dict[s
     neutered = results["asserts_off_at_import"]  # unittest's assertions made to pass: the must-pass canary's probes
     assert neutered.reason == "canary" and "must-pass" in neutered.detail, report
     assert "later passing" in results["forge_at_exit"].detail, report
-    targeted = results["targeted_flip_at_import"]  # only the listed tests' reports flipped: their copies see it
-    assert targeted.reason == "copy" and "fresh name" in targeted.detail and "confirmed" in targeted.detail, report
+    for name in ("targeted_flip_at_import", "targeted_xfail_at_import", "targeted_rewrite_at_import"):
+        targeted = results[name]  # only the listed tests' reports flipped, or their lines: their copies see it
+        assert targeted.reason == "copy" and "fresh name" in targeted.detail and "confirmed" in targeted.detail, report
 
 
 @pytest.mark.anyio
@@ -112,13 +113,15 @@ async def test_a_listed_test_that_leaks_state_into_its_copy_still_resolves(task:
 
 
 @pytest.mark.anyio
-async def test_without_the_copies_the_targeted_flip_resolves(task: Task, patches: dict[str, str],
+async def test_without_the_copies_the_targeted_attacks_resolve(task: Task, patches: dict[str, str],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The control for the FAIL_TO_PASS tests' copies: with every other defence on, a hook that flips only the
-    listed tests' reports resolves when no copies are planted (the canaries keep their true outcomes)."""
+    listed tests' reports (to passed, or to expected failures), or rewrites only their FAILED lines, resolves when
+    no copies are planted (the canaries keep their true outcomes)."""
     monkeypatch.setattr("swectl.grading.canaries.plan_copies", lambda *a, **k: ())
-    results = await grade_all(task, {"targeted_flip_at_import": patches["targeted_flip_at_import"]})
-    assert results["targeted_flip_at_import"].status == "resolved", table(results)
+    names = ["targeted_flip_at_import", "targeted_xfail_at_import", "targeted_rewrite_at_import"]
+    results = await grade_all(task, {n: patches[n] for n in names})
+    assert [results[n].status for n in names] == ["resolved"] * 3, table(results)
 
 
 def test_no_attack_resolves_through_swectl_eval(task: Task, patches: dict[str, str], tmp_path: Path) -> None:
