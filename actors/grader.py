@@ -294,6 +294,7 @@ class Grader:
         verdict = grade_log(task, parser, first_log, msgspec.structs.replace(canaries, copies=()),
                             defences=self._config.defences)
         assert verdict is not None  # the first log had its markers
+        result.reason = ""
         self._fill(result, verdict, task, first_log, canaries)
         result.detail = (result.detail + "; " if result.detail else "") + (
             "a copy of a listed test failed beside it but passed in its place: the test leaks state into a second "
