@@ -247,3 +247,22 @@ def test_most_verified_rows_get_copies_and_their_source_compiles(verified: list[
             compile(copies_source([s]), t.instance_id, "exec")
     # 482 of the 499 planted (2026-12-08): the Django rows whose tests are listed by their docstrings lack one
     assert counts["copied"] >= 480, counts
+
+
+def test_a_django_test_failing_in_its_subtests_is_not_read_passed_from_the_next_ok() -> None:
+    """django__django-13670's empty patch (2026-12-08): its FAIL_TO_PASS test failed in subtests (no outcome on its
+    line), stderr came between, and swebench's parser read the canary's lone ``ok`` as that test's pass. unittest's
+    own summary says FAIL: with the defences on, the test is failed and the empty patch unresolved (not tampered)."""
+    t = Task(instance_id="x", repo="django/django", problem_statement="", base_commit="",
+             FAIL_TO_PASS=["test_y (app.tests.T)"], PASS_TO_PASS=["test_a (app.tests.T)"])
+    c = Canaries(file="tests/app/tests.py", passing="test_p", failing="test_f", style="testcase")
+    section = ("test_a (app.tests.T) ... ok\ntest_y (app.tests.T) ... test_p (app.tests.TestP) ... Testing against "
+               "Django installed in '/testbed/django'\nSystem check identified no issues (0 silenced).\nok\n"
+               "test_f (app.tests.TestP) ... FAIL\n\n======\nFAIL: test_y (app.tests.T) (year=4)\n------\n"
+               "AssertionError: '4' != '04'\n======\nFAIL: test_f (app.tests.TestP)\n------\nAssertionError\n")
+    log = f">>>>> Start Test Output\n{section}>>>>> End Test Output\n>>>>> Test Exit Code: 1\n"
+    assert parse_status_map(t, "parse_log_django", section)["test_y (app.tests.T)"] == "PASSED"  # the misreading
+    v = grade_log(t, "parse_log_django", log, c)
+    assert v is not None and not v.resolved and not v.tampered and v.f2p_failed == ["test_y (app.tests.T)"], v
+    without = grade_log(t, "parse_log_django", log, c, defences=False)  # the official reading, for measurements
+    assert without is not None and without.resolved

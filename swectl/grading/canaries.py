@@ -477,6 +477,11 @@ def confirming(c: Canaries) -> Canaries:
     return msgspec.structs.replace(c, passing=fresh_name(), failing=fresh_name(), copies_replace=True)
 
 
+def unittest_failures(log: str) -> set[str]:
+    """The tests unittest's summaries in ``log`` report as failed (``FAIL: test_x (mod.Class)``, subtests too)."""
+    return set(_UNITTEST_FAILURE.findall(log))
+
+
 def failed_copies(copies: tuple[ListedCopy, ...], status_map: dict[str, str], log: str = "") -> list[str]:
     """The copies that failed in a run (in ``status_map`` or in unittest's failure summaries in ``log``)."""
     failures = {**{key: "FAILED" for key in _UNITTEST_FAILURE.findall(log)}, **status_map}
