@@ -271,22 +271,15 @@ class Grader:
         """A copy failed beside its passing test: the same patch again in a fresh sandbox, each copy in its test's
         place (``confirming``). A copy that fails there too stays ``tampered``; one that passes there means the
         test leaks state into a second run of itself, and the first run's verdict stands without the copies."""
-        if not await prepare_task(lease, task):
-            raise _GradeError("setup_failed", "the task's setup patch did not apply (confirming a copy)")
-        await self._check_shadows(lease, policy, TESTBED)
-        await self._apply(lease, policy.patch, TESTBED)
+        during = " (confirming a copy)"
+        await self._patched(lease, task, policy, during)
         again = confirming(canaries)
-        await lease.write_file(EVAL_FILE, with_canaries(script, again).encode())
-        run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", timeout_s, cwd=TESTBED)
-        if run.timed_out:
-            raise _GradeError("eval_timeout", f"confirming a copy, the eval script ran past the grading timeout "
-                              f"({timeout_s:g} s)")
-        log = (await lease.read_file(LOG_FILE)).decode("utf-8", errors="replace")
+        log, exit_code = await self._run_eval(lease, with_canaries(script, again), timeout_s, during)
         self._save_log(task.instance_id, f"{label}.confirm" if label else "confirm", log)
         section = test_section(log)
         if section is None:
-            raise _GradeError("no_test_output", f"confirming a copy, the eval log has no test output markers "
-                              f"(script exit {run.exit_code}); tail:\n{log[-800:]}")
+            raise _GradeError("no_test_output", f"the eval log has no test output markers (script exit "
+                              f"{exit_code}){during}; tail:\n{log[-800:]}")
         failed = failed_copies(again.copies, parse_status_map(task, parser, section), section)
         if failed:
             result.detail += f"; confirmed: in its test's place, the copy failed too ({failed[0]})"
@@ -431,26 +424,36 @@ class Grader:
         label: str, timeout_s: float,
     ) -> tuple[Canaries, str] | None:
         """One grading in ``lease``; the canaries planted and the log, for a confirmation of the copies."""
-        if not await prepare_task(lease, task):
-            raise _GradeError("setup_failed", "the task's setup patch did not apply")
-        await self._check_shadows(lease, policy, TESTBED)
-        result.apply_method = await self._apply(lease, policy.patch, TESTBED)
+        result.apply_method = await self._patched(lease, task, policy)
         await self._check_runner_configs(lease, policy, TESTBED)
         canaries = plan_canaries(task, parser, script) if self._config.defences else None
         if canaries is not None:
             script, result.canaries = with_canaries(script, canaries), canaries.file
-        await lease.write_file(EVAL_FILE, script.encode())
-        run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", timeout_s, cwd=TESTBED)
-        if run.timed_out:
-            raise _GradeError("eval_timeout", f"the eval script ran past the grading timeout ({timeout_s:g} s)")
-        log = (await lease.read_file(LOG_FILE)).decode("utf-8", errors="replace")
+        log, exit_code = await self._run_eval(lease, script, timeout_s)
         result.log_path = self._save_log(task.instance_id, label, log)
         verdict = grade_log(task, parser, log, canaries, defences=self._config.defences)
         if verdict is None:
             raise _GradeError("no_test_output", f"the eval log has no test output markers (script exit "
-                              f"{run.exit_code}); tail:\n{log[-800:]}")
+                              f"{exit_code}); tail:\n{log[-800:]}")
         self._fill(result, verdict, task, log, canaries)
         return (canaries, log) if canaries is not None else None
+
+    async def _patched(self, lease: Lease, task: Task, policy: PolicyVerdict, during: str = "") -> str:
+        """The task's tree in ``lease`` with the patch applied (its setup patch, the shadowing check, the apply
+        ladder); how the patch applied."""
+        if not await prepare_task(lease, task):
+            raise _GradeError("setup_failed", f"the task's setup patch did not apply{during}")
+        await self._check_shadows(lease, policy, TESTBED)
+        return await self._apply(lease, policy.patch, TESTBED)
+
+    async def _run_eval(self, lease: Lease, script: str, timeout_s: float, during: str = "") -> tuple[str, int]:
+        """``script`` run in the tree of ``lease``: its log and exit status."""
+        await lease.write_file(EVAL_FILE, script.encode())
+        run = await lease.exec(f"bash {EVAL_FILE} > {LOG_FILE} 2>&1", timeout_s, cwd=TESTBED)
+        if run.timed_out:
+            raise _GradeError("eval_timeout", f"the eval script ran past the grading timeout ({timeout_s:g} s)"
+                              f"{during}")
+        return (await lease.read_file(LOG_FILE)).decode("utf-8", errors="replace"), run.exit_code
 
     @staticmethod
     def _fill(result: GradeResult, verdict: TestVerdict, task: Task, log: str, canaries: Canaries | None) -> None:
