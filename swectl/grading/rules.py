@@ -27,7 +27,7 @@ from swectl.grading.canaries import (
     canary_offence,
     copy_offence,
     parser_family,
-    unittest_failures,
+    with_unittest_failures,
 )
 from swectl.tasks.record import Task
 
@@ -160,16 +160,6 @@ def late_passes(section: str, cases: list[str]) -> list[str]:
         elif outcome in PASSING and case in failed and case not in late:
             late.append(case)
     return late
-
-
-def with_unittest_failures(status_map: dict[str, str], section: str) -> dict[str, str]:
-    """The status map with every test that unittest's summary reports as ``FAIL:`` or ``ERROR:`` marked FAILED.
-    swebench's Django parser reads a bare ``ok`` line as the outcome of the last test line it saw; a test whose
-    subtests failed prints no outcome on its own line, so when the next test's ``ok`` lands on a line of its own
-    (stderr in between) the failed test reads PASSED. The runner's own summary says otherwise (django__django-13670's
-    empty patch, 2026-12-08: its FAIL_TO_PASS test read PASSED from the canary's ``ok``)."""
-    failed = unittest_failures(section)
-    return {**status_map, **{key: "FAILED" for key in failed}} if failed else status_map
 
 
 def grade_log(task: Task, parser_name: str, log: str, canaries: Canaries | None = None, *,
